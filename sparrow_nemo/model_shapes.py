@@ -44,8 +44,16 @@ class Qwen3Shape:
     eos_token_id: int = 151_645
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
-                     "head_dim", "intermediate_size", "vocab_size", "max_position_embeddings"):
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "intermediate_size",
+            "vocab_size",
+            "max_position_embeddings",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"Qwen3Shape.{name} must be positive, got {getattr(self, name)}")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -110,14 +118,30 @@ PRESETS: dict[str, Qwen3Shape] = {
     "qwen3-8b": _qwen3(36, 4096, 32, 12288, tied=False),
     "qwen3-14b": _qwen3(40, 5120, 40, 17408, tied=False),
     "tiny": Qwen3Shape(
-        num_layers=4, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        intermediate_size=384, vocab_size=128, tie_word_embeddings=False,
-        rope_theta=10_000.0, max_position_embeddings=4096, eos_token_id=2,
+        num_layers=4,
+        hidden_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=384,
+        vocab_size=128,
+        tie_word_embeddings=False,
+        rope_theta=10_000.0,
+        max_position_embeddings=4096,
+        eos_token_id=2,
     ),
     "tiny-test": Qwen3Shape(
-        num_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        intermediate_size=128, vocab_size=96, tie_word_embeddings=False,
-        rope_theta=10_000.0, max_position_embeddings=1024, eos_token_id=2,
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        vocab_size=96,
+        tie_word_embeddings=False,
+        rope_theta=10_000.0,
+        max_position_embeddings=1024,
+        eos_token_id=2,
     ),
 }
 
