@@ -1,0 +1,25 @@
+"""The Sparrow method, framework-free torch: page selection and sparse decode attention,
+per-token mismatch (acceptance rate) and its tail by bin, the budget schedule, its calibration,
+and the decode cost model. No megatron, transformers or triton imports here."""
+
+from sparrow_nemo.sparse.attention import (
+    decode_attention,
+    page_centroids,
+    select_pages,
+    selected_page_count,
+    selected_token_mask,
+    sparse_decode_attention,
+)
+from sparrow_nemo.sparse.schedule import DENSE_BUDGET, PAPER_SCHEDULES, BudgetSchedule
+
+__all__ = [
+    "DENSE_BUDGET",
+    "PAPER_SCHEDULES",
+    "BudgetSchedule",
+    "decode_attention",
+    "page_centroids",
+    "select_pages",
+    "selected_page_count",
+    "selected_token_mask",
+    "sparse_decode_attention",
+]
