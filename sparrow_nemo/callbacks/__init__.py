@@ -1,0 +1,30 @@
+"""Training callbacks with NeMo/Lightning-style hooks, built from the recipe's ``callbacks:`` list.
+
+- :mod:`.base`: the hook protocol (:class:`Callback`, :class:`CallbackList`), what callbacks see
+  (:class:`StepReport`, :class:`TrainerLike`) and :func:`instantiate_callbacks`.
+- :mod:`.tail_scheduler`: :class:`TailMismatchScheduler`, which keeps the per-bin acceptance-rate tail at
+  the threshold by moving the sparsity schedule's budgets, with a collapse guard.
+- :mod:`.calibration`: :func:`run_calibration`, the offline calibration pass (also used by ``sparrow calibrate``).
+"""
+
+from sparrow_nemo.callbacks.base import (
+    HOOKS,
+    Callback,
+    CallbackConfigError,
+    CallbackList,
+    StepReport,
+    TrainerLike,
+    instantiate_callbacks,
+)
+from sparrow_nemo.callbacks.tail_scheduler import TailMismatchScheduler
+
+__all__ = [
+    "HOOKS",
+    "Callback",
+    "CallbackConfigError",
+    "CallbackList",
+    "StepReport",
+    "TailMismatchScheduler",
+    "TrainerLike",
+    "instantiate_callbacks",
+]

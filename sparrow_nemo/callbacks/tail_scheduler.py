@@ -1,0 +1,368 @@
+"""TailMismatchScheduler: keep the per-bin tail of the acceptance rate at the threshold during training.
+
+Per step (in ``on_train_batch_end``, once the step's rollouts are scored dense), for every bin of cached
+length with at least ``min_bin_tokens`` tokens, the tail statistic (p5) and its confidence bounds come from
+:mod:`sparrow_nemo.callbacks.tail_stats`. Then, in this order:
+
+1. collapse guard: when the mean response length or the mean reward fell by more than ``collapse_drop``
+   (a fraction) below its best over the previous ``collapse_window`` steps AND some bin is below the
+   threshold, install the dense schedule for the rest of the run and log ``collapse guard: ...``;
+2. ``mode`` ``raise`` / ``raise_and_lower``: each bin below the threshold (``ucb < threshold``) moves up one
+   rung of the budget ladder (later bins are lifted to stay monotone);
+3. ``mode`` ``raise_and_lower``: a bin whose lower bound stayed above ``threshold + lower_margin`` for
+   ``patience`` consecutive steps moves down one rung (never below the previous bin's budget).
+
+The ladder is the sorted candidate budgets (tokens) followed by "dense" for that bin. The new schedule is
+assigned to ``trainer.schedule``, so the next rollout uses it. Optionally, before training
+(``calibrate=True``), a calibration pass (:func:`sparrow_nemo.callbacks.calibration.run_calibration`) picks
+the starting schedule. State (schedule, counters, guard window, history) round-trips through checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import deque
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from sparrow_nemo.callbacks.base import Callback, StepReport, TrainerLike
+from sparrow_nemo.callbacks.schedule_edit import bin_budget, lower_bin, raise_bin
+from sparrow_nemo.callbacks.tail_stats import BinTail, bin_tails
+from sparrow_nemo.sparse.schedule import DENSE_BUDGET, PAPER_SCHEDULES, RESERVED_PAGES, BudgetSchedule
+
+logger = logging.getLogger(__name__)
+
+Mode = Literal["off", "raise", "raise_and_lower"]
+MODES: tuple[str, ...] = ("off", "raise", "raise_and_lower")
+
+#: Every budget (tokens, 16-token pages incl. the 3 reserved ones) used by the paper's published schedules:
+#: the default candidate ladder at the paper's scale (METHOD.md).
+PAPER_CANDIDATE_BUDGETS: tuple[int, ...] = tuple(
+    sorted({(k + RESERVED_PAGES) * 16 for values in PAPER_SCHEDULES.values() for k in values})
+)
+
+#: Subfolder of the run directory for this callback's files.
+OUTPUT_SUBDIR = "sparsity"
+_STATE_VERSION = 1
+
+
+@runtime_checkable
+class CalibratingTrainer(TrainerLike, Protocol):
+    """What ``calibrate=True`` needs besides :class:`TrainerLike`.
+
+    Attributes:
+        rollout_engine: a RolloutEngine (``generate(prompts, sampling, schedule)`` and ``score(...)``).
+        sampling: the sampling parameters the engine takes.
+        calibration_prompts: prompt token ids, one list per calibration sample (repeat a prompt for
+            several samples of it).
+    """
+
+    rollout_engine: Any
+    sampling: Any
+    calibration_prompts: Sequence[Sequence[int]]
+
+
+class TailMismatchScheduler(Callback):
+    """Adapts the sparsity schedule so every bin's acceptance-rate tail stays at or above ``threshold``.
+
+    Args:
+        threshold: required tail of the acceptance rate per bin (paper: 0.86).
+        quantile: tail level (0.05 = p5).
+        mode: ``off`` (monitor and guard only), ``raise``, or ``raise_and_lower``.
+        candidates: budget ladder in tokens (multiples of the page size); default: every budget in the
+            paper's schedules (512 ... 18432). Above the largest, a bin goes dense.
+        bin_tokens: bin width (tokens of cached length); default: the schedule's own.
+        noise_z: standard errors of the binomial confidence interval of the quantile (tail_stats).
+        min_bin_tokens: a bin with fewer tokens in a step gets no decision.
+        lower_margin: a bin lowers only when its lower confidence bound exceeds threshold + lower_margin ...
+        patience: ... for this many consecutive steps.
+        collapse_guard: enable the switch to dense on collapse.
+        collapse_window: steps over which the running best reward / response length is taken.
+        collapse_drop: relative drop (fraction of the running best) that counts as collapsing.
+        collapse_min_steps: steps of history needed before the guard can fire.
+        calibrate: run the calibration pass in ``on_train_start`` (not on resume).
+        write_files: write ``<run_dir>/sparsity/{tail_history.jsonl,schedule.yaml}``.
+    """
+
+    def __init__(
+        self,
+        threshold: float = 0.86,
+        quantile: float = 0.05,
+        mode: Mode = "raise",
+        candidates: Sequence[int] | None = None,
+        bin_tokens: int | None = None,
+        noise_z: float = 2.0,
+        min_bin_tokens: int = 200,
+        lower_margin: float = 0.04,
+        patience: int = 3,
+        collapse_guard: bool = True,
+        collapse_window: int = 10,
+        collapse_drop: float = 0.3,
+        collapse_min_steps: int = 3,
+        calibrate: bool = False,
+        write_files: bool = True,
+    ) -> None:
+        checks = {
+            "threshold": 0.0 < threshold < 1.0,
+            "quantile": 0.0 < quantile < 1.0,
+            "noise_z": noise_z >= 0.0,
+            "min_bin_tokens": min_bin_tokens >= 1,
+            "lower_margin": lower_margin >= 0.0,
+            "patience": patience >= 1,
+            "collapse_window": collapse_window >= 1,
+            "collapse_drop": 0.0 < collapse_drop < 1.0,
+            "collapse_min_steps": 1 <= collapse_min_steps <= collapse_window,
+        }
+        for name, ok in checks.items():
+            if not ok:
+                raise ValueError(f"TailMismatchScheduler: invalid {name}={locals()[name]!r}")
+        if mode not in MODES:
+            raise ValueError(f"TailMismatchScheduler: mode={mode!r}, expected one of {', '.join(MODES)}")
+        ladder = sorted({int(c) for c in (PAPER_CANDIDATE_BUDGETS if candidates is None else candidates)})
+        if not ladder or ladder[0] <= 0:
+            raise ValueError(
+                f"TailMismatchScheduler: candidates must be positive token budgets, got {candidates!r}"
+            )
+        if bin_tokens is not None and bin_tokens <= 0:
+            raise ValueError(f"TailMismatchScheduler: bin_tokens must be positive, got {bin_tokens}")
+        self.threshold = threshold
+        self.quantile = quantile
+        self.mode = mode
+        self.candidates = ladder
+        self.bin_tokens = bin_tokens
+        self.noise_z = noise_z
+        self.min_bin_tokens = min_bin_tokens
+        self.lower_margin = lower_margin
+        self.patience = patience
+        self.collapse_guard = collapse_guard
+        self.collapse_drop = collapse_drop
+        self.collapse_min_steps = collapse_min_steps
+        self.calibrate = calibrate
+        self.write_files = write_files
+        self.collapsed = False
+        self.history: list[dict[str, Any]] = []
+        self._above_streak: dict[int, int] = {}
+        self._recent: deque[tuple[float, float]] = deque(maxlen=collapse_window)
+        self._restored = False
+
+    # ----- names ---------------------------------------------------------------------------
+    @property
+    def stat_name(self) -> str:
+        """Metric name of the tail statistic, e.g. ``p5`` for quantile 0.05."""
+        return f"p{100 * self.quantile:g}"
+
+    @property
+    def ladder(self) -> list[int]:
+        """Candidate budgets (tokens), ascending, then dense."""
+        return [*self.candidates, DENSE_BUDGET]
+
+    # ----- hooks ---------------------------------------------------------------------------
+    def on_train_start(self, trainer: TrainerLike) -> None:
+        if self.calibrate and not self._restored:
+            self._run_calibration(trainer)
+        schedule = trainer.schedule
+        if self.bin_tokens is None:
+            self.bin_tokens = schedule.bin_tokens
+        bad = [c for c in self.candidates if c % schedule.page_size]
+        if bad:
+            raise ValueError(
+                f"TailMismatchScheduler: candidates {bad} are not multiples of the schedule's page_size "
+                f"{schedule.page_size}"
+            )
+        self._write_schedule(trainer)
+
+    def on_train_batch_end(
+        self, trainer: TrainerLike, report: StepReport, metrics: Mapping[str, float]
+    ) -> None:
+        if self.bin_tokens is None:
+            raise RuntimeError("TailMismatchScheduler: on_train_start must run before the first step")
+        tails = bin_tails(report.alpha, report.cached_len, self.bin_tokens, self.quantile, self.noise_z)
+        decided = [t for t in tails if t.tokens >= self.min_bin_tokens]
+        below = [t.bin for t in decided if t.ucb < self.threshold]
+        actions: list[dict[str, Any]] = []
+        guard_fired = False
+        if self.collapse_guard and not self.collapsed and below:
+            reason = self._collapse_reason(report)
+            if reason:
+                guard_fired = True
+                self._go_dense(trainer, report, below, reason, actions)
+        if not self.collapsed and self.mode != "off":
+            self._adapt(trainer, decided, below, actions)
+        self._recent.append((report.reward_mean, report.response_length_mean))
+        self._record(trainer, report, tails, actions, guard_fired)
+        if actions:
+            self._write_schedule(trainer)
+
+    def on_save_checkpoint(self, trainer: TrainerLike) -> dict[str, Any]:
+        return {
+            "version": _STATE_VERSION,
+            "schedule": trainer.schedule.to_dict(),
+            "bin_tokens": self.bin_tokens,
+            "collapsed": self.collapsed,
+            "above_streak": {str(b): n for b, n in self._above_streak.items()},
+            "recent": [list(pair) for pair in self._recent],
+            "history": self.history,
+        }
+
+    def on_load_checkpoint(self, trainer: TrainerLike, state: Mapping[str, Any]) -> None:
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError(
+                f"TailMismatchScheduler checkpoint state: version {state.get('version')!r}, expected {_STATE_VERSION}"
+            )
+        trainer.schedule = BudgetSchedule.from_dict(state["schedule"])
+        self.bin_tokens = state["bin_tokens"]
+        self.collapsed = bool(state["collapsed"])
+        self._above_streak = {int(b): int(n) for b, n in state["above_streak"].items()}
+        self._recent = deque(((float(r), float(n)) for r, n in state["recent"]), maxlen=self._recent.maxlen)
+        self.history = list(state["history"])
+        self._restored = True
+
+    # ----- decisions -----------------------------------------------------------------------
+    def _collapse_reason(self, report: StepReport) -> str:
+        """Why the run looks collapsing (empty when it does not), from the running best of the window."""
+        if len(self._recent) < self.collapse_min_steps:
+            return ""
+        best_reward = max(r for r, _ in self._recent)
+        best_length = max(n for _, n in self._recent)
+        reasons = []
+        if best_length > 0 and report.response_length_mean < (1 - self.collapse_drop) * best_length:
+            reasons.append(
+                f"response length {report.response_length_mean:.1f} < {1 - self.collapse_drop:.2f} x best "
+                f"{best_length:.1f}"
+            )
+        if best_reward > 0 and report.reward_mean < (1 - self.collapse_drop) * best_reward:
+            reasons.append(
+                f"reward {report.reward_mean:.4f} < {1 - self.collapse_drop:.2f} x best {best_reward:.4f}"
+            )
+        return "; ".join(reasons)
+
+    def _go_dense(
+        self,
+        trainer: TrainerLike,
+        report: StepReport,
+        below: list[int],
+        reason: str,
+        actions: list[dict[str, Any]],
+    ) -> None:
+        old = trainer.schedule
+        trainer.schedule = BudgetSchedule.dense(bin_tokens=old.bin_tokens, page_size=old.page_size)
+        self.collapsed = True
+        actions.append({"bin": None, "action": "dense", "from": old.to_dict()["budgets"], "to": "dense"})
+        logger.warning(
+            "collapse guard: step %d: %s, with the %s of bins %s below threshold %.3f; "
+            "switching to the dense schedule for the rest of the run",
+            report.step,
+            reason,
+            self.stat_name,
+            below,
+            self.threshold,
+        )
+
+    def _adapt(
+        self, trainer: TrainerLike, decided: list[BinTail], below: list[int], actions: list[dict[str, Any]]
+    ) -> None:
+        schedule = trainer.schedule
+        for b in below:
+            self._above_streak[b] = 0
+            raised = raise_bin(schedule, b, self.ladder)
+            if raised is None:
+                actions.append({"bin": b, "action": "at_top", "from": bin_budget(schedule, b), "to": None})
+                continue
+            actions.append(
+                {"bin": b, "action": "raise", "from": bin_budget(schedule, b), "to": bin_budget(raised, b)}
+            )
+            schedule = raised
+        if self.mode == "raise_and_lower":
+            well_above = {t.bin for t in decided if t.lcb > self.threshold + self.lower_margin}
+            for b in sorted(set(self._above_streak) | well_above):
+                self._above_streak[b] = self._above_streak.get(b, 0) + 1 if b in well_above else 0
+                if self._above_streak[b] >= self.patience:
+                    lowered = lower_bin(schedule, b, self.ladder)
+                    if lowered is not None:
+                        actions.append(
+                            {
+                                "bin": b,
+                                "action": "lower",
+                                "from": bin_budget(schedule, b),
+                                "to": bin_budget(lowered, b),
+                            }
+                        )
+                        schedule = lowered
+                    self._above_streak[b] = 0
+            self._above_streak = {b: n for b, n in self._above_streak.items() if n}
+        trainer.schedule = schedule
+
+    # ----- outputs -------------------------------------------------------------------------
+    def _record(
+        self,
+        trainer: TrainerLike,
+        report: StepReport,
+        tails: list[BinTail],
+        actions: list[dict[str, Any]],
+        guard_fired: bool,
+    ) -> None:
+        schedule = trainer.schedule
+        entry = {
+            "step": report.step,
+            "bins": [t.to_dict() for t in tails],
+            "actions": actions,
+            "reward_mean": report.reward_mean,
+            "response_length_mean": report.response_length_mean,
+            "schedule": schedule.to_dict()["budgets"],
+        }
+        self.history.append(entry)
+        metrics: dict[str, float] = {}
+        for t in tails:
+            metrics[f"acceptance/{self.stat_name}/bin_{t.bin}"] = t.value
+            metrics[f"acceptance/tokens/bin_{t.bin}"] = float(t.tokens)
+        last_bin = max([len(schedule.budgets) - 1, *(t.bin for t in tails)])
+        for b in range(last_bin + 1):
+            metrics[f"sparsity/budget/bin_{b}"] = float(bin_budget(schedule, b))
+        metrics["sparsity/raised_bins"] = float(sum(a["action"] == "raise" for a in actions))
+        metrics["sparsity/lowered_bins"] = float(sum(a["action"] == "lower" for a in actions))
+        metrics["sparsity/below_bins"] = float(
+            sum(t.tokens >= self.min_bin_tokens and t.ucb < self.threshold for t in tails)
+        )
+        metrics["sparsity/dense"] = float(schedule.is_dense)
+        metrics["sparsity/collapse_guard"] = float(guard_fired)
+        trainer.log(metrics)
+        if self.write_files:
+            out = self._out_dir(trainer)
+            with (out / "tail_history.jsonl").open("a") as f:
+                f.write(json.dumps(entry) + "\n")
+
+    def _out_dir(self, trainer: TrainerLike) -> Path:
+        out = Path(trainer.run_dir) / OUTPUT_SUBDIR
+        out.mkdir(parents=True, exist_ok=True)
+        return out
+
+    def _write_schedule(self, trainer: TrainerLike) -> None:
+        if self.write_files:
+            trainer.schedule.to_yaml(self._out_dir(trainer) / "schedule.yaml")
+
+    def _run_calibration(self, trainer: TrainerLike) -> None:
+        from sparrow_nemo.callbacks.calibration import run_calibration
+
+        missing = [
+            name
+            for name in ("rollout_engine", "sampling", "calibration_prompts")
+            if not hasattr(trainer, name)
+        ]
+        if missing:
+            raise TypeError(f"TailMismatchScheduler(calibrate=True): the trainer lacks {', '.join(missing)}")
+        schedule = trainer.schedule
+        result = run_calibration(
+            engine=trainer.rollout_engine,
+            prompts=trainer.calibration_prompts,
+            candidates=self.candidates,
+            sampling=trainer.sampling,
+            bin_tokens=self.bin_tokens or schedule.bin_tokens,
+            threshold=self.threshold,
+            quantile=self.quantile,
+            page_size=schedule.page_size,
+            run_dir=self._out_dir(trainer) / "calibration",
+        )
+        trainer.schedule = result.schedule
+        logger.info("calibration installed schedule %s", result.schedule.to_dict()["budgets"])
