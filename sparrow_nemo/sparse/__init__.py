@@ -10,16 +10,28 @@ from sparrow_nemo.sparse.attention import (
     selected_token_mask,
     sparse_decode_attention,
 )
+from sparrow_nemo.sparse.mismatch import (
+    acceptance_rate,
+    acceptance_rate_topk,
+    binned_quantiles,
+    summarize,
+    tail_by_bin,
+)
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET, PAPER_SCHEDULES, BudgetSchedule
 
 __all__ = [
     "DENSE_BUDGET",
     "PAPER_SCHEDULES",
     "BudgetSchedule",
+    "acceptance_rate",
+    "acceptance_rate_topk",
+    "binned_quantiles",
     "decode_attention",
     "page_centroids",
     "select_pages",
     "selected_page_count",
     "selected_token_mask",
     "sparse_decode_attention",
+    "summarize",
+    "tail_by_bin",
 ]
