@@ -1,0 +1,170 @@
+"""The synthetic verifiable task: follow a chain of pointers through a table given early in the prompt.
+
+The prompt holds a table of ``num_nodes`` entries in random order, ``k:d>n`` = node ``k`` (one letter) has
+digit ``d`` and points to node ``n`` (``.`` = end of its chain), then the start node::
+
+    T:q:4>.,a:3>x,x:5>q,b:7>.\\nQ:a\\n
+
+The reference solution walks the chain, copying each visited entry and a running digit sum mod 10, and
+ends with the answer = last node + final sum::
+
+    a:3>x=3 x:5>q=8 q:4>.=2\\nA:q2
+
+Why it suits sparse rollout: no node is visited twice, so each step's digit and successor (2 of its 8
+characters) can only be read from the table in the prompt, far back, while the other characters are local
+copies or a local sum. Dropping the right page hurts those few tokens badly while most stay easy (the skewed
+per-token mismatch of the paper), and the completion length (8 characters per hop) varies with the number
+of hops, from a few dozen to several hundred tokens. The nodes not on the queried chain form other chains
+that also end in ``.``, so the end of the chain cannot be found without walking it.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import string
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+NODE_NAMES = string.ascii_letters
+END = "."
+_ANSWER_RE = re.compile(r"A:(\S*)")
+_ENTRY_RE = re.compile(r"([A-Za-z]):(\d)>([A-Za-z.])")
+
+
+@dataclass(frozen=True)
+class ChainProblem:
+    """One problem. ``prompt`` and ``trace`` are plain text (the tokenizer adds bos; the trace is followed by
+    eos); ``answer`` is what :func:`parse_answer` must return for the completion to earn reward 1."""
+
+    prompt: str
+    trace: str
+    answer: str
+    num_nodes: int
+    num_hops: int
+
+
+@dataclass(frozen=True)
+class ChainTaskConfig:
+    """Difficulty knobs; each problem draws its sizes uniformly from the inclusive ranges.
+
+    Attributes:
+        num_nodes: (min, max) table entries, 2..52. Prompt length = 6 * num_nodes + 6 characters.
+        num_hops: (min, max) pointer hops on the queried chain, clamped to num_nodes - 1 (no node repeats).
+            Trace length = 8 * (num_hops + 1) + 4 characters.
+        seed: problems are a pure function of (seed, index).
+    """
+
+    num_nodes: tuple[int, int] = (8, 40)
+    num_hops: tuple[int, int] = (2, 32)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        lo, hi = self.num_nodes
+        if not (2 <= lo <= hi <= len(NODE_NAMES)):
+            raise ValueError(
+                f"ChainTaskConfig.num_nodes must satisfy 2 <= min <= max <= 52, got {self.num_nodes}"
+            )
+        lo, hi = self.num_hops
+        if not (1 <= lo <= hi):
+            raise ValueError(f"ChainTaskConfig.num_hops must satisfy 1 <= min <= max, got {self.num_hops}")
+        if self.num_hops[0] > self.num_nodes[1] - 1:
+            raise ValueError(
+                f"ChainTaskConfig.num_hops min {self.num_hops[0]} needs more than num_nodes max {self.num_nodes[1]}"
+            )
+
+
+def make_problem(rng: random.Random, num_nodes: int, num_hops: int) -> ChainProblem:
+    """A problem with ``num_nodes`` table entries whose queried chain has ``num_hops`` hops (<= num_nodes - 1)."""
+    if not (1 <= num_hops <= num_nodes - 1 and num_nodes <= len(NODE_NAMES)):
+        raise ValueError(
+            f"need 1 <= num_hops <= num_nodes - 1 <= 51, got num_nodes={num_nodes}, num_hops={num_hops}"
+        )
+    names = rng.sample(NODE_NAMES, num_nodes)
+    digit = {k: rng.randrange(10) for k in names}
+    succ: dict[str, str] = {}
+    path, rest = names[: num_hops + 1], names[num_hops + 1 :]
+    _link(path, succ)
+    while rest:  # the other nodes form chains of random lengths, each ending in END
+        cut = rng.randint(1, len(rest))
+        _link(rest[:cut], succ)
+        rest = rest[cut:]
+    order = names[:]
+    rng.shuffle(order)
+    prompt = "T:" + ",".join(f"{k}:{digit[k]}>{succ[k]}" for k in order) + f"\nQ:{path[0]}\n"
+    steps, total = [], 0
+    for k in path:
+        total = (total + digit[k]) % 10
+        steps.append(f"{k}:{digit[k]}>{succ[k]}={total}")
+    answer = f"{path[-1]}{total}"
+    trace = " ".join(steps) + f"\nA:{answer}"
+    return ChainProblem(prompt=prompt, trace=trace, answer=answer, num_nodes=num_nodes, num_hops=num_hops)
+
+
+def _link(chain: list[str], succ: dict[str, str]) -> None:
+    """Point each node of ``chain`` to the next one and the last one to END."""
+    for k, nxt in zip(chain, [*chain[1:], END]):
+        succ[k] = nxt
+
+
+def solve(prompt: str) -> str:
+    """Answer of a prompt, computed from its text alone (an independent check of the generator).
+
+    Raises ValueError when the prompt is not a well-formed chain problem (no table, unknown start, a cycle).
+    """
+    table_line, _, query = prompt.partition("\nQ:")
+    if not table_line.startswith("T:") or not query.strip():
+        raise ValueError(f"not a chain prompt: {prompt[:40]!r}...")
+    table = {k: (int(d), n) for k, d, n in _ENTRY_RE.findall(table_line)}
+    node, total, seen = query.strip(), 0, set()
+    while True:
+        if node not in table or node in seen:
+            raise ValueError(f"chain prompt: node {node!r} is missing from the table or repeats")
+        seen.add(node)
+        d, nxt = table[node]
+        total = (total + d) % 10
+        if nxt == END:
+            return f"{node}{total}"
+        node = nxt
+
+
+def parse_answer(completion: str) -> str | None:
+    """The text after the last ``A:`` up to whitespace, or None when there is no ``A:``."""
+    found = _ANSWER_RE.findall(completion)
+    return found[-1] if found else None
+
+
+def chain_reward(completion: str, answer: str) -> float:
+    """1.0 when the completion's final answer equals ``answer`` exactly, else 0.0 (any text is accepted)."""
+    return 1.0 if parse_answer(completion) == answer else 0.0
+
+
+class ChainTask:
+    """A seeded, indexable stream of chain problems."""
+
+    def __init__(self, config: ChainTaskConfig | None = None) -> None:
+        self.config = config or ChainTaskConfig()
+
+    def problem(self, index: int) -> ChainProblem:
+        """Problem number ``index`` (deterministic in (config.seed, index))."""
+        rng = random.Random(f"chain:{self.config.seed}:{index}")
+        num_nodes = rng.randint(*self.config.num_nodes)
+        num_hops = rng.randint(self.config.num_hops[0], min(self.config.num_hops[1], num_nodes - 1))
+        return make_problem(rng, num_nodes, num_hops)
+
+    def problems(self, count: int, start: int = 0) -> list[ChainProblem]:
+        """Problems ``start .. start + count - 1``."""
+        return [self.problem(i) for i in range(start, start + count)]
+
+    def warm_start_pairs(self, start: int = 0) -> Iterator[tuple[str, str]]:
+        """Endless (prompt, reference trace) pairs for supervised warm-start, from index ``start`` on."""
+        index = start
+        while True:
+            p = self.problem(index)
+            yield p.prompt, p.trace
+            index += 1
+
+    @staticmethod
+    def reward(completion: str, answer: str) -> float:
+        """See :func:`chain_reward`."""
+        return chain_reward(completion, answer)

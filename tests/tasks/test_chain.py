@@ -1,0 +1,118 @@
+"""The chain task: generator vs an independent solver, lengths, long-range reads, reward robustness."""
+
+from __future__ import annotations
+
+import random
+import re
+import statistics
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sparrow_nemo.tasks.chain import (
+    ChainTask,
+    ChainTaskConfig,
+    chain_reward,
+    make_problem,
+    parse_answer,
+    solve,
+)
+from sparrow_nemo.tasks.tokenizer import CharTokenizer
+
+TASK = ChainTask(ChainTaskConfig(seed=3))
+PROBLEMS = TASK.problems(300)
+
+
+def test_generator_answers_match_an_independent_solver() -> None:
+    for p in PROBLEMS:
+        assert solve(p.prompt) == p.answer
+        assert chain_reward(p.trace, p.answer) == 1.0
+
+
+def test_trace_replays_the_chain() -> None:
+    """Every trace step copies a table entry and carries the running sum mod 10; no node repeats."""
+    for p in PROBLEMS[:50]:
+        table = dict(re.findall(r"([A-Za-z]):(\d>[A-Za-z.])", p.prompt))
+        steps = p.trace.split("\n")[0].split(" ")
+        assert len(steps) == p.num_hops + 1
+        total, nodes = 0, []
+        for step in steps:
+            node, rest = step.split(":")
+            entry, running = rest.split("=")
+            assert table[node] == entry
+            total = (total + int(entry[0])) % 10
+            assert int(running) == total
+            nodes.append(node)
+        assert len(set(nodes)) == len(nodes)
+        assert steps[-1].split("=")[0].endswith(">.")
+
+
+def test_deterministic_and_seeded() -> None:
+    again = ChainTask(ChainTaskConfig(seed=3)).problems(20)
+    assert again == PROBLEMS[:20]
+    other = ChainTask(ChainTaskConfig(seed=4)).problems(20)
+    assert sum(a.prompt != b.prompt for a, b in zip(other, again)) >= 19
+
+
+def test_sizes_follow_the_knobs() -> None:
+    cfg = TASK.config
+    for p in PROBLEMS:
+        assert cfg.num_nodes[0] <= p.num_nodes <= cfg.num_nodes[1]
+        assert cfg.num_hops[0] <= p.num_hops <= min(cfg.num_hops[1], p.num_nodes - 1)
+        assert len(p.prompt) == 6 * p.num_nodes + 6
+        assert len(p.trace) == 8 * (p.num_hops + 1) + 4
+    totals = [len(p.prompt) + len(p.trace) for p in PROBLEMS]
+    assert min(totals) < 150 and max(totals) > 450  # varied lengths, several times a 64-token budget
+
+
+def test_lookups_reach_far_back() -> None:
+    """Each step's digit and successor exist only in the prompt table: measure how far back they are."""
+    tok = CharTokenizer()
+    distances = []
+    for p in PROBLEMS:
+        text = p.prompt + p.trace
+        assert len(tok.encode(text)) == len(text)  # one token per character
+        for m in re.finditer(r"([A-Za-z]):(\d)>", p.trace):
+            read_at = len(p.prompt) + m.start(2)  # position of the looked-up digit
+            entry_at = p.prompt.index(f"{m.group(1)}:{m.group(2)}>") + 2
+            assert text[:read_at].count(f"{m.group(1)}:{m.group(2)}>") == 1  # only the table holds it
+            distances.append(read_at - entry_at)
+    assert min(distances) >= 6
+    assert statistics.median(distances) > 128  # beyond 8 pages of 16 tokens for half the look-ups
+
+
+def test_warm_start_pairs() -> None:
+    pairs = TASK.warm_start_pairs(start=5)
+    for i in range(5, 10):
+        assert next(pairs) == (PROBLEMS[i].prompt, PROBLEMS[i].trace)
+
+
+def test_reward_parsing() -> None:
+    p = PROBLEMS[0]
+    wrong_digit = p.answer[0] + str((int(p.answer[1]) + 1) % 10)
+    assert chain_reward(p.trace.replace(f"A:{p.answer}", f"A:{wrong_digit}"), p.answer) == 0.0
+    assert chain_reward(f"A:zz junk A:{p.answer} trailing", p.answer) == 1.0  # the last A: counts
+    assert chain_reward(f"A:{p.answer}9", p.answer) == 0.0
+    assert chain_reward("", p.answer) == 0.0
+    assert parse_answer("no answer here") is None
+    assert parse_answer("A:") == ""
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text())
+def test_reward_is_total_on_garbage(text: str) -> None:
+    assert chain_reward(text, "a1") in (0.0, 1.0)
+
+
+def test_make_problem_extremes_and_errors() -> None:
+    p = make_problem(random.Random(0), num_nodes=52, num_hops=51)
+    assert solve(p.prompt) == p.answer and p.trace.count(":") == 53
+    with pytest.raises(ValueError, match="num_hops"):
+        make_problem(random.Random(0), num_nodes=5, num_hops=5)
+    with pytest.raises(ValueError, match="num_nodes"):
+        ChainTaskConfig(num_nodes=(1, 60))
+    with pytest.raises(ValueError, match="num_hops"):
+        ChainTaskConfig(num_nodes=(4, 6), num_hops=(7, 9))
+    with pytest.raises(ValueError, match="not a chain prompt"):
+        solve("hello")
