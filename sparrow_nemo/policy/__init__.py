@@ -1,0 +1,1 @@
+"""The megatron-core Qwen3 policy: parallel layout, model, HF import/export, logprobs, train step, checkpoints."""

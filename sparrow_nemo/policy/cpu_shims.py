@@ -1,0 +1,95 @@
+"""The only place where megatron-core is adapted to run without a GPU.
+
+megatron-core 0.16 assumes CUDA in a few spots that the CPU path of this project reaches:
+
+- ``megatron.core.utils.GlobalMemoryBuffer.get_tensor`` allocates its scratch buffers on
+  ``torch.cuda.current_device()`` (used by the local ``DotProductAttention``). On CPU it returns a
+  fresh ``torch.empty`` of the requested shape and dtype (the buffer is only an allocation cache).
+- ``RotaryEmbedding.get_emb`` moves ``inv_freq`` to ``torch.cuda.current_device()`` on the first
+  forward. On CPU the same rotary table is built where ``inv_freq`` already lives.
+- ``LanguageModule.setup_embeddings_and_output_layer`` (tied embeddings with pp > 1) moves the
+  last stage's copy of the embedding to CUDA before the first/last-stage all-reduce that makes the
+  two copies equal. On CPU the same all-reduce runs on the CPU tensor.
+- The CUDA RNG tracker: ``model_parallel_cuda_manual_seed`` is called with
+  ``inference_rng_tracker=True`` on CPU (see :func:`seed_model_parallel`), whose ``fork()`` does not
+  touch CUDA RNG state. Dropout is 0 in every Qwen3 config, so no random stream is lost.
+
+What is *not* shimmed, because it cannot be adapted cleanly (the plain torch equivalents live in
+:mod:`sparrow_nemo.policy.train_step`): megatron's pipeline schedules (``torch.zeros(..., device="cuda")``
+and CUDA p2p buffers), ``DistributedDataParallel`` (CUDA grad buffers) and the megatron optimizer
+(CUDA ``found_inf`` / grad-norm tensors).
+
+:func:`apply_cpu_shims` is a no-op when CUDA is available, so the GPU path is megatron-core's own.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_APPLIED = False
+
+
+def _cpu_get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None) -> torch.Tensor:
+    """``GlobalMemoryBuffer.get_tensor`` on CPU: an uncached ``torch.empty(shape, dtype)``."""
+    return torch.empty(tuple(tensor_shape), dtype=dtype)
+
+
+def _cpu_get_emb(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
+    """``RotaryEmbedding.get_emb`` without the move to CUDA: [max_seq_len, 1, 1, rotary_dim] float32."""
+    freqs = self.get_freqs_non_repeated(max_seq_len, offset)
+    if self.rotary_interleaved:
+        emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], -1)
+    else:
+        emb = torch.cat((freqs, freqs), dim=-1)
+    return emb[:, None, None, :]
+
+
+def _wrap_setup_embeddings(original):
+    """``setup_embeddings_and_output_layer`` whose first/last-stage weight sync stays on CPU."""
+
+    def setup(self) -> None:
+        sync = torch.distributed.is_initialized() and self._is_in_embd_group()
+        self._is_in_embd_group = lambda: False  # skip the original's ``.cuda()`` + all-reduce
+        try:
+            original(self)
+        finally:
+            del self._is_in_embd_group
+        if sync and self.share_embeddings_and_output_weights and self.config.pipeline_model_parallel_size > 1:
+            torch.distributed.all_reduce(self.shared_embedding_or_output_weight().data, group=self.embd_group)
+
+    return setup
+
+
+def apply_cpu_shims() -> bool:
+    """Patch megatron-core's CUDA-only helpers for CPU. Idempotent.
+
+    Returns:
+        True when the shims are (now) active, False when CUDA is available and nothing was changed.
+    """
+    global _APPLIED
+    if torch.cuda.is_available():
+        return False
+    if _APPLIED:
+        return True
+    import megatron.core.utils as mcore_utils
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    mcore_utils.GlobalMemoryBuffer.get_tensor = _cpu_get_tensor
+    RotaryEmbedding.get_emb = _cpu_get_emb
+    LanguageModule.setup_embeddings_and_output_layer = _wrap_setup_embeddings(
+        LanguageModule.setup_embeddings_and_output_layer
+    )
+    _APPLIED = True
+    return True
+
+
+def seed_model_parallel(seed: int) -> None:
+    """Seed torch and megatron's model-parallel RNG tracker (CPU: the CUDA-free tracker)."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        model_parallel_cuda_manual_seed(seed)
+    else:
+        model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True, force_reset_rng=True)

@@ -1,0 +1,213 @@
+"""Optimizer, gradient synchronisation and clipping for the megatron policy.
+
+What runs where:
+
+- GPU: megatron-core's ``DistributedDataParallel`` (contiguous grad buffers, overlapped DP
+  reduce-scatter/all-reduce) and ``get_megatron_optimizer`` (Adam, distributed optimizer when
+  ``OptimizerSettings.distributed`` and dp > 1), whose ``step()`` clips by the global grad norm.
+  Gradient finalisation is megatron's ``finalize_model_grads``.
+- CPU (no GPU): both allocate on CUDA, so :class:`TorchPolicyOptimizer` uses ``torch.optim.AdamW``
+  (same param groups: no weight decay on 1-D norm weights, as megatron) and does by hand what
+  megatron's ``finalize_model_grads`` + ``clip_grad_norm`` do:
+  1. mean of every gradient over the data-parallel group (all-reduce sum / dp);
+  2. sum of the q/k RMSNorm gradients over the tensor-parallel group (one weight shared by all
+     heads, while each rank holds a slice of the heads); the other replicated weights (input and
+     pre-MLP norms, final norm) already receive identical full gradients on every TP rank;
+  3. sum of the tied embedding / output gradients over the embedding group (first + last stage)
+     when pp > 1 and the embeddings are tied;
+  4. global L2 norm over the model-parallel group, counting TP-replicated and PP-shared weights once,
+     then scaling every gradient by ``min(1, clip / (norm + 1e-6))``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """Adam(W) settings.
+
+    Attributes:
+        lr: learning rate.
+        betas: Adam beta1, beta2.
+        eps: Adam epsilon.
+        weight_decay: decoupled weight decay (not applied to 1-D weights: the norms).
+        grad_clip: clip the global gradient L2 norm to this; 0 disables clipping.
+        distributed: use megatron's distributed optimizer on GPU (optimizer state sharded over DP).
+    """
+
+    lr: float = 1e-6
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    distributed: bool = True
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"OptimizerSettings.lr must be > 0, got {self.lr}")
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"OptimizerSettings.betas must lie in [0, 1), got {self.betas}")
+        if self.weight_decay < 0 or self.grad_clip < 0:
+            raise ValueError("OptimizerSettings.weight_decay and grad_clip must be >= 0")
+
+
+def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() > 1]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() <= 1]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def sync_grads_cpu(model: torch.nn.Module, tie_embeddings: bool) -> None:
+    """Steps 1-3 of the module docstring, in place on ``param.grad``."""
+    from megatron.core import parallel_state as ps
+
+    dp_group, dp = ps.get_data_parallel_group(), ps.get_data_parallel_world_size()
+    tp_group, tp = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size()
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        if dp > 1:
+            dist.all_reduce(p.grad, group=dp_group)
+            p.grad.div_(dp)
+        if tp > 1 and ("q_layernorm" in name or "k_layernorm" in name):
+            dist.all_reduce(p.grad, group=tp_group)
+    if tie_embeddings and ps.get_pipeline_model_parallel_world_size() > 1 and ps.is_rank_in_embedding_group():
+        inner = model.module if hasattr(model, "module") else model
+        weight = inner.shared_embedding_or_output_weight()
+        if weight.grad is not None:
+            dist.all_reduce(weight.grad, group=ps.get_embedding_group())
+
+
+def clip_grads_cpu(model: torch.nn.Module, max_norm: float) -> float:
+    """Step 4 of the module docstring. Returns the global grad norm before clipping."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+    from megatron.core.transformer.module import param_is_not_shared
+
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    counted = [
+        p.grad
+        for p in model.parameters()
+        if p.grad is not None and param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)
+    ]
+    sq = torch.zeros((), dtype=torch.float64)
+    for g in counted:
+        sq += g.double().pow(2).sum()
+    if ps.get_model_parallel_group() is not None and dist.get_world_size(ps.get_model_parallel_group()) > 1:
+        dist.all_reduce(sq, group=ps.get_model_parallel_group())
+    norm = float(sq.sqrt())
+    if max_norm > 0 and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for g in grads:
+            g.mul_(scale)
+    return norm
+
+
+class TorchPolicyOptimizer:
+    """CPU optimizer: ``torch.optim.AdamW`` with megatron-equivalent grad sync and clipping."""
+
+    def __init__(self, model: torch.nn.Module, settings: OptimizerSettings, tie_embeddings: bool) -> None:
+        self.model = model
+        self.settings = settings
+        self.tie_embeddings = tie_embeddings
+        self.optimizer = torch.optim.AdamW(
+            _param_groups(model, settings.weight_decay),
+            lr=settings.lr,
+            betas=settings.betas,
+            eps=settings.eps,
+        )
+
+    def zero_grad(self) -> None:
+        """Drop accumulated gradients."""
+        self.model.zero_grad(set_to_none=True)
+
+    def step(self) -> float:
+        """Sync, clip and apply the accumulated gradients. Returns the pre-clip global grad norm."""
+        sync_grads_cpu(self.model, self.tie_embeddings)
+        norm = clip_grads_cpu(self.model, self.settings.grad_clip)
+        self.optimizer.step()
+        return norm
+
+    def state_dict(self) -> dict:
+        """This rank's optimizer state (its parameter shard's Adam moments)."""
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`."""
+        self.optimizer.load_state_dict(state)
+
+
+class MegatronPolicyOptimizer:
+    """GPU optimizer: megatron DDP-wrapped model + ``get_megatron_optimizer``."""
+
+    def __init__(self, ddp_model: torch.nn.Module, settings: OptimizerSettings, dtype: torch.dtype) -> None:
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        self.model = ddp_model
+        config = OptimizerConfig(
+            optimizer="adam",
+            lr=settings.lr,
+            weight_decay=settings.weight_decay,
+            adam_beta1=settings.betas[0],
+            adam_beta2=settings.betas[1],
+            adam_eps=settings.eps,
+            clip_grad=settings.grad_clip,
+            bf16=dtype == torch.bfloat16,
+            fp16=dtype == torch.float16,
+            params_dtype=dtype,
+            use_distributed_optimizer=settings.distributed,
+        )
+        self.optimizer = get_megatron_optimizer(config, [ddp_model])
+
+    def zero_grad(self) -> None:
+        """Zero megatron's grad buffers."""
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def step(self) -> float:
+        """Apply the (already finalized by the schedule) gradients. Returns the grad norm."""
+        _, grad_norm, _ = self.optimizer.step()
+        return float(grad_norm) if grad_norm is not None else float("nan")
+
+    def state_dict(self) -> dict:
+        """Optimizer state for :mod:`sparrow_nemo.policy.checkpoint`."""
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`."""
+        self.optimizer.load_state_dict(state)
+
+
+def wrap_for_training(
+    model: torch.nn.Module,
+    settings: OptimizerSettings,
+    tie_embeddings: bool,
+    dtype: torch.dtype = torch.float32,
+):
+    """``(model_to_train, optimizer)``: megatron DDP + optimizer on GPU, the model itself + AdamW on CPU."""
+    if not torch.cuda.is_available():
+        return model, TorchPolicyOptimizer(model, settings, tie_embeddings)
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+
+    config = model.config
+    ddp = DistributedDataParallel(
+        config,
+        DistributedDataParallelConfig(
+            use_distributed_optimizer=settings.distributed, grad_reduce_in_fp32=True
+        ),
+        model,
+    )
+    optimizer = MegatronPolicyOptimizer(ddp, settings, dtype)
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = ddp.no_sync
+    config.grad_scale_func = optimizer.optimizer.scale_loss
+    return ddp, optimizer
