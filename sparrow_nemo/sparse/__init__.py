@@ -10,6 +10,7 @@ from sparrow_nemo.sparse.attention import (
     selected_token_mask,
     sparse_decode_attention,
 )
+from sparrow_nemo.sparse.calibrate import CalibrationResult, calibrate_schedule
 from sparrow_nemo.sparse.mismatch import (
     acceptance_rate,
     acceptance_rate_topk,
@@ -23,9 +24,11 @@ __all__ = [
     "DENSE_BUDGET",
     "PAPER_SCHEDULES",
     "BudgetSchedule",
+    "CalibrationResult",
     "acceptance_rate",
     "acceptance_rate_topk",
     "binned_quantiles",
+    "calibrate_schedule",
     "decode_attention",
     "page_centroids",
     "select_pages",
