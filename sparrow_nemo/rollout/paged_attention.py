@@ -1,0 +1,211 @@
+"""Attention for the reference engine: dense causal prefill, and decode over the paged KV cache.
+
+Decode has two implementations with the same semantics (sparrow_nemo.sparse.attention):
+- ``torch``: page selection by the method layer on the cache's incrementally maintained centroids,
+  a gather of the selected pages per (sequence, KV head), and the method layer's masked decode attention;
+- ``triton``: the fused kernels of ``sparrow_kernels`` (select + attend in one call).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from sparrow_nemo.rollout.paged_cache import PagedKVCache
+from sparrow_nemo.sparse.attention import decode_attention, select_pages
+
+log = logging.getLogger(__name__)
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor
+) -> torch.Tensor:
+    """Dense causal self-attention over a right-padded batch (prefill and teacher-forced scoring).
+
+    Args:
+        q: [B, T, Hq, D]; k, v: [B, T, Hkv, D] (GQA: Hq a multiple of Hkv); lengths: [B] valid tokens.
+
+    Returns:
+        [B, T, Hq, D] in q.dtype, scale 1/sqrt(D). Rows at padded positions are finite but meaningless.
+    """
+    t, hq = q.shape[1], q.shape[2]
+    group = hq // k.shape[2]
+    pos = torch.arange(t, device=q.device)
+    mask = (pos[None, :] <= pos[:, None])[None] & (pos[None, None, :] < lengths.to(q.device)[:, None, None])
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2).repeat_interleave(group, dim=1),
+        v.transpose(1, 2).repeat_interleave(group, dim=1),
+        attn_mask=mask[:, None],
+    )
+    return out.transpose(1, 2)
+
+
+def all_pages(seq_len: torch.Tensor, num_kv_heads: int, page_size: int) -> torch.Tensor:
+    """Every page of every sequence: [B, Hkv, n_max] int64 logical indices, -1 padded."""
+    n_pages = (seq_len.to(torch.int64) + page_size - 1) // page_size
+    idx = torch.arange(int(n_pages.max()), device=seq_len.device)[None, :]
+    idx = torch.where(idx < n_pages[:, None], idx, -1)
+    return idx[:, None, :].expand(-1, num_kv_heads, -1)
+
+
+def select_pages_paged(
+    q: torch.Tensor,
+    centroids: torch.Tensor,
+    seq_len: torch.Tensor,
+    budget_tokens: torch.Tensor,
+    page_size: int,
+    sink_pages: int,
+    local_pages: int,
+) -> torch.Tensor:
+    """The method layer's page selection, scored against stored centroids instead of raw keys.
+
+    Each centroid is handed to :func:`sparrow_nemo.sparse.attention.select_pages` as a one-token
+    page (page_size 1), whose mean is the centroid itself, so the rule (sink, local, top-k by
+    GQA-mean query, ties to the lower index, keep-all when the budget covers the sequence) is the
+    method layer's own code, applied to the incrementally maintained centroids of the paged cache.
+
+    Args:
+        q: [B, Hq, D]; centroids: [B, Hkv, n_pages_max, D] float32 (zero past each sequence);
+        seq_len: [B] tokens; budget_tokens: [B] tokens.
+
+    Returns:
+        [B, Hkv, n] int64 logical page indices, ascending, -1 padded.
+    """
+    n_pages = (seq_len.to(torch.int64) + page_size - 1) // page_size
+    return select_pages(
+        q,
+        centroids,
+        n_pages,
+        budget_tokens.to(torch.int64) // page_size,
+        page_size=1,
+        sink_pages=sink_pages,
+        local_pages=local_pages,
+    )
+
+
+def decode_attention_torch(
+    q: torch.Tensor,
+    cache: PagedKVCache,
+    layer: int,
+    block_table: torch.Tensor,
+    seq_len: torch.Tensor,
+    budget_tokens: torch.Tensor | None,
+    sink_pages: int = 1,
+    local_pages: int = 2,
+) -> torch.Tensor:
+    """One decode step of attention over the paged cache (the current token already appended).
+
+    Args:
+        q: [B, Hq, D]; block_table: [B, max_pages] int32; seq_len: [B] tokens incl. the current one;
+        budget_tokens: [B] tokens for the sparse rule, or None for dense (all pages).
+
+    Returns:
+        [B, Hq, D] in q.dtype (softmax in fp32, scale 1/sqrt(D)).
+    """
+    ps, hkv = cache.page_size, cache.k_pages[layer].shape[1]
+    if budget_tokens is None:
+        page_idx = all_pages(seq_len, hkv, ps)
+    else:
+        cent = cache.gather_centroids(layer, block_table, seq_len)
+        page_idx = select_pages_paged(q, cent, seq_len, budget_tokens, ps, sink_pages, local_pages)
+    k, v, positions = cache.gather(layer, block_table, page_idx)
+    mask = (positions >= 0) & (positions < seq_len[:, None, None])
+    return decode_attention(q, k, v, mask)
+
+
+class KernelDecode:
+    """The fused ``sparrow_kernels`` path: append with centroid update, and select + attend."""
+
+    def __init__(self) -> None:
+        import sparrow_kernels
+
+        self._k = sparrow_kernels
+
+    def append(
+        self,
+        cache: PagedKVCache,
+        layer: int,
+        block_table: torch.Tensor,
+        positions: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+    ) -> None:
+        """Kernel version of :meth:`PagedKVCache.append`."""
+        self._k.append_kv(
+            cache.k_pages[layer],
+            cache.v_pages[layer],
+            cache.centroids[layer],
+            block_table,
+            positions.to(torch.int32),
+            k_new.to(cache.k_pages[layer].dtype),
+            v_new.to(cache.v_pages[layer].dtype),
+        )
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        cache: PagedKVCache,
+        layer: int,
+        block_table: torch.Tensor,
+        seq_len: torch.Tensor,
+        budget_tokens: torch.Tensor,
+        sink_pages: int,
+        local_pages: int,
+    ) -> torch.Tensor:
+        """Kernel version of :func:`decode_attention_torch` (dense = a budget covering everything)."""
+        return self._k.sparse_decode_attention_paged(
+            q,
+            cache.k_pages[layer],
+            cache.v_pages[layer],
+            cache.centroids[layer],
+            block_table,
+            seq_len.to(torch.int32),
+            budget_tokens.to(torch.int32),
+            page_size=cache.page_size,
+            sink_pages=sink_pages,
+            local_pages=local_pages,
+        )
+
+
+_LOGGED: set[tuple[str, str]] = set()
+
+
+def _kernels_ready(device: torch.device) -> tuple[bool, str]:
+    """Whether sparrow_kernels can run on ``device``, and why not."""
+    try:
+        import sparrow_kernels
+    except ImportError as exc:
+        return False, f"sparrow_kernels is not importable ({exc})"
+    available = getattr(sparrow_kernels, "available", None)
+    if available is None:
+        return False, "sparrow_kernels has no available() (kernels not installed)"
+    if not available(device):
+        return False, f"sparrow_kernels.available({device}) is False"
+    return True, "fused kernels"
+
+
+def choose_backend(requested: str, device: torch.device) -> str:
+    """Resolve ``"auto" | "torch" | "triton"`` for ``device`` and log the choice once per process.
+
+    ``auto`` takes the fused kernels on CUDA when ``sparrow_kernels.available(device)``, else torch.
+    ``triton`` insists on the kernels (raises when unavailable; on CPU it needs TRITON_INTERPRET=1).
+    """
+    if requested not in ("auto", "torch", "triton"):
+        raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got '{requested}'")
+    if requested == "torch":
+        chosen, why = "torch", "requested"
+    elif requested == "auto" and device.type != "cuda":
+        chosen, why = "torch", f"no fused decode on {device.type}"
+    else:
+        ok, why = _kernels_ready(device)
+        if not ok and requested == "triton":
+            raise RuntimeError(f"attention_backend='triton' but the kernels cannot run on {device}: {why}")
+        chosen = "triton" if ok else "torch"
+    key = (str(device), chosen)
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        log.info("rollout decode attention on %s: %s (%s)", device, chosen, why)
+    return chosen

@@ -1,0 +1,174 @@
+"""Paged KV cache shared by the reference engine and the fused kernels (layout of shared_api.md).
+
+Per decoder layer, preallocated pools:
+    k_pages, v_pages: [num_pages, Hkv, page_size, D] in the model dtype,
+    centroids:        [num_pages, Hkv, D] float32, mean of the keys stored so far in each page.
+A sequence owns a row of a block table ``[B, max_pages_per_seq]`` int32 (logical page -> physical
+page, -1 where nothing is allocated yet); token t lives in page ``block_table[b, t // page_size]`` at
+slot ``t % page_size``. Keys are stored after q/k RMSNorm and rotary embedding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class PagedKVCache:
+    """Page pools for every layer plus a free list of physical pages (shared by all layers)."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int = 16,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        if num_pages <= 0 or page_size <= 0:
+            raise ValueError(
+                f"PagedKVCache: num_pages and page_size must be > 0, got {num_pages}, {page_size}"
+            )
+        self.page_size = page_size
+        self.num_pages = num_pages
+        shape = (num_pages, num_kv_heads, page_size, head_dim)
+        self.k_pages = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_pages = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.centroids = [
+            torch.zeros(num_pages, num_kv_heads, head_dim, dtype=torch.float32, device=device)
+            for _ in range(num_layers)
+        ]
+        self._free = list(range(num_pages - 1, -1, -1))  # stack: pops 0, 1, 2, ... first
+
+    @property
+    def num_free(self) -> int:
+        """Physical pages not owned by any sequence."""
+        return len(self._free)
+
+    # ----------------------------------------------------------------- page ownership
+    def reserve(self, block_table: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Give every row of ``block_table`` enough pages for ``lengths [B]`` tokens (in place).
+
+        Rows keep the pages they have; new pages are taken from the free list in row order.
+        Raises RuntimeError when the pool runs out.
+        """
+        have = (block_table >= 0).sum(dim=1)
+        need = (lengths.to(have.device) + self.page_size - 1) // self.page_size
+        if need.numel() and int(need.max()) > block_table.shape[1]:
+            raise ValueError(
+                f"PagedKVCache.reserve: {int(need.max())} pages needed but the block table has "
+                f"{block_table.shape[1]} columns"
+            )
+        cols = torch.arange(block_table.shape[1], device=block_table.device)[None, :]
+        new = (cols >= have[:, None]) & (cols < need[:, None])
+        count = int(new.sum())
+        if count == 0:
+            return
+        if count > len(self._free):
+            raise RuntimeError(f"PagedKVCache: out of pages ({count} needed, {len(self._free)} free)")
+        pages = [self._free.pop() for _ in range(count)]
+        block_table[new] = torch.tensor(pages, dtype=block_table.dtype, device=block_table.device)
+
+    def release(self, block_table: torch.Tensor) -> None:
+        """Return every page owned by the rows of ``block_table`` to the free list."""
+        pages = block_table[block_table >= 0].tolist()
+        self._free.extend(reversed(pages))
+
+    # ----------------------------------------------------------------- writes
+    def write_prefill(
+        self, layer: int, block_table: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor
+    ) -> None:
+        """Store a right-padded prompt batch: ``k, v [B, T, Hkv, D]``, ``lengths [B]`` valid tokens.
+
+        Pages must already be reserved. Centroids are set to the mean of each page's valid keys.
+        """
+        batch, t, hkv, d = k.shape
+        ps = self.page_size
+        n_pages = math.ceil(t / ps)
+        pos = torch.arange(n_pages * ps, device=k.device)
+        valid = pos[None, :] < lengths.to(k.device)[:, None]  # [B, n_pages * ps]
+        pad = n_pages * ps - t
+        k_pad = torch.nn.functional.pad(k, (0, 0, 0, 0, 0, pad)) * valid[:, :, None, None]
+        v_pad = torch.nn.functional.pad(v, (0, 0, 0, 0, 0, pad)) * valid[:, :, None, None]
+        k_pg = k_pad.view(batch, n_pages, ps, hkv, d).transpose(2, 3)  # [B, n_pages, Hkv, ps, D]
+        v_pg = v_pad.view(batch, n_pages, ps, hkv, d).transpose(2, 3)
+        counts = valid.view(batch, n_pages, ps).sum(-1)  # [B, n_pages]
+        used = counts > 0
+        phys = block_table[:, :n_pages][used].long()
+        stored = k_pg[used].to(self.k_pages[layer].dtype)  # [N, Hkv, ps, D]
+        self.k_pages[layer][phys] = stored
+        self.v_pages[layer][phys] = v_pg[used].to(self.v_pages[layer].dtype)
+        sums = stored.float().sum(dim=2)  # [N, Hkv, D]: centroids average the keys as stored
+        self.centroids[layer][phys] = sums / counts[used][:, None, None]
+
+    def append(
+        self,
+        layer: int,
+        block_table: torch.Tensor,
+        positions: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+    ) -> None:
+        """Store one token per sequence at ``positions [B]`` (its index = the old length).
+
+        ``k_new, v_new``: [B, Hkv, D]. The page's centroid is updated incrementally,
+        ``c <- c + (k - c) / (n + 1)`` with n = keys already in the page (fp32).
+        """
+        rows = torch.arange(positions.shape[0], device=positions.device)
+        page = block_table[rows, positions // self.page_size].long()
+        slot = positions % self.page_size
+        self.k_pages[layer][page, :, slot] = k_new.to(self.k_pages[layer].dtype)
+        self.v_pages[layer][page, :, slot] = v_new.to(self.v_pages[layer].dtype)
+        c = self.centroids[layer][page]  # [B, Hkv, D]
+        stored = self.k_pages[layer][page, :, slot].float()
+        self.centroids[layer][page] = c + (stored - c) / (slot + 1).to(torch.float32)[:, None, None]
+
+    # ----------------------------------------------------------------- reads
+    def gather_centroids(self, layer: int, block_table: torch.Tensor, seq_len: torch.Tensor) -> torch.Tensor:
+        """Centroids of each sequence's pages: [B, Hkv, n_pages_max, D] fp32, zero past ``seq_len``.
+
+        n_pages_max = ceil(max(seq_len) / page_size).
+        """
+        n_pages = math.ceil(int(seq_len.max()) / self.page_size)
+        table = block_table[:, :n_pages].long()
+        cent = self.centroids[layer][table.clamp(min=0)]  # [B, n_pages, Hkv, D]
+        live = torch.arange(n_pages, device=table.device)[None, :] * self.page_size < seq_len[:, None]
+        return (cent * live[:, :, None, None]).transpose(1, 2)
+
+    def gather(
+        self, layer: int, block_table: torch.Tensor, page_idx: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Keys and values of selected pages, one page list per (sequence, KV head).
+
+        Args:
+            page_idx: [B, Hkv, n] int64 logical page indices, -1 = padding.
+
+        Returns:
+            k, v: [B, Hkv, n * page_size, D] in the cache dtype (padding pages read physical page
+            of logical page 0 and must be masked); positions: [B, Hkv, n * page_size] int64 token
+            index of every gathered slot, negative for padding.
+        """
+        batch, hkv, n = page_idx.shape
+        logical = page_idx.clamp(min=0).reshape(batch, hkv * n)
+        phys = torch.gather(block_table.long(), 1, logical).view(batch, hkv, n)
+        head = torch.arange(hkv, device=page_idx.device)[None, :, None]
+        ps = self.page_size
+        k = self.k_pages[layer][phys, head].flatten(2, 3)  # [B, Hkv, n * ps, D]
+        v = self.v_pages[layer][phys, head].flatten(2, 3)
+        slots = torch.arange(ps, device=page_idx.device)
+        positions = torch.where(page_idx[..., None] >= 0, page_idx[..., None] * ps + slots, -1)
+        return k, v, positions.flatten(2)
+
+    def contiguous(
+        self, layer: int, block_table: torch.Tensor, seq_len: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cache of ``layer`` as contiguous ``[B, Hkv, L, D]`` keys and values (L = max seq_len)."""
+        n_pages = math.ceil(int(seq_len.max()) / self.page_size)
+        hkv = self.k_pages[layer].shape[1]
+        every = torch.arange(n_pages, device=block_table.device).expand(block_table.shape[0], hkv, n_pages)
+        k, v, _ = self.gather(layer, block_table, every)
+        length = int(seq_len.max())
+        return k[:, :, :length], v[:, :, :length]

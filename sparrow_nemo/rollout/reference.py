@@ -1,0 +1,421 @@
+"""The reference rollout engine: plain-torch Qwen3 with a paged KV cache and Sparrow sparse decode.
+
+- Prefill is dense (causal attention over the prompt); its keys/values go to the paged cache and
+  each page's centroid is the mean of its keys.
+- Decode appends one token per live sequence (centroid updated incrementally), then every layer
+  from ``dense_layers`` on attends only to the pages chosen by the method layer's rule (1 sink page,
+  2 local pages, top-k by GQA-averaged query) within the budget the schedule gives for that
+  sequence's current cached length. The first ``dense_layers`` layers stay dense.
+- Finished sequences leave the batch: the live set is compacted (index_select) and their pages freed.
+- On CUDA the fused ``sparrow_kernels`` decode is used when available (see ``choose_backend``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from sparrow_nemo.model_shapes import Qwen3Shape
+from sparrow_nemo.rollout.engine import RolloutBatch, RolloutSample, SamplingParams, ScoredSequence
+from sparrow_nemo.rollout.lora import LoraAdapter
+from sparrow_nemo.rollout.paged_attention import (
+    KernelDecode,
+    causal_attention,
+    choose_backend,
+    decode_attention_torch,
+)
+from sparrow_nemo.rollout.paged_cache import PagedKVCache
+from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder, linear_in_out
+from sparrow_nemo.rollout.sampling import (
+    draw_uniforms,
+    make_generators,
+    sample_seed,
+    sample_tokens,
+    token_logprobs,
+)
+from sparrow_nemo.sparse.schedule import DENSE_BUDGET, BudgetSchedule
+
+
+class Detokenizer(Protocol):
+    """What stop strings need from a tokenizer."""
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class ReferenceRolloutEngine:
+    """:class:`~sparrow_nemo.rollout.engine.RolloutEngine` in plain torch (CPU or one GPU).
+
+    Args:
+        model: the decoder (its device and dtype are the engine's).
+        dense_layers: leading layers that always attend densely (paper: 2).
+        page_size, sink_pages, local_pages: the sparse rule's constants (paper: 16, 1, 2).
+        attention_backend: "auto" (fused kernels on CUDA when available), "torch" or "triton".
+        tokenizer: anything with ``decode(list[int]) -> str``; needed only for stop strings.
+    """
+
+    def __init__(
+        self,
+        model: Qwen3Decoder,
+        *,
+        dense_layers: int = 2,
+        page_size: int = 16,
+        sink_pages: int = 1,
+        local_pages: int = 2,
+        attention_backend: str = "auto",
+        tokenizer: Detokenizer | None = None,
+    ) -> None:
+        if not 0 <= dense_layers <= model.shape.num_layers:
+            raise ValueError(f"dense_layers must be in [0, {model.shape.num_layers}], got {dense_layers}")
+        if page_size <= 0 or sink_pages < 0 or local_pages < 0:
+            raise ValueError(
+                f"page_size must be > 0 and sink_pages/local_pages >= 0, got {page_size}, {sink_pages}, {local_pages}"
+            )
+        self.model = model
+        self.dense_layers = dense_layers
+        self.page_size = page_size
+        self.sink_pages = sink_pages
+        self.local_pages = local_pages
+        self.tokenizer = tokenizer
+        self.device = model.device
+        self.backend = choose_backend(attention_backend, self.device)
+        self._kernels = KernelDecode() if self.backend == "triton" else None
+        self._cache: PagedKVCache | None = None
+        self._cache_pages = 0
+        self._asleep = False
+
+    # ----------------------------------------------------------------- construction
+    @classmethod
+    def from_hf_dir(
+        cls,
+        path: str | Path,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        **kwargs,
+    ) -> ReferenceRolloutEngine:
+        """Engine over an HF Qwen3 checkpoint directory (config.json + safetensors)."""
+        return cls(Qwen3Decoder.from_hf_dir(path, dtype=dtype, device=device), **kwargs)
+
+    @classmethod
+    def from_shape(
+        cls,
+        shape: Qwen3Shape,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        **kwargs,
+    ) -> ReferenceRolloutEngine:
+        """Engine over random weights of ``shape`` (tests, benchmarks)."""
+        return cls(Qwen3Decoder.random(shape, seed=seed, dtype=dtype, device=device), **kwargs)
+
+    @property
+    def shape(self) -> Qwen3Shape:
+        return self.model.shape
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes currently allocated for the KV cache (0 while asleep)."""
+        if self._cache is None:
+            return 0
+        tensors = self._cache.k_pages + self._cache.v_pages + self._cache.centroids
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    # ----------------------------------------------------------------- RolloutEngine API
+    def update_weights(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Copy HF-named weights into the decoder in place (a subset is fine)."""
+        self.model.load_state(state)
+
+    def set_lora(self, adapter: LoraAdapter | None) -> None:
+        """Apply ``adapter`` in generation (base weights untouched); None restores the base model."""
+        if adapter is not None:
+            adapter.validate(linear_in_out(self.shape))
+            adapter = adapter.to(device=self.model.device, dtype=self.model.dtype)
+        self.model.lora = adapter
+
+    def sleep(self) -> None:
+        """Free the KV cache; on CUDA also move the weights to CPU and empty the allocator cache."""
+        self._cache = None
+        if self.device.type == "cuda":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+        self._asleep = True
+
+    def wake(self) -> None:
+        """Undo :meth:`sleep`: weights back on the device and the KV cache reallocated."""
+        if not self._asleep:
+            return
+        if self.device.type == "cuda":
+            self.model.to(self.device)
+        self._asleep = False
+        if self._cache_pages:
+            self._ensure_cache(self._cache_pages)
+
+    @torch.no_grad()
+    def score(self, sequences: Sequence[Sequence[int]], topk: int = 20) -> list[ScoredSequence]:
+        """Dense teacher-forced scores of each sequence, without the LoRA adapter (the dense policy)."""
+        self._check_awake()
+        ids, lengths = self._pad([self._as_ids(s, i, "sequence") for i, s in enumerate(sequences)])
+        adapter, self.model.lora = self.model.lora, None
+        try:
+            h = self._dense_forward(ids, lengths, block_table=None)
+        finally:
+            self.model.lora = adapter
+        out = []
+        for b, n in enumerate(lengths.tolist()):
+            logits = self.model.logits(h[b, : n - 1])
+            lp, top_ids, top_lp = token_logprobs(logits, ids[b, 1:n], topk)
+            out.append(ScoredSequence(logprobs=lp.cpu(), top_ids=top_ids.cpu(), top_logprobs=top_lp.cpu()))
+        return out
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingParams,
+        schedule: BudgetSchedule,
+        *,
+        sample_seeds: Sequence[int] | None = None,
+    ) -> RolloutBatch:
+        """Sample one response per prompt; see :class:`~sparrow_nemo.rollout.engine.RolloutSample`.
+
+        ``sample_seeds`` overrides the per-sample seeds (default ``sample_seed(sampling.seed, i)``), so a
+        prompt run alone can reproduce its draws from inside a larger batch.
+        """
+        self._check_awake()
+        if schedule.page_size != self.page_size:
+            raise ValueError(
+                f"schedule '{schedule.name}' uses page_size={schedule.page_size} but the engine pages are "
+                f"{self.page_size} tokens"
+            )
+        if sampling.stop_strings and self.tokenizer is None:
+            raise ValueError(
+                "SamplingParams.stop_strings needs an engine tokenizer (ReferenceRolloutEngine(tokenizer=...))"
+            )
+        prompt_ids = [self._as_ids(p, i, "prompt") for i, p in enumerate(prompts)]
+        batch = len(prompt_ids)
+        if batch == 0:
+            return RolloutBatch(samples=[], schedule_name=schedule.name, prefill_s=0.0, decode_s=0.0)
+        seeds = (
+            list(sample_seeds)
+            if sample_seeds is not None
+            else [sample_seed(sampling.seed, i) for i in range(batch)]
+        )
+        if len(seeds) != batch:
+            raise ValueError(f"sample_seeds has {len(seeds)} entries for {batch} prompts")
+        max_pos = self.shape.max_position_embeddings
+        for i, p in enumerate(prompt_ids):
+            if p.numel() >= max_pos:
+                raise ValueError(f"prompt {i} has {p.numel()} tokens; the model allows {max_pos} positions")
+        max_new = [min(sampling.max_new_tokens, max_pos - p.numel()) for p in prompt_ids]
+        stop_ids = (
+            {self.shape.eos_token_id} if sampling.stop_token_ids is None else set(sampling.stop_token_ids)
+        )
+
+        ps = self.page_size
+        final_len = [p.numel() + m for p, m in zip(prompt_ids, max_new)]
+        cache = self._ensure_cache(sum(math.ceil(n / ps) for n in final_len))
+        block_table = torch.full(
+            (batch, math.ceil(max(final_len) / ps)), -1, dtype=torch.int32, device=self.device
+        )
+        ids, seq_len = self._pad(prompt_ids)
+        gens = make_generators(seeds)
+        rec = _Recorder(batch)
+        t0 = self._now()
+        cache.reserve(block_table, seq_len)
+        h = self._dense_forward(ids, seq_len, block_table)
+        logits = self.model.logits(h[torch.arange(batch, device=self.device), seq_len - 1])
+        active = torch.arange(batch, device=self.device)
+        tokens = self._sample_and_record(rec, logits, sampling, gens, active, seq_len, None)
+        t1 = self._now()
+
+        finished: dict[int, tuple[str, int | str | None]] = {}
+        responses: list[list[int]] = [[] for _ in range(batch)]
+        while True:
+            keep = []
+            for row, (s, t) in enumerate(zip(active.tolist(), tokens.tolist())):
+                responses[s].append(t)
+                done = self._finish_reason(responses[s], t, stop_ids, sampling.stop_strings, max_new[s])
+                if done is None:
+                    keep.append(row)
+                else:
+                    finished[s] = done
+            if len(keep) < active.numel():
+                rows = torch.tensor(keep, dtype=torch.int64, device=self.device)
+                gone = torch.ones(active.numel(), dtype=torch.bool, device=self.device)
+                gone[rows] = False
+                cache.release(block_table[gone])
+                active, tokens, seq_len = active[rows], tokens[rows], seq_len[rows]
+                block_table = block_table.index_select(0, rows)
+                gens = [gens[r] for r in keep]
+            if not keep:
+                break
+            seq_len = seq_len + 1  # the last sampled token enters the cache now
+            cache.reserve(block_table, seq_len)
+            budgets = None if schedule.is_dense else schedule.budgets_for(seq_len)
+            logits = self._decode_step(cache, block_table, tokens, seq_len, budgets)
+            tokens = self._sample_and_record(rec, logits, sampling, gens, active, seq_len, budgets)
+        t2 = self._now()
+
+        samples = []
+        for s, fields in enumerate(rec.per_sample()):
+            reason, stop = finished[s]
+            samples.append(
+                RolloutSample(prompt_ids=prompt_ids[s].cpu(), **fields, finish_reason=reason, stop=stop)
+            )
+        return RolloutBatch(samples=samples, schedule_name=schedule.name, prefill_s=t1 - t0, decode_s=t2 - t1)
+
+    # ----------------------------------------------------------------- internals
+    def _check_awake(self) -> None:
+        if self._asleep:
+            raise RuntimeError("the rollout engine is asleep: call wake() before generate() or score()")
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def _ensure_cache(self, pages: int) -> PagedKVCache:
+        """The KV cache, (re)allocated when it has fewer than ``pages`` pages."""
+        if self._cache is None or self._cache.num_pages < pages:
+            self._cache = None  # free the old pools before allocating the new ones
+            s = self.shape
+            self._cache = PagedKVCache(
+                s.num_layers,
+                pages,
+                s.num_key_value_heads,
+                s.head_dim,
+                self.page_size,
+                dtype=self.model.dtype,
+                device=self.device,
+            )
+            self._cache_pages = pages
+        return self._cache
+
+    def _as_ids(self, ids: Sequence[int] | torch.Tensor, index: int, what: str) -> torch.Tensor:
+        """Validate one token list -> 1-D int64 tensor on the engine device."""
+        t = torch.as_tensor(ids, dtype=torch.int64)
+        if t.dim() != 1 or t.numel() == 0:
+            raise ValueError(
+                f"{what} {index} must be a non-empty 1-D list of token ids, got shape {tuple(t.shape)}"
+            )
+        if int(t.min()) < 0 or int(t.max()) >= self.shape.vocab_size:
+            raise ValueError(
+                f"{what} {index} has token ids in [{int(t.min())}, {int(t.max())}], outside the vocabulary "
+                f"[0, {self.shape.vocab_size})"
+            )
+        return t.to(self.device)
+
+    def _pad(self, seqs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Right-pad with token 0: ([B, T] int64, lengths [B] int64)."""
+        lengths = torch.tensor([s.numel() for s in seqs], dtype=torch.int64, device=self.device)
+        ids = torch.zeros(len(seqs), int(lengths.max()), dtype=torch.int64, device=self.device)
+        for b, s in enumerate(seqs):
+            ids[b, : s.numel()] = s
+        return ids, lengths
+
+    def _dense_forward(
+        self, ids: torch.Tensor, lengths: torch.Tensor, block_table: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Causal forward of a right-padded batch ``ids [B, T]`` -> final hidden states [B, T, hidden].
+
+        With a block table, each layer's keys/values are written to the KV cache (prefill).
+        """
+        positions = torch.arange(ids.shape[1], device=self.device)[None, :].expand_as(ids)
+        h = self.model.embed(ids)
+        for layer in range(self.shape.num_layers):
+            q, k, v = self.model.attention_inputs(layer, h, positions)
+            if block_table is not None:
+                self._cache.write_prefill(layer, block_table, k, v, lengths)
+            h = self.model.attention_output(layer, h, causal_attention(q, k, v, lengths))
+        return h
+
+    def _decode_step(
+        self,
+        cache: PagedKVCache,
+        block_table: torch.Tensor,
+        tokens: torch.Tensor,
+        seq_len: torch.Tensor,
+        budgets: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Run the new tokens ``[B]`` (at index seq_len - 1) through all layers -> logits [B, V] fp32."""
+        positions = seq_len - 1
+        h = self.model.embed(tokens)
+        for layer in range(self.shape.num_layers):
+            q, k, v = self.model.attention_inputs(layer, h[:, None], positions[:, None])
+            q, k, v = q[:, 0], k[:, 0], v[:, 0]
+            layer_budget = budgets if layer >= self.dense_layers else None
+            if self._kernels is not None:
+                self._kernels.append(cache, layer, block_table, positions, k, v)
+                if layer_budget is None:
+                    layer_budget = torch.full_like(seq_len, DENSE_BUDGET)
+                attn = self._kernels.attend(
+                    q, cache, layer, block_table, seq_len, layer_budget, self.sink_pages, self.local_pages
+                )
+            else:
+                cache.append(layer, block_table, positions, k, v)
+                attn = decode_attention_torch(
+                    q, cache, layer, block_table, seq_len, layer_budget, self.sink_pages, self.local_pages
+                )
+            h = self.model.attention_output(layer, h, attn)
+        return self.model.logits(h)
+
+    def _sample_and_record(
+        self,
+        rec: _Recorder,
+        logits: torch.Tensor,
+        sampling: SamplingParams,
+        gens: list[torch.Generator],
+        active: torch.Tensor,
+        cached_len: torch.Tensor,
+        budgets: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Sample the next tokens of the live rows and record their logprobs -> tokens [B_live]."""
+        uniforms = (
+            draw_uniforms(gens) if sampling.temperature > 0 else torch.zeros(len(gens), dtype=torch.float64)
+        )
+        tokens = sample_tokens(logits, sampling, uniforms)
+        lp, top_ids, top_lp = token_logprobs(logits, tokens, sampling.logprobs_topk)
+        budget = torch.full_like(cached_len, DENSE_BUDGET) if budgets is None else budgets
+        rec.add(active, tokens, lp, top_ids, top_lp, cached_len, budget)
+        return tokens
+
+    def _finish_reason(
+        self, response: list[int], token: int, stop_ids: set[int], stop_strings: tuple[str, ...], max_new: int
+    ) -> tuple[str, int | str | None] | None:
+        """Why a response ends after ``token`` (stop token > stop string > length), or None."""
+        if token in stop_ids:
+            return "stop_token", token
+        if stop_strings:
+            text = self.tokenizer.decode(response)
+            for s in stop_strings:
+                if s in text:
+                    return "stop_string", s
+        if len(response) >= max_new:
+            return "length", None
+        return None
+
+
+class _Recorder:
+    """Per-step outputs of the live rows, regrouped per sample at the end."""
+
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
+        self.steps: list[tuple[torch.Tensor, ...]] = []
+
+    def add(self, sample_idx: torch.Tensor, *fields: torch.Tensor) -> None:
+        """One decode step: ``sample_idx [b]`` and per-row fields (tokens, lp, top ids, top lp, len, budget)."""
+        self.steps.append((sample_idx, *fields))
+
+    def per_sample(self) -> list[dict[str, torch.Tensor]]:
+        """Fields of each sample in step order, on CPU."""
+        cols = [torch.cat(c).cpu() for c in zip(*self.steps)]
+        idx = cols[0]
+        order = torch.sort(idx, stable=True).indices
+        counts = torch.bincount(idx, minlength=self.batch).tolist()
+        names = ("response_ids", "logprobs", "top_ids", "top_logprobs", "cached_len", "kv_budget")
+        split = [c[order].split(counts) for c in cols[1:]]
+        return [{name: split[j][s] for j, name in enumerate(names)} for s in range(self.batch)]
