@@ -1,0 +1,137 @@
+"""Shape, dtype and device checks for the paged-cache kernels (host side, no device sync).
+
+Every check raises ``ValueError`` naming the tensor and what was expected. Value checks that
+would need a device-to-host copy (e.g. seq_len <= capacity) are left out on purpose: the
+kernels run once per decode step and must not stall the GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparrow_kernels._runtime import available
+
+_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _is_int(t: torch.Tensor) -> bool:
+    return not t.dtype.is_floating_point and not t.dtype.is_complex and t.dtype != torch.bool
+
+
+def check_device(**tensors: torch.Tensor) -> torch.device:
+    """All tensors on one device where the kernels can run; returns that device."""
+    devices = {name: t.device for name, t in tensors.items()}
+    first = next(iter(devices.values()))
+    for name, dev in devices.items():
+        if dev != first:
+            raise ValueError(
+                f"{name} is on {dev} but the other tensors are on {first}; put them on one device"
+            )
+    if not available(first):
+        raise ValueError(
+            f"sparrow_kernels cannot run on {first}: needs a CUDA device, or CPU tensors with TRITON_INTERPRET=1 "
+            "set before sparrow_kernels is imported (check sparrow_kernels.available(device) first)"
+        )
+    return first
+
+
+def check_last_dim_contiguous(**tensors: torch.Tensor) -> None:
+    """The kernels address the head dimension with stride 1."""
+    for name, t in tensors.items():
+        if t.stride(-1) != 1:
+            raise ValueError(
+                f"{name} must be contiguous in its last (head) dimension, got strides {t.stride()}"
+            )
+
+
+def check_head_dim(head_dim: int) -> None:
+    """Head dims the kernels support: powers of two >= 16 (Qwen3 uses 128)."""
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"head dim D must be a power of two >= 16 (tl.dot tiles), got {head_dim}")
+
+
+def check_pages(k_pages: torch.Tensor, v_pages: torch.Tensor) -> tuple[int, int, int, int]:
+    """k_pages, v_pages [num_pages, Hkv, page_size, D]; returns those four sizes."""
+    if k_pages.dim() != 4:
+        raise ValueError(f"k_pages must be [num_pages, Hkv, page_size, D], got shape {tuple(k_pages.shape)}")
+    if v_pages.shape != k_pages.shape:
+        raise ValueError(
+            f"v_pages shape {tuple(v_pages.shape)} must equal k_pages shape {tuple(k_pages.shape)}"
+        )
+    if k_pages.dtype not in _CACHE_DTYPES or v_pages.dtype != k_pages.dtype:
+        raise ValueError(
+            f"k_pages/v_pages must share one dtype among float32/float16/bfloat16, got {k_pages.dtype}/{v_pages.dtype}"
+        )
+    num_pages, num_kv_heads, page_size, head_dim = k_pages.shape
+    check_head_dim(head_dim)
+    return num_pages, num_kv_heads, page_size, head_dim
+
+
+def check_centroids(centroids: torch.Tensor, num_pages: int, num_kv_heads: int, head_dim: int) -> None:
+    """centroids float32 [num_pages, Hkv, D]."""
+    expected = (num_pages, num_kv_heads, head_dim)
+    if tuple(centroids.shape) != expected or centroids.dtype != torch.float32:
+        raise ValueError(
+            f"centroids must be float32 [num_pages, Hkv, D]={expected}, got {centroids.dtype} {tuple(centroids.shape)}"
+        )
+
+
+def check_block_table(block_table: torch.Tensor, batch: int | None = None) -> int:
+    """block_table integer [B, max_pages_per_seq] (any B when batch is None); returns max_pages_per_seq."""
+    wrong_batch = batch is not None and block_table.dim() == 2 and block_table.shape[0] != batch
+    if block_table.dim() != 2 or wrong_batch or not _is_int(block_table):
+        raise ValueError(
+            f"block_table must be an integer [B={batch if batch is not None else 'B'}, max_pages_per_seq] tensor, "
+            f"got {block_table.dtype} {tuple(block_table.shape)}"
+        )
+    return block_table.shape[1]
+
+
+def check_per_seq(name: str, t: torch.Tensor, batch: int) -> None:
+    """An integer [B] tensor (seq_len, positions, budget_tokens)."""
+    if t.shape != (batch,) or not _is_int(t):
+        raise ValueError(f"{name} must be an integer [B]=[{batch}] tensor, got {t.dtype} {tuple(t.shape)}")
+
+
+def check_query(q: torch.Tensor, num_kv_heads: int, head_dim: int) -> int:
+    """q [B, Hq, D] with Hq a multiple of Hkv; returns the GQA group size G = Hq // Hkv."""
+    if q.dim() != 3 or q.shape[2] != head_dim:
+        raise ValueError(f"q must be [B, Hq, D={head_dim}], got shape {tuple(q.shape)}")
+    if q.dtype not in _CACHE_DTYPES:
+        raise ValueError(f"q must be float32/float16/bfloat16, got {q.dtype}")
+    if q.shape[1] % num_kv_heads:
+        raise ValueError(f"q heads Hq={q.shape[1]} must be a multiple of KV heads Hkv={num_kv_heads}")
+    return q.shape[1] // num_kv_heads
+
+
+def check_page_args(
+    page_size: int, sink_pages: int = 0, local_pages: int = 0, cache_page_size: int | None = None
+) -> None:
+    """page_size a power of two (matching the cache's page dimension when given); sink/local >= 0."""
+    if cache_page_size is not None and page_size != cache_page_size:
+        raise ValueError(f"page_size={page_size} does not match the cache's page dimension {cache_page_size}")
+    if page_size < 1 or page_size & (page_size - 1):
+        raise ValueError(f"page_size must be a power of two, got {page_size}")
+    if sink_pages < 0 or local_pages < 0:
+        raise ValueError(f"sink_pages and local_pages must be >= 0, got {sink_pages} and {local_pages}")
+
+
+def budget_tensor(
+    budget_tokens: int | torch.Tensor, batch: int, max_tokens: int, device: torch.device
+) -> torch.Tensor:
+    """budget_tokens (int or integer [B]) as int32 [B] on ``device``, clipped to [0, max_tokens].
+
+    Clipping maps the dense schedule's huge budget onto "every page" without int32 overflow. A
+    negative int is an error; negative entries of a tensor are clipped to 0 (sink and local pages
+    only), since checking them would need a device sync.
+    """
+    if isinstance(budget_tokens, torch.Tensor):
+        check_per_seq("budget_tokens", budget_tokens, batch)
+        return budget_tokens.to(device=device, dtype=torch.int64).clamp(0, max_tokens).to(torch.int32)
+    if isinstance(budget_tokens, bool) or not isinstance(budget_tokens, int):
+        raise ValueError(
+            f"budget_tokens must be an int or an integer [B] tensor, got {type(budget_tokens).__name__}"
+        )
+    if budget_tokens < 0:
+        raise ValueError(f"budget_tokens must be >= 0 tokens, got {budget_tokens}")
+    return torch.full((batch,), min(budget_tokens, max_tokens), dtype=torch.int32, device=device)

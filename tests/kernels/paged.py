@@ -1,0 +1,68 @@
+"""Test helper: a paged KV cache built from a contiguous one, with a shuffled block table.
+
+Physical pages are assigned in random order and the pool has spare pages, so a kernel that
+ignores the block table or reads a page it should not is caught. Every cache slot that holds no
+valid token (past seq_len, or in an unassigned page) is filled with NaN: touching one poisons the
+result. Centroids come from the method layer's ``page_centroids`` (the specification).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from sparrow_nemo.sparse.attention import page_centroids
+
+
+@dataclass
+class PagedCache:
+    """k_pages, v_pages [num_pages, Hkv, page_size, D]; centroids float32 [num_pages, Hkv, D];
+    block_table int32 [B, P]; seq_len int32 [B]."""
+
+    k_pages: torch.Tensor
+    v_pages: torch.Tensor
+    centroids: torch.Tensor
+    block_table: torch.Tensor
+    seq_len: torch.Tensor
+
+
+def empty_paged_cache(
+    batch: int, num_kv_heads: int, max_pages: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+    page_size: int = 16, spare_pages: int = 3, seed: int = 0,
+) -> PagedCache:  # fmt: skip
+    """A NaN-filled pool of batch * max_pages + spare_pages pages and a random block table."""
+    gen = torch.Generator().manual_seed(seed)
+    num_pages = batch * max_pages + spare_pages
+    order = torch.randperm(num_pages, generator=gen)[: batch * max_pages]
+    shape = (num_pages, num_kv_heads, page_size, head_dim)
+    return PagedCache(
+        k_pages=torch.full(shape, math.nan, dtype=dtype, device=device),
+        v_pages=torch.full(shape, math.nan, dtype=dtype, device=device),
+        centroids=torch.full((num_pages, num_kv_heads, head_dim), math.nan, device=device),
+        block_table=order.view(batch, max_pages).to(device=device, dtype=torch.int32),
+        seq_len=torch.zeros(batch, dtype=torch.int32, device=device),
+    )
+
+
+def paged_from_contiguous(
+    k: torch.Tensor, v: torch.Tensor, seq_len: torch.Tensor, page_size: int = 16, seed: int = 0
+) -> PagedCache:
+    """Copy the first seq_len[b] tokens of k, v [B, Hkv, L, D] into a shuffled paged cache."""
+    batch, num_kv_heads, max_len, head_dim = k.shape
+    max_pages = math.ceil(max_len / page_size)
+    cache = empty_paged_cache(
+        batch, num_kv_heads, max_pages, head_dim, k.dtype, k.device, page_size, seed=seed
+    )
+    cache.seq_len = seq_len.to(device=k.device, dtype=torch.int32)
+    centroids = page_centroids(k, seq_len, page_size)  # [B, Hkv, P, D]
+    for b in range(batch):
+        n = int(seq_len[b])
+        for p in range(math.ceil(n / page_size)):
+            phys = int(cache.block_table[b, p])
+            lo, hi = p * page_size, min((p + 1) * page_size, n)
+            cache.k_pages[phys, :, : hi - lo] = k[b, :, lo:hi]
+            cache.v_pages[phys, :, : hi - lo] = v[b, :, lo:hi]
+            cache.centroids[phys] = centroids[b, :, p]
+    return cache
