@@ -882,7 +882,7 @@ def _build(cls: type, data: Any, path: tuple[str, ...], sources: _Sources) -> An
         check: Check | None = f.metadata.get("check")
         expected = check(value, _describe(hints[name])) if check is not None and value is not None else None
         if expected is not None:
-            raise _value_error((*path, name), value, expected, sources)
+            raise _value_error((*path, name), data[name], expected, sources)
         kwargs[name] = value
     obj = cls(**kwargs)
     if hasattr(obj, "check"):

@@ -1,0 +1,19 @@
+"""``sparrow calibrate``: pick the sparsity schedule that meets ``sparsity.threshold`` (issue 6)."""
+
+from __future__ import annotations
+
+import argparse
+
+from sparrow_nemo.commands._common import add_config_arguments, config_from_args, not_implemented
+
+NAME = "calibrate"
+HELP = "calibrate a sparsity schedule: per-bin acceptance-rate tail for candidate budgets"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    config_from_args(args)
+    return not_implemented(NAME, issue=6)
