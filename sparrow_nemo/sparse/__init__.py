@@ -11,6 +11,14 @@ from sparrow_nemo.sparse.attention import (
     sparse_decode_attention,
 )
 from sparrow_nemo.sparse.calibrate import CalibrationResult, calibrate_schedule
+from sparrow_nemo.sparse.cost_model import (
+    HARDWARE,
+    DecodeCostModel,
+    Hardware,
+    RolloutCost,
+    predicted_speedup,
+    rollout_cost,
+)
 from sparrow_nemo.sparse.mismatch import (
     acceptance_rate,
     acceptance_rate_topk,
@@ -22,15 +30,21 @@ from sparrow_nemo.sparse.schedule import DENSE_BUDGET, PAPER_SCHEDULES, BudgetSc
 
 __all__ = [
     "DENSE_BUDGET",
+    "HARDWARE",
     "PAPER_SCHEDULES",
     "BudgetSchedule",
     "CalibrationResult",
+    "DecodeCostModel",
+    "Hardware",
+    "RolloutCost",
     "acceptance_rate",
     "acceptance_rate_topk",
     "binned_quantiles",
     "calibrate_schedule",
     "decode_attention",
     "page_centroids",
+    "predicted_speedup",
+    "rollout_cost",
     "select_pages",
     "selected_page_count",
     "selected_token_mask",
