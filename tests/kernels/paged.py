@@ -66,3 +66,31 @@ def paged_from_contiguous(
             cache.v_pages[phys, :, : hi - lo] = v[b, :, lo:hi]
             cache.centroids[phys] = centroids[b, :, p]
     return cache
+
+
+@dataclass
+class DecodeCase:
+    """One decode step on random data: q [B, Hq, D]; contiguous k, v [B, Hkv, L, D]; seq_len int32 [B];
+    budget int32 [B] tokens; and the same cache in paged form."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    seq_len: torch.Tensor
+    budget: torch.Tensor
+    paged: PagedCache
+
+
+def random_case(
+    seq_lens: list[int], budgets: list[int], num_kv_heads: int = 2, group: int = 2, head_dim: int = 32,
+    dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", seed: int = 0,
+) -> DecodeCase:  # fmt: skip
+    """Gaussian q, k, v (L = max(seq_lens)) and the paged copy of k, v."""
+    gen = torch.Generator().manual_seed(seed)
+    batch, max_len = len(seq_lens), max(seq_lens)
+    k = torch.randn(batch, num_kv_heads, max_len, head_dim, generator=gen).to(device=device, dtype=dtype)
+    v = torch.randn(batch, num_kv_heads, max_len, head_dim, generator=gen).to(device=device, dtype=dtype)
+    q = torch.randn(batch, num_kv_heads * group, head_dim, generator=gen).to(device=device, dtype=dtype)
+    seq_len = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    budget = torch.tensor(budgets, dtype=torch.int32, device=device)
+    return DecodeCase(q, k, v, seq_len, budget, paged_from_contiguous(k, v, seq_len, seed=seed))

@@ -1,0 +1,132 @@
+"""Sparse decode attention kernels against the method layer and against dense torch SDPA.
+
+Tolerances (max abs error on outputs of magnitude ~1): float32 1e-5 (reordered float32 sums);
+float16 2e-3 and bfloat16 2e-2: the kernel rounds the softmax probabilities to the cache dtype
+for the P.V product (as flash attention does) and the output to q.dtype, the reference keeps
+float32 until the final cast; 2e-2 is about two bfloat16 ulps at 1.0.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from paged import random_case
+from sparrow_kernels import (
+    merge_splits,
+    select_pages_paged,
+    sparse_decode_attention_paged,
+    sparse_decode_paged,
+    sparse_decode_split,
+)
+
+from sparrow_nemo.sparse.attention import decode_attention, selected_token_mask, sparse_decode_attention
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+SEQ_LENS = [77, 160, 5, 123]
+BUDGETS = [48, 96, 16, 2048]
+
+
+def _assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    tol = TOL[out.dtype]
+    torch.testing.assert_close(out.float().cpu(), ref.float().cpu(), rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_sparse_attention_matches_reference(device: torch.device, group: int, num_splits: int) -> None:
+    case = random_case(SEQ_LENS, BUDGETS, num_kv_heads=2, group=group, device=device, seed=group)
+    c = case.paged
+    out = sparse_decode_attention_paged(
+        case.q,
+        c.k_pages,
+        c.v_pages,
+        c.centroids,
+        c.block_table,
+        c.seq_len,
+        case.budget,
+        num_splits=num_splits,
+    )
+    ref = sparse_decode_attention(case.q, case.k, case.v, case.seq_len, case.budget)
+    _assert_close(out, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_sparse_attention_half_precision(device: torch.device, dtype: torch.dtype) -> None:
+    case = random_case(SEQ_LENS, BUDGETS, num_kv_heads=2, group=4, dtype=dtype, device=device, seed=5)
+    c = case.paged
+    out = sparse_decode_attention_paged(
+        case.q, c.k_pages, c.v_pages, c.centroids, c.block_table, c.seq_len, case.budget, num_splits=2
+    )
+    _assert_close(out, sparse_decode_attention(case.q, case.k, case.v, case.seq_len, case.budget))
+
+
+def test_head_dim_128(device: torch.device) -> None:
+    case = random_case([150, 61], [64, 48], num_kv_heads=2, group=4, head_dim=128, device=device, seed=9)
+    c = case.paged
+    out = sparse_decode_attention_paged(
+        case.q, c.k_pages, c.v_pages, c.centroids, c.block_table, c.seq_len, case.budget
+    )
+    _assert_close(out, sparse_decode_attention(case.q, case.k, case.v, case.seq_len, case.budget))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_budget_covering_the_sequence_equals_dense_sdpa(device: torch.device, dtype: torch.dtype) -> None:
+    """With budget >= length the sparse kernel is dense attention: compare with torch SDPA over
+    each sequence's first seq_len tokens (an implementation independent of the method layer)."""
+    seq_lens = [77, 160, 5]
+    case = random_case(seq_lens, [2**30] * 3, num_kv_heads=2, group=4, dtype=dtype, device=device, seed=2)
+    c = case.paged
+    out = sparse_decode_attention_paged(
+        case.q, c.k_pages, c.v_pages, c.centroids, c.block_table, c.seq_len, 2**40, num_splits=2
+    )
+    for b, n in enumerate(seq_lens):
+        q = case.q[b, :, None].float()  # [Hq, 1, D]
+        k = case.k[b, :, :n].float().repeat_interleave(4, dim=0)  # [Hq, n, D]
+        v = case.v[b, :, :n].float().repeat_interleave(4, dim=0)
+        dense = torch.nn.functional.scaled_dot_product_attention(q, k, v)[:, 0].to(dtype)
+        _assert_close(out[b], dense)
+
+
+def test_attention_stage_on_given_pages(device: torch.device) -> None:
+    """sparse_decode_paged on arbitrary sorted page lists (not from the selector), any count per
+    head, a custom scale; matches masked attention of the reference over the same pages."""
+    case = random_case([150, 99], [0, 0], num_kv_heads=2, group=2, device=device, seed=4)
+    c = case.paged
+    lists = [[[0, 3, 4, 9], [2, 5]], [[6], [0, 1, 2, 3, 4, 5, 6]]]
+    page_idx = torch.full((2, 2, 7), -1, dtype=torch.int32)
+    for b, heads in enumerate(lists):
+        for h, pages in enumerate(heads):
+            page_idx[b, h, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+    counts = torch.tensor([[len(p) for p in heads] for heads in lists], dtype=torch.int32)
+    page_idx, counts = page_idx.to(device), counts.to(device)
+    scale = 0.3
+    out = sparse_decode_paged(
+        case.q, c.k_pages, c.v_pages, c.block_table, c.seq_len, page_idx, counts, scale, 2
+    )
+    mask = selected_token_mask(page_idx.long(), case.seq_len, case.k.shape[2])
+    # decode_attention uses 1/sqrt(D): fold the custom scale into q.
+    ref = decode_attention(case.q * (scale * math.sqrt(case.q.shape[-1])), case.k, case.v, mask)
+    _assert_close(out, ref)
+
+
+def test_split_count_does_not_change_the_result(device: torch.device) -> None:
+    case = random_case([200, 131, 64], [112, 80, 48], num_kv_heads=2, group=4, device=device, seed=8)
+    c = case.paged
+    page_idx, counts = select_pages_paged(case.q, c.centroids, c.block_table, c.seq_len, case.budget)
+    outs = [
+        sparse_decode_paged(
+            case.q, c.k_pages, c.v_pages, c.block_table, c.seq_len, page_idx, counts, num_splits=s
+        )
+        for s in (1, 2, 5, 13)
+    ]
+    for out in outs[1:]:
+        torch.testing.assert_close(out, outs[0], rtol=0, atol=1e-6)
+    # More splits than pages: the empty splits carry lse = -inf and weight 0 in the merge.
+    o_part, lse_part = sparse_decode_split(
+        case.q, c.k_pages, c.v_pages, c.block_table, c.seq_len, page_idx, counts, num_splits=13
+    )
+    assert bool(torch.isneginf(lse_part).any()) and not bool(torch.isnan(o_part).any())
+    torch.testing.assert_close(merge_splits(o_part, lse_part, case.q.dtype), outs[0], rtol=0, atol=1e-6)
