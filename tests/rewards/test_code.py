@@ -1,0 +1,117 @@
+"""Code reward on the real HumanEval set and on stdin/stdout and assert-list specs."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from sparrow_nemo.rewards import get_reward
+from sparrow_nemo.rewards.code import code_reward, code_rewards, extract_code, outputs_match
+
+
+def _humaneval(shared_data: Path) -> list[dict]:
+    with gzip.open(shared_data / "humaneval.jsonl.gz", "rt") as fh:
+        return [json.loads(line) for line in fh]
+
+
+def _spec(row: dict, **extra: object) -> dict:
+    return {
+        "format": "humaneval",
+        "prompt": row["prompt"],
+        "test": row["test"],
+        "entry_point": row["entry_point"],
+    } | extra
+
+
+def test_every_canonical_humaneval_solution_passes(shared_data: Path) -> None:
+    rows = _humaneval(shared_data)
+    assert len(rows) == 164
+    rewards = code_rewards([r["canonical_solution"] for r in rows], [_spec(r) for r in rows], workers=2)
+    assert [r["task_id"] for r, x in zip(rows, rewards) if x != 1.0] == []
+
+
+def test_a_solution_to_another_task_fails(shared_data: Path) -> None:
+    rows = _humaneval(shared_data)
+    wrong = [rows[(i + 1) % len(rows)]["canonical_solution"] for i in range(len(rows))]
+    rewards = code_rewards(wrong, [_spec(r) for r in rows], workers=2)
+    assert [r["task_id"] for r, x in zip(rows, rewards) if x != 0.0] == []
+
+
+def test_whole_function_in_a_fence_and_hostile_completions(shared_data: Path) -> None:
+    row = _humaneval(shared_data)[2]  # truncate_number(number) -> number % 1.0
+    spec = _spec(row, limits={"wall_s": 3.0, "cpu_s": 2, "output_bytes": 65536})
+    fenced = "Here:\n```python\ndef truncate_number(number: float) -> float:\n    return number % 1.0\n```\n"
+    assert code_reward(fenced, spec) == 1.0
+    for hostile in (
+        "    import sys\n    sys.exit(0)\nimport sys\nsys.exit(0)\n",  # exits before check() runs
+        "    return 0.5\nimport os\nos._exit(0)\n",
+        "    while True:\n        pass\n",
+        "    import os\n    while True:\n        os.fork()\n",
+        "    print('x' * 10 ** 7)\n    return number % 1.0\n",
+        "    open('/tmp/sparrow_pwned', 'w')\n    return number % 1.0\n",
+    ):
+        assert code_reward(hostile, spec) == 0.0, hostile
+    assert not Path("/tmp/sparrow_pwned").exists()
+
+
+SUM_SPEC = {"format": "stdio", "inputs": ["1 2\n", "3 4\n", "10 -5\n"], "outputs": ["3\n", "7", "6\n"]}
+SUM = "a, b = map(int, input().split())\nprint(a + b)\n"
+
+
+def test_stdio_fraction_and_all_modes() -> None:
+    assert code_reward(SUM, SUM_SPEC) == pytest.approx(2 / 3)  # the third expected output is wrong
+    assert code_reward(SUM, SUM_SPEC | {"mode": "all"}) == 0.0
+    good = SUM_SPEC | {"outputs": ["3", "7", "5"], "mode": "all"}
+    assert code_reward(f"```python\n{SUM}```", good) == 1.0
+    assert code_reward("import sys\nprint(sum(map(int, sys.stdin.read().split())))\nexit()\n", good) == 1.0
+    assert code_reward("print(", good) == 0.0
+
+
+def test_asserts_fraction() -> None:
+    spec = {
+        "format": "asserts",
+        "setup": "import math",
+        "tests": [
+            "assert sq(3) == 9",
+            "assert sq(-2) == 4",
+            "assert sq(0.5) == 0.3",
+            "assert math.isclose(sq(1.5), 2.25)",
+        ],
+    }
+    assert code_reward("def sq(x):\n    return x * x\n", spec) == pytest.approx(3 / 4)
+    assert code_reward("def sq(x):\n    return x * x\nimport sys\nsys.exit(0)\n", spec) == 0.0
+
+
+def test_extract_code_and_output_matching() -> None:
+    text = "```js\nlet a\n```\n```python\nx = 1\n```\ntext\n```py\ny = 2\n```"
+    assert extract_code(text) == "y = 2\n"
+    assert extract_code("```\nz = 3\n```") == "z = 3\n"
+    assert extract_code("plain = 1") == "plain = 1"
+    assert outputs_match("1 2\n3\n", "1\n2 3")
+    assert not outputs_match("1 2 3 4", "1 2 3")
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        ({"format": "humaneval", "prompt": "x"}, "missing the key 'test'"),
+        ({"format": "stdio", "inputs": ["1"], "outputs": []}, "equally many"),
+        ({"format": "asserts", "tests": "assert 1"}, "must be list"),
+        ({"format": "java"}, "unknown code test format"),
+        ({"format": "asserts", "tests": ["assert 1"], "mode": "best"}, "mode"),
+    ],
+)
+def test_bad_specs(spec: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        code_reward("x = 1", spec)
+
+
+def test_registry_exposes_the_rewards() -> None:
+    assert get_reward("code") is code_reward
+    assert get_reward("math")("\\boxed{2}", "2") == 1.0
+    assert get_reward("chain")("A:b3", "b3") == 1.0
+    with pytest.raises(KeyError, match="known: chain, code, math"):
+        get_reward("bleu")
