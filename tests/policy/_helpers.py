@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import traceback
@@ -49,6 +50,22 @@ def make_hf_checkpoint(
     kwargs = {"max_shard_size": shard_size} if shard_size else {}
     model.save_pretrained(out_dir, safe_serialization=True, **kwargs)
     return Path(out_dir)
+
+
+@contextlib.contextmanager
+def single_rank_env():
+    """RANK/WORLD_SIZE/MASTER_* for a one-process gloo world (restored afterwards)."""
+    keys = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    saved = {k: os.environ.get(k) for k in keys}
+    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _entry(rank: int, world: int, port: int, fn, args, errors) -> None:

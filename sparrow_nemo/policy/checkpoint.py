@@ -1,0 +1,148 @@
+"""Atomic checkpoint directories: per-rank files + a JSON manifest written last, verified on load.
+
+Protocol (any number of ranks, shared filesystem):
+
+1. every rank writes its files into ``<root>/<name>.partial`` (each file: temp name, fsync,
+   ``os.replace``);
+2. after a barrier, rank 0 hashes the files (sha256), writes ``manifest.json`` (atomically), and
+   renames the directory to ``<root>/<name>`` (``os.replace``; an older copy is moved aside first).
+
+A crash at any point leaves either the previous complete checkpoint or a ``.partial`` directory
+that :func:`verify_checkpoint` refuses (no manifest) and :func:`latest_checkpoint` ignores. A file
+altered after the save fails its hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MANIFEST = "manifest.json"
+PARTIAL_SUFFIX = ".partial"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint directory that is incomplete, corrupted or for another layout."""
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that a reader sees either the old file or the complete new one."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def atomic_torch_save(obj: Any, path: str | Path) -> None:
+    """``torch.save(obj)`` to ``path`` atomically (temp file in the same directory, then rename)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
+    """Hex sha256 of a file's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def partial_dir(root: str | Path, name: str) -> Path:
+    """The staging directory every rank writes into (created if absent)."""
+    path = Path(root) / f"{name}{PARTIAL_SUFFIX}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def finalize(root: str | Path, name: str, meta: dict[str, Any]) -> Path:
+    """Rank 0, after all ranks wrote into :func:`partial_dir`: manifest (hashes + ``meta``), then rename.
+
+    Returns:
+        The final checkpoint directory ``<root>/<name>``.
+    """
+    staging = Path(root) / f"{name}{PARTIAL_SUFFIX}"
+    files = sorted(p.name for p in staging.iterdir() if p.is_file() and not p.name.startswith("."))
+    if not files:
+        raise CheckpointError(f"{staging}: no files to finalize")
+    manifest = {**meta, "files": {n: sha256_file(staging / n) for n in files}}
+    atomic_write_bytes(staging / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True).encode())
+    final = Path(root) / name
+    if final.exists():
+        old = Path(root) / f"{name}.old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(staging, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(staging, final)
+    _fsync_dir(Path(root))
+    return final
+
+
+def verify_checkpoint(path: str | Path, check_hashes: bool = True) -> dict[str, Any]:
+    """The manifest of a complete checkpoint; :class:`CheckpointError` names what is missing or wrong."""
+    path = Path(path)
+    if path.name.endswith(PARTIAL_SUFFIX):
+        raise CheckpointError(f"{path} is an unfinished save (no rename happened)")
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        raise CheckpointError(f"{path} has no {MANIFEST}: the save did not complete")
+    manifest = json.loads(manifest_path.read_text())
+    for name, digest in manifest.get("files", {}).items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"{path}: file '{name}' listed in the manifest is missing")
+        if check_hashes and sha256_file(file) != digest:
+            raise CheckpointError(f"{path}: file '{name}' does not match its sha256 in the manifest")
+    return manifest
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The complete checkpoint under ``root`` with the highest ``step`` in its manifest (or None)."""
+    best: tuple[int, Path] | None = None
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    for child in root.iterdir():
+        if not child.is_dir() or child.name.endswith((PARTIAL_SUFFIX, ".old")):
+            continue
+        try:
+            step = int(verify_checkpoint(child, check_hashes=False).get("step", -1))
+        except (CheckpointError, ValueError, json.JSONDecodeError):
+            continue
+        if best is None or step > best[0]:
+            best = (step, child)
+    return None if best is None else best[1]

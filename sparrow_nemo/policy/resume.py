@@ -1,0 +1,117 @@
+"""Save and resume the policy: model shard + optimizer state + RNG states, one torch file per rank.
+
+Written through :mod:`sparrow_nemo.policy.checkpoint` (atomic directory + sha256 manifest), so an
+interrupted save never loads. These are plain per-rank torch files, not megatron's
+``dist_checkpointing``: resuming needs the same TP/PP/DP layout (a different one is refused with
+a message naming both); re-sharding on resume goes through the HF export/import instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from sparrow_nemo.policy.checkpoint import (
+    CheckpointError,
+    atomic_torch_save,
+    finalize,
+    partial_dir,
+    sha256_file,
+    verify_checkpoint,
+)
+from sparrow_nemo.policy.model import PolicyModelSpec
+
+FORMAT_VERSION = 1
+
+
+def _rank_file(spec: PolicyModelSpec) -> str:
+    from megatron.core import parallel_state as ps
+
+    return f"policy_tp{spec.tp_rank:02d}_pp{spec.pp_rank:02d}_dp{ps.get_data_parallel_rank():03d}.pt"
+
+
+def rng_state() -> dict:
+    """Every RNG this process draws from (python, numpy, torch CPU, CUDA, megatron's tracker)."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["tracker"] = get_cuda_rng_tracker().get_states()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore :func:`rng_state`."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if torch.cuda.is_available() and "cuda" in state:
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        torch.cuda.set_rng_state_all(state["cuda"])
+        get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _meta(spec: PolicyModelSpec, step: int) -> dict:
+    return {
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "layout": spec.layout.to_dict(),
+        "shape": dataclasses.asdict(spec.shape),
+        "use_te": spec.use_te,
+    }
+
+
+def save_policy_checkpoint(
+    root: str | Path, step: int, model: torch.nn.Module, optimizer, spec: PolicyModelSpec
+) -> Path:
+    """Collective: every rank writes its shard; returns ``<root>/step_<step>`` once complete."""
+    name = f"step_{step:08d}"
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        shutil.rmtree(Path(root) / f"{name}.partial", ignore_errors=True)  # leftovers of a crashed save
+    dist.barrier()
+    staging = partial_dir(root, name)
+    payload = {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "rng": rng_state(),
+        "step": step,
+    }
+
+    atomic_torch_save(payload, staging / _rank_file(spec))
+    dist.barrier()
+    final = Path(root) / name
+    if rank0:
+        final = finalize(root, name, _meta(spec, step))
+    dist.barrier()
+    return final
+
+
+def load_policy_checkpoint(path: str | Path, model: torch.nn.Module, optimizer, spec: PolicyModelSpec) -> int:
+    """Restore this rank's model, optimizer and RNG from a complete checkpoint; returns its step."""
+    path = Path(path)
+    manifest = verify_checkpoint(path, check_hashes=False)
+    expected = _meta(spec, manifest.get("step", -1))
+    for key in ("format_version", "layout", "shape"):
+        if manifest.get(key) != expected[key]:
+            raise CheckpointError(
+                f"{path}: checkpoint {key}={manifest.get(key)} but this run has {expected[key]}"
+            )
+    file = _rank_file(spec)
+    if file not in manifest["files"]:
+        raise CheckpointError(f"{path}: no file '{file}' for this rank in the manifest")
+    if sha256_file(path / file) != manifest["files"][file]:
+        raise CheckpointError(f"{path}: '{file}' does not match its sha256 in the manifest")
+    payload = torch.load(path / file, map_location="cpu", weights_only=False)
+    model.load_state_dict(payload["model"], strict=True)
+    optimizer.load_state_dict(payload["optimizer"])
+    set_rng_state(payload["rng"])
+    return int(payload["step"])
