@@ -1,0 +1,129 @@
+"""The shipped recipes, serialisation round trips and the config hash."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+import sparrow_nemo
+from sparrow_nemo.config import (
+    DEFAULT_RECIPE,
+    ConfigError,
+    SparrowConfig,
+    from_dict,
+    load_config,
+    recipes_dir,
+    resolve_recipe,
+)
+from sparrow_nemo.model_shapes import PRESETS
+from sparrow_nemo.sparse.schedule import BudgetSchedule
+
+SHIPPED = sorted(p.stem for p in recipes_dir().glob("*.yaml"))
+
+
+def test_recipes_folder_is_next_to_the_package() -> None:
+    assert recipes_dir() == Path(sparrow_nemo.__file__).resolve().parents[1] / "recipes"
+    assert {"base", "tiny_cpu", "qwen3_1.7b_math", "qwen3_8b_math", "qwen3_14b_math"} <= set(SHIPPED)
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_every_shipped_recipe_resolves(name: str) -> None:
+    config = load_config(name)
+    assert isinstance(config, SparrowConfig)
+    # building the schedule and the shape must work for every shipped recipe
+    config.sparsity.build_schedule()
+    config.model.shape()
+
+
+def test_default_recipe_is_tiny_cpu_by_name_and_by_path() -> None:
+    by_default = load_config()
+    assert DEFAULT_RECIPE == "tiny_cpu"
+    assert by_default == load_config("tiny_cpu") == load_config(recipes_dir() / "tiny_cpu.yaml")
+    assert by_default.model.shape() == PRESETS["tiny"]
+    assert by_default.rollout.backend == "reference"
+
+
+def test_tiny_schedule_is_the_explicit_scaled_one() -> None:
+    config = load_config()
+    schedule = config.sparsity.build_schedule()
+    assert schedule == BudgetSchedule(128, (64, 96, 128, 160, 192, 224, 256), page_size=16, name="explicit")
+    # flat after the last bin, and every budget holds the 3 reserved pages plus at least one top-k page
+    assert schedule.budget(10_000) == 256
+    assert min(schedule.budgets) >= 4 * 16
+
+
+@pytest.mark.parametrize(
+    ("recipe", "preset", "schedule"),
+    [
+        ("qwen3_1.7b_math", "qwen3-1.7b", "qwen3-1.7b-0.86"),
+        ("qwen3_8b_math", "qwen3-8b", "qwen3-8b-0.86"),
+        ("qwen3_14b_math", "qwen3-14b", "qwen3-14b-0.86"),
+    ],
+)
+def test_qwen3_recipes_use_the_paper_schedule(recipe: str, preset: str, schedule: str) -> None:
+    config = load_config(recipe)
+    assert config.model.shape() == PRESETS[preset]
+    assert config.sparsity.build_schedule() == BudgetSchedule.from_preset(schedule)
+    assert config.sparsity.bin_tokens == 2000
+    assert (config.grpo.samples_per_prompt, config.grpo.loss.clip_low, config.grpo.loss.clip_high) == (
+        8,
+        0.2,
+        0.28,
+    )
+
+
+def test_base_calibration_grid_is_the_papers_18_budgets() -> None:
+    pages = [29, 45, 61, 77, 93, 125, 157, 189, 221, 253, 317, 381, 445, 509, 637, 765, 893, 1021]
+    config = load_config("base")
+    assert config.sparsity.calibration.candidate_budgets == tuple((k + 3) * 16 for k in pages)
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_to_yaml_is_a_recipe_that_resolves_to_the_same_config(name: str, tmp_path: Path) -> None:
+    config = load_config(name)
+    saved = tmp_path / "config.yaml"
+    saved.write_text(config.to_yaml())
+    again = load_config(saved)
+    assert again == config
+    assert again.hash() == config.hash()
+    assert from_dict(config.to_dict()) == config
+    assert yaml.safe_load(config.to_yaml()) == config.to_dict()
+
+
+def test_hash_tracks_computation_fields_only() -> None:
+    base = load_config()
+    assert base.hash() == load_config().hash()
+    assert len(base.hash()) == 16 and int(base.hash(), 16) >= 0
+    for changed in (
+        ["sparsity.threshold=0.9"],
+        ["grpo.loss.clip_high=0.3"],
+        ["model.dtype=bf16"],
+        ["++reward.options.digits=5"],
+    ):
+        assert load_config(None, changed).hash() != base.hash(), changed
+    for same in (
+        ["trainer.max_steps=999"],
+        ["logging.progress_bar=false"],
+        ["checkpoint.resume=never"],
+        ["logging.run_dir=/tmp/elsewhere"],
+    ):
+        assert load_config(None, same).hash() == base.hash(), same
+
+
+def test_dataclass_defaults_are_exactly_the_tiny_cpu_recipe() -> None:
+    # recipes/tiny_cpu.yaml spells the defaults out (over the paper values of recipes/base.yaml)
+    assert from_dict({}) == SparrowConfig() == load_config("tiny_cpu")
+
+
+def test_unknown_recipe_name_lists_the_shipped_ones() -> None:
+    with pytest.raises(ConfigError, match=r"recipe 'tiny_cpv' not found .*did you mean 'tiny_cpu'\?.*base"):
+        resolve_recipe("tiny_cpv")
+
+
+def test_missing_recipes_folder_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    fake = tmp_path / "site" / "sparrow_nemo" / "__init__.py"
+    monkeypatch.setattr(sparrow_nemo, "__file__", str(fake))
+    with pytest.raises(ConfigError, match=r"recipes folder .*site/recipes is missing.*--config PATH"):
+        load_config()
