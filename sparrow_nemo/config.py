@@ -54,6 +54,7 @@ __all__ = [
     "LossConfig",
     "ModelConfig",
     "OptimizerConfig",
+    "Override",
     "PolicyConfig",
     "RewardConfig",
     "RolloutConfig",
@@ -702,7 +703,7 @@ def _choices(options: Iterable[str]) -> str:
 
 def _suggest(word: str, options: Iterable[str]) -> str:
     """`` - did you mean 'x'?`` for the closest option, or ''."""
-    match = difflib.get_close_matches(str(word), [str(o) for o in options], n=1, cutoff=0.6)
+    match = difflib.get_close_matches(str(word), [str(o) for o in options], n=1, cutoff=0.7)
     return f" - did you mean '{match[0]}'?" if match else ""
 
 
@@ -775,7 +776,7 @@ def _unknown_key(
 ) -> ConfigError:
     """'unknown key a.b' with a full-path suggestion (the misspelled segment replaced) or the options."""
     options = [str(o) for o in options]
-    match = difflib.get_close_matches(str(path[-1]), options, n=1, cutoff=0.6)
+    match = difflib.get_close_matches(str(path[-1]), options, n=1, cutoff=0.7)
     where = f"unknown key '{_dotted([*path, *rest])}' (from {origin})"
     if match:
         return ConfigError(f"{where} - did you mean '{_dotted([*path[:-1], match[0], *rest])}'?")
@@ -815,9 +816,21 @@ def _describe(tp: Any) -> str:
 _FLOAT_TEXT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
 
 
-def _convert(tp: Any, value: Any, path: tuple[str, ...], sources: _Sources) -> Any:
-    """``value`` checked and converted to ``tp``; ConfigError naming ``path`` otherwise."""
+def _non_null(tp: Any) -> Any:
+    """``X`` for ``X | None``; other types unchanged."""
+    if get_origin(tp) in (Union, types.UnionType):
+        inner = [a for a in get_args(tp) if a is not type(None)]
+        return inner[0] if len(inner) == 1 else tp
+    return tp
+
+
+def _convert(tp: Any, value: Any, path: tuple[str, ...], sources: _Sources, words: str = "") -> Any:
+    """``value`` checked and converted to ``tp``; ConfigError naming ``path`` otherwise.
+
+    ``words`` replaces the type description in the error (an Optional field passes its own).
+    """
     origin = get_origin(tp)
+    words = words or _describe(tp)
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, path, sources)
     if tp is Any:
@@ -830,15 +843,15 @@ def _convert(tp: Any, value: Any, path: tuple[str, ...], sources: _Sources) -> A
         if len(inner) != 1:
             raise TypeError(f"config schema: unsupported union {tp} at {_dotted(path)}")
         if value is None:
-            raise _value_error(path, value, _describe(tp), sources)
-        return _convert(inner[0], value, path, sources)
+            raise _value_error(path, value, words, sources)
+        return _convert(inner[0], value, path, sources, words)
     if origin is Literal:
         if value not in get_args(tp):
-            raise _value_error(path, value, _describe(tp) + _suggest(value, get_args(tp)), sources)
+            raise _value_error(path, value, words + _suggest(value, get_args(tp)), sources)
         return value
     if origin is tuple:
         if not isinstance(value, list | tuple):
-            raise _value_error(path, value, _describe(tp), sources)
+            raise _value_error(path, value, words, sources)
         return tuple(_convert(get_args(tp)[0], v, (*path, str(i)), sources) for i, v in enumerate(value))
     if origin is dict:
         if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
@@ -846,21 +859,21 @@ def _convert(tp: Any, value: Any, path: tuple[str, ...], sources: _Sources) -> A
         return {k: _convert(get_args(tp)[1], v, (*path, k), sources) for k, v in value.items()}
     if tp is bool:
         if not isinstance(value, bool):
-            raise _value_error(path, value, _describe(tp), sources)
+            raise _value_error(path, value, words, sources)
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise _value_error(path, value, _describe(tp), sources)
+            raise _value_error(path, value, words, sources)
         return value
     if tp is float:
         if isinstance(value, str) and _FLOAT_TEXT.match(value.strip()):
             return float(value)  # YAML 1.1 reads '1e-3' (no dot) as a string
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise _value_error(path, value, _describe(tp), sources)
+            raise _value_error(path, value, words, sources)
         return float(value)
     if tp is str:
         if not isinstance(value, str):
-            raise _value_error(path, value, _describe(tp), sources)
+            raise _value_error(path, value, words, sources)
         return value
     raise TypeError(f"config schema: unsupported type {tp} at {_dotted(path)}")
 
@@ -880,7 +893,7 @@ def _build(cls: type, data: Any, path: tuple[str, ...], sources: _Sources) -> An
             continue
         value = _convert(hints[name], data[name], (*path, name), sources)
         check: Check | None = f.metadata.get("check")
-        expected = check(value, _describe(hints[name])) if check is not None and value is not None else None
+        expected = check(value, _describe(_non_null(hints[name]))) if check and value is not None else None
         if expected is not None:
             raise _value_error((*path, name), data[name], expected, sources)
         kwargs[name] = value
@@ -1114,6 +1127,7 @@ def _apply(tree: dict[str, Any], ov: Override, sources: _Sources) -> None:
 # Entry points
 # =========================================================================================
 def _resolve(layers: Iterable[Callable[[dict[str, Any], _Sources], None]]) -> SparrowConfig:
+    """Start from the dataclass defaults, let each layer merge into the tree, then type and check it."""
     tree = _plain(dataclasses.asdict(SparrowConfig()))
     sources = _Sources()
     for layer in layers:
@@ -1126,6 +1140,8 @@ def load_config(config: str | os.PathLike[str] | None = None, overrides: Sequenc
 
     Raises :class:`ConfigError` (one line) on any problem.
     """
+    if isinstance(overrides, str):
+        raise TypeError(f"overrides must be a list of 'key=value' strings, got the string {overrides!r}")
     path = resolve_recipe(config)
     parsed = [Override.parse(text) for text in overrides]
 
