@@ -1,0 +1,207 @@
+"""Prompt datasets for GRPO: rows from JSONL (optionally gzipped) or Parquet files, validated and tokenized.
+
+Each row must hold a prompt (non-empty string) and an answer (string, or an integer that is turned into
+one) under configurable field names. The prompt goes through the tokenizer's chat template when it has one
+(``tokenizer.apply_chat_template``, as a single user turn, with the generation prompt); otherwise the raw
+text is used and the tokenizer adds its own special tokens (e.g. bos).
+
+A bad row (invalid JSON, not an object, missing field, wrong type, a prompt the tokenizer rejects or one
+longer than ``max_prompt_tokens``) is skipped and counted; the first ``report_first`` are logged with
+file and line. Loading fails with :class:`PromptDataError` only when more than ``max_bad_fraction`` of the
+rows are bad, or when the file has no rows at all.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+logger = logging.getLogger(__name__)
+
+SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
+
+
+class PromptDataError(ValueError):
+    """A prompt file that cannot be used (missing, empty, unknown format, or too many bad rows)."""
+
+
+class PromptTokenizer(Protocol):
+    """What the loader needs from a tokenizer (Hugging Face tokenizers and CharTokenizer qualify)."""
+
+    chat_template: Any
+
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class PromptDataConfig:
+    """Where the fields are and how strict to be.
+
+    Attributes:
+        prompt_key / answer_key: field names of the prompt and the answer in each row.
+        max_prompt_tokens: longer prompts (after the chat template) are bad rows; None = no limit.
+        max_bad_fraction: loading fails when bad rows / all rows exceeds this (our default: 5 %).
+        report_first: how many bad rows are logged individually.
+        apply_chat_template: use the tokenizer's chat template when it has one.
+        system_prompt: an optional system turn before the user turn (chat template only).
+    """
+
+    prompt_key: str = "problem"
+    answer_key: str = "answer"
+    max_prompt_tokens: int | None = None
+    max_bad_fraction: float = 0.05
+    report_first: int = 5
+    apply_chat_template: bool = True
+    system_prompt: str | None = None
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.max_bad_fraction <= 1.0:
+            raise ValueError(
+                f"PromptDataConfig.max_bad_fraction must be in [0, 1], got {self.max_bad_fraction}"
+            )
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens <= 0:
+            raise ValueError(
+                f"PromptDataConfig.max_prompt_tokens must be positive, got {self.max_prompt_tokens}"
+            )
+
+
+@dataclass(frozen=True)
+class PromptExample:
+    """One usable row: ``prompt`` is the text fed to the model (after the chat template), ``prompt_ids`` its
+    token ids (list of int), ``answer`` the ground truth for the reward, ``source`` = "file:line"."""
+
+    prompt: str
+    prompt_ids: list[int]
+    answer: str
+    source: str
+
+
+@dataclass(frozen=True)
+class BadRow:
+    """A skipped row: where it is ("file:line") and why."""
+
+    source: str
+    reason: str
+
+
+@dataclass
+class PromptDataset:
+    """The usable rows of a file plus an account of the skipped ones."""
+
+    examples: list[PromptExample]
+    bad_rows: list[BadRow] = field(default_factory=list)
+
+    @property
+    def total_rows(self) -> int:
+        return len(self.examples) + len(self.bad_rows)
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, index: int) -> PromptExample:
+        return self.examples[index]
+
+
+class _BadRowError(ValueError):
+    """Raised inside the loader for one row; becomes a BadRow."""
+
+
+def _read_rows(path: Path) -> Iterator[tuple[int, Any]]:
+    """(1-based line or row number, parsed row or a _BadRowError) for each non-blank row of ``path``."""
+    name = path.name.lower()
+    if name.endswith(".parquet"):
+        import pyarrow.parquet as pq  # imported here: only Parquet inputs need it
+
+        for i, row in enumerate(pq.read_table(path).to_pylist(), start=1):
+            yield i, row
+        return
+    opener = gzip.open if name.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as fh:
+        for i, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield i, json.loads(line)
+            except json.JSONDecodeError as exc:
+                yield i, _BadRowError(f"invalid JSON ({exc.msg} at column {exc.colno})")
+
+
+def _field(row: Any, key: str) -> Any:
+    if isinstance(row, _BadRowError):
+        raise row
+    if not isinstance(row, dict):
+        raise _BadRowError(f"row is a JSON {type(row).__name__}, expected an object")
+    if key not in row:
+        raise _BadRowError(f"missing field '{key}' (fields: {', '.join(map(str, row)) or 'none'})")
+    return row[key]
+
+
+def _prompt_text(prompt: str, tokenizer: PromptTokenizer, config: PromptDataConfig) -> tuple[str, bool]:
+    """(model input text, whether the tokenizer should add its special tokens)."""
+    if config.apply_chat_template and getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "user", "content": prompt}]
+        if config.system_prompt:
+            messages.insert(0, {"role": "system", "content": config.system_prompt})
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), False
+    return prompt, True
+
+
+def _example(row: Any, source: str, tokenizer: PromptTokenizer, config: PromptDataConfig) -> PromptExample:
+    prompt = _field(row, config.prompt_key)
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise _BadRowError(
+            f"field '{config.prompt_key}' must be a non-empty string, got {type(prompt).__name__}"
+        )
+    answer = _field(row, config.answer_key)
+    if isinstance(answer, int) and not isinstance(answer, bool):
+        answer = str(answer)
+    if not isinstance(answer, str) or not answer.strip():
+        raise _BadRowError(
+            f"field '{config.answer_key}' must be a non-empty string or an integer, got {type(answer).__name__}"
+        )
+    text, add_special = _prompt_text(prompt, tokenizer, config)
+    try:
+        ids = list(tokenizer.encode(text, add_special_tokens=add_special))
+    except ValueError as exc:
+        raise _BadRowError(f"tokenizer rejected the prompt: {exc}") from exc
+    if config.max_prompt_tokens is not None and len(ids) > config.max_prompt_tokens:
+        raise _BadRowError(f"prompt has {len(ids)} tokens > max_prompt_tokens={config.max_prompt_tokens}")
+    return PromptExample(prompt=text, prompt_ids=ids, answer=answer, source=source)
+
+
+def load_prompts(
+    path: str | Path, tokenizer: PromptTokenizer, config: PromptDataConfig | None = None
+) -> PromptDataset:
+    """Load, validate and tokenize the prompts of ``path`` (.jsonl, .jsonl.gz or .parquet)."""
+    config = config or PromptDataConfig()
+    path = Path(path)
+    if not path.name.lower().endswith(SUFFIXES):
+        raise PromptDataError(f"{path}: unsupported prompt file type; expected one of {', '.join(SUFFIXES)}")
+    if not path.is_file():
+        raise PromptDataError(f"{path}: prompt file not found")
+    dataset = PromptDataset(examples=[])
+    for line, row in _read_rows(path):
+        source = f"{path}:{line}"
+        try:
+            dataset.examples.append(_example(row, source, tokenizer, config))
+        except _BadRowError as exc:
+            dataset.bad_rows.append(BadRow(source, str(exc)))
+            if len(dataset.bad_rows) <= config.report_first:
+                logger.warning("skipping bad prompt row %s: %s", source, exc)
+    if dataset.total_rows == 0:
+        raise PromptDataError(f"{path}: the file has no rows")
+    n_bad = len(dataset.bad_rows)
+    if n_bad:
+        logger.warning("%s: skipped %d of %d rows", path, n_bad, dataset.total_rows)
+    if n_bad / dataset.total_rows > config.max_bad_fraction:
+        first = "; ".join(f"{b.source}: {b.reason}" for b in dataset.bad_rows[: config.report_first])
+        raise PromptDataError(
+            f"{path}: {n_bad} of {dataset.total_rows} rows are bad, more than max_bad_fraction="
+            f"{config.max_bad_fraction}; first: {first}"
+        )
+    return dataset
