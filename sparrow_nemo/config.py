@@ -327,8 +327,11 @@ class SparsityConfig:
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
     #: online schedule adaptation from each step's tail: off, raise budgets, or raise and lower
     adapt: Literal["off", "raise", "raise_and_lower"] = "raise"
-    #: acceptance-rate slack below threshold before a bin counts as failing
-    noise_margin: float = _field(0.01, check=_interval(0, 1, hi_open=True))
+    #: a bin fails only when its tail is below threshold by more than this many standard errors
+    #: of the quantile estimate (binomial confidence bound, TailMismatchScheduler.noise_z)
+    noise_z: float = _field(2.0, check=NON_NEGATIVE)
+    #: bins with fewer tokens than this in a step get no adapt decision
+    min_bin_tokens: int = _field(200, check=AT_LEAST_ONE)
 
     @property
     def min_budget(self) -> int:

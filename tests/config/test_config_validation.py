@@ -294,3 +294,20 @@ def test_calibration_candidates_rules() -> None:
         "sparsity.calibration.candidate_budgets=[64, 72]"
     )
     assert "at least one candidate" in error_of("sparsity.calibration.candidate_budgets=[]")
+
+
+def test_sparsity_section_feeds_the_tail_scheduler() -> None:
+    from sparrow_nemo.callbacks.tail_scheduler import TailMismatchScheduler
+
+    sparsity = load_config(None, ["sparsity.adapt=raise_and_lower", "sparsity.noise_z=1.5"]).sparsity
+    scheduler = TailMismatchScheduler(
+        threshold=sparsity.threshold,
+        quantile=sparsity.quantile,
+        mode=sparsity.adapt,
+        candidates=sparsity.calibration.candidate_budgets,
+        bin_tokens=sparsity.bin_tokens,
+        noise_z=sparsity.noise_z,
+        min_bin_tokens=sparsity.min_bin_tokens,
+        calibrate=sparsity.calibrate,
+    )
+    assert (scheduler.mode, scheduler.threshold) == ("raise_and_lower", 0.86)
