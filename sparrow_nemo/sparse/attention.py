@@ -23,6 +23,7 @@ __all__ = [
     "decode_attention",
     "page_centroids",
     "select_pages",
+    "select_pages_from_centroids",
     "selected_page_count",
     "selected_token_mask",
     "sparse_decode_attention",
@@ -36,31 +37,34 @@ def _check_page_args(page_size: int, sink_pages: int = 0, local_pages: int = 0) 
         raise ValueError(f"sink_pages and local_pages must be >= 0, got {sink_pages} and {local_pages}")
 
 
-def _check_cache(k_cache: torch.Tensor, seq_len: torch.Tensor, name: str = "k_cache") -> None:
-    if k_cache.dim() != 4:
-        raise ValueError(f"{name} must be [B, Hkv, L, D], got shape {tuple(k_cache.shape)}")
-    batch, _, max_len, _ = k_cache.shape
+def _check_seq_len(seq_len: torch.Tensor, batch: int) -> None:
     if seq_len.shape != (batch,):
         raise ValueError(f"seq_len must be [B]=[{batch}], got shape {tuple(seq_len.shape)}")
     if seq_len.dtype.is_floating_point or seq_len.dtype == torch.bool:
         raise ValueError(f"seq_len must be an integer tensor, got {seq_len.dtype}")
-    if batch and (int(seq_len.min()) < 0 or int(seq_len.max()) > max_len):
-        raise ValueError(
-            f"seq_len must lie in [0, L={max_len}] ({name} length), got values in "
-            f"[{int(seq_len.min())}, {int(seq_len.max())}]"
-        )
+    if batch and int(seq_len.min()) < 0:
+        raise ValueError(f"seq_len must be >= 0 tokens, got min {int(seq_len.min())}")
 
 
-def _check_query(q: torch.Tensor, k_cache: torch.Tensor) -> int:
-    """Validate q [B, Hq, D] against k_cache [B, Hkv, L, D]; return the GQA group size G."""
+def _check_cache(k_cache: torch.Tensor, seq_len: torch.Tensor) -> None:
+    if k_cache.dim() != 4:
+        raise ValueError(f"k_cache must be [B, Hkv, L, D], got shape {tuple(k_cache.shape)}")
+    batch, _, max_len, _ = k_cache.shape
+    _check_seq_len(seq_len, batch)
+    if batch and int(seq_len.max()) > max_len:
+        raise ValueError(f"seq_len must be <= L={max_len} (k_cache length), got max {int(seq_len.max())}")
+
+
+def _check_query(q: torch.Tensor, keys: torch.Tensor) -> int:
+    """Validate q [B, Hq, D] against keys or centroids [B, Hkv, *, D]; return the GQA group size G."""
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D], got shape {tuple(q.shape)}")
     batch, num_q_heads, head_dim = q.shape
-    kb, num_kv_heads, _, kd = k_cache.shape
+    kb, num_kv_heads, _, kd = keys.shape
     if batch != kb or head_dim != kd:
         raise ValueError(
-            f"q [B, Hq, D]={tuple(q.shape)} does not match k_cache [B, Hkv, L, D]={tuple(k_cache.shape)} "
-            "in B or D"
+            f"q [B, Hq, D]={tuple(q.shape)} does not match the keys/centroids [B, Hkv, *, D]="
+            f"{tuple(keys.shape)} in B or D"
         )
     if num_kv_heads == 0 or num_q_heads % num_kv_heads:
         raise ValueError(f"q heads Hq={num_q_heads} must be a multiple of KV heads Hkv={num_kv_heads}")
@@ -169,18 +173,48 @@ def select_pages(
         [B, Hkv, n] int64 logical page indices, ascending per row, padded with -1 at the end;
         n = the largest kept-page count over the batch (0 when nothing is kept).
     """
+    centroids = page_centroids(k_cache, seq_len, page_size)
+    return select_pages_from_centroids(
+        q, centroids, seq_len, budget_tokens, page_size, sink_pages, local_pages
+    )
+
+
+def select_pages_from_centroids(
+    q: torch.Tensor,
+    centroids: torch.Tensor,
+    seq_len: torch.Tensor,
+    budget_tokens: int | torch.Tensor,
+    page_size: int = 16,
+    sink_pages: int = 1,
+    local_pages: int = 2,
+) -> torch.Tensor:
+    """:func:`select_pages` given the page centroids (e.g. the paged cache's incremental ones).
+
+    Args:
+        q: [B, Hq, D] queries; centroids: [B, Hkv, P, D] page-mean keys with
+            P >= ceil(max(seq_len) / page_size) (entries of pages past seq_len are ignored);
+        seq_len: [B] integer tokens; budget_tokens: int or [B] integer tokens.
+
+    Returns:
+        [B, Hkv, n] int64 logical page indices, ascending, -1 padded (as :func:`select_pages`).
+    """
     _check_page_args(page_size, sink_pages, local_pages)
-    _check_cache(k_cache, seq_len)
-    group = _check_query(q, k_cache)
-    batch, num_kv_heads, max_len, head_dim = k_cache.shape
-    device = k_cache.device
+    if centroids.dim() != 4:
+        raise ValueError(f"centroids must be [B, Hkv, P, D], got shape {tuple(centroids.shape)}")
+    batch, num_kv_heads, num_pages, head_dim = centroids.shape
+    _check_seq_len(seq_len, batch)
+    if batch and int(seq_len.max()) > num_pages * page_size:
+        raise ValueError(
+            f"centroids hold P={num_pages} pages of {page_size} tokens, fewer than seq_len max "
+            f"{int(seq_len.max())} needs"
+        )
+    group = _check_query(q, centroids)
+    device = centroids.device
     seq_len = seq_len.to(device=device, dtype=torch.int64)
     budget_pages = _budget_tensor(budget_tokens, batch, device) // page_size
-    num_pages = math.ceil(max_len / page_size)
 
-    centroids = page_centroids(k_cache, seq_len, page_size)  # [B, Hkv, P, D] fp32
     q_mean = q.float().view(batch, num_kv_heads, group, head_dim).mean(dim=2)  # [B, Hkv, D]
-    scores = torch.einsum("bhd,bhpd->bhp", q_mean, centroids)  # [B, Hkv, P]
+    scores = torch.einsum("bhd,bhpd->bhp", q_mean, centroids.float())  # [B, Hkv, P]
 
     page = torch.arange(num_pages, device=device)[None, :]  # [1, P]
     n_pages = ((seq_len + page_size - 1) // page_size)[:, None]  # [B, 1]

@@ -16,6 +16,7 @@ from sparrow_nemo.sparse.attention import (
     decode_attention,
     page_centroids,
     select_pages,
+    select_pages_from_centroids,
     selected_page_count,
     selected_token_mask,
     sparse_decode_attention,
@@ -159,6 +160,22 @@ def test_gqa_group_mean_decides_selection():
     assert select_pages(q, k, torch.tensor([32]), 4 * page, page).tolist() == [[[0, 2, 6, 7]]]
     q = torch.tensor([[[1.0, 1.0], [0.0, 1.0]]])  # mean (0.5, 1.0): page 3 scores 0.9, page 2 scores 0.05
     assert select_pages(q, k, torch.tensor([32]), 4 * page, page).tolist() == [[[0, 3, 6, 7]]]
+
+
+def test_selection_from_stored_centroids():
+    """The paged cache path: incrementally averaged centroids, with spare pages past seq_len."""
+    q, k = torch.randn(2, 4, 8), torch.randn(2, 2, 100, 8)
+    seq_len = torch.tensor([100, 61])
+    cents = torch.zeros(2, 2, 9, 8)
+    for b in range(2):
+        for t in range(int(seq_len[b])):  # c <- c + (k - c) / (n + 1)
+            p, n = divmod(t, 16)
+            cents[b, :, p] += (k[b, :, t] - cents[b, :, p]) / (n + 1)
+    cents[:, :, 7:] = 5.0  # pages past every sequence must be ignored
+    got = select_pages_from_centroids(q, cents, seq_len, 64)
+    assert torch.equal(got, select_pages(q, k, seq_len, 64))
+    with pytest.raises(ValueError, match="P=6 pages"):
+        select_pages_from_centroids(q, cents[:, :, :6], seq_len, 64)
 
 
 def test_partial_last_page_centroid_and_empty_pages():
