@@ -113,7 +113,7 @@ def page_centroids(k_cache: torch.Tensor, seq_len: torch.Tensor, page_size: int 
         batch, num_kv_heads, num_pages * page_size, head_dim, dtype=torch.float32, device=k_cache.device
     )
     keys[:, :, :max_len] = k_cache.float()
-    keys = keys * valid[:, None, :, None]
+    keys = keys.masked_fill(~valid[:, None, :, None], 0.0)  # also drops garbage (NaN) past seq_len
     sums = keys.view(batch, num_kv_heads, num_pages, page_size, head_dim).sum(dim=3)
     counts = valid.view(batch, num_pages, page_size).sum(dim=2).clamp(min=1)  # [B, P]
     return sums / counts[:, None, :, None]
@@ -288,6 +288,7 @@ def decode_attention(
     Args:
         q: [B, Hq, D]; k_cache, v_cache: [B, Hkv, L, D]; token_mask: bool [B, Hkv, L] positions
             to attend to (shared by the G query heads of each KV head; at least one per row).
+            Unmasked positions never influence the result, even when they hold NaN or inf.
 
     Returns:
         [B, Hq, D] in q.dtype; scores use scale 1/sqrt(D) and the softmax runs in float32.
@@ -311,7 +312,8 @@ def decode_attention(
     logits = torch.einsum("bhgd,bhld->bhgl", qg, k_cache.float()) / math.sqrt(head_dim)
     logits = logits.masked_fill(~token_mask[:, :, None, :], -math.inf)
     probs = torch.softmax(logits, dim=-1)
-    out = torch.einsum("bhgl,bhld->bhgd", probs, v_cache.float())
+    values = v_cache.float().masked_fill(~token_mask[..., None], 0.0)  # unselected slots may hold garbage
+    out = torch.einsum("bhgl,bhld->bhgd", probs, values)
     return out.reshape(batch, num_kv_heads * group, head_dim).to(q.dtype)
 
 

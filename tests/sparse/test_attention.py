@@ -143,6 +143,18 @@ def test_budget_covering_sequence_equals_sdpa():
             torch.testing.assert_close(out[b], ref, atol=1e-5, rtol=1e-5)
 
 
+def test_garbage_past_seq_len_is_ignored():
+    """Preallocated caches hold anything past seq_len; it must not leak into scores or outputs."""
+    q, k, v = torch.randn(2, 4, 8), torch.randn(2, 2, 64, 8), torch.randn(2, 2, 64, 8)
+    seq_len = torch.tensor([40, 17])
+    clean = sparse_decode_attention(q, k, v, seq_len, 32)
+    k2, v2 = k.clone(), v.clone()
+    for b, n in enumerate(seq_len.tolist()):
+        k2[b, :, n:], v2[b, :, n:] = math.nan, math.inf
+    assert torch.equal(select_pages(q, k2, seq_len, 32), select_pages(q, k, seq_len, 32))
+    assert torch.equal(sparse_decode_attention(q, k2, v2, seq_len, 32), clean)
+
+
 def test_ties_pick_lower_page_index():
     k = torch.ones(1, 1, 160, 4)  # every centroid equal -> every middle score equal
     q = torch.randn(1, 2, 4)
