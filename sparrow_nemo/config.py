@@ -217,20 +217,24 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    """Adam(W) for the policy (megatron-core OptimizerConfig names)."""
+    """Adam(W) for the policy (field names of sparrow_nemo.policy.optim.OptimizerSettings)."""
 
     #: peak learning rate
     lr: float = _field(3e-4, check=POSITIVE)
-    #: decoupled weight decay
-    weight_decay: float = _field(0.01, check=NON_NEGATIVE)
-    #: Adam beta1
-    adam_beta1: float = _field(0.9, check=_interval(0, 1, hi_open=True))
-    #: Adam beta2
-    adam_beta2: float = _field(0.999, check=_interval(0, 1, hi_open=True))
+    #: Adam beta1, beta2
+    betas: tuple[float, ...] = _field((0.9, 0.999), check=_interval(0, 1, hi_open=True))
     #: Adam epsilon
-    adam_eps: float = _field(1e-8, check=POSITIVE)
-    #: global gradient-norm clip; 0 = off
-    clip_grad: float = _field(1.0, check=NON_NEGATIVE)
+    eps: float = _field(1e-8, check=POSITIVE)
+    #: decoupled weight decay (not applied to 1-D weights: the norms)
+    weight_decay: float = _field(0.01, check=NON_NEGATIVE)
+    #: clip the global gradient L2 norm to this; 0 = off
+    grad_clip: float = _field(1.0, check=NON_NEGATIVE)
+    #: megatron's distributed optimizer on GPU (optimizer state sharded over data-parallel ranks)
+    distributed: bool = True
+
+    def check(self) -> None:
+        if len(self.betas) != 2:
+            raise _Problem("betas", "two numbers [beta1, beta2]")
 
 
 @dataclass(frozen=True)
@@ -269,16 +273,16 @@ class RolloutConfig:
     temperature: float = _field(1.0, check=POSITIVE)
     #: nucleus sampling mass
     top_p: float = _field(1.0, check=_interval(0, 1, lo_open=True))
-    #: sample among the k most likely tokens; null = off
-    top_k: int | None = _field(None, check=AT_LEAST_ONE)
-    #: strings that end a sample (besides the model's EOS token)
+    #: sample among the k most likely tokens; 0 = off
+    top_k: int = _field(0, check=NON_NEGATIVE)
+    #: texts that end a response once it contains them
     stop_strings: tuple[str, ...] = ()
-    #: token ids that end a sample (besides the model's EOS token)
-    stop_token_ids: tuple[int, ...] = _field((), check=NON_NEGATIVE)
+    #: token ids that end a response; null = the model's EOS, [] = none
+    stop_token_ids: tuple[int, ...] | None = _field(None, check=NON_NEGATIVE)
     #: base seed of the per-sample sampling generators
     seed: int = _field(0, check=NON_NEGATIVE)
-    #: top log-probabilities returned per position (the acceptance-rate estimate uses 20)
-    top_logprobs: int = _field(20, check=AT_LEAST_ONE)
+    #: top (id, logprob) pairs returned per position (the acceptance-rate estimate uses 20)
+    logprobs_topk: int = _field(20, check=AT_LEAST_ONE)
     #: sequences decoded together (the KV page pool is sized for it)
     max_batch_size: int = _field(64, check=AT_LEAST_ONE)
     #: prompt tokens per prefill chunk
@@ -612,18 +616,18 @@ class SparrowConfig:
     callbacks: tuple[dict[str, Any], ...] = ()
 
     def check(self) -> None:
+        from sparrow_nemo.policy.parallel import LayoutError, ParallelLayout
+
         shape = self.model.shape()
-        tp, pp = self.policy.tensor_model_parallel_size, self.policy.pipeline_model_parallel_size
-        if shape.num_attention_heads % tp or shape.num_key_value_heads % tp:
-            raise _Problem(
-                "policy.tensor_model_parallel_size",
-                f"a divisor of the query heads ({shape.num_attention_heads}) and KV heads "
-                f"({shape.num_key_value_heads}) of the model",
-            )
-        if shape.num_layers % pp:
-            raise _Problem(
-                "policy.pipeline_model_parallel_size", f"a divisor of the model's {shape.num_layers} layers"
-            )
+        policy = self.policy
+        for key, layout in (
+            ("tensor_model_parallel_size", ParallelLayout(tp=policy.tensor_model_parallel_size)),
+            ("pipeline_model_parallel_size", ParallelLayout(pp=policy.pipeline_model_parallel_size)),
+        ):
+            try:
+                layout.validate(shape)
+            except LayoutError as exc:
+                raise _Problem(f"policy.{key}", f"a size that splits the model ({exc})") from None
         if self.sparsity.dense_layers > shape.num_layers:
             raise _Problem("sparsity.dense_layers", f"<= the model's {shape.num_layers} layers")
         context = self.data.max_prompt_tokens + self.rollout.max_new_tokens

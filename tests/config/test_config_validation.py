@@ -9,6 +9,8 @@ import pytest
 
 from sparrow_nemo.config import ConfigError, load_config
 from sparrow_nemo.grpo.losses import PolicyLossConfig
+from sparrow_nemo.policy.optim import OptimizerSettings
+from sparrow_nemo.rollout.engine import SamplingParams
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 
@@ -45,7 +47,7 @@ def error_of(*overrides: str, recipe: str | Path | None = None) -> str:
             "rollout.stop_strings=stop (from command line) - expected a list of strings",
         ),
         ("rollout.stop_strings=[1]", "rollout.stop_strings.0=1 (from command line) - expected a string"),
-        ("rollout.top_k=x", "rollout.top_k=x (from command line) - expected an integer or null"),
+        ("rollout.top_k=x", "rollout.top_k=x (from command line) - expected an integer"),
         (
             "policy.optimizer=3",
             "policy.optimizer=3 (from command line) - expected a mapping of OptimizerConfig keys",
@@ -81,7 +83,7 @@ def test_float_fields_accept_ints_and_exponent_strings() -> None:
         ("grpo.loss.clip_low=-0.1", "expected a number in [0, 1)"),
         ("rollout.temperature=0", "expected a number > 0"),
         ("rollout.top_p=0", "expected a number in (0, 1]"),
-        ("rollout.top_k=0", "expected an integer >= 1"),
+        ("rollout.top_k=-1", "expected an integer >= 0"),
         ("rollout.stop_token_ids=[2, -1]", "expected a list of integers, each >= 0"),
         ("sparsity.page_size=0", "expected an integer >= 1"),
         ("data.max_bad_fraction=1.01", "expected a number in [0, 1]"),
@@ -103,7 +105,7 @@ def test_out_of_range(override: str, expected: str) -> None:
         "rollout.top_p=1",
         "grpo.loss.clip_low=0",
         "data.max_bad_fraction=0",
-        "rollout.top_k=1",
+        "rollout.top_k=0",
         "sparsity.sink_pages=0",
     ],
 )
@@ -142,6 +144,26 @@ def test_loss_section_constructs_the_policy_loss_config() -> None:
     assert dataclasses.asdict(built) == dataclasses.asdict(loss)
 
 
+def test_optimizer_section_constructs_the_policy_optimizer_settings() -> None:
+    optimizer = load_config(
+        None, ["policy.optimizer.betas=[0.8, 0.95]", "policy.optimizer.grad_clip=0"]
+    ).policy.optimizer
+    settings = OptimizerSettings(**dataclasses.asdict(optimizer))
+    assert (settings.betas, settings.grad_clip, settings.lr) == ((0.8, 0.95), 0.0, 3e-4)
+    assert error_of("policy.optimizer.betas=[0.9]").endswith("expected two numbers [beta1, beta2]")
+
+
+def test_rollout_section_constructs_sampling_params() -> None:
+    rollout = load_config(
+        None, ["rollout.top_k=5", "rollout.stop_token_ids=[2]", "rollout.stop_strings=[END]"]
+    ).rollout
+    names = {f.name for f in dataclasses.fields(SamplingParams)}
+    params = SamplingParams(**{k: v for k, v in dataclasses.asdict(rollout).items() if k in names})
+    assert names <= {f.name for f in dataclasses.fields(rollout)}  # every sampling field has a recipe key
+    assert (params.top_k, params.stop_token_ids, params.stop_strings) == (5, (2,), ("END",))
+    assert (params.max_new_tokens, params.logprobs_topk) == (1024, 20)
+
+
 def test_distill_targets_are_hf_linear_names() -> None:
     assert error_of("distill.target_modules=[q_proj, k_prj]") == (
         "config error: distill.target_modules.1=k_prj (from command line) - expected one of 'q_proj', 'k_proj', "
@@ -168,12 +190,14 @@ def test_distill_targets_are_hf_linear_names() -> None:
         ),
         (
             ["policy.tensor_model_parallel_size=4"],
-            "policy.tensor_model_parallel_size=4 (from command line) - expected a divisor of the query heads (4) and KV "
-            "heads (2) of the model",
+            "policy.tensor_model_parallel_size=4 (from command line) - expected a size that splits the model "
+            "(tp=4 does not divide num_key_value_heads=2: each tensor-parallel rank holds whole KV heads (GQA "
+            "groups are not split))",
         ),
         (
             ["policy.pipeline_model_parallel_size=3"],
-            "policy.pipeline_model_parallel_size=3 (from command line) - expected a divisor of the model's 4 layers",
+            "policy.pipeline_model_parallel_size=3 (from command line) - expected a size that splits the model "
+            "(pp=3 does not divide num_layers=4: each pipeline stage holds a whole number of layers)",
         ),
         (
             ["sparsity.dense_layers=5"],
