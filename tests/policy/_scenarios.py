@@ -111,6 +111,18 @@ def logprobs_tp(rank: int, logits: torch.Tensor, targets: torch.Tensor, vocab: i
     dist.destroy_process_group()
 
 
+def roundtrip(rank: int, tp: int, pp: int, tied: bool, ckpt: str, out_file: str) -> None:
+    """Import the HF checkpoint into this layout and export it straight back."""
+    shape = PRESETS["tiny-test"].replace(tie_word_embeddings=tied)
+    layout = ParallelLayout.for_world(int(os.environ["WORLD_SIZE"]), tp=tp, pp=pp)
+    initialize_parallel(layout, shape)
+    model, spec = build_model(shape, layout)
+    load_hf_into_model(model, spec, ckpt)
+    weights = export_hf_state_dict(model, spec)
+    torch.save(weights, f"{out_file}.rank{rank}")
+    destroy_parallel()
+
+
 def train_save_crash(rank: int, tp: int, pp: int, ckpt: str, root: str, out_file: str) -> None:
     """Step 1, save, step 2 (recorded), then die while saving step 2 (shards written, no manifest)."""
     from sparrow_nemo.policy import resume

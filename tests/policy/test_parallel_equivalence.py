@@ -37,8 +37,26 @@ def runs(tmp_path_factory):
     jobs = [("logprobs_tp", free_port(), (logits, targets, LP_VOCAB, str(root)))]
     for name, (tp, pp, tied) in LAYOUTS.items():
         jobs.append(("train_once", free_port(), (tp, pp, tied, str(ckpts[tied]), str(root / f"{name}.pt"))))
+    for name, (tp, pp, tied) in LAYOUTS.items():
+        if name != "dp2":
+            jobs.append(
+                ("roundtrip", free_port(), (tp, pp, tied, str(ckpts[tied]), str(root / f"rt_{name}.pt")))
+            )
     run_distributed(two_rank_suite, 2, jobs)
     return {"root": root, "ckpts": ckpts, "refs": refs, "logits": logits, "targets": targets}
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("layout", ["tp2", "pp2-tied"])
+def test_import_export_round_trip_is_bit_exact(runs, layout):
+    from safetensors.torch import load_file
+
+    original = load_file(str(runs["ckpts"][LAYOUTS[layout][2]] / "model.safetensors"))
+    for rank in range(2):  # the export is returned, complete, on every rank
+        exported = torch.load(runs["root"] / f"rt_{layout}.pt.rank{rank}", weights_only=False)
+        assert set(exported) == set(original)
+        for name, tensor in original.items():
+            assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
 
 
 @pytest.mark.multiproc
