@@ -35,7 +35,7 @@ import types
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Union, get_args, get_origin, get_type_hints
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
@@ -307,7 +307,8 @@ class CalibrationConfig:
 class SparsityConfig:
     """Sparse decode attention during rollout and its schedule (METHOD.md)."""
 
-    #: preset ('qwen3-1.7b-0.86', 'dense', 'fixed:<tokens>'), a schedule YAML path, or 'explicit' (= budgets)
+    #: preset ('qwen3-1.7b-0.86', 'dense', 'fixed:<tokens>'), a schedule YAML path (relative to the working
+    #: directory), or 'explicit' (= budgets, bin_tokens, page_size below)
     schedule: str = "explicit"
     #: budgets per bin in tokens (reserved pages included); read only when schedule=explicit
     budgets: tuple[int, ...] | None = (64, 96, 128, 160, 192, 224, 256)
@@ -461,7 +462,7 @@ class DistillConfig:
     lora_rank: int = _field(8, check=AT_LEAST_ONE)
     #: LoRA alpha (scaling = alpha / rank)
     lora_alpha: float = _field(16.0, check=POSITIVE)
-    #: HF Qwen3 linear names that get an adapter (default: all of them)
+    #: HF Qwen3 linear names that get an adapter (default: all of them, as in the paper)
     target_modules: tuple[str, ...] = (
         "q_proj",
         "k_proj",
@@ -480,25 +481,15 @@ class DistillConfig:
     #: weight of the sparse policy-gradient loss (same advantages as the policy step)
     pg_coef: float = _field(1.0, check=NON_NEGATIVE)
 
-    ALLOWED_TARGETS: ClassVar[tuple[str, ...]] = (
-        "q_proj",
-        "k_proj",
-        "v_proj",
-        "o_proj",
-        "gate_proj",
-        "up_proj",
-        "down_proj",
-    )
-
     def check(self) -> None:
+        from sparrow_nemo.rollout.qwen3_torch import ATTN_LINEARS, MLP_LINEARS
+
+        allowed = ATTN_LINEARS + MLP_LINEARS
         if not self.target_modules:
-            raise _Problem("target_modules", f"at least one of {_choices(self.ALLOWED_TARGETS)}")
+            raise _Problem("target_modules", f"at least one of {_choices(allowed)}")
         for i, name in enumerate(self.target_modules):
-            if name not in self.ALLOWED_TARGETS:
-                raise _Problem(
-                    f"target_modules.{i}",
-                    f"one of {_choices(self.ALLOWED_TARGETS)}{_suggest(name, self.ALLOWED_TARGETS)}",
-                )
+            if name not in allowed:
+                raise _Problem(f"target_modules.{i}", f"one of {_choices(allowed)}{_suggest(name, allowed)}")
         if len(set(self.target_modules)) != len(self.target_modules):
             raise _Problem("target_modules", "each module named once")
         if self.enabled and self.kl_coef == 0 and self.pg_coef == 0:

@@ -335,3 +335,9 @@ def test_sparsity_section_feeds_the_tail_scheduler() -> None:
         calibrate=sparsity.calibrate,
     )
     assert (scheduler.mode, scheduler.threshold) == ("raise_and_lower", 0.86)
+
+
+def test_default_distill_targets_are_every_decoder_linear() -> None:
+    from sparrow_nemo.rollout.qwen3_torch import ATTN_LINEARS, MLP_LINEARS
+
+    assert load_config().distill.target_modules == ATTN_LINEARS + MLP_LINEARS
