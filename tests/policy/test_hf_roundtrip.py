@@ -114,7 +114,7 @@ def test_transformer_engine_names_agree_with_megatron_key_map():
 def test_bad_checkpoints_are_refused_with_the_name(tmp_path):
     hf = _random_hf()
     hf["model.layers.0.mlp.up_proj.weight"] = torch.zeros(3, 3)
-    with pytest.raises(CheckpointFormatError, match="model.layers.0.mlp.up_proj.weight"):
+    with pytest.raises(CheckpointFormatError, match=r"model\.layers\.0\.mlp\.up_proj\.weight"):
         megatron_shard_from_hf(hf, _spec(1, 0))
     del hf["model.layers.0.mlp.up_proj.weight"]
     with pytest.raises(KeyError, match="up_proj"):
@@ -127,5 +127,5 @@ def test_bad_checkpoints_are_refused_with_the_name(tmp_path):
         shape_from_hf_config({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
     with pytest.raises(CheckpointFormatError, match="num_hidden_layers"):
         shape_from_hf_config({k: v for k, v in base.items() if k != "num_hidden_layers"})
-    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+    with pytest.raises(FileNotFoundError, match=r"model\.safetensors"):
         hf_import.SafetensorsDir(tmp_path)
