@@ -1,8 +1,9 @@
 """Attention for the reference engine: dense causal prefill, and decode over the paged KV cache.
 
 Decode has two implementations with the same semantics (sparrow_nemo.sparse.attention):
-- ``torch``: page selection by the method layer on the cache's incrementally maintained centroids,
-  a gather of the selected pages per (sequence, KV head), and the method layer's masked decode attention;
+- ``torch``: the method layer's page selection (``select_pages_from_centroids``) on the cache's
+  incrementally maintained centroids, a gather of the selected pages per (sequence, KV head), and the
+  method layer's masked decode attention;
 - ``triton``: the fused kernels of ``sparrow_kernels`` (select + attend in one call).
 """
 
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from sparrow_nemo.rollout.paged_cache import PagedKVCache
-from sparrow_nemo.sparse.attention import decode_attention, select_pages
+from sparrow_nemo.sparse.attention import decode_attention, select_pages_from_centroids
 
 log = logging.getLogger(__name__)
 
@@ -51,41 +52,6 @@ def all_pages(seq_len: torch.Tensor, num_kv_heads: int, page_size: int) -> torch
     return idx[:, None, :].expand(-1, num_kv_heads, -1)
 
 
-def select_pages_paged(
-    q: torch.Tensor,
-    centroids: torch.Tensor,
-    seq_len: torch.Tensor,
-    budget_tokens: torch.Tensor,
-    page_size: int,
-    sink_pages: int,
-    local_pages: int,
-) -> torch.Tensor:
-    """The method layer's page selection, scored against stored centroids instead of raw keys.
-
-    Each centroid is handed to :func:`sparrow_nemo.sparse.attention.select_pages` as a one-token
-    page (page_size 1), whose mean is the centroid itself, so the rule (sink, local, top-k by
-    GQA-mean query, ties to the lower index, keep-all when the budget covers the sequence) is the
-    method layer's own code, applied to the incrementally maintained centroids of the paged cache.
-
-    Args:
-        q: [B, Hq, D]; centroids: [B, Hkv, n_pages_max, D] float32 (zero past each sequence);
-        seq_len: [B] tokens; budget_tokens: [B] tokens.
-
-    Returns:
-        [B, Hkv, n] int64 logical page indices, ascending, -1 padded.
-    """
-    n_pages = (seq_len.to(torch.int64) + page_size - 1) // page_size
-    return select_pages(
-        q,
-        centroids,
-        n_pages,
-        budget_tokens.to(torch.int64) // page_size,
-        page_size=1,
-        sink_pages=sink_pages,
-        local_pages=local_pages,
-    )
-
-
 def decode_attention_torch(
     q: torch.Tensor,
     cache: PagedKVCache,
@@ -110,7 +76,7 @@ def decode_attention_torch(
         page_idx = all_pages(seq_len, hkv, ps)
     else:
         cent = cache.gather_centroids(layer, block_table, seq_len)
-        page_idx = select_pages_paged(q, cent, seq_len, budget_tokens, ps, sink_pages, local_pages)
+        page_idx = select_pages_from_centroids(q, cent, seq_len, budget_tokens, ps, sink_pages, local_pages)
     k, v, positions = cache.gather(layer, block_table, page_idx)
     mask = (positions >= 0) & (positions < seq_len[:, None, None])
     return decode_attention(q, k, v, mask)

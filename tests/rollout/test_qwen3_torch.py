@@ -1,0 +1,91 @@
+"""The plain-torch Qwen3 decoder against transformers' Qwen3ForCausalLM (fp32, max abs diff < 1e-4)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from sparrow_nemo.rollout import ReferenceRolloutEngine
+from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder, expected_weight_shapes, shape_from_hf_config
+
+TOL = 1e-4
+
+
+def hf_logprobs(path: Path, ids: list[int]) -> torch.Tensor:
+    """[L-1, V] next-token log-probabilities of one sequence from transformers (run alone, no padding)."""
+    from transformers import Qwen3ForCausalLM
+
+    model = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+@pytest.mark.parametrize("fixture", ["hf_dir", "hf_dir_tied"])
+def test_score_matches_transformers_on_unequal_lengths(fixture: str, request: pytest.FixtureRequest) -> None:
+    path = request.getfixturevalue(fixture)
+    engine = ReferenceRolloutEngine.from_hf_dir(path)
+    gen = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(0, engine.shape.vocab_size, (n,), generator=gen).tolist() for n in (37, 5, 20)]
+    scored = engine.score(seqs, topk=20)
+    for ids, got in zip(seqs, scored):
+        ref = hf_logprobs(path, ids)
+        target = torch.tensor(ids[1:])
+        assert got.logprobs.shape == (len(ids) - 1,)
+        assert (got.logprobs - ref.gather(-1, target[:, None])[:, 0]).abs().max() < TOL
+        ref_top, ref_ids = torch.topk(ref, 20, dim=-1)
+        assert (got.top_logprobs - ref_top).abs().max() < TOL
+        # ids agree wherever the top-20 values are not (numerically) tied
+        gap = (ref_top[:, :-1] - ref_top[:, 1:]).abs() > 1e-4
+        assert torch.equal(got.top_ids[:, :-1][gap], ref_ids[:, :-1][gap])
+
+
+def test_decoder_reads_config(hf_dir: Path) -> None:
+    dec = Qwen3Decoder.from_hf_dir(hf_dir)
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    assert dec.shape.num_layers == cfg["num_hidden_layers"]
+    assert dec.shape.rope_theta == 10_000.0
+    assert set(dec.params) == set(expected_weight_shapes(dec.shape))
+
+
+def test_wrong_tensor_shape_names_tensor_and_both_shapes(hf_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text((hf_dir / "config.json").read_text())
+    state = load_file(str(hf_dir / "model.safetensors"))
+    state["model.layers.1.mlp.up_proj.weight"] = torch.zeros(7, 64)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight.*\(7, 64\).*\(128, 64\)"):
+        Qwen3Decoder.from_hf_dir(tmp_path)
+
+
+def test_missing_tensor_and_missing_files_are_clear(hf_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"config\.json"):
+        Qwen3Decoder.from_hf_dir(tmp_path)
+    (tmp_path / "config.json").write_text((hf_dir / "config.json").read_text())
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        Qwen3Decoder.from_hf_dir(tmp_path)
+    state = load_file(str(hf_dir / "model.safetensors"))
+    del state["model.norm.weight"]
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"model\.norm\.weight"):
+        Qwen3Decoder.from_hf_dir(tmp_path)
+
+
+def test_config_without_support_is_rejected() -> None:
+    base = {
+        "num_hidden_layers": 2,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "intermediate_size": 128,
+        "vocab_size": 96,
+    }
+    assert shape_from_hf_config({**base, "eos_token_id": [5, 6]}).eos_token_id == 5
+    with pytest.raises(ValueError, match="rope_type 'yarn'"):
+        shape_from_hf_config({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match="sliding"):
+        shape_from_hf_config({**base, "use_sliding_window": True})
+    with pytest.raises(ValueError, match="'vocab_size'"):
+        shape_from_hf_config({k: v for k, v in base.items() if k != "vocab_size"})

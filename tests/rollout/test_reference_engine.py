@@ -1,0 +1,333 @@
+"""The reference rollout engine against transformers (dense) and a contiguous-cache reference (sparse)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from sparrow_nemo.rollout import (
+    LoraAdapter,
+    ReferenceRolloutEngine,
+    RolloutEngine,
+    SamplingParams,
+)
+from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder, linear_in_out
+from sparrow_nemo.rollout.sampling import sample_seed
+from sparrow_nemo.sparse.attention import sparse_decode_attention
+from sparrow_nemo.sparse.schedule import DENSE_BUDGET, BudgetSchedule
+
+from ._helpers import SHAPE
+
+DENSE = BudgetSchedule.dense()
+TOL = 1e-4
+
+
+def prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, SHAPE.vocab_size, (n,), generator=gen).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def engine(hf_dir: Path) -> ReferenceRolloutEngine:
+    return ReferenceRolloutEngine.from_hf_dir(hf_dir, attention_backend="torch")
+
+
+def greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, temperature=0.0, stop_token_ids=(), **kw)
+
+
+# --------------------------------------------------------------------------- dense == policy
+def test_dense_schedule_logprobs_match_transformers(engine: ReferenceRolloutEngine, hf_dir: Path) -> None:
+    from transformers import Qwen3ForCausalLM
+
+    hf = Qwen3ForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    batch = engine.generate(prompts([21, 4, 40]), SamplingParams(max_new_tokens=24, seed=1), DENSE)
+    worst = 0.0
+    for s in batch.samples:
+        ids = torch.cat([s.prompt_ids, s.response_ids])
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(ids[None]).logits[0].float(), -1)[s.prompt_ids.numel() - 1 : -1]
+        worst = max(worst, float((s.logprobs - ref.gather(-1, s.response_ids[:, None])[:, 0]).abs().max()))
+        worst = max(worst, float((s.top_logprobs - torch.topk(ref, 20, -1).values).abs().max()))
+        assert torch.equal(s.kv_budget, torch.full_like(s.kv_budget, DENSE_BUDGET))
+    assert worst < TOL
+
+
+def test_budget_covering_the_sequence_equals_dense_bit_exactly(engine: ReferenceRolloutEngine) -> None:
+    p = prompts([50, 9])
+    dense = engine.generate(p, SamplingParams(max_new_tokens=20, seed=4), DENSE)
+    wide = engine.generate(
+        p, SamplingParams(max_new_tokens=20, seed=4), BudgetSchedule.from_preset("fixed:96")
+    )
+    for a, b in zip(dense.samples, wide.samples):
+        assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.logprobs, b.logprobs)
+
+
+# --------------------------------------------------------------------------- sparse == method layer
+def contiguous_reference(
+    model: Qwen3Decoder, prompt: list[int], n_new: int, schedule: BudgetSchedule, dense_layers: int
+) -> tuple[list[int], torch.Tensor]:
+    """Greedy decode of one prompt with a growing contiguous cache and the method layer's
+    sparse_decode_attention (centroids recomputed from keys every step). Returns tokens, logprobs."""
+    s = model.shape
+    ids = torch.tensor(prompt)
+    keys: list[torch.Tensor] = []
+    vals: list[torch.Tensor] = []
+    h = model.embed(ids)
+    pos = torch.arange(len(prompt))
+    for layer in range(s.num_layers):
+        q, k, v = model.attention_inputs(layer, h, pos)
+        keys.append(k.transpose(0, 1))  # [Hkv, L, D]
+        vals.append(v.transpose(0, 1))
+        g = s.gqa_group_size
+        att = torch.einsum("qhd,khd->hqk", q, k.repeat_interleave(g, dim=1)) / math.sqrt(s.head_dim)
+        att = att.masked_fill(
+            torch.triu(torch.ones(len(prompt), len(prompt), dtype=torch.bool), 1), -math.inf
+        )
+        out = torch.einsum("hqk,khd->qhd", att.softmax(-1), v.repeat_interleave(g, dim=1))
+        h = model.attention_output(layer, h, out)
+    logits = model.logits(h[-1])
+    tokens, logprobs = [], []
+    for _ in range(n_new):
+        tok = int(logits.argmax())
+        tokens.append(tok)
+        logprobs.append(float(torch.log_softmax(logits, -1)[tok]))
+        if len(tokens) == n_new:
+            break
+        cached = len(prompt) + len(tokens)
+        h = model.embed(torch.tensor([tok]))
+        for layer in range(s.num_layers):
+            q, k, v = model.attention_inputs(layer, h, torch.tensor([cached - 1]))
+            keys[layer] = torch.cat([keys[layer], k.transpose(0, 1)], dim=1)
+            vals[layer] = torch.cat([vals[layer], v.transpose(0, 1)], dim=1)
+            budget = DENSE_BUDGET if layer < dense_layers else schedule.budget(cached)
+            out = sparse_decode_attention(
+                q, keys[layer][None], vals[layer][None], torch.tensor([cached]), budget
+            )
+            h = model.attention_output(layer, h, out)
+        logits = model.logits(h[0])
+    return tokens, torch.tensor(logprobs)
+
+
+@torch.no_grad()
+def test_sparse_decode_equals_contiguous_method_layer_reference(hf_dir: Path) -> None:
+    """Layer 0 dense, layers 1-2 sparse; three prompt lengths, budgets growing with the cached length."""
+    engine = ReferenceRolloutEngine.from_hf_dir(hf_dir, dense_layers=1, attention_backend="torch")
+    schedule = BudgetSchedule(bin_tokens=40, budgets=(48, 64, 80), name="test")
+    p = prompts([70, 6, 33], seed=5)
+    batch = engine.generate(p, greedy(36), schedule)
+    for prompt, s in zip(p, batch.samples):
+        tokens, logprobs = contiguous_reference(engine.model, prompt, 36, schedule, dense_layers=1)
+        assert s.response_ids.tolist() == tokens
+        assert (s.logprobs - logprobs).abs().max() < 1e-5
+    dense = engine.generate(p, greedy(36), DENSE)
+    assert any(not torch.equal(a.logprobs, b.logprobs) for a, b in zip(batch.samples, dense.samples))
+
+
+def test_budgets_switch_exactly_at_bin_boundaries(engine: ReferenceRolloutEngine) -> None:
+    """Same greedy run under fixed:48 and under (48 then 96 from cached length 64 on): identical up to
+    the token sampled at cached length 63, different at cached length 64."""
+    p = prompts([40])
+    low = engine.generate(p, greedy(40), BudgetSchedule.from_preset("fixed:48")).samples[0]
+    step = BudgetSchedule(bin_tokens=64, budgets=(48, 96), name="step")
+    switched = engine.generate(p, greedy(40), step).samples[0]
+    assert switched.cached_len.tolist() == list(range(40, 80))
+    expected = [DENSE_BUDGET] + [48 if c < 64 else 96 for c in range(41, 80)]
+    assert switched.kv_budget.tolist() == expected
+    before = switched.cached_len < 64
+    assert torch.equal(switched.response_ids[before], low.response_ids[before])
+    assert torch.equal(switched.logprobs[before], low.logprobs[before])
+    at = int(torch.nonzero(switched.cached_len == 64))
+    assert switched.logprobs[at] != low.logprobs[at]
+
+
+# --------------------------------------------------------------------------- sampling and batching
+def test_generation_is_deterministic_for_a_seed(engine: ReferenceRolloutEngine) -> None:
+    p = prompts([12, 30])
+    params = SamplingParams(
+        max_new_tokens=30, temperature=0.9, top_p=0.95, top_k=40, seed=7, stop_token_ids=()
+    )
+    a = engine.generate(p, params, BudgetSchedule.from_preset("fixed:32"))
+    b = engine.generate(p, params, BudgetSchedule.from_preset("fixed:32"))
+    other = engine.generate(
+        p, SamplingParams(**{**params.__dict__, "seed": 8}), BudgetSchedule.from_preset("fixed:32")
+    )
+    for x, y, z in zip(a.samples, b.samples, other.samples):
+        assert torch.equal(x.response_ids, y.response_ids) and torch.equal(x.logprobs, y.logprobs)
+        assert not torch.equal(x.response_ids, z.response_ids)
+
+
+def test_mixed_length_batch_equals_each_prompt_alone(engine: ReferenceRolloutEngine) -> None:
+    """Sampled (not greedy) with stop tokens, so samples finish at different steps and leave the batch."""
+    p = prompts([5, 47, 18, 33], seed=2)
+    stops = tuple(range(3, 9))
+    params = SamplingParams(max_new_tokens=40, temperature=1.0, seed=3, stop_token_ids=stops)
+    sched = BudgetSchedule(bin_tokens=32, budgets=(48, 64), name="t")
+    batch = engine.generate(p, params, sched)
+    lengths = [s.response_ids.numel() for s in batch.samples]
+    assert len(set(lengths)) > 1 and any(s.finish_reason == "stop_token" for s in batch.samples)
+    for i, (prompt, s) in enumerate(zip(p, batch.samples)):
+        alone = engine.generate([prompt], params, sched, sample_seeds=[sample_seed(params.seed, i)]).samples[
+            0
+        ]
+        assert torch.equal(alone.response_ids, s.response_ids)
+        assert (alone.logprobs - s.logprobs).abs().max() < 1e-5
+        assert alone.finish_reason == s.finish_reason
+        if s.finish_reason == "stop_token":
+            assert s.stop == int(s.response_ids[-1]) and s.stop in stops
+        else:
+            assert s.finish_reason == "length" and s.response_ids.numel() == 40
+
+
+def test_finished_sequences_leave_the_batch(
+    engine: ReferenceRolloutEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rows: list[int] = []
+    original = engine._decode_step
+
+    def counting(cache, block_table, tokens, seq_len, budgets):
+        rows.append(tokens.shape[0])
+        return original(cache, block_table, tokens, seq_len, budgets)
+
+    monkeypatch.setattr(engine, "_decode_step", counting)
+    params = SamplingParams(max_new_tokens=30, seed=11, stop_token_ids=tuple(range(3, 10)))
+    batch = engine.generate(prompts([8, 8, 8, 8], seed=9), params, DENSE)
+    lengths = [s.response_ids.numel() for s in batch.samples]
+    # every decode step runs exactly the sequences that still need a token
+    assert sum(rows) == sum(n - 1 for n in lengths)
+    assert rows == sorted(rows, reverse=True) and rows[-1] < 4
+
+
+def test_stop_strings_and_length_cap(hf_dir: Path) -> None:
+    class Letters:
+        def decode(self, ids: list[int]) -> str:
+            return "".join(chr(97 + i % 26) for i in ids)
+
+    engine = ReferenceRolloutEngine.from_hf_dir(hf_dir, tokenizer=Letters())
+    p = prompts([10])
+    free = engine.generate(p, greedy(30), DENSE).samples[0]
+    assert free.finish_reason == "length" and free.response_ids.numel() == 30 and free.stop is None
+    text = Letters().decode(free.response_ids.tolist())
+    stop = text[12:14]
+    first = text.index(stop) + len(stop)  # the stop string is complete after this many tokens
+    stopped = engine.generate(p, greedy(30, stop_strings=(stop,)), DENSE).samples[0]
+    assert stopped.finish_reason == "stop_string" and stopped.stop == stop
+    assert stopped.response_ids.tolist() == free.response_ids.tolist()[:first]
+    with pytest.raises(ValueError, match="tokenizer"):
+        ReferenceRolloutEngine(engine.model).generate(p, greedy(3, stop_strings=("x",)), DENSE)
+    capped = ReferenceRolloutEngine(
+        Qwen3Decoder(SHAPE.replace(max_position_embeddings=16), engine.model.params)
+    )
+    assert capped.generate(p, greedy(30), DENSE).samples[0].response_ids.numel() == 6
+
+
+def test_bad_inputs_are_clear_errors(engine: ReferenceRolloutEngine) -> None:
+    with pytest.raises(ValueError, match="prompt 1 has token ids"):
+        engine.generate([[1, 2], [5, 999]], greedy(2), DENSE)
+    with pytest.raises(ValueError, match="prompt 0 must be a non-empty"):
+        engine.generate([[]], greedy(2), DENSE)
+    with pytest.raises(ValueError, match="page_size=32"):
+        engine.generate([[1]], greedy(2), BudgetSchedule(bin_tokens=64, budgets=(64,), page_size=32))
+    with pytest.raises(ValueError, match="attention_backend"):
+        ReferenceRolloutEngine(engine.model, attention_backend="cuda")
+
+
+# --------------------------------------------------------------------------- weights, LoRA, sleep
+def test_update_weights_changes_outputs_and_equals_a_fresh_engine(hf_dir: Path) -> None:
+    engine = ReferenceRolloutEngine.from_hf_dir(hf_dir)
+    other = Qwen3Decoder.random(SHAPE, seed=5)
+    p, params = prompts([9, 20]), SamplingParams(max_new_tokens=16, seed=2)
+    sched = BudgetSchedule.from_preset("fixed:16")
+    before = engine.generate(p, params, sched)
+    storage = engine.model.params["model.layers.0.self_attn.q_proj.weight"].data_ptr()
+    engine.update_weights(other.params)
+    assert engine.model.params["model.layers.0.self_attn.q_proj.weight"].data_ptr() == storage  # in place
+    after = engine.generate(p, params, sched)
+    fresh = ReferenceRolloutEngine(Qwen3Decoder.random(SHAPE, seed=5)).generate(p, params, sched)
+    for a, b, f in zip(before.samples, after.samples, fresh.samples):
+        assert not torch.equal(a.logprobs, b.logprobs)
+        assert torch.equal(b.response_ids, f.response_ids) and torch.equal(b.logprobs, f.logprobs)
+    with pytest.raises(KeyError, match=r"model\.layers\.9"):
+        engine.update_weights({"model.layers.9.mlp.up_proj.weight": torch.zeros(1)})
+    with pytest.raises(ValueError, match=r"model\.norm\.weight.*\(3,\).*\(64,\)"):
+        engine.update_weights({"model.norm.weight": torch.zeros(3)})
+
+
+def random_lora(rank: int = 4, alpha: float = 16.0) -> LoraAdapter:
+    gen = torch.Generator().manual_seed(0)
+    weights = {
+        name: (
+            0.1 * torch.randn(rank, fan_in, generator=gen),
+            0.1 * torch.randn(fan_out, rank, generator=gen),
+        )
+        for name, (fan_in, fan_out) in linear_in_out(SHAPE).items()
+    }
+    return LoraAdapter.from_alpha(weights, alpha)
+
+
+def test_lora_changes_outputs_and_removal_restores_bit_exactly(hf_dir: Path) -> None:
+    engine = ReferenceRolloutEngine.from_hf_dir(hf_dir)
+    p, params, sched = (
+        prompts([14, 3]),
+        SamplingParams(max_new_tokens=12, seed=6),
+        BudgetSchedule.from_preset("fixed:16"),
+    )
+    base = engine.generate(p, params, sched)
+    adapter = random_lora()
+    engine.set_lora(adapter)
+    with_lora = engine.generate(p, params, sched)
+    scored = engine.score([torch.cat([s.prompt_ids, s.response_ids]).tolist() for s in with_lora.samples])
+    engine.set_lora(None)
+    restored = engine.generate(p, params, sched)
+    for b, w, r in zip(base.samples, with_lora.samples, restored.samples):
+        assert not torch.equal(b.logprobs, w.logprobs)
+        assert torch.equal(b.response_ids, r.response_ids) and torch.equal(b.logprobs, r.logprobs)
+    # score() is the dense policy: never uses the adapter
+    plain = engine.score([torch.cat([s.prompt_ids, s.response_ids]).tolist() for s in with_lora.samples])
+    assert all(torch.equal(a.logprobs, b.logprobs) for a, b in zip(scored, plain))
+    # the adapter equals merging W + scaling * B @ A into a copy of the weights
+    merged = dict(engine.model.params)
+    for name, (a, b) in adapter.weights.items():
+        merged[name + ".weight"] = merged[name + ".weight"] + adapter.scaling * b @ a
+    ref = ReferenceRolloutEngine(Qwen3Decoder(SHAPE, merged)).generate(p, params, sched)
+    for w, m in zip(with_lora.samples, ref.samples):
+        assert torch.equal(w.response_ids, m.response_ids) and (w.logprobs - m.logprobs).abs().max() < 1e-5
+
+
+def test_lora_validation_names_module_and_shapes(engine: ReferenceRolloutEngine) -> None:
+    a = torch.zeros(2, 64)
+    with pytest.raises(KeyError, match="lm_head"):
+        engine.set_lora(LoraAdapter({"lm_head": (a, torch.zeros(96, 2))}, 1.0))
+    with pytest.raises(
+        ValueError, match=r"model\.layers\.0\.self_attn\.k_proj.*expected A \[r, 64\] and B \[32, r\]"
+    ):
+        engine.set_lora(LoraAdapter({"model.layers.0.self_attn.k_proj": (a, torch.zeros(64, 2))}, 1.0))
+
+
+def test_sleep_releases_cache_and_wake_restores_generation(hf_dir: Path) -> None:
+    engine = ReferenceRolloutEngine.from_hf_dir(hf_dir)
+    p, params, sched = (
+        prompts([20, 7]),
+        SamplingParams(max_new_tokens=10, seed=1),
+        BudgetSchedule.from_preset("fixed:16"),
+    )
+    before = engine.generate(p, params, sched)
+    assert engine.cache_bytes > 0
+    engine.sleep()
+    assert engine.cache_bytes == 0
+    with pytest.raises(RuntimeError, match="wake"):
+        engine.generate(p, params, sched)
+    engine.wake()
+    assert engine.cache_bytes > 0
+    after = engine.generate(p, params, sched)
+    for a, b in zip(before.samples, after.samples):
+        assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.logprobs, b.logprobs)
+
+
+def test_engine_satisfies_the_protocol(engine: ReferenceRolloutEngine) -> None:
+    assert isinstance(engine, RolloutEngine)
+    batch = engine.generate(prompts([3]), greedy(5), DENSE)
+    assert batch.num_response_tokens == 5 and batch.tokens_per_second() > 0
