@@ -365,4 +365,7 @@ class TailMismatchScheduler(Callback):
             run_dir=self._out_dir(trainer) / "calibration",
         )
         trainer.schedule = result.schedule
+        metrics = {f"calibration/budget/bin_{b}": float(v) for b, v in enumerate(result.schedule.budgets)}
+        metrics["calibration/unsatisfied_bins"] = float(len(result.unsatisfied_bins))
+        trainer.log(metrics)
         logger.info("calibration installed schedule %s", result.schedule.to_dict()["budgets"])

@@ -1,0 +1,178 @@
+"""Calibration pass with the real reference engine on a tiny random Qwen3 (fp32, CPU).
+
+The weights are scaled up so that attention is sharp and dropping pages changes the next-token
+distribution (random 0.02-std weights give alpha ~ 1 at any budget). K = the whole vocabulary, so the
+top-K acceptance rate is exact and can be checked against sum_v min(p, q) computed here from full
+distributions with numpy.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from callback_fakes import FakeTrainer
+
+from sparrow_nemo.callbacks import TailMismatchScheduler
+from sparrow_nemo.callbacks.calibration import rollout_alpha, run_calibration
+from sparrow_nemo.callbacks.calibration_report import CSV_COLUMNS
+from sparrow_nemo.model_shapes import PRESETS
+from sparrow_nemo.rollout import ReferenceRolloutEngine, SamplingParams
+from sparrow_nemo.sparse.schedule import BudgetSchedule
+
+SHAPE = PRESETS["tiny-test"]
+BIN, PROMPT, NEW = 32, 40, 88  # sequences end at 128 tokens: cached lengths 40..127 -> bins 1..3
+CANDIDATES = [48, 64, 96, 128]  # 48 = sink + 2 local pages only; 128 covers every sequence (dense)
+THRESHOLD = 0.9
+SAMPLING = SamplingParams(max_new_tokens=NEW, seed=0, stop_token_ids=(), logprobs_topk=SHAPE.vocab_size)
+SCALE = {"q_proj": 10, "k_proj": 10, "v_proj": 25, "o_proj": 25, "lm_head": 50, "embed_tokens": 25}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Many tiny matmuls: one thread avoids a large slowdown from thread oversubscription on a busy CPU."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def engine() -> ReferenceRolloutEngine:
+    eng = ReferenceRolloutEngine.from_shape(SHAPE, seed=0, dense_layers=0)
+    eng.update_weights(
+        {name: p * s for name, p in eng.model.params.items() for key, s in SCALE.items() if key in name}
+    )
+    return eng
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(3, SHAPE.vocab_size, (PROMPT,), generator=g).tolist() for _ in range(4)]
+
+
+@pytest.fixture(scope="module")
+def calibrated(engine, prompts, tmp_path_factory):
+    out = tmp_path_factory.mktemp("calib")
+    result = run_calibration(engine, prompts, CANDIDATES, SAMPLING, BIN, THRESHOLD, 0.05, 16, out)
+    return result, out
+
+
+def _exact_alpha(engine, prompts, budget: int) -> tuple[np.ndarray, np.ndarray]:
+    """sum_v min(p, q) per response token from full-vocab distributions, aligned by hand."""
+    schedule = BudgetSchedule(bin_tokens=BIN, budgets=(budget,), name="ref")
+    batch = engine.generate(prompts, SAMPLING, schedule)
+    alphas, lens = [], []
+    for s in batch.samples:
+        seq = torch.cat([s.prompt_ids, s.response_ids])
+        dense = engine.score([seq.tolist()], topk=SHAPE.vocab_size)[0]
+        for j in range(s.response_ids.numel()):
+            p = np.zeros(SHAPE.vocab_size)
+            q = np.zeros(SHAPE.vocab_size)
+            p[dense.top_ids[PROMPT - 1 + j].numpy()] = np.exp(
+                dense.top_logprobs[PROMPT - 1 + j].double().numpy()
+            )
+            q[s.top_ids[j].numpy()] = np.exp(s.top_logprobs[j].double().numpy())
+            alphas.append(np.minimum(p, q).sum())
+            lens.append(PROMPT + j)
+        assert s.cached_len.tolist() == list(range(PROMPT, PROMPT + NEW))
+    return np.array(alphas), np.array(lens)
+
+
+def test_rollout_alpha_is_exact_with_full_vocab_and_one_for_dense_budget(engine, prompts) -> None:
+    for budget in (48, 128):
+        batch = engine.generate(
+            prompts, SAMPLING, BudgetSchedule(bin_tokens=BIN, budgets=(budget,), name="x")
+        )
+        alpha, cached = rollout_alpha(engine, batch, SHAPE.vocab_size)
+        ref_alpha, ref_len = _exact_alpha(engine, prompts, budget)
+        np.testing.assert_allclose(alpha.double().numpy(), ref_alpha, atol=1e-5)
+        assert cached.tolist() == ref_len.tolist()
+        if budget == 128:
+            assert float(alpha.min()) > 1 - 1e-4  # budget covers the sequence: sparse == dense
+        else:
+            assert float(alpha.min()) < 0.5  # only sink + local pages: a visibly different policy
+
+
+def test_calibration_picks_the_smallest_passing_budget_per_bin(engine, prompts, calibrated) -> None:
+    result, _ = calibrated
+    tails: dict[int, dict[int, float]] = {}
+    for budget in CANDIDATES:
+        alpha, lens = _exact_alpha(engine, prompts, budget)
+        tails[budget] = {b: float(np.quantile(alpha[lens // BIN == b], 0.05)) for b in np.unique(lens // BIN)}
+        for b, v in tails[budget].items():
+            assert result.tails[budget][b] == pytest.approx(v, abs=1e-5)
+            assert result.counts[budget][b] == int((lens // BIN == b).sum())
+    expected = []
+    for b in (1, 2, 3):
+        passing = min(c for c in CANDIDATES if tails[c][b] >= THRESHOLD)
+        expected.append(max([passing, *expected]))
+    expected = [expected[0], *expected]  # bin 0 has no tokens: takes the first calibrated bin's budget
+    assert list(result.schedule.budgets) == expected
+    assert len(set(expected)) > 1  # the pass discriminates between budgets on this model
+    assert result.schedule.bin_tokens == BIN and result.unsatisfied_bins == ()
+
+
+def test_calibration_files(calibrated) -> None:
+    result, out = calibrated
+    assert json.loads((out / "calibration_table.json").read_text()) == json.loads(
+        json.dumps(result.to_dict())
+    )
+    assert BudgetSchedule.from_yaml(out / "schedule.yaml") == result.schedule
+    with (out / "calibration_table.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert tuple(rows[0]) == CSV_COLUMNS
+    assert len(rows) == sum(len(c) for c in result.counts.values())
+    for row in rows:
+        budget, b = int(row["budget"]), int(row["bin"])
+        assert float(row["tail"]) == pytest.approx(result.tails[budget][b], abs=1e-6)
+        assert row["passes"] == str(int(result.tails[budget][b] >= THRESHOLD))
+        assert row["chosen"] == str(int(result.schedule.budget(b * BIN) == budget))
+    assert "threshold 0.9" in (out / "calibration_table.txt").read_text()
+    png = (out / "calibration_tail.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+
+
+@dataclass
+class CalibratingFakeTrainer(FakeTrainer):
+    """FakeTrainer plus what calibrate=True needs."""
+
+    rollout_engine: object = None
+    sampling: object = None
+    calibration_prompts: list = field(default_factory=list)
+
+
+def test_scheduler_calibrates_on_start_but_not_on_resume(engine, prompts, calibrated, tmp_path: Path) -> None:
+    result, _ = calibrated
+    trainer = CalibratingFakeTrainer(
+        BudgetSchedule.dense(bin_tokens=BIN),
+        tmp_path,
+        rollout_engine=engine,
+        sampling=SAMPLING,
+        calibration_prompts=prompts,
+    )
+    scheduler = TailMismatchScheduler(threshold=THRESHOLD, candidates=CANDIDATES, calibrate=True)
+    scheduler.on_train_start(trainer)
+    assert trainer.schedule == result.schedule
+    assert trainer.logged[0]["calibration/budget/bin_3"] == result.schedule.budgets[3]
+    assert (tmp_path / "sparsity" / "calibration" / "calibration_tail.png").is_file()
+
+    resumed = CalibratingFakeTrainer(
+        BudgetSchedule.dense(bin_tokens=BIN), tmp_path / "r"
+    )  # no engine: must not calibrate
+    again = TailMismatchScheduler(threshold=THRESHOLD, candidates=CANDIDATES, calibrate=True)
+    again.on_load_checkpoint(resumed, scheduler.on_save_checkpoint(trainer))
+    again.on_train_start(resumed)
+    assert resumed.schedule == result.schedule
+
+
+def test_calibrate_needs_engine_on_the_trainer(tmp_path) -> None:
+    scheduler = TailMismatchScheduler(calibrate=True)
+    with pytest.raises(TypeError, match="rollout_engine, sampling, calibration_prompts"):
+        scheduler.on_train_start(FakeTrainer(BudgetSchedule.dense(), tmp_path))
