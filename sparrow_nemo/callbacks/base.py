@@ -7,7 +7,7 @@ The trainer calls, once per run / step, in this order::
               [on_validation_end(trainer, metrics)] [on_save_checkpoint(trainer) -> state]
     on_train_end(trainer)
 
-and ``on_load_checkpoint(trainer, state)`` when it resumes. A callback changes the sparsity of the
+and, when it resumes, ``on_load_checkpoint(trainer, state)`` before ``on_train_start``. A callback changes the sparsity of the
 next rollout by assigning ``trainer.schedule``; it reports numbers with ``trainer.log(metrics)``.
 """
 

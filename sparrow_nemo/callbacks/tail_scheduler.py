@@ -104,20 +104,20 @@ class TailMismatchScheduler(Callback):
         calibrate: bool = False,
         write_files: bool = True,
     ) -> None:
-        checks = {
-            "threshold": 0.0 < threshold < 1.0,
-            "quantile": 0.0 < quantile < 1.0,
-            "noise_z": noise_z >= 0.0,
-            "min_bin_tokens": min_bin_tokens >= 1,
-            "lower_margin": lower_margin >= 0.0,
-            "patience": patience >= 1,
-            "collapse_window": collapse_window >= 1,
-            "collapse_drop": 0.0 < collapse_drop < 1.0,
-            "collapse_min_steps": 1 <= collapse_min_steps <= collapse_window,
-        }
-        for name, ok in checks.items():
+        checks = (
+            ("threshold", threshold, 0.0 < threshold < 1.0),
+            ("quantile", quantile, 0.0 < quantile < 1.0),
+            ("noise_z", noise_z, noise_z >= 0.0),
+            ("min_bin_tokens", min_bin_tokens, min_bin_tokens >= 1),
+            ("lower_margin", lower_margin, lower_margin >= 0.0),
+            ("patience", patience, patience >= 1),
+            ("collapse_window", collapse_window, collapse_window >= 1),
+            ("collapse_drop", collapse_drop, 0.0 < collapse_drop < 1.0),
+            ("collapse_min_steps", collapse_min_steps, 1 <= collapse_min_steps <= collapse_window),
+        )
+        for name, value, ok in checks:
             if not ok:
-                raise ValueError(f"TailMismatchScheduler: invalid {name}={locals()[name]!r}")
+                raise ValueError(f"TailMismatchScheduler: invalid {name}={value!r}")
         if mode not in MODES:
             raise ValueError(f"TailMismatchScheduler: mode={mode!r}, expected one of {', '.join(MODES)}")
         ladder = sorted({int(c) for c in (PAPER_CANDIDATE_BUDGETS if candidates is None else candidates)})
@@ -147,6 +147,25 @@ class TailMismatchScheduler(Callback):
         self._recent: deque[tuple[float, float]] = deque(maxlen=collapse_window)
         self._restored = False
 
+    @classmethod
+    def from_sparsity(cls, sparsity: Any, **overrides: Any) -> TailMismatchScheduler:
+        """Scheduler configured from the recipe's ``sparsity`` section (``sparrow_nemo.config.SparsityConfig``).
+
+        Maps threshold, quantile, adapt -> mode, calibration.candidate_budgets -> candidates, bin_tokens,
+        noise_z, min_bin_tokens and calibrate; ``overrides`` (any constructor argument) win.
+        """
+        kwargs = {
+            "threshold": sparsity.threshold,
+            "quantile": sparsity.quantile,
+            "mode": sparsity.adapt,
+            "candidates": sparsity.calibration.candidate_budgets,
+            "bin_tokens": sparsity.bin_tokens,
+            "noise_z": sparsity.noise_z,
+            "min_bin_tokens": sparsity.min_bin_tokens,
+            "calibrate": sparsity.calibrate,
+        }
+        return cls(**{**kwargs, **overrides})
+
     # ----- names ---------------------------------------------------------------------------
     @property
     def stat_name(self) -> str:
@@ -165,6 +184,11 @@ class TailMismatchScheduler(Callback):
         schedule = trainer.schedule
         if self.bin_tokens is None:
             self.bin_tokens = schedule.bin_tokens
+        if schedule.is_dense and schedule.bin_tokens != self.bin_tokens:  # same behaviour, our bins
+            trainer.schedule = schedule = BudgetSchedule.dense(
+                bin_tokens=self.bin_tokens, page_size=schedule.page_size
+            )
+        self._check_bins(schedule)
         bad = [c for c in self.candidates if c % schedule.page_size]
         if bad:
             raise ValueError(
@@ -178,6 +202,7 @@ class TailMismatchScheduler(Callback):
     ) -> None:
         if self.bin_tokens is None:
             raise RuntimeError("TailMismatchScheduler: on_train_start must run before the first step")
+        self._check_bins(trainer.schedule)
         tails = bin_tails(report.alpha, report.cached_len, self.bin_tokens, self.quantile, self.noise_z)
         decided = [t for t in tails if t.tokens >= self.min_bin_tokens]
         below = [t.bin for t in decided if t.ucb < self.threshold]
@@ -218,6 +243,14 @@ class TailMismatchScheduler(Callback):
         self._recent = deque(((float(r), float(n)) for r, n in state["recent"]), maxlen=self._recent.maxlen)
         self.history = list(state["history"])
         self._restored = True
+
+    def _check_bins(self, schedule: BudgetSchedule) -> None:
+        """The tail bins must be the schedule's bins, or a raised bin would move the wrong budget."""
+        if schedule.bin_tokens != self.bin_tokens:
+            raise ValueError(
+                f"TailMismatchScheduler: bin_tokens={self.bin_tokens} but schedule '{schedule.name}' has "
+                f"bin_tokens={schedule.bin_tokens}; set the scheduler's bin_tokens to the schedule's"
+            )
 
     # ----- decisions -----------------------------------------------------------------------
     def _collapse_reason(self, report: StepReport) -> str:

@@ -251,3 +251,27 @@ def test_bad_setup_errors(tmp_path) -> None:
         TailMismatchScheduler().on_train_batch_end(FakeTrainer(START, tmp_path), make_report(0, {0: OK}), {})
     with pytest.raises(ValueError, match="version"):
         TailMismatchScheduler().on_load_checkpoint(FakeTrainer(START, tmp_path), {"version": 99})
+
+
+def test_from_sparsity_reads_the_recipe_section() -> None:
+    from sparrow_nemo.config import load_config
+
+    sparsity = load_config(None, ["sparsity.adapt=raise_and_lower", "sparsity.threshold=0.9"]).sparsity
+    scheduler = TailMismatchScheduler.from_sparsity(sparsity, patience=5)
+    assert (scheduler.mode, scheduler.threshold, scheduler.patience) == ("raise_and_lower", 0.9, 5)
+    assert scheduler.candidates == sorted(sparsity.calibration.candidate_budgets)
+    assert (scheduler.bin_tokens, scheduler.min_bin_tokens) == (sparsity.bin_tokens, sparsity.min_bin_tokens)
+
+
+def test_bins_must_match_the_schedule(tmp_path) -> None:
+    with pytest.raises(ValueError, match="bin_tokens=128 but schedule 'start' has bin_tokens=100"):
+        _start(tmp_path, bin_tokens=128)
+    scheduler = TailMismatchScheduler(bin_tokens=BIN, mode="raise_and_lower", patience=1, candidates=LADDER)
+    trainer = FakeTrainer(BudgetSchedule.from_preset("dense"), tmp_path)  # 2000-token bins
+    scheduler.on_train_start(trainer)
+    assert trainer.schedule.is_dense and trainer.schedule.bin_tokens == BIN
+    _step(scheduler, trainer, make_report(0, {0: OK}))  # dense -> the largest candidate in bin 0
+    assert trainer.schedule.budgets == (1536, DENSE_BUDGET)
+    trainer.schedule = BudgetSchedule.from_preset("fixed:512")
+    with pytest.raises(ValueError, match="bin_tokens=2000"):
+        _step(scheduler, trainer, make_report(1, {0: OK}))
