@@ -164,6 +164,8 @@ def sparse_decode_split(
     counts: torch.Tensor,
     scale: float | None = None,
     num_splits: int | None = None,
+    pages_per_iter: int = PAGES_PER_ITER,
+    num_warps: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention stage: per-split partial outputs over the selected pages.
 
@@ -173,6 +175,7 @@ def sparse_decode_split(
         page_idx: integer [B, Hkv, n] logical pages to attend, ascending, first counts[b, h] valid.
         counts: integer [B, Hkv] (>= 1 for every row with seq_len >= 1).
         scale: softmax scale, default 1/sqrt(D). num_splits: default ``default_num_splits``.
+        pages_per_iter (power of two), num_warps: launch tuning knobs (the benchmark sweeps them).
 
     Returns:
         (o_part float32 [B, Hq, S, D] softmax-normalised partial outputs per split,
@@ -205,6 +208,10 @@ def sparse_decode_split(
         num_splits = default_num_splits(batch, num_kv_heads, max_pages, device)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if pages_per_iter < 1 or pages_per_iter & (pages_per_iter - 1) or pages_per_iter * page_size < 16:
+        raise ValueError(
+            f"pages_per_iter must be a power of two with pages_per_iter * page_size >= 16, got {pages_per_iter}"
+        )
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
 
     num_q_heads = q.shape[1]
@@ -223,8 +230,8 @@ def sparse_decode_split(
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
         num_kv_heads, num_splits,
         GROUP=group, G_PAD=max(16, next_pow2(group)), D=head_dim, PAGE=page_size,
-        PAGES_PER_ITER=PAGES_PER_ITER, UPCAST=INTERPRETED, IEEE=k_pages.dtype == torch.float32,
-        num_warps=4, num_stages=2,
+        PAGES_PER_ITER=pages_per_iter, UPCAST=INTERPRETED, IEEE=k_pages.dtype == torch.float32,
+        num_warps=num_warps, num_stages=2,
     )  # fmt: skip
     return o_part, lse_part
 
