@@ -79,6 +79,8 @@ def train_once(rank: int, tp: int, pp: int, tied: bool, ckpt: str, out_file: str
                 "grad_norm": result.grad_norm,
                 "metrics": result.metrics,
                 "weights": weights,
+                "numel": sum(p.numel() for p in model.parameters()),
+                "layout": layout,
             },
             out_file,
         )

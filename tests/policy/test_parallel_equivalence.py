@@ -13,6 +13,7 @@ import torch
 from policy._helpers import free_port, make_hf_checkpoint, run_distributed, single_rank_env
 from policy._scenarios import train_once, two_rank_suite
 from sparrow_nemo.model_shapes import PRESETS
+from sparrow_nemo.policy.plan import stage_parameters
 
 ATOL = 1e-5  # fp32, different reduction orders
 LAYOUTS = {"tp2": (2, 1, False), "pp2-tied": (1, 2, True), "dp2": (1, 1, False)}
@@ -102,3 +103,7 @@ def test_two_ranks_match_one(runs, layout):
     init = load_file(str(runs["ckpts"][tied] / "model.safetensors"))
     moved = max((ref["weights"][n] - w).abs().max().item() for n, w in init.items())
     assert moved > 1e-3, "the optimizer step must change the weights"
+    # the planner's parameter count for rank 0 (stage 0, tp rank 0) is what megatron built
+    shape = PRESETS["tiny-test"].replace(tie_word_embeddings=tied)
+    assert got["numel"] == stage_parameters(shape, got["layout"], 0)
+    assert ref["numel"] == stage_parameters(shape, ref["layout"], 0)

@@ -1,0 +1,104 @@
+"""Parallel layout validation and the ``sparrow plan`` report."""
+
+from __future__ import annotations
+
+import pytest
+
+from sparrow_nemo.model_shapes import PRESETS
+from sparrow_nemo.policy.model import padded_vocab_size
+from sparrow_nemo.policy.parallel import LayoutError, ParallelLayout, stage_layer_range
+from sparrow_nemo.policy.plan import GIB, format_plan, plan, stage_parameters
+
+
+@pytest.mark.parametrize(
+    ("world", "tp", "pp", "shape", "message"),
+    [
+        (8, 3, 1, "qwen3-8b", r"tp\*pp = 3\*1 = 3 does not divide the world size 8"),
+        (16, 1, 16, "qwen3-14b", r"pp=16 does not divide num_layers=40"),
+        (16, 16, 1, "qwen3-1.7b", r"tp=16 does not divide num_key_value_heads=8"),
+        (4, 4, 1, "tiny-test", r"tp=4 does not divide num_key_value_heads=2"),
+        (12, 3, 1, "qwen3-4b", r"tp=3 does not divide num_attention_heads=32"),
+    ],
+)
+def test_impossible_layouts_are_refused_with_the_reason(world, tp, pp, shape, message):
+    with pytest.raises(LayoutError, match=message):
+        ParallelLayout.for_world(world, tp=tp, pp=pp).validate(PRESETS[shape], world_size=world)
+
+
+def test_layout_world_mismatch_and_bad_values():
+    with pytest.raises(LayoutError, match="does not match the world size 4"):
+        ParallelLayout(tp=2, pp=1, dp=1).validate(PRESETS["tiny-test"], world_size=4)
+    with pytest.raises(LayoutError, match="tp must be a positive integer"):
+        ParallelLayout.for_world(4, tp=0)
+    assert ParallelLayout.for_world(32, tp=4, pp=2) == ParallelLayout(4, 2, 4)
+    assert list(stage_layer_range(28, 4, 3)) == list(range(21, 28))
+
+
+@pytest.mark.parametrize("name", ["qwen3-0.6b", "qwen3-8b", "tiny-test"])
+@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 2)])
+def test_stage_parameters_add_up_to_the_model(name, tp, pp):
+    """Sum over stages and TP ranks = the model + vocab padding + TP-replicated norms (+ tied copy)."""
+    shape = PRESETS[name]
+    layout = ParallelLayout(tp, pp, 1)
+    total = sum(stage_parameters(shape, layout, s) for s in range(pp)) * tp
+    h, d = shape.hidden_size, shape.head_dim
+    pad = (padded_vocab_size(shape.vocab_size, tp) - shape.vocab_size) * h
+    heads = 1 if shape.tie_word_embeddings else 2
+    replicated_extra = (tp - 1) * (shape.num_layers * (2 * h + 2 * d) + h)
+    tied_copy = shape.vocab_size * h + pad if shape.tie_word_embeddings and pp > 1 else 0
+    assert total == shape.num_parameters() + heads * pad + replicated_extra + tied_copy
+
+
+def test_plan_memory_terms_by_hand():
+    shape = PRESETS["qwen3-8b"]
+    r = plan(
+        shape,
+        4,
+        8,
+        tp=2,
+        pp=2,
+        micro_batch=1,
+        seq_len=4096,
+        dtype="bf16",
+        optimizer="distributed_adam",
+        gpu_memory_gb=141,
+    )
+    params = stage_parameters(shape, r.layout, 0)
+    assert r.layout == ParallelLayout(2, 2, 8)
+    assert r.memory.weights == 2 * params and r.memory.gradients == 4 * params
+    assert r.memory.optimizer == -(-12 * params // 8)
+    full_layer = 5 * 4096 + (2 * 32 + 3 * 8) * 128 // 2 + 3 * 12288 // 2
+    stage0 = full_layer * 2 * 4096 * 18 * 2  # 18 layers, 2 micro-batches in flight on stage 0
+    stage1 = full_layer * 2 * 4096 * 18 + 8 * 4096 * padded_vocab_size(151_936, 2) // 2
+    assert r.memory.activations == max(stage0, stage1)
+    text = format_plan(r)
+    assert "TP=2 PP=2 DP=8" in text and f"{r.memory.total / GIB:8.2f} GiB of 141 GiB" in text
+    rank_lines = [ln for ln in text.splitlines() if ln.startswith("  ") and ln.split()[0].isdigit()]
+    assert len(rank_lines) == 32
+    # rank 31: node 3, gpu 7, tp 1, pp 1, dp 7, the second half of the layers
+    assert rank_lines[-1].split() == ["31", "3", "7", "1", "1", "7", "18-35"]
+
+
+def test_plan_refuses_what_does_not_fit_or_divide():
+    with pytest.raises(LayoutError, match=r"needs .* GiB .* > 80 GiB per GPU"):
+        plan(PRESETS["qwen3-14b"], 4, 8, tp=1, pp=1, micro_batch=1, seq_len=32768, gpu_memory_gb=80)
+    with pytest.raises(LayoutError, match="does not divide num_layers=36"):
+        plan(PRESETS["qwen3-8b"], 4, 8, tp=4, pp=8, micro_batch=1, seq_len=4096)
+    with pytest.raises(LayoutError, match="max_position_embeddings"):
+        plan(PRESETS["qwen3-8b"], 4, 8, tp=8, pp=1, micro_batch=1, seq_len=50_000)
+    with pytest.raises(LayoutError, match="optimizer must be one of"):
+        plan(PRESETS["qwen3-8b"], 4, 8, tp=8, pp=1, micro_batch=1, seq_len=4096, optimizer="lion")
+    fits = plan(
+        PRESETS["qwen3-14b"],
+        4,
+        8,
+        tp=4,
+        pp=2,
+        micro_batch=1,
+        seq_len=32768,
+        gpu_memory_gb=141,
+        recompute=True,
+    )
+    assert fits.memory.total < 141 * GIB
+    cross = plan(PRESETS["qwen3-8b"], 2, 4, tp=8, pp=1, micro_batch=1, seq_len=4096, gpu_memory_gb=141)
+    assert any("spans nodes" in n for n in cross.notes)
