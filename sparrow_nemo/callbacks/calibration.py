@@ -17,7 +17,13 @@ from pathlib import Path
 import torch
 
 from sparrow_nemo.callbacks.calibration_report import write_calibration_outputs
-from sparrow_nemo.rollout.engine import RolloutBatch, RolloutEngine, SamplingParams
+from sparrow_nemo.rollout.engine import (
+    RolloutBatch,
+    RolloutEngine,
+    RolloutSample,
+    SamplingParams,
+    ScoredSequence,
+)
 from sparrow_nemo.sparse.calibrate import CalibrationResult, calibrate_schedule
 from sparrow_nemo.sparse.mismatch import acceptance_rate_topk
 from sparrow_nemo.sparse.schedule import BudgetSchedule
@@ -25,36 +31,45 @@ from sparrow_nemo.sparse.schedule import BudgetSchedule
 logger = logging.getLogger(__name__)
 
 
-def rollout_alpha(engine: RolloutEngine, batch: RolloutBatch, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token acceptance rate of a batch of rollouts against the engine's dense teacher-forced scores.
+def alpha_from_scores(
+    samples: Sequence[RolloutSample], scores: Sequence[ScoredSequence]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token acceptance rate of sparse rollouts against dense teacher-forced scores of the same sequences.
 
     Response token j of a sample with prompt length Lp sits at sequence position Lp + j, so its dense
     distribution is score entry Lp + j - 1 (entry t predicts token t + 1).
 
     Args:
-        engine: scores ``prompt + response`` densely (``engine.score``).
-        batch: the sparse rollouts, with each position's top-K (ids, logprobs) and cached length.
-        topk: K used for the dense side (the rollouts' own K is whatever they hold).
+        samples: the rollouts, each with its top-K (ids, logprobs) and cached length per response token.
+        scores: dense scores of ``prompt + response`` of each sample, same order (any source: the rollout
+            engine's ``score`` or the policy's top-K logprobs).
 
     Returns:
         (alpha [N] float32 in [0, 1], cached_len [N] int64) over all response tokens of all samples.
     """
-    if not batch.samples:
-        raise ValueError("rollout_alpha: the rollout batch holds no samples")
-    sequences = [torch.cat([s.prompt_ids, s.response_ids]).tolist() for s in batch.samples]
-    scores = engine.score(sequences, topk=topk)
+    if len(samples) != len(scores):
+        raise ValueError(f"alpha_from_scores: {len(samples)} samples but {len(scores)} scored sequences")
+    if not samples:
+        raise ValueError("alpha_from_scores: no samples")
     alphas, lens = [], []
-    for index, (sample, scored) in enumerate(zip(batch.samples, scores)):
+    for index, (sample, scored) in enumerate(zip(samples, scores)):
         start, length = sample.prompt_ids.numel() - 1, sample.response_ids.numel()
         dense_ids = scored.top_ids[start : start + length]
         if dense_ids.shape[0] != length:
             raise ValueError(
-                f"rollout_alpha: sample {index}: dense scores cover {dense_ids.shape[0]} of {length} response tokens"
+                f"alpha_from_scores: sample {index}: dense scores cover {dense_ids.shape[0]} of {length} "
+                "response tokens"
             )
         dense_lp = scored.top_logprobs[start : start + length]
         alphas.append(acceptance_rate_topk(dense_ids, dense_lp, sample.top_ids, sample.top_logprobs).float())
         lens.append(sample.cached_len.to(torch.int64))
     return torch.cat(alphas), torch.cat(lens)
+
+
+def rollout_alpha(engine: RolloutEngine, batch: RolloutBatch, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`alpha_from_scores` with the engine's own dense scores (``engine.score``, top-``topk``)."""
+    sequences = [torch.cat([s.prompt_ids, s.response_ids]).tolist() for s in batch.samples]
+    return alpha_from_scores(batch.samples, engine.score(sequences, topk=topk))
 
 
 def run_calibration(

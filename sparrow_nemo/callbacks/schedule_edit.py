@@ -64,3 +64,15 @@ def lower_bin(schedule: BudgetSchedule, bin_index: int, ladder: Sequence[int]) -
     budgets = _budgets_through(schedule, bin_index + 1)
     budgets[bin_index] = max(max(smaller), floor)
     return _rebuilt(schedule, budgets)
+
+
+def pointwise_max(a: BudgetSchedule, b: BudgetSchedule) -> BudgetSchedule:
+    """Per-bin maximum of two schedules with the same bins (monotone inputs give a monotone result)."""
+    if (a.bin_tokens, a.page_size) != (b.bin_tokens, b.page_size):
+        raise ValueError(
+            f"pointwise_max: schedules differ in bin_tokens/page_size: {a.bin_tokens}/{a.page_size} "
+            f"vs {b.bin_tokens}/{b.page_size}"
+        )
+    last = max(len(a.budgets), len(b.budgets)) - 1
+    merged = [max(x, y) for x, y in zip(_budgets_through(a, last), _budgets_through(b, last))]
+    return a if list(a.budgets) == merged else _rebuilt(a, merged)

@@ -7,8 +7,9 @@ length with at least ``min_bin_tokens`` tokens, the tail statistic (p5) and its 
 1. collapse guard: when the mean response length or the mean reward fell by more than ``collapse_drop``
    (a fraction) below its best over the previous ``collapse_window`` steps AND some bin is below the
    threshold, install the dense schedule for the rest of the run and log ``collapse guard: ...``;
-2. ``mode`` ``raise`` / ``raise_and_lower``: each bin below the threshold (``ucb < threshold``) moves up one
-   rung of the budget ladder (later bins are lifted to stay monotone);
+2. ``mode`` ``raise`` / ``raise_and_lower``: each bin below the threshold (``ucb < threshold``) moves one
+   rung of the budget ladder above the budget it was measured at (later bins are lifted to stay monotone;
+   several raised bins combine by per-bin maximum, so a bin is never moved two rungs in one step);
 3. ``mode`` ``raise_and_lower``: a bin whose lower bound stayed above ``threshold + lower_margin`` for
    ``patience`` consecutive steps moves down one rung (never below the previous bin's budget).
 
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from sparrow_nemo.callbacks.base import Callback, StepReport, TrainerLike
-from sparrow_nemo.callbacks.schedule_edit import bin_budget, lower_bin, raise_bin
+from sparrow_nemo.callbacks.schedule_edit import bin_budget, lower_bin, pointwise_max, raise_bin
 from sparrow_nemo.callbacks.tail_stats import BinTail, bin_tails
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET, PAPER_SCHEDULES, RESERVED_PAGES, BudgetSchedule
 
@@ -296,17 +297,17 @@ class TailMismatchScheduler(Callback):
     def _adapt(
         self, trainer: TrainerLike, decided: list[BinTail], below: list[int], actions: list[dict[str, Any]]
     ) -> None:
-        schedule = trainer.schedule
-        for b in below:
+        measured = schedule = trainer.schedule  # the budgets this step's rollouts were generated with
+        for b in below:  # each bin one rung above what it was measured at; combined by per-bin max
             self._above_streak[b] = 0
-            raised = raise_bin(schedule, b, self.ladder)
+            raised = raise_bin(measured, b, self.ladder)
             if raised is None:
-                actions.append({"bin": b, "action": "at_top", "from": bin_budget(schedule, b), "to": None})
+                actions.append({"bin": b, "action": "at_top", "from": bin_budget(measured, b), "to": None})
                 continue
+            schedule = pointwise_max(schedule, raised)
             actions.append(
-                {"bin": b, "action": "raise", "from": bin_budget(schedule, b), "to": bin_budget(raised, b)}
+                {"bin": b, "action": "raise", "from": bin_budget(measured, b), "to": bin_budget(schedule, b)}
             )
-            schedule = raised
         if self.mode == "raise_and_lower":
             well_above = {t.bin for t in decided if t.lcb > self.threshold + self.lower_margin}
             for b in sorted(set(self._above_streak) | well_above):

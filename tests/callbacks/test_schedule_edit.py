@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparrow_nemo.callbacks.schedule_edit import ADAPTED_SUFFIX, bin_budget, lower_bin, raise_bin
+from sparrow_nemo.callbacks.schedule_edit import (
+    ADAPTED_SUFFIX,
+    bin_budget,
+    lower_bin,
+    pointwise_max,
+    raise_bin,
+)
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET, BudgetSchedule
 
 LADDER = [512, 768, 1024, 1536, DENSE_BUDGET]
@@ -91,3 +98,11 @@ def test_raise_and_lower_invariants(case) -> None:
         assert after[b] == max(max(smaller), floor) < before[b]
         assert after[:b] + after[b + 1 :] == before[:b] + before[b + 1 :]
         assert bin_budget(lowered, b) == after[b]
+
+
+def test_pointwise_max() -> None:
+    a, b = _sched(512, 1024), _sched(768, 768, 1536)
+    assert pointwise_max(a, b).budgets == (768, 1024, 1536)
+    assert pointwise_max(a, _sched(512)) is a
+    with pytest.raises(ValueError, match="bin_tokens"):
+        pointwise_max(a, BudgetSchedule(bin_tokens=7, budgets=(512,)))

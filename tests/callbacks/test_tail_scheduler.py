@@ -275,3 +275,12 @@ def test_bins_must_match_the_schedule(tmp_path) -> None:
     trainer.schedule = BudgetSchedule.from_preset("fixed:512")
     with pytest.raises(ValueError, match="bin_tokens=2000"):
         _step(scheduler, trainer, make_report(1, {0: OK}))
+
+
+def test_several_bins_below_move_one_rung_each_from_what_was_measured(tmp_path) -> None:
+    scheduler = TailMismatchScheduler(candidates=LADDER)
+    trainer = FakeTrainer(BudgetSchedule(bin_tokens=BIN, budgets=(512, 512, 512), name="flat"), tmp_path)
+    scheduler.on_train_start(trainer)
+    _step(scheduler, trainer, make_report(0, {1: BAD, 2: BAD}))
+    assert trainer.schedule.budgets == (512, 768, 768)  # not 1024 for bin 2: it was measured at 512
+    assert [a["to"] for a in scheduler.history[-1]["actions"]] == [768, 768]

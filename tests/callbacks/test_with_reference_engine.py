@@ -18,11 +18,12 @@ import pytest
 import torch
 from callback_fakes import FakeTrainer
 
-from sparrow_nemo.callbacks import TailMismatchScheduler
-from sparrow_nemo.callbacks.calibration import rollout_alpha, run_calibration
+from sparrow_nemo.callbacks import StepReport, TailMismatchScheduler
+from sparrow_nemo.callbacks.calibration import alpha_from_scores, rollout_alpha, run_calibration
 from sparrow_nemo.callbacks.calibration_report import CSV_COLUMNS
 from sparrow_nemo.model_shapes import PRESETS
 from sparrow_nemo.rollout import ReferenceRolloutEngine, SamplingParams
+from sparrow_nemo.sparse.mismatch import tail_by_bin
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 SHAPE = PRESETS["tiny-test"]
@@ -176,3 +177,42 @@ def test_calibrate_needs_engine_on_the_trainer(tmp_path) -> None:
     scheduler = TailMismatchScheduler(calibrate=True)
     with pytest.raises(TypeError, match="rollout_engine, sampling, calibration_prompts"):
         scheduler.on_train_start(FakeTrainer(BudgetSchedule.dense(), tmp_path))
+
+
+def test_alpha_from_scores_checks_pairing(engine, prompts) -> None:
+    batch = engine.generate(prompts[:2], SAMPLING, BudgetSchedule(bin_tokens=BIN, budgets=(64,), name="x"))
+    with pytest.raises(ValueError, match="2 samples but 1 scored"):
+        alpha_from_scores(batch.samples, engine.score([prompts[0]]))
+    short = engine.score([prompts[0], prompts[1]])  # prompts only: no response positions
+    with pytest.raises(ValueError, match="sample 0: dense scores cover"):
+        alpha_from_scores(batch.samples, short)
+
+
+def test_online_scheduler_raises_until_every_bin_passes(engine, prompts, tmp_path) -> None:
+    """From the sparsest budget, real rollouts each step; strict rule (noise_z=0): every bin ends >= threshold.
+
+    Observed here: (48,) -> (48, 64, 64, 64) -> (48, 64, 96, 96) -> (48, 64, 96, 128), one rung per failing
+    bin per step; in bins 1-3 (the ones with tokens) the budgets the offline calibration picks.
+    """
+    trainer = FakeTrainer(BudgetSchedule(bin_tokens=BIN, budgets=(48,), name="sparsest"), tmp_path)
+    scheduler = TailMismatchScheduler(
+        threshold=THRESHOLD, candidates=CANDIDATES, noise_z=0.0, min_bin_tokens=16
+    )
+    scheduler.on_train_start(trainer)
+    seen = []
+    for step in range(8):
+        schedule = trainer.schedule
+        seen.append(schedule.budgets)
+        batch = engine.generate(prompts, SAMPLING, schedule)
+        alpha, cached = rollout_alpha(engine, batch, SAMPLING.logprobs_topk)
+        report = StepReport(
+            step, alpha, cached, reward_mean=1.0, response_length_mean=float(NEW), schedule=schedule
+        )
+        scheduler.on_train_batch_end(trainer, report, {})
+        if trainer.schedule == schedule:
+            break
+    assert trainer.schedule == schedule, f"no fixed point in 8 steps: {seen}"
+    assert len(seen) > 2  # it had to raise, more than once
+    final = tail_by_bin(alpha, cached, BIN, 0.05)
+    assert min(final.values()) >= THRESHOLD
+    assert not trainer.schedule.is_dense and max(trainer.schedule.budgets) <= 128  # 128 covers every sequence
