@@ -105,6 +105,47 @@ def _select_pages_kernel(
     tl.store(counts + pid, count)
 
 
+def _check_inputs(
+    q: torch.Tensor, centroids: torch.Tensor, block_table: torch.Tensor, seq_len: torch.Tensor, page_size: int
+) -> int:
+    """Validate the selection inputs; returns the GQA group size G."""
+    _checks.check_page_args(page_size)
+    _checks.check_block_table(block_table)
+    batch = block_table.shape[0]
+    if centroids.dim() != 3:
+        raise ValueError(f"centroids must be float32 [num_pages, Hkv, D], got shape {tuple(centroids.shape)}")
+    num_pages, num_kv_heads, head_dim = centroids.shape
+    _checks.check_head_dim(head_dim)
+    _checks.check_centroids(centroids, num_pages, num_kv_heads, head_dim)
+    group = _checks.check_query(q, num_kv_heads, head_dim)
+    if q.shape[0] != batch:
+        raise ValueError(f"q has batch {q.shape[0]} but block_table has {batch} rows")
+    _checks.check_per_seq("seq_len", seq_len, batch)
+    _checks.check_device(q=q, centroids=centroids, block_table=block_table, seq_len=seq_len)
+    _checks.check_last_dim_contiguous(q=q, centroids=centroids, block_table=block_table)
+    return group
+
+
+def _launch_scores(
+    q: torch.Tensor, centroids: torch.Tensor, block_table: torch.Tensor, seq_len: torch.Tensor, page_size: int,
+    group: int,
+) -> torch.Tensor:  # fmt: skip
+    batch, max_pages = block_table.shape
+    num_kv_heads, head_dim = centroids.shape[1:]
+    scores = torch.empty(batch, num_kv_heads, max_pages, dtype=torch.float32, device=q.device)
+    if scores.numel() == 0:
+        return scores
+    grid = (batch * num_kv_heads, triton.cdiv(max_pages, _SCORE_BLOCK_PAGES))
+    _page_scores_kernel[grid](
+        q, centroids, block_table, seq_len, scores,
+        q.stride(0), q.stride(1), centroids.stride(0), centroids.stride(1), block_table.stride(0),
+        scores.stride(0), scores.stride(1),
+        num_kv_heads, max_pages,
+        GROUP=group, GROUP_POW2=next_pow2(group), D=head_dim, PAGE=page_size, BLOCK_P=_SCORE_BLOCK_PAGES,
+    )  # fmt: skip
+    return scores
+
+
 def page_scores_paged(
     q: torch.Tensor,
     centroids: torch.Tensor,
@@ -124,32 +165,8 @@ def page_scores_paged(
         float32 [B, Hkv, P]: scores[b, h, p] = mean_g q[b, h*G+g] . centroids[block_table[b, p], h],
         -inf for logical pages at or past ceil(seq_len / page_size).
     """
-    _checks.check_page_args(page_size)
-    _checks.check_block_table(block_table)
-    batch, max_pages = block_table.shape
-    if centroids.dim() != 3:
-        raise ValueError(f"centroids must be float32 [num_pages, Hkv, D], got shape {tuple(centroids.shape)}")
-    _, num_kv_heads, head_dim = centroids.shape
-    _checks.check_head_dim(head_dim)
-    _checks.check_centroids(centroids, centroids.shape[0], num_kv_heads, head_dim)
-    group = _checks.check_query(q, num_kv_heads, head_dim)
-    if q.shape[0] != batch:
-        raise ValueError(f"q has batch {q.shape[0]} but block_table has {batch} rows")
-    _checks.check_per_seq("seq_len", seq_len, batch)
-    _checks.check_device(q=q, centroids=centroids, block_table=block_table, seq_len=seq_len)
-    _checks.check_last_dim_contiguous(q=q, centroids=centroids, block_table=block_table)
-    scores = torch.empty(batch, num_kv_heads, max_pages, dtype=torch.float32, device=q.device)
-    if scores.numel() == 0:
-        return scores
-    grid = (batch * num_kv_heads, triton.cdiv(max_pages, _SCORE_BLOCK_PAGES))
-    _page_scores_kernel[grid](
-        q, centroids, block_table, seq_len, scores,
-        q.stride(0), q.stride(1), centroids.stride(0), centroids.stride(1), block_table.stride(0),
-        scores.stride(0), scores.stride(1),
-        num_kv_heads, max_pages,
-        GROUP=group, GROUP_POW2=next_pow2(group), D=head_dim, PAGE=page_size, BLOCK_P=_SCORE_BLOCK_PAGES,
-    )  # fmt: skip
-    return scores
+    group = _check_inputs(q, centroids, block_table, seq_len, page_size)
+    return _launch_scores(q, centroids, block_table, seq_len, page_size, group)
 
 
 def select_from_scores(
@@ -210,8 +227,27 @@ def select_pages_paged(
     Returns:
         (page_idx int32 [B, Hkv, P] logical page indices ascending per row, padded with -1;
          counts int32 [B, Hkv] kept pages per row). P = block_table.shape[1].
+
+    An int budget that covers the block table's capacity (dense layers, the dense schedule) keeps
+    every page without scoring: no centroid is read.
     """
     _checks.check_page_args(page_size, sink_pages, local_pages)
-    scores = page_scores_paged(q, centroids, block_table, seq_len, page_size)
-    budget = _checks.budget_tensor(budget_tokens, q.shape[0], block_table.shape[1] * page_size, q.device)
+    group = _check_inputs(q, centroids, block_table, seq_len, page_size)
+    max_tokens = block_table.shape[1] * page_size
+    if isinstance(budget_tokens, int) and budget_tokens >= max_tokens:
+        return _all_pages(seq_len, centroids.shape[1], block_table.shape[1], page_size)
+    budget = _checks.budget_tensor(budget_tokens, q.shape[0], max_tokens, q.device)
+    scores = _launch_scores(q, centroids, block_table, seq_len, page_size, group)
     return select_from_scores(scores, seq_len, budget, page_size, sink_pages, local_pages)
+
+
+def _all_pages(
+    seq_len: torch.Tensor, num_kv_heads: int, max_pages: int, page_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every page of every sequence: page_idx int32 [B, Hkv, P] = 0..n_pages-1 then -1; counts int32 [B, Hkv]."""
+    n_pages = (seq_len.to(torch.int32) + page_size - 1) // page_size  # [B]
+    pages = torch.arange(max_pages, dtype=torch.int32, device=seq_len.device)
+    page_idx = torch.where(pages[None, :] < n_pages[:, None], pages[None, :], -1)  # [B, P]
+    batch = seq_len.shape[0]
+    return (page_idx[:, None, :].expand(batch, num_kv_heads, max_pages).contiguous(),
+            n_pages[:, None].expand(batch, num_kv_heads).contiguous())  # fmt: skip

@@ -32,7 +32,7 @@ def _check_selection(case: DecodeCase, budget: torch.Tensor | int, **kw: int) ->
     assert torch.equal(counts.long().cpu(), expected_counts[:, None].expand_as(counts).cpu())
 
 
-@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("group", [1, 2, 4, 5, 8])  # 5: Qwen3-14B (40 q heads, 8 KV heads)
 def test_selection_matches_reference_for_gqa_ratios(device: torch.device, group: int) -> None:
     case = random_case(SEQ_LENS, BUDGETS, num_kv_heads=2, group=group, device=device, seed=group)
     _check_selection(case, case.budget)
@@ -43,7 +43,12 @@ def test_selection_budget_edge_cases(device: torch.device) -> None:
     page count keeps all; a huge int (the dense schedule) keeps everything."""
     case = random_case([200, 200, 200, 33], [0, 40, 208, 48], device=device, seed=7)
     _check_selection(case, case.budget)
-    _check_selection(case, 2**40)
+    _check_selection(case, 2**40)  # an int covering the capacity: the no-scoring path
+    dense_idx, dense_counts = select_pages_paged(case.q, case.paged.centroids, case.paged.block_table,
+                                                 case.paged.seq_len, 2**40)  # fmt: skip
+    kernel_idx, kernel_counts = select_pages_paged(case.q, case.paged.centroids, case.paged.block_table,
+                                                   case.paged.seq_len, torch.full_like(case.budget, 2**30))  # fmt: skip
+    assert torch.equal(dense_idx, kernel_idx) and torch.equal(dense_counts, kernel_counts)
     _check_selection(case, 80, sink_pages=2, local_pages=1)
     _check_selection(case, 64, sink_pages=0, local_pages=0)
 
