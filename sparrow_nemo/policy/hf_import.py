@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from sparrow_nemo.model_shapes import Qwen3Shape
-from sparrow_nemo.policy.model import PolicyModelSpec
+from sparrow_nemo.policy.model import PolicyModelSpec, unwrap_model
 from sparrow_nemo.policy.parallel import stage_layer_range
 
 # How a weight is laid out over tensor-parallel ranks.
@@ -297,6 +297,7 @@ def megatron_shard_from_hf(
 @torch.no_grad()
 def load_hf_into_model(model: torch.nn.Module, spec: PolicyModelSpec, hf_dir: str | Path) -> None:
     """Copy an HF Qwen3 checkpoint into this rank's megatron shard (shapes and config checked)."""
+    model = unwrap_model(model)
     reader = SafetensorsDir(hf_dir)
     ckpt_shape = shape_from_hf_config(reader.config())
     if ckpt_shape != spec.shape:
@@ -340,7 +341,7 @@ def export_hf_state_dict(model: torch.nn.Module, spec: PolicyModelSpec) -> dict[
     from megatron.core import parallel_state
 
     tp_group = parallel_state.get_tensor_model_parallel_group()
-    params = dict(model.named_parameters())
+    params = dict(unwrap_model(model).named_parameters())
     local: dict[str, torch.Tensor] = {}
     for key, hf_names, layout in weight_plan(spec):
         shards = (

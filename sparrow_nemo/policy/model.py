@@ -81,6 +81,13 @@ class PolicyModelSpec:
         return self.pp_rank == self.layout.pp - 1
 
 
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The ``GPTModel`` inside wrappers such as megatron's ``DistributedDataParallel`` (``.module`` chain)."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
 def transformer_engine_usable() -> bool:
     """True when a GPU and Transformer Engine are both present."""
     return torch.cuda.is_available() and is_available("transformer_engine")

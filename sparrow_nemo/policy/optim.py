@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from sparrow_nemo.policy.model import unwrap_model
+
 
 @dataclass(frozen=True)
 class OptimizerSettings:
@@ -77,8 +79,7 @@ def sync_grads_cpu(model: torch.nn.Module, tie_embeddings: bool) -> None:
         if tp > 1 and ("q_layernorm" in name or "k_layernorm" in name):
             dist.all_reduce(p.grad, group=tp_group)
     if tie_embeddings and ps.get_pipeline_model_parallel_world_size() > 1 and ps.is_rank_in_embedding_group():
-        inner = model.module if hasattr(model, "module") else model
-        weight = inner.shared_embedding_or_output_weight()
+        weight = unwrap_model(model).shared_embedding_or_output_weight()
         if weight.grad is not None:
             dist.all_reduce(weight.grad, group=ps.get_embedding_group())
 

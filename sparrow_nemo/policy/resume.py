@@ -25,7 +25,7 @@ from sparrow_nemo.policy.checkpoint import (
     sha256_file,
     verify_checkpoint,
 )
-from sparrow_nemo.policy.model import PolicyModelSpec
+from sparrow_nemo.policy.model import PolicyModelSpec, unwrap_model
 
 FORMAT_VERSION = 1
 
@@ -80,7 +80,7 @@ def save_policy_checkpoint(
     dist.barrier()
     staging = partial_dir(root, name)
     payload = {
-        "model": model.state_dict(),
+        "model": unwrap_model(model).state_dict(),
         "optimizer": optimizer.state_dict(),
         "rng": rng_state(),
         "step": step,
@@ -111,7 +111,7 @@ def load_policy_checkpoint(path: str | Path, model: torch.nn.Module, optimizer, 
     if sha256_file(path / file) != manifest["files"][file]:
         raise CheckpointError(f"{path}: '{file}' does not match its sha256 in the manifest")
     payload = torch.load(path / file, map_location="cpu", weights_only=False)
-    model.load_state_dict(payload["model"], strict=True)
+    unwrap_model(model).load_state_dict(payload["model"], strict=True)
     optimizer.load_state_dict(payload["optimizer"])
     set_rng_state(payload["rng"])
     return int(payload["step"])

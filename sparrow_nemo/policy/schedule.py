@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from sparrow_nemo.policy.batch import PolicyBatch
 from sparrow_nemo.policy.logprobs import TOP_K, LogprobOutput, vocab_parallel_logprobs
-from sparrow_nemo.policy.model import PolicyModelSpec
+from sparrow_nemo.policy.model import PolicyModelSpec, unwrap_model
 
 #: loss_fn(outputs, batch) -> (scalar loss for this micro-batch, metrics)
 LossFn = Callable[[LogprobOutput, PolicyBatch], tuple[torch.Tensor, dict[str, float]]]
@@ -47,12 +47,6 @@ def outputs_from_logits(
     return vocab_parallel_logprobs(logits[:, :-1], targets, spec.shape.vocab_size, top_k, tp_group)
 
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(model, "module"):
-        model = model.module
-    return model
-
-
 def _cpu_gpipe(
     model,
     spec: PolicyModelSpec,
@@ -64,7 +58,7 @@ def _cpu_gpipe(
     """Plain torch pipeline (all forward, all backward); returns per-micro-batch results on the last stage."""
     from megatron.core import parallel_state as ps
 
-    inner = _unwrap(model)
+    inner = unwrap_model(model)
     n = len(batches)
     dtype = inner.config.pipeline_dtype or torch.float32
     saved: list[tuple[torch.Tensor | None, torch.Tensor]] = []

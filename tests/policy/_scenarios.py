@@ -12,10 +12,9 @@ from sparrow_nemo.policy.batch import PolicyBatch
 from sparrow_nemo.policy.hf_import import export_hf_state_dict, load_hf_into_model
 from sparrow_nemo.policy.logprobs import LogprobOutput
 from sparrow_nemo.policy.model import build_model
-from sparrow_nemo.policy.optim import OptimizerSettings, wrap_for_training
+from sparrow_nemo.policy.optim import OptimizerSettings
 from sparrow_nemo.policy.parallel import ParallelLayout, destroy_parallel, initialize_parallel
-from sparrow_nemo.policy.schedule import compute_logprobs
-from sparrow_nemo.policy.train_step import train_step
+from sparrow_nemo.policy.policy import MegatronPolicy
 
 SETTINGS = OptimizerSettings(lr=1e-2, eps=1e-3, weight_decay=0.1, grad_clip=0.5)
 NUM_MICRO = 4
@@ -42,16 +41,10 @@ def pg_loss(out: LogprobOutput, batch: PolicyBatch) -> tuple[torch.Tensor, dict[
     return loss, {"entropy": float((out.entropy.detach() * mask).sum() / n)}
 
 
-def _setup(tp: int, pp: int, tied: bool, ckpt: str | None):
+def _setup(tp: int, pp: int, tied: bool, ckpt: str | None) -> MegatronPolicy:
     shape = PRESETS["tiny-test"].replace(tie_word_embeddings=tied)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    layout = ParallelLayout.for_world(world, tp=tp, pp=pp)
-    initialize_parallel(layout, shape)
-    model, spec = build_model(shape, layout)
-    if ckpt is not None:
-        load_hf_into_model(model, spec, ckpt)
-    model, optimizer = wrap_for_training(model, SETTINGS, tied)
-    return shape, layout, model, optimizer, spec
+    layout = ParallelLayout.for_world(int(os.environ.get("WORLD_SIZE", "1")), tp=tp, pp=pp)
+    return MegatronPolicy(shape, layout, SETTINGS, "float32", hf_dir=ckpt)
 
 
 def _my_batches(batches: list[PolicyBatch], layout: ParallelLayout) -> list[PolicyBatch]:
@@ -64,12 +57,12 @@ def _my_batches(batches: list[PolicyBatch], layout: ParallelLayout) -> list[Poli
 
 def train_once(rank: int, tp: int, pp: int, tied: bool, ckpt: str, out_file: str) -> None:
     """Logprobs, one train step over NUM_MICRO micro-batches (split over DP), logprobs again, export."""
-    shape, layout, model, optimizer, spec = _setup(tp, pp, tied, ckpt)
-    batches = make_batches(shape.vocab_size)
-    before = compute_logprobs(model, spec, batches[:2])
-    result = train_step(model, optimizer, spec, _my_batches(batches, layout), pg_loss)
-    after = compute_logprobs(model, spec, batches[:2])
-    weights = export_hf_state_dict(model, spec)
+    policy = _setup(tp, pp, tied, ckpt)
+    batches = make_batches(policy.spec.shape.vocab_size)
+    before = policy.logprobs(batches[:2])
+    result = policy.train_step(_my_batches(batches, policy.spec.layout), pg_loss)
+    after = policy.logprobs(batches[:2])
+    weights = policy.export_hf()
     if rank == 0:
         torch.save(
             {
@@ -79,12 +72,12 @@ def train_once(rank: int, tp: int, pp: int, tied: bool, ckpt: str, out_file: str
                 "grad_norm": result.grad_norm,
                 "metrics": result.metrics,
                 "weights": weights,
-                "numel": sum(p.numel() for p in model.parameters()),
-                "layout": layout,
+                "numel": sum(p.numel() for p in policy.model.parameters()),
+                "layout": policy.spec.layout,
             },
             out_file,
         )
-    destroy_parallel()
+    policy.close()
 
 
 def two_rank_suite(rank: int, jobs: list[tuple]) -> None:
@@ -129,12 +122,12 @@ def train_save_crash(rank: int, tp: int, pp: int, ckpt: str, root: str, out_file
     """Step 1, save, step 2 (recorded), then die while saving step 2 (shards written, no manifest)."""
     from sparrow_nemo.policy import resume
 
-    shape, layout, model, optimizer, spec = _setup(tp, pp, False, ckpt)
-    batches = make_batches(shape.vocab_size, n=2 * NUM_MICRO, seed=11)
-    train_step(model, optimizer, spec, _my_batches(batches[:NUM_MICRO], layout), pg_loss)
-    resume.save_policy_checkpoint(root, 1, model, optimizer, spec)
-    result = train_step(model, optimizer, spec, _my_batches(batches[NUM_MICRO:], layout), pg_loss)
-    weights = export_hf_state_dict(model, spec)
+    policy = _setup(tp, pp, False, ckpt)
+    batches = make_batches(policy.spec.shape.vocab_size, n=2 * NUM_MICRO, seed=11)
+    policy.train_step(_my_batches(batches[:NUM_MICRO], policy.spec.layout), pg_loss)
+    policy.save(root, 1)
+    result = policy.train_step(_my_batches(batches[NUM_MICRO:], policy.spec.layout), pg_loss)
+    weights = policy.export_hf()
     if rank == 0:
         torch.save({"loss": result.loss, "grad_norm": result.grad_norm, "weights": weights}, out_file)
     original = resume.atomic_torch_save
@@ -144,20 +137,19 @@ def train_save_crash(rank: int, tp: int, pp: int, ckpt: str, root: str, out_file
         os._exit(0)  # killed after this rank's shard, before the barrier and the manifest
 
     resume.atomic_torch_save = save_then_die
-    resume.save_policy_checkpoint(root, 2, model, optimizer, spec)
+    policy.save(root, 2)
 
 
 def resume_and_step(rank: int, tp: int, pp: int, root: str, out_file: str) -> None:
     """A fresh process: random init, resume from the latest complete checkpoint, run step 2."""
     from sparrow_nemo.policy.checkpoint import latest_checkpoint
-    from sparrow_nemo.policy.resume import load_policy_checkpoint
 
-    shape, layout, model, optimizer, spec = _setup(tp, pp, False, None)
+    policy = _setup(tp, pp, False, None)
     latest = latest_checkpoint(root)
-    step = load_policy_checkpoint(latest, model, optimizer, spec)
-    batches = make_batches(shape.vocab_size, n=2 * NUM_MICRO, seed=11)
-    result = train_step(model, optimizer, spec, _my_batches(batches[NUM_MICRO:], layout), pg_loss)
-    weights = export_hf_state_dict(model, spec)
+    step = policy.load(latest)
+    batches = make_batches(policy.spec.shape.vocab_size, n=2 * NUM_MICRO, seed=11)
+    result = policy.train_step(_my_batches(batches[NUM_MICRO:], policy.spec.layout), pg_loss)
+    weights = policy.export_hf()
     if rank == 0:
         torch.save(
             {
@@ -169,4 +161,4 @@ def resume_and_step(rank: int, tp: int, pp: int, root: str, out_file: str) -> No
             },
             out_file,
         )
-    destroy_parallel()
+    policy.close()

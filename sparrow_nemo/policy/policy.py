@@ -1,0 +1,80 @@
+"""``MegatronPolicy``: the policy worker's whole API in one object (what GRPO and the CLI call).
+
+It owns this rank's model shard and optimizer; every method is collective over the ranks of the
+run (call it on all of them with the same arguments, except ``batches``, which are per DP rank).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from sparrow_nemo.model_shapes import Qwen3Shape
+from sparrow_nemo.policy.batch import PolicyBatch
+from sparrow_nemo.policy.hf_import import export_hf_state_dict, load_hf_into_model
+from sparrow_nemo.policy.logprobs import TOP_K, LogprobOutput
+from sparrow_nemo.policy.model import build_model, resolve_dtype
+from sparrow_nemo.policy.optim import OptimizerSettings, wrap_for_training
+from sparrow_nemo.policy.parallel import ParallelLayout, destroy_parallel, initialize_parallel
+from sparrow_nemo.policy.resume import load_policy_checkpoint, save_policy_checkpoint
+from sparrow_nemo.policy.schedule import LossFn, compute_logprobs
+from sparrow_nemo.policy.train_step import StepResult, train_step
+
+
+class MegatronPolicy:
+    """A Qwen3 policy under megatron-core with TP/PP/DP.
+
+    Args:
+        shape: the model.
+        layout: tp/pp/dp; must match the running world size (validated with a clear error).
+        settings: optimizer settings.
+        dtype: ``"float32"`` (CPU tests) or ``"bfloat16"`` (GPU).
+        hf_dir: optional Hugging Face Qwen3 checkpoint directory to start from.
+        use_te: Transformer Engine layer spec (``None``: when a GPU and TE are present).
+        fp8: FP8 recipe name for TE (``None``: off).
+        seed: model-parallel RNG seed (used for the random init when there is no ``hf_dir``).
+    """
+
+    def __init__(
+        self,
+        shape: Qwen3Shape,
+        layout: ParallelLayout,
+        settings: OptimizerSettings,
+        dtype: str | torch.dtype = "float32",
+        hf_dir: str | Path | None = None,
+        use_te: bool | None = None,
+        fp8: str | None = None,
+        seed: int = 1234,
+    ) -> None:
+        initialize_parallel(layout, shape, seed=seed)
+        model, self.spec = build_model(shape, layout, dtype, use_te=use_te, fp8=fp8)
+        if hf_dir is not None:
+            load_hf_into_model(model, self.spec, hf_dir)
+        self.model, self.optimizer = wrap_for_training(
+            model, settings, shape.tie_word_embeddings, resolve_dtype(dtype)
+        )
+
+    def logprobs(self, batches: list[PolicyBatch], top_k: int = TOP_K) -> list[LogprobOutput]:
+        """Dense log-probs, entropy and top-k per micro-batch (CPU tensors [B, S-1], on every rank)."""
+        return compute_logprobs(self.model, self.spec, batches, top_k)
+
+    def train_step(self, batches: list[PolicyBatch], loss_fn: LossFn) -> StepResult:
+        """One optimizer step on the mean of ``loss_fn`` over this DP rank's micro-batches (and over DP)."""
+        return train_step(self.model, self.optimizer, self.spec, batches, loss_fn)
+
+    def export_hf(self) -> dict[str, torch.Tensor]:
+        """Full HF-named weights on every rank (for the rollout engine's weight refit)."""
+        return export_hf_state_dict(self.model, self.spec)
+
+    def save(self, root: str | Path, step: int) -> Path:
+        """Atomic model + optimizer + RNG checkpoint ``<root>/step_<step>``."""
+        return save_policy_checkpoint(root, step, self.model, self.optimizer, self.spec)
+
+    def load(self, path: str | Path) -> int:
+        """Resume from a complete checkpoint directory; returns its step."""
+        return load_policy_checkpoint(path, self.model, self.optimizer, self.spec)
+
+    def close(self) -> None:
+        """Tear down megatron's parallel state and the process group."""
+        destroy_parallel()
