@@ -16,6 +16,7 @@ from sparrow_nemo.callbacks.base import (
     TrainerLike,
     instantiate_callbacks,
 )
+from sparrow_nemo.callbacks.calibration import alpha_from_scores, rollout_alpha, run_calibration
 from sparrow_nemo.callbacks.tail_scheduler import TailMismatchScheduler
 
 __all__ = [
@@ -26,5 +27,8 @@ __all__ = [
     "StepReport",
     "TailMismatchScheduler",
     "TrainerLike",
+    "alpha_from_scores",
     "instantiate_callbacks",
+    "rollout_alpha",
+    "run_calibration",
 ]

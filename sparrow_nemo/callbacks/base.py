@@ -231,13 +231,15 @@ def _import_target(where: str, target: Any) -> type:
 
 
 def _check_kwargs(where: str, target: str, cls: type, kwargs: Mapping[str, Any]) -> None:
+    signature = inspect.signature(cls).parameters.values()
     params = {
-        name: param
-        for name, param in inspect.signature(cls).parameters.items()
-        if param.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        p.name: p
+        for p in signature
+        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     }
+    open_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature)
     for key in kwargs:
-        if key not in params:
+        if key not in params and not open_kwargs:
             raise CallbackConfigError(
                 f"{where}: unknown argument '{key}' for {target}{_suggest(key, list(params))} "
                 f"(allowed: {', '.join(params)})"

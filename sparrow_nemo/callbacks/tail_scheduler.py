@@ -30,6 +30,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from sparrow_nemo.callbacks.base import Callback, StepReport, TrainerLike
 from sparrow_nemo.callbacks.schedule_edit import bin_budget, lower_bin, pointwise_max, raise_bin
+from sparrow_nemo.callbacks.tail_report import plot_tail_history
 from sparrow_nemo.callbacks.tail_stats import BinTail, bin_tails
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET, PAPER_SCHEDULES, RESERVED_PAGES, BudgetSchedule
 
@@ -84,7 +85,8 @@ class TailMismatchScheduler(Callback):
         collapse_drop: relative drop (fraction of the running best) that counts as collapsing.
         collapse_min_steps: steps of history needed before the guard can fire.
         calibrate: run the calibration pass in ``on_train_start`` (not on resume).
-        write_files: write ``<run_dir>/sparsity/{tail_history.jsonl,schedule.yaml}``.
+        write_files: write ``<run_dir>/sparsity/``: ``schedule.yaml`` (the schedule in force), ``tail_history.jsonl``
+            (one line per step) and, at the end, ``tail_history.png``.
     """
 
     def __init__(
@@ -220,6 +222,11 @@ class TailMismatchScheduler(Callback):
         self._record(trainer, report, tails, actions, guard_fired)
         if actions:
             self._write_schedule(trainer)
+
+    def on_train_end(self, trainer: TrainerLike) -> None:
+        if self.write_files and self.history:
+            out = self._out_dir(trainer) / "tail_history.png"
+            plot_tail_history(self.history, self.threshold, self.stat_name, out)
 
     def on_save_checkpoint(self, trainer: TrainerLike) -> dict[str, Any]:
         return {

@@ -54,3 +54,10 @@ class RecordingCallback(Callback):
 
     def on_train_end(self, trainer):
         self._rec("on_train_end", trainer)
+
+
+class OpenKwargsCallback(Callback):
+    """Takes any keyword arguments (instantiation must not reject them)."""
+
+    def __init__(self, **options: object) -> None:
+        self.options = options

@@ -124,6 +124,8 @@ def test_instantiate_builds_in_order_with_kwargs() -> None:
     )
     assert isinstance(second, RecordingCallback) and second.name == "r"
     assert len(instantiate_callbacks(None)) == 0
+    (open_cb,) = instantiate_callbacks([{"_target_": "callback_fakes.OpenKwargsCallback", "anything": 1}])
+    assert open_cb.options == {"anything": 1}
 
 
 @pytest.mark.parametrize(

@@ -240,6 +240,20 @@ def test_outputs_written_to_run_dir(tmp_path) -> None:
     lines = (out / "tail_history.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [0, 1, 2]
     assert BudgetSchedule.from_yaml(out / "schedule.yaml") == trainer.schedule
+    scheduler.on_train_end(trainer)
+    assert (out / "tail_history.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_history_plot_handles_dense_and_no_history(tmp_path) -> None:
+    scheduler, trainer = _start(tmp_path / "a")
+    scheduler.on_train_end(trainer)
+    assert not (tmp_path / "a" / "sparsity" / "tail_history.png").exists()
+    scheduler, trainer = _start(tmp_path / "b", collapse_min_steps=1)
+    _step(scheduler, trainer, make_report(0, {0: OK, 3: BAD}, length=100.0))
+    _step(scheduler, trainer, make_report(1, {1: BAD}, length=10.0))
+    assert trainer.schedule.is_dense
+    scheduler.on_train_end(trainer)
+    assert (tmp_path / "b" / "sparsity" / "tail_history.png").stat().st_size > 5000
 
 
 def test_bad_setup_errors(tmp_path) -> None:
