@@ -9,6 +9,7 @@
 
 from sparrow_nemo.callbacks.base import (
     HOOKS,
+    CalibratingTrainer,
     Callback,
     CallbackConfigError,
     CallbackList,
@@ -21,6 +22,7 @@ from sparrow_nemo.callbacks.tail_scheduler import TailMismatchScheduler
 
 __all__ = [
     "HOOKS",
+    "CalibratingTrainer",
     "Callback",
     "CallbackConfigError",
     "CallbackList",

@@ -100,6 +100,22 @@ class TrainerLike(Protocol):
         ...
 
 
+@runtime_checkable
+class CalibratingTrainer(TrainerLike, Protocol):
+    """A trainer that can feed a calibration pass (``TailMismatchScheduler(calibrate=True)``).
+
+    Attributes:
+        rollout_engine: a RolloutEngine (``generate(prompts, sampling, schedule)`` and ``score(...)``).
+        sampling: the sampling parameters the engine takes.
+        calibration_prompts: prompt token ids, one list per calibration sample (repeat a prompt for
+            several samples of it).
+    """
+
+    rollout_engine: Any
+    sampling: Any
+    calibration_prompts: Sequence[Sequence[int]]
+
+
 class Callback:
     """Base class: every hook is a no-op; subclasses override the ones they need."""
 

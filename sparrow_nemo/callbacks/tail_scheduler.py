@@ -26,9 +26,9 @@ import logging
 from collections import deque
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal
 
-from sparrow_nemo.callbacks.base import Callback, StepReport, TrainerLike
+from sparrow_nemo.callbacks.base import CalibratingTrainer, Callback, StepReport, TrainerLike
 from sparrow_nemo.callbacks.schedule_edit import bin_budget, lower_bin, pointwise_max, raise_bin
 from sparrow_nemo.callbacks.tail_report import plot_tail_history
 from sparrow_nemo.callbacks.tail_stats import BinTail, bin_tails
@@ -48,22 +48,6 @@ PAPER_CANDIDATE_BUDGETS: tuple[int, ...] = tuple(
 #: Subfolder of the run directory for this callback's files.
 OUTPUT_SUBDIR = "sparsity"
 _STATE_VERSION = 1
-
-
-@runtime_checkable
-class CalibratingTrainer(TrainerLike, Protocol):
-    """What ``calibrate=True`` needs besides :class:`TrainerLike`.
-
-    Attributes:
-        rollout_engine: a RolloutEngine (``generate(prompts, sampling, schedule)`` and ``score(...)``).
-        sampling: the sampling parameters the engine takes.
-        calibration_prompts: prompt token ids, one list per calibration sample (repeat a prompt for
-            several samples of it).
-    """
-
-    rollout_engine: Any
-    sampling: Any
-    calibration_prompts: Sequence[Sequence[int]]
 
 
 class TailMismatchScheduler(Callback):
@@ -383,7 +367,7 @@ class TailMismatchScheduler(Callback):
         if self.write_files:
             trainer.schedule.to_yaml(self._out_dir(trainer) / "schedule.yaml")
 
-    def _run_calibration(self, trainer: TrainerLike) -> None:
+    def _run_calibration(self, trainer: CalibratingTrainer) -> None:
         from sparrow_nemo.callbacks.calibration import run_calibration
 
         missing = [

@@ -18,7 +18,7 @@ import pytest
 import torch
 from callback_fakes import FakeTrainer
 
-from sparrow_nemo.callbacks import StepReport, TailMismatchScheduler
+from sparrow_nemo.callbacks import CalibratingTrainer, StepReport, TailMismatchScheduler
 from sparrow_nemo.callbacks.calibration import alpha_from_scores, rollout_alpha, run_calibration
 from sparrow_nemo.callbacks.calibration_report import CSV_COLUMNS
 from sparrow_nemo.model_shapes import PRESETS
@@ -158,6 +158,7 @@ def test_scheduler_calibrates_on_start_but_not_on_resume(engine, prompts, calibr
         sampling=SAMPLING,
         calibration_prompts=prompts,
     )
+    assert isinstance(trainer, CalibratingTrainer)
     scheduler = TailMismatchScheduler(threshold=THRESHOLD, candidates=CANDIDATES, calibrate=True)
     scheduler.on_train_start(trainer)
     assert trainer.schedule == result.schedule
