@@ -36,12 +36,10 @@ def check_device(**tensors: torch.Tensor) -> torch.device:
 
 
 def check_last_dim_contiguous(**tensors: torch.Tensor) -> None:
-    """The kernels address the head dimension with stride 1."""
+    """The kernels address the last dimension (head dim, page slot, batch entry) with stride 1."""
     for name, t in tensors.items():
         if t.stride(-1) != 1:
-            raise ValueError(
-                f"{name} must be contiguous in its last (head) dimension, got strides {t.stride()}"
-            )
+            raise ValueError(f"{name} must have stride 1 in its last dimension, got strides {t.stride()}")
 
 
 def check_head_dim(head_dim: int) -> None:

@@ -88,7 +88,7 @@ def append_kv(
     _checks.check_last_dim_contiguous(
         k_pages=k_pages, v_pages=v_pages, centroids=centroids, block_table=block_table
     )
-    _checks.check_last_dim_contiguous(k_new=k_new, v_new=v_new)
+    _checks.check_last_dim_contiguous(k_new=k_new, v_new=v_new, positions=positions)
     if batch == 0:
         return
     _append_kv_kernel[(batch, num_kv_heads)](

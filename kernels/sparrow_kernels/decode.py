@@ -203,7 +203,7 @@ def sparse_decode_split(
         page_idx=page_idx, counts=counts,
     )  # fmt: skip
     _checks.check_last_dim_contiguous(q=q, k_pages=k_pages, v_pages=v_pages, block_table=block_table)
-    _checks.check_last_dim_contiguous(page_idx=page_idx)
+    _checks.check_last_dim_contiguous(page_idx=page_idx, seq_len=seq_len)
     if num_splits is None:
         num_splits = default_num_splits(batch, num_kv_heads, max_pages, device)
     if num_splits < 1:
@@ -246,6 +246,14 @@ def merge_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out_dtype: torch.
     Returns:
         [B, Hq, D] in out_dtype (zeros for a row whose splits are all empty).
     """
+    if o_part.dim() != 4 or o_part.dtype != torch.float32:
+        raise ValueError(f"o_part must be float32 [B, Hq, S, D], got {o_part.dtype} {tuple(o_part.shape)}")
+    if lse_part.shape != o_part.shape[:3] or lse_part.dtype != torch.float32:
+        raise ValueError(
+            f"lse_part must be float32 [B, Hq, S]={tuple(o_part.shape[:3])}, got {lse_part.dtype} {tuple(lse_part.shape)}"
+        )
+    _checks.check_device(o_part=o_part, lse_part=lse_part)
+    _checks.check_last_dim_contiguous(o_part=o_part, lse_part=lse_part)
     batch, num_q_heads, num_splits, head_dim = o_part.shape
     out = torch.empty(batch, num_q_heads, head_dim, dtype=out_dtype, device=o_part.device)
     if out.numel() == 0:

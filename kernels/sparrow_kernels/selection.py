@@ -122,7 +122,7 @@ def _check_inputs(
         raise ValueError(f"q has batch {q.shape[0]} but block_table has {batch} rows")
     _checks.check_per_seq("seq_len", seq_len, batch)
     _checks.check_device(q=q, centroids=centroids, block_table=block_table, seq_len=seq_len)
-    _checks.check_last_dim_contiguous(q=q, centroids=centroids, block_table=block_table)
+    _checks.check_last_dim_contiguous(q=q, centroids=centroids, block_table=block_table, seq_len=seq_len)
     return group
 
 
@@ -187,7 +187,13 @@ def select_from_scores(
         page_idx int32 [B, Hkv, P]: kept logical pages ascending, then -1; counts int32 [B, Hkv].
         The width is P (static, so no device sync is needed to size it); entries past counts are -1.
     """
+    if scores.dim() != 3 or scores.dtype != torch.float32:
+        raise ValueError(f"scores must be float32 [B, Hkv, P], got {scores.dtype} {tuple(scores.shape)}")
     batch, num_kv_heads, max_pages = scores.shape
+    _checks.check_per_seq("seq_len", seq_len, batch)
+    _checks.check_per_seq("budget_tokens", budget_tokens, batch)
+    _checks.check_device(scores=scores, seq_len=seq_len, budget_tokens=budget_tokens)
+    _checks.check_last_dim_contiguous(scores=scores, seq_len=seq_len, budget_tokens=budget_tokens)
     page_idx = torch.empty(batch, num_kv_heads, max_pages, dtype=torch.int32, device=scores.device)
     counts = torch.empty(batch, num_kv_heads, dtype=torch.int32, device=scores.device)
     if counts.numel() == 0:

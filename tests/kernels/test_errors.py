@@ -6,7 +6,14 @@ import pytest
 import sparrow_kernels
 import torch
 from paged import random_case
-from sparrow_kernels import append_kv, select_pages_paged, sparse_decode_attention_paged, sparse_decode_paged
+from sparrow_kernels import (
+    append_kv,
+    merge_splits,
+    select_from_scores,
+    select_pages_paged,
+    sparse_decode_attention_paged,
+    sparse_decode_paged,
+)
 
 
 def test_available_matches_the_import_mode() -> None:
@@ -50,3 +57,17 @@ def test_bad_inputs_name_the_tensor(device: torch.device) -> None:
         append_kv(c.k_pages, c.v_pages, c.centroids, c.block_table, c.seq_len, case.q, case.q[:, :2])
     with pytest.raises(ValueError, match="centroids is on cpu but the other tensors are on meta"):
         select_pages_paged(case.q.to("meta"), c.centroids, c.block_table, c.seq_len, 32)
+
+
+def test_strided_and_stage_inputs_are_checked(device: torch.device) -> None:
+    case = random_case([40, 20], [32, 32], device=device)
+    c = case.paged
+    strided_seq = torch.stack([c.seq_len, c.seq_len], dim=1)[:, 0]  # stride 2
+    with pytest.raises(ValueError, match="seq_len must have stride 1 in its last dimension"):
+        select_pages_paged(case.q, c.centroids, c.block_table, strided_seq, 32)
+    with pytest.raises(ValueError, match=r"lse_part must be float32 \[B, Hq, S\]"):
+        merge_splits(
+            torch.zeros(2, 4, 3, 32, device=device), torch.zeros(2, 4, 2, device=device), torch.float32
+        )
+    with pytest.raises(ValueError, match="scores must be float32"):
+        select_from_scores(torch.zeros(2, 3, device=device), c.seq_len, case.budget)
