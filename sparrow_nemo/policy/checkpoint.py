@@ -137,7 +137,9 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     if not root.is_dir():
         return None
     for child in root.iterdir():
-        if not child.is_dir() or child.name.endswith((PARTIAL_SUFFIX, ".old")):
+        # ``<name>.old`` is a complete earlier save of the same step, kept only if a re-save of that
+        # step died between its two renames: still a valid fallback.
+        if not child.is_dir() or child.name.endswith(PARTIAL_SUFFIX):
             continue
         try:
             step = int(verify_checkpoint(child, check_hashes=False).get("step", -1))

@@ -107,3 +107,17 @@ def test_two_ranks_match_one(runs, layout):
     shape = PRESETS["tiny-test"].replace(tie_word_embeddings=tied)
     assert got["numel"] == stage_parameters(shape, got["layout"], 0)
     assert ref["numel"] == stage_parameters(shape, ref["layout"], 0)
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_tp2_pp2_four_ranks_match_one(runs, tmp_path):
+    """TP and PP together (4 processes): activations cross stages between matching TP ranks."""
+    ckpt = runs["ckpts"][False]
+    run_distributed(train_once, 4, 2, 2, False, str(ckpt), str(tmp_path / "got.pt"))
+    got, ref = torch.load(tmp_path / "got.pt", weights_only=False), runs["refs"][False]
+    for g, r in zip(got["after"], ref["after"], strict=True):
+        torch.testing.assert_close(g.logprobs, r.logprobs, atol=ATOL, rtol=0)
+    assert got["loss"] == pytest.approx(ref["loss"], abs=ATOL)
+    for name, w in ref["weights"].items():
+        torch.testing.assert_close(got["weights"][name], w, atol=ATOL, rtol=0, msg=name)
