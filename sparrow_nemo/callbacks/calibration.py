@@ -2,8 +2,8 @@
 
 For each candidate budget the engine generates the calibration prompts with a fixed-budget schedule, the
 same engine scores the full sequences densely (teacher-forced, no LoRA), and every response token's
-acceptance rate is the union-of-top-K lower bound (``acceptance_rate_topk``) between the dense and the
-sparse top-K at that position. ``sparrow_nemo.sparse.calibrate.calibrate_schedule`` then picks, per bin,
+acceptance rate is the union-of-top-K lower bound between the dense and the sparse top-K at that position
+(:func:`sparrow_nemo.callbacks.rollout_report.rollout_alpha`). ``sparrow_nemo.sparse.calibrate.calibrate_schedule`` then picks, per bin,
 the smallest budget whose tail meets the threshold. Outputs go to ``run_dir`` (see
 :mod:`sparrow_nemo.callbacks.calibration_report`).
 """
@@ -17,59 +17,12 @@ from pathlib import Path
 import torch
 
 from sparrow_nemo.callbacks.calibration_report import write_calibration_outputs
-from sparrow_nemo.rollout.engine import (
-    RolloutBatch,
-    RolloutEngine,
-    RolloutSample,
-    SamplingParams,
-    ScoredSequence,
-)
+from sparrow_nemo.callbacks.rollout_report import rollout_alpha
+from sparrow_nemo.rollout.engine import RolloutEngine, SamplingParams
 from sparrow_nemo.sparse.calibrate import CalibrationResult, calibrate_schedule
-from sparrow_nemo.sparse.mismatch import acceptance_rate_topk
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 logger = logging.getLogger(__name__)
-
-
-def alpha_from_scores(
-    samples: Sequence[RolloutSample], scores: Sequence[ScoredSequence]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token acceptance rate of sparse rollouts against dense teacher-forced scores of the same sequences.
-
-    Response token j of a sample with prompt length Lp sits at sequence position Lp + j, so its dense
-    distribution is score entry Lp + j - 1 (entry t predicts token t + 1).
-
-    Args:
-        samples: the rollouts, each with its top-K (ids, logprobs) and cached length per response token.
-        scores: dense scores of ``prompt + response`` of each sample, same order (any source: the rollout
-            engine's ``score`` or the policy's top-K logprobs).
-
-    Returns:
-        (alpha [N] float32 in [0, 1], cached_len [N] int64) over all response tokens of all samples.
-    """
-    if len(samples) != len(scores):
-        raise ValueError(f"alpha_from_scores: {len(samples)} samples but {len(scores)} scored sequences")
-    if not samples:
-        raise ValueError("alpha_from_scores: no samples")
-    alphas, lens = [], []
-    for index, (sample, scored) in enumerate(zip(samples, scores)):
-        start, length = sample.prompt_ids.numel() - 1, sample.response_ids.numel()
-        dense_ids = scored.top_ids[start : start + length]
-        if dense_ids.shape[0] != length:
-            raise ValueError(
-                f"alpha_from_scores: sample {index}: dense scores cover {dense_ids.shape[0]} of {length} "
-                "response tokens"
-            )
-        dense_lp = scored.top_logprobs[start : start + length]
-        alphas.append(acceptance_rate_topk(dense_ids, dense_lp, sample.top_ids, sample.top_logprobs).float())
-        lens.append(sample.cached_len.to(torch.int64))
-    return torch.cat(alphas), torch.cat(lens)
-
-
-def rollout_alpha(engine: RolloutEngine, batch: RolloutBatch, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`alpha_from_scores` with the engine's own dense scores (``engine.score``, top-``topk``)."""
-    sequences = [torch.cat([s.prompt_ids, s.response_ids]).tolist() for s in batch.samples]
-    return alpha_from_scores(batch.samples, engine.score(sequences, topk=topk))
 
 
 def run_calibration(

@@ -18,8 +18,15 @@ import pytest
 import torch
 from callback_fakes import FakeTrainer
 
-from sparrow_nemo.callbacks import CalibratingTrainer, StepReport, TailMismatchScheduler
-from sparrow_nemo.callbacks.calibration import alpha_from_scores, rollout_alpha, run_calibration
+from sparrow_nemo.callbacks import (
+    CalibratingTrainer,
+    StepReport,
+    TailMismatchScheduler,
+    alpha_from_scores,
+    build_step_report,
+    rollout_alpha,
+    run_calibration,
+)
 from sparrow_nemo.callbacks.calibration_report import CSV_COLUMNS
 from sparrow_nemo.model_shapes import PRESETS
 from sparrow_nemo.rollout import ReferenceRolloutEngine, SamplingParams
@@ -217,3 +224,24 @@ def test_online_scheduler_raises_until_every_bin_passes(engine, prompts, tmp_pat
     final = tail_by_bin(alpha, cached, BIN, 0.05)
     assert min(final.values()) >= THRESHOLD
     assert not trainer.schedule.is_dense and max(trainer.schedule.budgets) <= 128  # 128 covers every sequence
+
+
+def test_build_step_report(engine, prompts) -> None:
+    schedule = BudgetSchedule(bin_tokens=BIN, budgets=(64,), name="x")
+    short = SamplingParams(max_new_tokens=12, seed=3, logprobs_topk=20)
+    batch = engine.generate(prompts[:3], short, schedule)
+    sequences = [torch.cat([s.prompt_ids, s.response_ids]).tolist() for s in batch.samples]
+    scores = engine.score(sequences, topk=20)
+    report = build_step_report(
+        7, batch.samples, scores, [1.0, 0.0, 0.5], schedule, correct=[True, False, False]
+    )
+    alpha, cached = alpha_from_scores(batch.samples, scores)
+    assert torch.equal(report.alpha, alpha) and torch.equal(report.cached_len, cached)
+    assert report.alpha.numel() == sum(s.response_ids.numel() for s in batch.samples)
+    assert (report.step, report.reward_mean, report.accuracy) == (7, 0.5, pytest.approx(1 / 3))
+    assert report.response_length_mean == pytest.approx(
+        np.mean([s.response_ids.numel() for s in batch.samples])
+    )
+    assert report.schedule is schedule
+    with pytest.raises(ValueError, match="rewards"):
+        build_step_report(7, batch.samples, scores, [1.0], schedule)
