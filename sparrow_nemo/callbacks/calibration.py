@@ -3,8 +3,8 @@
 For each candidate budget the engine generates the calibration prompts with a fixed-budget schedule, the
 same engine scores the full sequences densely (teacher-forced, no LoRA), and every response token's
 acceptance rate is the union-of-top-K lower bound between the dense and the sparse top-K at that position
-(:func:`sparrow_nemo.callbacks.rollout_report.rollout_alpha`). ``sparrow_nemo.sparse.calibrate.calibrate_schedule`` then picks, per bin,
-the smallest budget whose tail meets the threshold. Outputs go to ``run_dir`` (see
+(:func:`sparrow_nemo.callbacks.rollout_report.rollout_alpha`). The method layer's ``calibrate_schedule``
+then picks, per bin, the smallest budget whose tail meets the threshold. Outputs go to ``run_dir`` (see
 :mod:`sparrow_nemo.callbacks.calibration_report`).
 """
 
