@@ -124,7 +124,7 @@ def hf_config_dict(shape: Qwen3Shape, dtype: torch.dtype = torch.float32) -> dic
 # ----------------------------------------------------------------------------- tensor layouts
 
 
-def _split(full: torch.Tensor, layout: str, shape: Qwen3Shape, tp: int, rank: int, padded_vocab: int):
+def _split(full: torch.Tensor, layout: str, tp: int, rank: int, padded_vocab: int) -> torch.Tensor:
     """This TP rank's megatron slice of one HF tensor (or of the HF tensors of a fused weight)."""
     if layout == REPLICATED:
         return full
@@ -290,7 +290,7 @@ def megatron_shard_from_hf(
         elif layout == FC1:
             out[key] = _fuse_fc1(*tensors, tp=tp, rank=rank)
         else:
-            out[key] = _split(tensors[0], layout, shape, tp, rank, spec.padded_vocab)
+            out[key] = _split(tensors[0], layout, tp, rank, spec.padded_vocab)
     return out
 
 
