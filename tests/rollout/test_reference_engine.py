@@ -113,17 +113,18 @@ def contiguous_reference(
 
 
 @torch.no_grad()
-def test_sparse_decode_equals_contiguous_method_layer_reference(hf_dir: Path) -> None:
-    """Layer 0 dense, layers 1-2 sparse; three prompt lengths, budgets growing with the cached length."""
-    engine = ReferenceRolloutEngine.from_hf_dir(hf_dir, dense_layers=1, attention_backend="torch")
+@pytest.mark.parametrize("dense_layers", [0, 2])
+def test_sparse_decode_equals_contiguous_method_layer_reference(hf_dir: Path, dense_layers: int) -> None:
+    """Three prompt lengths, budgets growing with the cached length; all or only the last layer sparse."""
+    engine = ReferenceRolloutEngine.from_hf_dir(hf_dir, dense_layers=dense_layers, attention_backend="torch")
     schedule = BudgetSchedule(bin_tokens=40, budgets=(48, 64, 80), name="test")
     p = prompts([70, 6, 33], seed=5)
-    batch = engine.generate(p, greedy(36), schedule)
+    batch = engine.generate(p, greedy(60), schedule)
     for prompt, s in zip(p, batch.samples):
-        tokens, logprobs = contiguous_reference(engine.model, prompt, 36, schedule, dense_layers=1)
+        tokens, logprobs = contiguous_reference(engine.model, prompt, 60, schedule, dense_layers)
         assert s.response_ids.tolist() == tokens
         assert (s.logprobs - logprobs).abs().max() < 1e-5
-    dense = engine.generate(p, greedy(36), DENSE)
+    dense = engine.generate(p, greedy(60), DENSE)
     assert any(not torch.equal(a.logprobs, b.logprobs) for a, b in zip(batch.samples, dense.samples))
 
 
