@@ -22,6 +22,7 @@ What runs where:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -142,6 +143,13 @@ class TorchPolicyOptimizer:
         """Restore :meth:`state_dict`."""
         self.optimizer.load_state_dict(state)
 
+    def save_param_state(self, path: Path) -> bool:
+        """Nothing to write: AdamW's moments are all in :meth:`state_dict`. Returns False."""
+        return False
+
+    def load_param_state(self, path: Path) -> None:
+        """Counterpart of :meth:`save_param_state`: nothing to read."""
+
 
 class MegatronPolicyOptimizer:
     """GPU optimizer: megatron DDP-wrapped model + ``get_megatron_optimizer``."""
@@ -150,6 +158,7 @@ class MegatronPolicyOptimizer:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         self.model = ddp_model
+        self.distributed = settings.distributed
         config = OptimizerConfig(
             optimizer="adam",
             lr=settings.lr,
@@ -176,12 +185,28 @@ class MegatronPolicyOptimizer:
         return float(grad_norm) if grad_norm is not None else float("nan")
 
     def state_dict(self) -> dict:
-        """Optimizer state for :mod:`sparrow_nemo.policy.checkpoint`."""
+        """Optimizer state except, for the distributed optimizer, the sharded moments (see below)."""
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`."""
         self.optimizer.load_state_dict(state)
+
+    def save_param_state(self, path: Path) -> bool:
+        """Distributed optimizer: gather the DP-sharded moments and master weights to DP rank 0, which
+        writes ``path`` (megatron's ``save_parameter_state``; collective over DP). Returns True when
+        this rank wrote the file."""
+        if not self.distributed:
+            return False
+        from megatron.core import parallel_state as ps
+
+        self.optimizer.save_parameter_state(str(path))
+        return ps.get_data_parallel_rank() == 0
+
+    def load_param_state(self, path: Path) -> None:
+        """Counterpart of :meth:`save_param_state` (every DP rank reads its shard from ``path``)."""
+        if self.distributed:
+            self.optimizer.load_parameter_state(str(path))
 
 
 def wrap_for_training(

@@ -1,7 +1,9 @@
 """Save and resume the policy: model shard + optimizer state + RNG states, one torch file per rank.
 
 Written through :mod:`sparrow_nemo.policy.checkpoint` (atomic directory + sha256 manifest), so an
-interrupted save never loads. These are plain per-rank torch files, not megatron's
+interrupted save never loads. On GPU the distributed optimizer's DP-sharded moments go in one extra
+file per TP x PP shard (megatron's ``save_parameter_state``; not exercised on the CPU test machine).
+These are plain per-rank torch files, not megatron's
 ``dist_checkpointing``: resuming needs the same TP/PP/DP layout (a different one is refused with
 a message naming both); re-sharding on resume goes through the HF export/import instead.
 """
@@ -34,6 +36,11 @@ def _rank_file(spec: PolicyModelSpec) -> str:
     from megatron.core import parallel_state as ps
 
     return f"policy_tp{spec.tp_rank:02d}_pp{spec.pp_rank:02d}_dp{ps.get_data_parallel_rank():03d}.pt"
+
+
+def _param_state_file(spec: PolicyModelSpec) -> str:
+    """The distributed optimizer's parameter state of one TP x PP shard (GPU; written by DP rank 0)."""
+    return f"optim_param_state_tp{spec.tp_rank:02d}_pp{spec.pp_rank:02d}.pt"
 
 
 def rng_state() -> dict:
@@ -87,6 +94,7 @@ def save_policy_checkpoint(
     }
 
     atomic_torch_save(payload, staging / _rank_file(spec))
+    optimizer.save_param_state(staging / _param_state_file(spec))
     dist.barrier()
     final = Path(root) / name
     if rank0:
@@ -105,13 +113,21 @@ def load_policy_checkpoint(path: str | Path, model: torch.nn.Module, optimizer, 
             raise CheckpointError(
                 f"{path}: checkpoint {key}={manifest.get(key)} but this run has {expected[key]}"
             )
-    file = _rank_file(spec)
-    if file not in manifest["files"]:
-        raise CheckpointError(f"{path}: no file '{file}' for this rank in the manifest")
-    if sha256_file(path / file) != manifest["files"][file]:
-        raise CheckpointError(f"{path}: '{file}' does not match its sha256 in the manifest")
-    payload = torch.load(path / file, map_location="cpu", weights_only=False)
+    payload = torch.load(
+        _verified_file(path, manifest, _rank_file(spec)), map_location="cpu", weights_only=False
+    )
     unwrap_model(model).load_state_dict(payload["model"], strict=True)
     optimizer.load_state_dict(payload["optimizer"])
+    if _param_state_file(spec) in manifest["files"]:
+        optimizer.load_param_state(_verified_file(path, manifest, _param_state_file(spec)))
     set_rng_state(payload["rng"])
     return int(payload["step"])
+
+
+def _verified_file(path: Path, manifest: dict, name: str) -> Path:
+    """``path / name`` after checking it is listed in the manifest and matches its sha256."""
+    if name not in manifest["files"]:
+        raise CheckpointError(f"{path}: no file '{name}' for this rank in the manifest")
+    if sha256_file(path / name) != manifest["files"][name]:
+        raise CheckpointError(f"{path}: '{name}' does not match its sha256 in the manifest")
+    return path / name
