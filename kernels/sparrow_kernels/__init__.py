@@ -9,6 +9,8 @@ Public API (layout and semantics in /work/briefs/shared_api.md, reference in
 - ``sparse_decode_attention_paged``: selection and attention in one call.
 - ``available(device)``: whether the kernels can run there (CUDA, or CPU under TRITON_INTERPRET=1).
 
+``python -m sparrow_kernels.aot`` compiles every kernel for sm_90 without a GPU (resource report).
+
 The kernel modules import triton lazily (on first use of a kernel name), so ``available`` works
 where triton is not installed. Set TRITON_INTERPRET=1 before importing this package to run the
 kernels on CPU tensors.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from paged import DecodeCase, paged_from_contiguous, random_case
+from kernel_cases import DecodeCase, paged_from_contiguous, random_case
 from sparrow_kernels import page_scores_paged, select_pages_paged
 
 from sparrow_nemo.sparse.attention import page_centroids, select_pages, selected_page_count

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import sparrow_kernels
 import torch
-from paged import random_case
+from kernel_cases import random_case
 from sparrow_kernels import (
     append_kv,
     merge_splits,

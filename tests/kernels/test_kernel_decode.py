@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from paged import random_case
+from kernel_cases import random_case
 from sparrow_kernels import (
     merge_splits,
     select_pages_paged,
@@ -130,3 +130,16 @@ def test_split_count_does_not_change_the_result(device: torch.device) -> None:
     )
     assert bool(torch.isneginf(lse_part).any()) and not bool(torch.isnan(o_part).any())
     torch.testing.assert_close(merge_splits(o_part, lse_part, case.q.dtype), outs[0], rtol=0, atol=1e-6)
+
+
+def test_empty_rows_give_zeros(device: torch.device) -> None:
+    """A row with seq_len 0 (an idle slot in a static batch) keeps no page and returns zeros, without
+    disturbing the other rows (the reference needs seq_len >= 1, so it checks the live rows only)."""
+    case = random_case([70, 33], [32, 32], num_kv_heads=2, group=2, device=device, seed=6)
+    c = case.paged
+    seq_len = torch.tensor([70, 0], dtype=torch.int32, device=device)
+    out = sparse_decode_attention_paged(case.q, c.k_pages, c.v_pages, c.centroids, c.block_table, seq_len, 32,
+                                        num_splits=2)  # fmt: skip
+    assert bool((out[1] == 0).all())
+    ref = sparse_decode_attention(case.q[:1], case.k[:1], case.v[:1], seq_len[:1], 32)
+    _assert_close(out[:1], ref)

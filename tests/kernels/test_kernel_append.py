@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from paged import empty_paged_cache
+from kernel_cases import empty_paged_cache
 from sparrow_kernels import append_kv, sparse_decode_attention_paged
 
 from sparrow_nemo.sparse.attention import page_centroids, sparse_decode_attention
