@@ -1,0 +1,104 @@
+"""Dense re-scoring of rollouts, the bench table and the JSONL benchmark script."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import torch
+
+from sparrow_nemo.rollout import ReferenceRolloutEngine, SamplingParams
+from sparrow_nemo.rollout.bench import bench_rollout
+from sparrow_nemo.rollout.scoring import measure_mismatch
+from sparrow_nemo.sparse.mismatch import acceptance_rate
+from sparrow_nemo.sparse.schedule import BudgetSchedule
+
+from ._helpers import SHAPE
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_measure_mismatch_aligns_rollout_and_dense_positions(hf_dir: Path) -> None:
+    from transformers import Qwen3ForCausalLM
+
+    engine = ReferenceRolloutEngine.from_hf_dir(hf_dir, dense_layers=1)
+    hf = Qwen3ForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, SHAPE.vocab_size, (n,), generator=gen).tolist() for n in (50, 20)]
+    full = SamplingParams(max_new_tokens=30, seed=2, stop_token_ids=(), logprobs_topk=SHAPE.vocab_size)
+    dense = engine.generate(prompts, full, BudgetSchedule.dense())
+    assert (measure_mismatch(engine, dense).alpha - 1).abs().max() < 1e-4
+
+    sparse = engine.generate(prompts, full, BudgetSchedule.from_preset("fixed:32"))
+    m = measure_mismatch(engine, sparse)
+    # top-K = whole vocabulary: the bound is the exact alpha between HF's dense and the rollout's q
+    expected = []
+    for s in sparse.samples:
+        ids = torch.cat([s.prompt_ids, s.response_ids])
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(ids[None]).logits[0].float(), -1)[s.prompt_ids.numel() - 1 : -1]
+        logq = torch.full_like(logp, -torch.inf).scatter(-1, s.top_ids, s.top_logprobs)
+        expected.append(acceptance_rate(logp, logq))
+    assert (m.alpha - torch.cat(expected)).abs().max() < 1e-4
+    assert m.alpha.min() < 0.9999  # sparsity really changed something
+    assert torch.equal(m.cached_len, torch.cat([s.cached_len for s in sparse.samples]))
+
+
+def test_bench_rollout_rows_and_table() -> None:
+    lines: list[str] = []
+    step = BudgetSchedule(bin_tokens=32, budgets=(32, 48), name="step")
+    rows = bench_rollout(
+        SHAPE,
+        batch=3,
+        prompt_len=20,
+        gen_len=40,
+        schedules=["fixed:32", step],
+        dense_layers=1,
+        print_fn=lines.append,
+    )
+    assert [r["schedule"] for r in rows] == ["dense", "fixed:32", "step"]
+    assert rows[0]["speedup_vs_dense"] == 1.0 and rows[0]["acceptance/min_p5"] > 0.9999
+    assert all(
+        r["tokens"] == 120 and r["bin_tokens"] == 32 and r["logprobs_topk"] == SHAPE.vocab_size for r in rows
+    )
+    assert rows[1]["kept_kv_fraction"] < 1.0 and rows[1]["acceptance/min_p5"] < 1.0
+    assert set(k for k in rows[2] if k.startswith("acceptance/p5/bin_")) == {
+        "acceptance/p5/bin_0",
+        "acceptance/p5/bin_1",
+    }
+    table = lines[0]
+    assert "p5 bin0" in table and "p5 bin1" in table and "fixed:32" in table
+
+
+def test_throughput_script_appends_json_lines(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location(
+        "rollout_throughput", REPO / "benchmarks" / "rollout_throughput.py"
+    )
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "r.jsonl"
+    args = [
+        "--shape",
+        "tiny-test",
+        "--batch",
+        "2",
+        "3",
+        "--prompt-len",
+        "8",
+        "--gen-len",
+        "12",
+        "--schedules",
+        "fixed:16",
+        "--out",
+        str(out),
+    ]
+    script.main(args)
+    script.main([*args[:3], "4", *args[5:]])  # batch 4 only
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 6  # (2 batch sizes, then 1) x (dense, fixed:16)
+    assert {r["batch"] for r in rows} == {2, 3, 4} and {r["schedule"] for r in rows} == {"dense", "fixed:16"}
+    for r in rows:
+        assert (
+            r["torch"] == torch.__version__ and r["date"] and r["host"] is not None and r["tokens_per_s"] > 0
+        )
