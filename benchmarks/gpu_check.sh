@@ -72,7 +72,7 @@ log "=== sparrow_kernels check, mode=$MODE, $(date -u +%Y-%m-%dT%H:%M:%SZ), comm
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee -a "$LOG"
 "$PY" -c "import sys, torch, triton; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available())" 2>&1 | tee -a "$LOG"
 
-step imports 60 "$PY" -c "
+step imports 30 "$PY" -c "
 import sys
 import sparrow_kernels, sparrow_kernels.decode, sparrow_nemo.sparse.attention
 bad = sorted(m for m in sys.modules if m.split('.')[0] in ('megatron', 'transformers'))
@@ -84,9 +84,9 @@ PYTEST=("$PY" -m pytest -q -p no:cacheprovider tests/kernels --junitxml "$RESULT
 BENCH=("$PY" benchmarks/sparse_attention.py)
 case "$MODE" in
   gpu)
-    step tests 110 "${PYTEST[@]}"
-    step benchmark 140 "${BENCH[@]}" --out "$RESULTS/sparse_attention.jsonl" --reps 40
-    step sweep 60 "${BENCH[@]}" --models qwen3-8b --batches 64 --lengths 32768 --sweep --reps 25 \
+    step tests 100 "${PYTEST[@]}"
+    step benchmark 120 "${BENCH[@]}" --out "$RESULTS/sparse_attention.jsonl" --reps 40
+    step sweep 45 "${BENCH[@]}" --models qwen3-8b --batches 64 --lengths 32768 --fractions 0.1 --sweep --reps 25 \
       --out "$RESULTS/sparse_attention_sweep.jsonl"
     ;;
   tiny)

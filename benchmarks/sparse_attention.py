@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda", help="cuda (native Triton) or cpu (TRITON_INTERPRET=1)")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU interpreter smoke run)")
-    parser.add_argument("--models", default="qwen3-1.7b,qwen3-8b,qwen3-14b")
+    parser.add_argument("--models", default="qwen3-8b,qwen3-1.7b,qwen3-14b", help="8B first: the targets")
     parser.add_argument("--batches", default="64,256")
     parser.add_argument("--lengths", default="4096,16384,32768")
     parser.add_argument("--fractions", default="0.1,0.25")
