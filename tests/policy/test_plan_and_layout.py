@@ -102,3 +102,8 @@ def test_plan_refuses_what_does_not_fit_or_divide():
     assert fits.memory.total < 141 * GIB
     cross = plan(PRESETS["qwen3-8b"], 2, 4, tp=8, pp=1, micro_batch=1, seq_len=4096, gpu_memory_gb=141)
     assert any("spans nodes" in n for n in cross.notes)
+
+
+def test_start_refuses_a_layout_the_world_cannot_hold(single_rank):
+    with pytest.raises(LayoutError, match=r"tp\*pp\*dp = 2\*1\*1 = 2 does not match the world size 1"):
+        single_rank(ParallelLayout(tp=2), PRESETS["tiny-test"])
