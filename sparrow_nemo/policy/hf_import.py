@@ -125,7 +125,7 @@ def hf_config_dict(shape: Qwen3Shape, dtype: torch.dtype = torch.float32) -> dic
 
 
 def _split(full: torch.Tensor, layout: str, tp: int, rank: int, padded_vocab: int) -> torch.Tensor:
-    """This TP rank's megatron slice of one HF tensor (or of the HF tensors of a fused weight)."""
+    """This TP rank's megatron slice of one unfused HF tensor (replicated, column-split or vocab-padded)."""
     if layout == REPLICATED:
         return full
     if layout == COLUMNS:
