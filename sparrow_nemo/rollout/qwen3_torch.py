@@ -132,7 +132,8 @@ class Qwen3Decoder:
                 raise ValueError(f"Qwen3 weights: tensor '{name}' has shape {got}, expected {want}")
             self.params[name] = params[name]
         d = shape.head_dim
-        self.inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+        inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+        self.inv_freq = inv_freq.to(self.params["model.embed_tokens.weight"].device)
         self.lora: LoraAdapter | None = None
 
     # ----------------------------------------------------------------- construction
@@ -215,6 +216,7 @@ class Qwen3Decoder:
     def to(self, device: str | torch.device) -> None:
         """Move all weights (and the LoRA adapter) to ``device``."""
         self.params = {k: v.to(device) for k, v in self.params.items()}
+        self.inv_freq = self.inv_freq.to(device)
         if self.lora is not None:
             self.lora = self.lora.to(device=device)
 
@@ -233,7 +235,7 @@ class Qwen3Decoder:
 
     def rotary(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotate ``x [..., T, H, D]`` by absolute ``positions [..., T]`` (HF ``rotate_half`` convention)."""
-        freqs = positions.to(torch.float32)[..., None] * self.inv_freq.to(x.device)
+        freqs = positions.to(torch.float32)[..., None] * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(x.dtype)[..., None, :], emb.sin().to(x.dtype)[..., None, :]
         return x * cos + _rotate_half(x) * sin

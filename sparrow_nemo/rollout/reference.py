@@ -186,35 +186,13 @@ class ReferenceRolloutEngine:
         prompt run alone can reproduce its draws from inside a larger batch.
         """
         self._check_awake()
-        if schedule.page_size != self.page_size:
-            raise ValueError(
-                f"schedule '{schedule.name}' uses page_size={schedule.page_size} but the engine pages are "
-                f"{self.page_size} tokens"
-            )
-        if sampling.stop_strings and self.tokenizer is None:
-            raise ValueError(
-                "SamplingParams.stop_strings needs an engine tokenizer (ReferenceRolloutEngine(tokenizer=...))"
-            )
-        prompt_ids = [self._as_ids(p, i, "prompt") for i, p in enumerate(prompts)]
+        prompt_ids, seeds, max_new = self._check_request(prompts, sampling, schedule, sample_seeds)
         batch = len(prompt_ids)
         if batch == 0:
             return RolloutBatch(samples=[], schedule_name=schedule.name, prefill_s=0.0, decode_s=0.0)
-        seeds = (
-            list(sample_seeds)
-            if sample_seeds is not None
-            else [sample_seed(sampling.seed, i) for i in range(batch)]
-        )
-        if len(seeds) != batch:
-            raise ValueError(f"sample_seeds has {len(seeds)} entries for {batch} prompts")
-        max_pos = self.shape.max_position_embeddings
-        for i, p in enumerate(prompt_ids):
-            if p.numel() >= max_pos:
-                raise ValueError(f"prompt {i} has {p.numel()} tokens; the model allows {max_pos} positions")
-        max_new = [min(sampling.max_new_tokens, max_pos - p.numel()) for p in prompt_ids]
         stop_ids = (
             {self.shape.eos_token_id} if sampling.stop_token_ids is None else set(sampling.stop_token_ids)
         )
-
         ps = self.page_size
         final_len = [p.numel() + m for p, m in zip(prompt_ids, max_new)]
         cache = self._ensure_cache(sum(math.ceil(n / ps) for n in final_len))
@@ -224,18 +202,19 @@ class ReferenceRolloutEngine:
         ids, seq_len = self._pad(prompt_ids)
         gens = make_generators(seeds)
         rec = _Recorder(batch)
+
         t0 = self._now()
         cache.reserve(block_table, seq_len)
         h = self._dense_forward(ids, seq_len, block_table)
         logits = self.model.logits(h[torch.arange(batch, device=self.device), seq_len - 1])
-        active = torch.arange(batch, device=self.device)
+        active = torch.arange(batch, device=self.device)  # sample index of each live row
         tokens = self._sample_and_record(rec, logits, sampling, gens, active, seq_len, None)
         t1 = self._now()
 
         finished: dict[int, tuple[str, int | str | None]] = {}
         responses: list[list[int]] = [[] for _ in range(batch)]
         while True:
-            keep = []
+            keep = []  # live rows that continue
             for row, (s, t) in enumerate(zip(active.tolist(), tokens.tolist())):
                 responses[s].append(t)
                 done = self._finish_reason(responses[s], t, stop_ids, sampling.stop_strings, max_new[s])
@@ -243,7 +222,7 @@ class ReferenceRolloutEngine:
                     keep.append(row)
                 else:
                     finished[s] = done
-            if len(keep) < active.numel():
+            if len(keep) < active.numel():  # finished sequences leave the batch and free their pages
                 rows = torch.tensor(keep, dtype=torch.int64, device=self.device)
                 gone = torch.ones(active.numel(), dtype=torch.bool, device=self.device)
                 gone[rows] = False
@@ -272,6 +251,38 @@ class ReferenceRolloutEngine:
     def _check_awake(self) -> None:
         if self._asleep:
             raise RuntimeError("the rollout engine is asleep: call wake() before generate() or score()")
+
+    def _check_request(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingParams,
+        schedule: BudgetSchedule,
+        sample_seeds: Sequence[int] | None,
+    ) -> tuple[list[torch.Tensor], list[int], list[int]]:
+        """Validate a generate() call -> (prompt id tensors, per-sample seeds, per-sample token caps)."""
+        if schedule.page_size != self.page_size:
+            raise ValueError(
+                f"schedule '{schedule.name}' uses page_size={schedule.page_size} but the engine pages are "
+                f"{self.page_size} tokens"
+            )
+        if sampling.stop_strings and self.tokenizer is None:
+            raise ValueError(
+                "SamplingParams.stop_strings needs an engine tokenizer (ReferenceRolloutEngine(tokenizer=...))"
+            )
+        prompt_ids = [self._as_ids(p, i, "prompt") for i, p in enumerate(prompts)]
+        n = len(prompt_ids)
+        seeds = (
+            list(sample_seeds)
+            if sample_seeds is not None
+            else [sample_seed(sampling.seed, i) for i in range(n)]
+        )
+        if len(seeds) != n:
+            raise ValueError(f"sample_seeds has {len(seeds)} entries for {n} prompts")
+        max_pos = self.shape.max_position_embeddings
+        for i, p in enumerate(prompt_ids):
+            if p.numel() >= max_pos:
+                raise ValueError(f"prompt {i} has {p.numel()} tokens; the model allows {max_pos} positions")
+        return prompt_ids, seeds, [min(sampling.max_new_tokens, max_pos - p.numel()) for p in prompt_ids]
 
     def _now(self) -> float:
         if self.device.type == "cuda":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 
@@ -332,3 +333,14 @@ def test_engine_satisfies_the_protocol(engine: ReferenceRolloutEngine) -> None:
     assert isinstance(engine, RolloutEngine)
     batch = engine.generate(prompts([3]), greedy(5), DENSE)
     assert batch.num_response_tokens == 5 and batch.tokens_per_second() > 0
+
+
+def test_backend_choice_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    from sparrow_nemo.rollout.paged_attention import choose_backend
+
+    with caplog.at_level(logging.INFO, logger="sparrow_nemo.rollout.paged_attention"):
+        assert choose_backend("auto", torch.device("meta")) == "torch"
+        assert choose_backend("auto", torch.device("meta")) == "torch"
+    assert [r.getMessage() for r in caplog.records] == [
+        "rollout decode attention on meta: torch (no fused decode on meta)"
+    ]
