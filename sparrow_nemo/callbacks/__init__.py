@@ -4,7 +4,7 @@
   (:class:`StepReport`, :class:`TrainerLike`) and :func:`instantiate_callbacks`.
 - :mod:`.tail_scheduler`: :class:`TailMismatchScheduler`, which keeps the per-bin acceptance-rate tail at
   the threshold by moving the sparsity schedule's budgets, with a collapse guard.
-- :mod:`.rollout_report`: per-token acceptance rates of rollouts vs dense scores, and :func:`build_step_report`.
+- :mod:`.rollout_report`: :func:`build_step_report` (a step's rollouts and mismatch -> StepReport).
 - :mod:`.calibration`: :func:`run_calibration`, the offline calibration pass (also used by ``sparrow calibrate``).
 """
 
@@ -19,7 +19,7 @@ from sparrow_nemo.callbacks.base import (
     instantiate_callbacks,
 )
 from sparrow_nemo.callbacks.calibration import run_calibration
-from sparrow_nemo.callbacks.rollout_report import alpha_from_scores, build_step_report, rollout_alpha
+from sparrow_nemo.callbacks.rollout_report import build_step_report
 from sparrow_nemo.callbacks.tail_scheduler import TailMismatchScheduler
 
 __all__ = [
@@ -31,9 +31,7 @@ __all__ = [
     "StepReport",
     "TailMismatchScheduler",
     "TrainerLike",
-    "alpha_from_scores",
     "build_step_report",
     "instantiate_callbacks",
-    "rollout_alpha",
     "run_calibration",
 ]

@@ -3,7 +3,7 @@
 For each candidate budget the engine generates the calibration prompts with a fixed-budget schedule, the
 same engine scores the full sequences densely (teacher-forced, no LoRA), and every response token's
 acceptance rate is the union-of-top-K lower bound between the dense and the sparse top-K at that position
-(:func:`sparrow_nemo.callbacks.rollout_report.rollout_alpha`). The method layer's ``calibrate_schedule``
+(``sparrow_nemo.rollout.scoring.measure_mismatch``). The method layer's ``calibrate_schedule``
 then picks, per bin, the smallest budget whose tail meets the threshold. Outputs go to ``run_dir`` (see
 :mod:`sparrow_nemo.callbacks.calibration_report`).
 """
@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from sparrow_nemo.callbacks.calibration_report import write_calibration_outputs
-from sparrow_nemo.callbacks.rollout_report import rollout_alpha
 from sparrow_nemo.rollout.engine import RolloutEngine, SamplingParams
+from sparrow_nemo.rollout.scoring import measure_mismatch
 from sparrow_nemo.sparse.calibrate import CalibrationResult, calibrate_schedule
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
@@ -63,7 +63,8 @@ def run_calibration(
             bin_tokens=bin_tokens, budgets=(budget,), page_size=page_size, name=f"fixed:{budget}"
         )
         batch = engine.generate(prompts, sampling, schedule)
-        samples[budget] = rollout_alpha(engine, batch, sampling.logprobs_topk)
+        mismatch = measure_mismatch(engine, batch)
+        samples[budget] = (mismatch.alpha, mismatch.cached_len)
         logger.info(
             "calibration: budget %d tokens: %d response tokens, min alpha %.4f",
             budget,

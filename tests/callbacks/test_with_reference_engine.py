@@ -20,16 +20,14 @@ from callback_fakes import FakeTrainer
 
 from sparrow_nemo.callbacks import (
     CalibratingTrainer,
-    StepReport,
     TailMismatchScheduler,
-    alpha_from_scores,
     build_step_report,
-    rollout_alpha,
     run_calibration,
 )
 from sparrow_nemo.callbacks.calibration_report import CSV_COLUMNS
 from sparrow_nemo.model_shapes import PRESETS
 from sparrow_nemo.rollout import ReferenceRolloutEngine, SamplingParams
+from sparrow_nemo.rollout.scoring import measure_mismatch
 from sparrow_nemo.sparse.mismatch import tail_by_bin
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
@@ -93,12 +91,14 @@ def _exact_alpha(engine, prompts, budget: int) -> tuple[np.ndarray, np.ndarray]:
     return np.array(alphas), np.array(lens)
 
 
-def test_rollout_alpha_is_exact_with_full_vocab_and_one_for_dense_budget(engine, prompts) -> None:
+def test_calibration_alpha_is_exact_with_full_vocab_and_one_for_dense_budget(engine, prompts) -> None:
+    """The per-token alpha calibration feeds on (``measure_mismatch``), against a hand-aligned numpy reference."""
     for budget in (48, 128):
         batch = engine.generate(
             prompts, SAMPLING, BudgetSchedule(bin_tokens=BIN, budgets=(budget,), name="x")
         )
-        alpha, cached = rollout_alpha(engine, batch, SHAPE.vocab_size)
+        m = measure_mismatch(engine, batch)
+        alpha, cached = m.alpha, m.cached_len
         ref_alpha, ref_len = _exact_alpha(engine, prompts, budget)
         np.testing.assert_allclose(alpha.double().numpy(), ref_alpha, atol=1e-5)
         assert cached.tolist() == ref_len.tolist()
@@ -187,15 +187,6 @@ def test_calibrate_needs_engine_on_the_trainer(tmp_path) -> None:
         scheduler.on_train_start(FakeTrainer(BudgetSchedule.dense(), tmp_path))
 
 
-def test_alpha_from_scores_checks_pairing(engine, prompts) -> None:
-    batch = engine.generate(prompts[:2], SAMPLING, BudgetSchedule(bin_tokens=BIN, budgets=(64,), name="x"))
-    with pytest.raises(ValueError, match="2 samples but 1 scored"):
-        alpha_from_scores(batch.samples, engine.score([prompts[0]]))
-    short = engine.score([prompts[0], prompts[1]])  # prompts only: no response positions
-    with pytest.raises(ValueError, match="sample 0: dense scores cover"):
-        alpha_from_scores(batch.samples, short)
-
-
 def test_online_scheduler_raises_until_every_bin_passes(engine, prompts, tmp_path) -> None:
     """From the sparsest budget, real rollouts each step; strict rule (noise_z=0): every bin ends >= threshold.
 
@@ -212,16 +203,14 @@ def test_online_scheduler_raises_until_every_bin_passes(engine, prompts, tmp_pat
         schedule = trainer.schedule
         seen.append(schedule.budgets)
         batch = engine.generate(prompts, SAMPLING, schedule)
-        alpha, cached = rollout_alpha(engine, batch, SAMPLING.logprobs_topk)
-        report = StepReport(
-            step, alpha, cached, reward_mean=1.0, response_length_mean=float(NEW), schedule=schedule
-        )
+        mismatch = measure_mismatch(engine, batch)
+        report = build_step_report(step, batch.samples, mismatch, [1.0] * len(prompts), schedule)
         scheduler.on_train_batch_end(trainer, report, {})
         if trainer.schedule == schedule:
             break
     assert trainer.schedule == schedule, f"no fixed point in 8 steps: {seen}"
     assert len(seen) > 2  # it had to raise, more than once
-    final = tail_by_bin(alpha, cached, BIN, 0.05)
+    final = tail_by_bin(mismatch.alpha, mismatch.cached_len, BIN, 0.05)
     assert min(final.values()) >= THRESHOLD
     assert not trainer.schedule.is_dense and max(trainer.schedule.budgets) <= 128  # 128 covers every sequence
 
@@ -230,18 +219,19 @@ def test_build_step_report(engine, prompts) -> None:
     schedule = BudgetSchedule(bin_tokens=BIN, budgets=(64,), name="x")
     short = SamplingParams(max_new_tokens=12, seed=3, logprobs_topk=20)
     batch = engine.generate(prompts[:3], short, schedule)
-    sequences = [torch.cat([s.prompt_ids, s.response_ids]).tolist() for s in batch.samples]
-    scores = engine.score(sequences, topk=20)
+    mismatch = measure_mismatch(engine, batch)
     report = build_step_report(
-        7, batch.samples, scores, [1.0, 0.0, 0.5], schedule, correct=[True, False, False]
+        7, batch.samples, mismatch, [1.0, 0.0, 0.5], schedule, correct=[True, False, False]
     )
-    alpha, cached = alpha_from_scores(batch.samples, scores)
-    assert torch.equal(report.alpha, alpha) and torch.equal(report.cached_len, cached)
-    assert report.alpha.numel() == sum(s.response_ids.numel() for s in batch.samples)
+    assert report.alpha is mismatch.alpha and report.cached_len is mismatch.cached_len
     assert (report.step, report.reward_mean, report.accuracy) == (7, 0.5, pytest.approx(1 / 3))
     assert report.response_length_mean == pytest.approx(
         np.mean([s.response_ids.numel() for s in batch.samples])
     )
     assert report.schedule is schedule
     with pytest.raises(ValueError, match="rewards"):
-        build_step_report(7, batch.samples, scores, [1.0], schedule)
+        build_step_report(7, batch.samples, mismatch, [1.0], schedule)
+    with pytest.raises(ValueError, match=r"mismatch\.alpha"):
+        build_step_report(7, batch.samples[:2], mismatch, [1.0, 0.0], schedule)
+    with pytest.raises(ValueError, match="correct"):
+        build_step_report(7, batch.samples, mismatch, [1.0, 0.0, 0.5], schedule, correct=[True])
