@@ -35,6 +35,9 @@ def bench_rollout(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     dense_layers: int = 2,
+    page_size: int = 16,
+    sink_pages: int = 1,
+    local_pages: int = 2,
     tail_bin_tokens: int | None = None,
     model_dir: str | Path | None = None,
     attention_backend: str = "auto",
@@ -48,7 +51,7 @@ def bench_rollout(
         batch, prompt_len, gen_len: sequences, prompt tokens (random ids), generated tokens per sequence.
         schedules: sparse schedules (objects or preset strings such as "fixed:64", "qwen3-1.7b-0.86").
         device, dtype: where and in which precision the engine runs.
-        dense_layers: leading dense layers of the sparse engine.
+        dense_layers, page_size, sink_pages, local_pages: the sparse rule's constants (paper: 2, 16, 1, 2).
         tail_bin_tokens: bin width (tokens of cached length) for the acceptance-rate tail, the same
             for every row; default: the smallest bin width among ``schedules``.
         model_dir: optional HF Qwen3 checkpoint directory instead of random weights.
@@ -65,7 +68,13 @@ def bench_rollout(
     """
     if batch <= 0 or prompt_len <= 0 or gen_len <= 0:
         raise ValueError(f"batch, prompt_len and gen_len must be > 0, got {batch}, {prompt_len}, {gen_len}")
-    kwargs = {"dense_layers": dense_layers, "attention_backend": attention_backend}
+    kwargs = {
+        "dense_layers": dense_layers,
+        "page_size": page_size,
+        "sink_pages": sink_pages,
+        "local_pages": local_pages,
+        "attention_backend": attention_backend,
+    }
     if model_dir is not None:
         engine = ReferenceRolloutEngine.from_hf_dir(model_dir, dtype=dtype, device=device, **kwargs)
     else:

@@ -56,6 +56,7 @@ class ReferenceRolloutEngine:
         page_size, sink_pages, local_pages: the sparse rule's constants (paper: 16, 1, 2).
         attention_backend: "auto" (fused kernels on CUDA when available), "torch" or "triton".
         tokenizer: anything with ``decode(list[int]) -> str``; needed only for stop strings.
+        max_batch_size: sequences decoded together (bounds the KV cache); None = all prompts at once.
     """
 
     def __init__(
@@ -68,9 +69,12 @@ class ReferenceRolloutEngine:
         local_pages: int = 2,
         attention_backend: str = "auto",
         tokenizer: Detokenizer | None = None,
+        max_batch_size: int | None = None,
     ) -> None:
         if not 0 <= dense_layers <= model.shape.num_layers:
             raise ValueError(f"dense_layers must be in [0, {model.shape.num_layers}], got {dense_layers}")
+        if max_batch_size is not None and max_batch_size <= 0:
+            raise ValueError(f"max_batch_size must be > 0 (or None), got {max_batch_size}")
         if page_size <= 0 or sink_pages < 0 or local_pages < 0:
             raise ValueError(
                 f"page_size must be > 0 and sink_pages/local_pages >= 0, got {page_size}, {sink_pages}, {local_pages}"
@@ -81,6 +85,7 @@ class ReferenceRolloutEngine:
         self.sink_pages = sink_pages
         self.local_pages = local_pages
         self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
         self.device = model.device
         self.backend = choose_backend(attention_backend, self.device)
         self._kernels = KernelDecode() if self.backend == "triton" else None
@@ -183,13 +188,31 @@ class ReferenceRolloutEngine:
         """Sample one response per prompt; see :class:`~sparrow_nemo.rollout.engine.RolloutSample`.
 
         ``sample_seeds`` overrides the per-sample seeds (default ``sample_seed(sampling.seed, i)``), so a
-        prompt run alone can reproduce its draws from inside a larger batch.
+        prompt run alone can reproduce its draws from inside a larger batch. Prompts are decoded in waves
+        of at most ``max_batch_size``; results do not depend on the wave size.
         """
         self._check_awake()
         prompt_ids, seeds, max_new = self._check_request(prompts, sampling, schedule, sample_seeds)
+        out = RolloutBatch(samples=[], schedule_name=schedule.name, prefill_s=0.0, decode_s=0.0)
+        step = self.max_batch_size or max(len(prompt_ids), 1)
+        for lo in range(0, len(prompt_ids), step):
+            wave = slice(lo, lo + step)
+            part = self._generate_wave(prompt_ids[wave], seeds[wave], max_new[wave], sampling, schedule)
+            out.samples += part.samples
+            out.prefill_s += part.prefill_s
+            out.decode_s += part.decode_s
+        return out
+
+    def _generate_wave(
+        self,
+        prompt_ids: list[torch.Tensor],
+        seeds: list[int],
+        max_new: list[int],
+        sampling: SamplingParams,
+        schedule: BudgetSchedule,
+    ) -> RolloutBatch:
+        """Generate for prompts decoded together (at most ``max_batch_size``); inputs already validated."""
         batch = len(prompt_ids)
-        if batch == 0:
-            return RolloutBatch(samples=[], schedule_name=schedule.name, prefill_s=0.0, decode_s=0.0)
         stop_ids = (
             {self.shape.eos_token_id} if sampling.stop_token_ids is None else set(sampling.stop_token_ids)
         )

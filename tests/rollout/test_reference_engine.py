@@ -171,6 +171,9 @@ def test_mixed_length_batch_equals_each_prompt_alone(engine: ReferenceRolloutEng
     batch = engine.generate(p, params, sched)
     lengths = [s.response_ids.numel() for s in batch.samples]
     assert len(set(lengths)) > 1 and any(s.finish_reason == "stop_token" for s in batch.samples)
+    waves = ReferenceRolloutEngine(engine.model, max_batch_size=3).generate(p, params, sched)
+    for a, b in zip(batch.samples, waves.samples):
+        assert torch.equal(a.response_ids, b.response_ids) and (a.logprobs - b.logprobs).abs().max() < 1e-5
     for i, (prompt, s) in enumerate(zip(p, batch.samples)):
         alone = engine.generate([prompt], params, sched, sample_seeds=[sample_seed(params.seed, i)]).samples[
             0
