@@ -1,4 +1,5 @@
-"""Test helper: a paged KV cache built from a contiguous one, with a shuffled block table.
+"""Test helpers: a paged KV cache built from a contiguous one (shuffled block table), random decode
+cases, and the selection check against the method layer.
 
 Physical pages are assigned in random order and the pool has spare pages, so a kernel that
 ignores the block table or reads a page it should not is caught. Every cache slot that holds no
@@ -12,8 +13,9 @@ import math
 from dataclasses import dataclass
 
 import torch
+from sparrow_kernels import select_pages_paged
 
-from sparrow_nemo.sparse.attention import page_centroids
+from sparrow_nemo.sparse.attention import page_centroids, select_pages, selected_page_count
 
 
 @dataclass
@@ -94,3 +96,17 @@ def random_case(
     seq_len = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     budget = torch.tensor(budgets, dtype=torch.int32, device=device)
     return DecodeCase(q, k, v, seq_len, budget, paged_from_contiguous(k, v, seq_len, seed=seed))
+
+
+def check_selection(case: DecodeCase, budget: torch.Tensor | int, **kw: int) -> None:
+    """select_pages_paged on case.paged equals select_pages on the contiguous cache (same pages, order,
+    -1 padding) and its counts equal selected_page_count."""
+    c = case.paged
+    page_idx, counts = select_pages_paged(case.q, c.centroids, c.block_table, c.seq_len, budget, **kw)
+    ref = select_pages(case.q, case.k, case.seq_len, budget, **kw)
+    width = ref.shape[-1]
+    assert page_idx.dtype == torch.int32 and page_idx.shape[:2] == ref.shape[:2]
+    assert torch.equal(page_idx[..., :width].long().cpu(), ref.cpu())
+    assert bool((page_idx[..., width:] == -1).all())
+    expected_counts = selected_page_count(case.seq_len, budget, **kw)
+    assert torch.equal(counts.long().cpu(), expected_counts[:, None].expand_as(counts).cpu())

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import DecodeCase, paged_from_contiguous, random_case
+from kernel_cases import DecodeCase, check_selection, paged_from_contiguous, random_case
 from sparrow_kernels import page_scores_paged, select_pages_paged
 
-from sparrow_nemo.sparse.attention import page_centroids, select_pages, selected_page_count
+from sparrow_nemo.sparse.attention import page_centroids
 
 # Mixed lengths in one batch: a partial last page (77 = 4 pages + 13 tokens), exact pages (160),
 # a one-page sequence (5), and budgets below, at and above the length (with 3 reserved pages).
@@ -20,37 +20,25 @@ SEQ_LENS = [77, 160, 5, 123]
 BUDGETS = [48, 96, 16, 2048]
 
 
-def _check_selection(case: DecodeCase, budget: torch.Tensor | int, **kw: int) -> None:
-    c = case.paged
-    page_idx, counts = select_pages_paged(case.q, c.centroids, c.block_table, c.seq_len, budget, **kw)
-    ref = select_pages(case.q, case.k, case.seq_len, budget, **kw)
-    width = ref.shape[-1]
-    assert page_idx.dtype == torch.int32 and page_idx.shape[:2] == ref.shape[:2]
-    assert torch.equal(page_idx[..., :width].long().cpu(), ref.cpu())
-    assert bool((page_idx[..., width:] == -1).all())
-    expected_counts = selected_page_count(case.seq_len, budget, **kw)
-    assert torch.equal(counts.long().cpu(), expected_counts[:, None].expand_as(counts).cpu())
-
-
 @pytest.mark.parametrize("group", [1, 2, 4, 5, 8])  # 5: Qwen3-14B (40 q heads, 8 KV heads)
 def test_selection_matches_reference_for_gqa_ratios(device: torch.device, group: int) -> None:
     case = random_case(SEQ_LENS, BUDGETS, num_kv_heads=2, group=group, device=device, seed=group)
-    _check_selection(case, case.budget)
+    check_selection(case, case.budget)
 
 
 def test_selection_budget_edge_cases(device: torch.device) -> None:
     """Budget 0 and budgets below the reserved pages keep sink + local only; a budget equal to the
     page count keeps all; a huge int (the dense schedule) keeps everything."""
     case = random_case([200, 200, 200, 33], [0, 40, 208, 48], device=device, seed=7)
-    _check_selection(case, case.budget)
-    _check_selection(case, 2**40)  # an int covering the capacity: the no-scoring path
+    check_selection(case, case.budget)
+    check_selection(case, 2**40)  # an int covering the capacity: the no-scoring path
     dense_idx, dense_counts = select_pages_paged(case.q, case.paged.centroids, case.paged.block_table,
                                                  case.paged.seq_len, 2**40)  # fmt: skip
     kernel_idx, kernel_counts = select_pages_paged(case.q, case.paged.centroids, case.paged.block_table,
                                                    case.paged.seq_len, torch.full_like(case.budget, 2**30))  # fmt: skip
     assert torch.equal(dense_idx, kernel_idx) and torch.equal(dense_counts, kernel_counts)
-    _check_selection(case, 80, sink_pages=2, local_pages=1)
-    _check_selection(case, 64, sink_pages=0, local_pages=0)
+    check_selection(case, 80, sink_pages=2, local_pages=1)
+    check_selection(case, 64, sink_pages=0, local_pages=0)
 
 
 def test_selection_ties_go_to_the_lower_page(device: torch.device) -> None:
@@ -67,12 +55,12 @@ def test_selection_ties_go_to_the_lower_page(device: torch.device) -> None:
     paged = paged_from_contiguous(k, case.v, case.seq_len)
     tied = DecodeCase(q, k, case.v, case.seq_len, case.budget, paged)
     for top_k in (1, 2, 3, 4, 6):
-        _check_selection(tied, (top_k + 3) * 16)
+        check_selection(tied, (top_k + 3) * 16)
     page_idx, _ = select_pages_paged(q, paged.centroids, paged.block_table, paged.seq_len, 5 * 16)
     assert page_idx[:, :, :5].tolist() == [[[0, 2, 4, 10, 11]] * 2] * 2  # tie group {2, 4, 6, 7, 9} cut at 2
     # All-zero queries: every middle score is exactly 0, so the lowest middle pages win.
     zero_q = DecodeCase(torch.zeros_like(q), k, case.v, case.seq_len, case.budget, paged)
-    _check_selection(zero_q, 7 * 16)
+    check_selection(zero_q, 7 * 16)
     page_idx, _ = select_pages_paged(zero_q.q, paged.centroids, paged.block_table, paged.seq_len, 7 * 16)
     assert page_idx[0, 0, :7].tolist() == [0, 1, 2, 3, 4, 10, 11]
 
