@@ -19,7 +19,7 @@ def _is_int(t: torch.Tensor) -> bool:
 
 
 def check_device(**tensors: torch.Tensor) -> torch.device:
-    """All tensors on one device where the kernels can run; returns that device."""
+    """All tensors on one device where the kernels can run (for CUDA: the current device); returns it."""
     devices = {name: t.device for name, t in tensors.items()}
     first = next(iter(devices.values()))
     for name, dev in devices.items():
@@ -31,6 +31,11 @@ def check_device(**tensors: torch.Tensor) -> torch.device:
         raise ValueError(
             f"sparrow_kernels cannot run on {first}: needs a CUDA device, or CPU tensors with TRITON_INTERPRET=1 "
             "set before sparrow_kernels is imported (check sparrow_kernels.available(device) first)"
+        )
+    if first.type == "cuda" and first.index is not None and first.index != torch.cuda.current_device():
+        raise ValueError(
+            f"the tensors are on {first} but the current CUDA device is cuda:{torch.cuda.current_device()}; "
+            "Triton launches on the current device: call torch.cuda.set_device first"
         )
     return first
 
