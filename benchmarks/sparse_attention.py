@@ -235,7 +235,8 @@ def environment(sk: ModuleType, device: torch.device) -> dict:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "interpreted": sk.INTERPRETED,
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        # timezone.utc, not datetime.UTC (3.11+): GPU images may run an older Python.
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),  # noqa: UP017
     }
 
 
