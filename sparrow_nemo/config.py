@@ -253,6 +253,8 @@ class PolicyConfig:
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     #: Megatron sequence parallelism (needs tensor_model_parallel_size > 1)
     sequence_parallel: bool = False
+    #: megatron full activation recomputation (trades ~1/3 more compute for activation memory)
+    activation_recompute: bool = False
     #: optimizer settings
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
 

@@ -87,7 +87,6 @@ def test_config_show_defaults_to_the_tiny_recipe(capsys: pytest.CaptureFixture[s
     [
         (["train"], 6),
         (["calibrate"], 6),
-        (["plan"], 3),
         (["eval"], 8),
         (["bench", "attention"], 4),
         (["bench", "rollout"], 5),

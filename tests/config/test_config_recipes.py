@@ -25,7 +25,7 @@ SHIPPED = sorted(p.stem for p in recipes_dir().glob("*.yaml"))
 
 def test_recipes_folder_is_next_to_the_package() -> None:
     assert recipes_dir() == Path(sparrow_nemo.__file__).resolve().parents[1] / "recipes"
-    assert {"base", "tiny_cpu", "qwen3_1.7b_math", "qwen3_8b_math", "qwen3_14b_math"} <= set(SHIPPED)
+    assert {"base", "tiny_cpu", "qwen3_1p7b_math", "qwen3_8b_math", "qwen3_14b_math"} <= set(SHIPPED)
 
 
 @pytest.mark.parametrize("name", SHIPPED)
@@ -57,7 +57,7 @@ def test_tiny_schedule_is_the_explicit_scaled_one() -> None:
 @pytest.mark.parametrize(
     ("recipe", "preset", "schedule"),
     [
-        ("qwen3_1.7b_math", "qwen3-1.7b", "qwen3-1.7b-0.86"),
+        ("qwen3_1p7b_math", "qwen3-1.7b", "qwen3-1.7b-0.86"),
         ("qwen3_8b_math", "qwen3-8b", "qwen3-8b-0.86"),
         ("qwen3_14b_math", "qwen3-14b", "qwen3-14b-0.86"),
     ],
