@@ -50,7 +50,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, nargs="+", default=[8], help="batch sizes (one configuration each)")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--gen-len", type=int, default=256)
-    p.add_argument("--schedules", nargs="+", default=["fixed:64"], help="schedule presets besides dense")
+    p.add_argument(
+        "--schedules",
+        nargs="+",
+        default=["fixed:64"],
+        help="schedules besides dense: presets or schedule YAML files",
+    )
     p.add_argument("--bin-tokens", type=int, default=None, help="bin width of the acceptance tail")
     p.add_argument("--dense-layers", type=int, default=2)
     p.add_argument("--device", default="cpu")

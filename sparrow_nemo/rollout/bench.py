@@ -22,7 +22,14 @@ from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 
 def _as_schedule(spec: str | BudgetSchedule) -> BudgetSchedule:
-    return spec if isinstance(spec, BudgetSchedule) else BudgetSchedule.from_preset(spec)
+    """A schedule object, a ``*.yaml``/``*.yml`` schedule file, or a preset name."""
+    if isinstance(spec, BudgetSchedule):
+        return spec
+    if spec.endswith((".yaml", ".yml")):
+        if not Path(spec).is_file():
+            raise FileNotFoundError(f"schedule file {spec} not found")
+        return BudgetSchedule.from_yaml(Path(spec))
+    return BudgetSchedule.from_preset(spec)
 
 
 def bench_rollout(
@@ -49,7 +56,7 @@ def bench_rollout(
     Args:
         shape: a Qwen3Shape or preset name (random weights, seeded by ``seed``); ignored with model_dir.
         batch, prompt_len, gen_len: sequences, prompt tokens (random ids), generated tokens per sequence.
-        schedules: sparse schedules (objects or preset strings such as "fixed:64", "qwen3-1.7b-0.86").
+        schedules: sparse schedules: objects, preset names ("fixed:64", "qwen3-1.7b-0.86") or YAML files.
         device, dtype: where and in which precision the engine runs.
         dense_layers, page_size, sink_pages, local_pages: the sparse rule's constants (paper: 2, 16, 1, 2).
         tail_bin_tokens: bin width (tokens of cached length) for the acceptance-rate tail, the same
