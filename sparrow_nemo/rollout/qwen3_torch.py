@@ -10,7 +10,6 @@ LoRA (DistillSparse) is applied inside :meth:`Qwen3Decoder.linear` as
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -57,44 +56,6 @@ def expected_weight_shapes(shape: Qwen3Shape) -> dict[str, tuple[int, ...]]:
     if not shape.tie_word_embeddings:
         out["lm_head.weight"] = (shape.vocab_size, h)
     return out
-
-
-def shape_from_hf_config(config: Mapping[str, object], source: str = "config.json") -> Qwen3Shape:
-    """Build a :class:`Qwen3Shape` from an HF Qwen3 ``config.json`` dict.
-
-    Raises ValueError naming ``source`` and the key when a required key is missing or when the
-    config asks for something this decoder does not implement (rope scaling, sliding window).
-    """
-    for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size"):
-        if key not in config:
-            raise ValueError(f"{source}: missing required key '{key}' for a Qwen3 model")
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    if not isinstance(rope, Mapping):
-        raise ValueError(f"{source}: 'rope_parameters' must be a mapping, got {rope!r}")
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"{source}: rope_type '{rope_type}' is not supported (only 'default' rotary)")
-    if config.get("use_sliding_window"):
-        raise ValueError(f"{source}: use_sliding_window=true is not supported by the reference decoder")
-    theta = rope.get("rope_theta", config.get("rope_theta", 1_000_000.0))
-    heads = int(config["num_attention_heads"])
-    eos = config.get("eos_token_id", 151_645)
-    if isinstance(eos, list):
-        eos = eos[0]
-    return Qwen3Shape(
-        num_layers=int(config["num_hidden_layers"]),
-        hidden_size=int(config["hidden_size"]),
-        num_attention_heads=heads,
-        num_key_value_heads=int(config.get("num_key_value_heads", heads)),
-        head_dim=int(config.get("head_dim") or int(config["hidden_size"]) // heads),
-        intermediate_size=int(config["intermediate_size"]),
-        vocab_size=int(config["vocab_size"]),
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(theta),
-        max_position_embeddings=int(config.get("max_position_embeddings", 40_960)),
-        eos_token_id=int(eos) if eos is not None else 151_645,
-    )
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -160,28 +121,30 @@ class Qwen3Decoder:
     def from_hf_dir(
         cls, path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
     ) -> Qwen3Decoder:
-        """Load an HF Qwen3 checkpoint directory (``config.json`` + ``*.safetensors``)."""
-        from safetensors.torch import load_file
+        """Load an HF Qwen3 checkpoint directory (``config.json`` + single or sharded safetensors).
 
-        path = Path(path)
-        cfg_file = path / "config.json"
-        if not cfg_file.is_file():
-            raise FileNotFoundError(f"{cfg_file} not found: an HF checkpoint dir needs config.json")
-        shape = shape_from_hf_config(json.loads(cfg_file.read_text()), source=str(cfg_file))
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors files in {path}")
-        state: dict[str, torch.Tensor] = {}
-        for f in files:
-            state.update(load_file(str(f)))
-        params = {k: v for k, v in state.items() if k in expected_weight_shapes(shape)}
+        Reads the config with the policy's HF importer (one parser for the project) and refuses a
+        sliding-window config, which this decoder does not implement. A tensor of the wrong shape is a
+        ValueError naming it and both shapes; a missing one a KeyError naming it and the directory.
+        """
+        from sparrow_nemo.policy.hf_import import SafetensorsDir, shape_from_hf_config
+
+        ckpt = SafetensorsDir(path)
+        config = ckpt.config()
+        if config.get("use_sliding_window"):
+            raise ValueError(
+                f"{path}/config.json: use_sliding_window=true is not supported by the rollout decoder"
+            )
+        shape = shape_from_hf_config(config)
+        params = {}
         for name, want in expected_weight_shapes(shape).items():
-            if name in params and tuple(params[name].shape) != want:
+            tensor = ckpt.get(name)
+            if tuple(tensor.shape) != want:
                 raise ValueError(
-                    f"{path}: tensor '{name}' has shape {tuple(params[name].shape)}, expected {want} "
-                    f"from config.json"
+                    f"{path}: tensor '{name}' has shape {tuple(tensor.shape)}, expected {want} from config.json"
                 )
-        return cls(shape, {k: v.to(device=device, dtype=dtype) for k, v in params.items()})
+            params[name] = tensor.to(device=device, dtype=dtype)
+        return cls(shape, params)
 
     @property
     def device(self) -> torch.device:
