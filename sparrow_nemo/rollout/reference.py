@@ -163,6 +163,10 @@ class ReferenceRolloutEngine:
     def score(self, sequences: Sequence[Sequence[int]], topk: int = 20) -> list[ScoredSequence]:
         """Dense teacher-forced scores of each sequence, without the LoRA adapter (the dense policy)."""
         self._check_awake()
+        if topk <= 0:
+            raise ValueError(f"score: topk must be > 0, got {topk}")
+        if not sequences:
+            return []
         ids, lengths = self._pad([self._as_ids(s, i, "sequence") for i, s in enumerate(sequences)])
         adapter, self.model.lora = self.model.lora, None
         try:

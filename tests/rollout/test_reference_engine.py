@@ -236,6 +236,9 @@ def test_bad_inputs_are_clear_errors(engine: ReferenceRolloutEngine) -> None:
         engine.generate([[]], greedy(2), DENSE)
     with pytest.raises(ValueError, match="page_size=32"):
         engine.generate([[1]], greedy(2), BudgetSchedule(bin_tokens=64, budgets=(64,), page_size=32))
+    with pytest.raises(ValueError, match="sample_seeds has 1 entries for 2 prompts"):
+        engine.generate([[1], [2]], greedy(2), DENSE, sample_seeds=[3])
+    assert engine.score([]) == [] and engine.generate([], greedy(2), DENSE).samples == []
     with pytest.raises(ValueError, match="attention_backend"):
         ReferenceRolloutEngine(engine.model, attention_backend="cuda")
 
