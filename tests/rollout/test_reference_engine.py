@@ -350,3 +350,20 @@ def test_backend_choice_is_logged_once(caplog: pytest.LogCaptureFixture) -> None
     assert [r.getMessage() for r in caplog.records] == [
         "rollout decode attention on meta: torch (no fused decode on meta)"
     ]
+
+
+def test_bf16_engine_tracks_fp32(hf_dir: Path) -> None:
+    """The dtype path a GPU uses (bf16 weights and cache, fp32 centroids/softmax/logits) on CPU."""
+    p, params = prompts([40, 11]), greedy(12)
+    sched = BudgetSchedule(bin_tokens=48, budgets=(32, 48), name="t")
+    fp32 = ReferenceRolloutEngine.from_hf_dir(hf_dir, dense_layers=1)
+    bf16 = ReferenceRolloutEngine.from_hf_dir(hf_dir, dtype=torch.bfloat16, dense_layers=1)
+    assert bf16._ensure_cache(1).centroids[0].dtype == torch.float32
+    dense = bf16.generate(p, params, DENSE)
+    scored = fp32.score([torch.cat([s.prompt_ids, s.response_ids]).tolist() for s in dense.samples])
+    for s, d in zip(dense.samples, scored):
+        assert s.logprobs.dtype == torch.float32 and s.response_ids.dtype == torch.int64
+        assert (s.logprobs - d.logprobs[s.prompt_ids.numel() - 1 :]).abs().max() < 0.05  # bf16 rounding
+    sparse, ref = bf16.generate(p, params, sched), fp32.generate(p, params, sched)
+    assert [s.kv_budget.tolist() for s in sparse.samples] == [s.kv_budget.tolist() for s in ref.samples]
+    assert torch.equal(sparse.samples[0].response_ids[:3], ref.samples[0].response_ids[:3])
