@@ -21,20 +21,25 @@ log = logging.getLogger(__name__)
 
 
 def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, q_offset: int = 0
 ) -> torch.Tensor:
-    """Dense causal self-attention over a right-padded batch (prefill and teacher-forced scoring).
+    """Dense causal attention over a right-padded batch (prefill chunks and teacher-forced scoring).
 
     Args:
-        q: [B, T, Hq, D]; k, v: [B, T, Hkv, D] (GQA: Hq a multiple of Hkv); lengths: [B] valid tokens.
+        q: [B, Tq, Hq, D] queries at positions q_offset .. q_offset + Tq - 1;
+        k, v: [B, Tk, Hkv, D] keys/values at positions 0 .. Tk - 1 (GQA: Hq a multiple of Hkv);
+        lengths: [B] valid tokens per sequence (keys at or past it are ignored).
 
     Returns:
-        [B, T, Hq, D] in q.dtype, scale 1/sqrt(D). Rows at padded positions are finite but meaningless.
+        [B, Tq, Hq, D] in q.dtype, scale 1/sqrt(D). Rows at padded positions are finite but meaningless.
     """
-    t, hq = q.shape[1], q.shape[2]
+    tq, hq, tk = q.shape[1], q.shape[2], k.shape[1]
     group = hq // k.shape[2]
-    pos = torch.arange(t, device=q.device)
-    mask = (pos[None, :] <= pos[:, None])[None] & (pos[None, None, :] < lengths.to(q.device)[:, None, None])
+    q_pos = torch.arange(q_offset, q_offset + tq, device=q.device)
+    k_pos = torch.arange(tk, device=q.device)
+    mask = (k_pos[None, :] <= q_pos[:, None])[None] & (
+        k_pos[None, None, :] < lengths.to(q.device)[:, None, None]
+    )
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2),
         k.transpose(1, 2).repeat_interleave(group, dim=1),

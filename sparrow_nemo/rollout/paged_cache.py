@@ -79,16 +79,29 @@ class PagedKVCache:
 
     # ----------------------------------------------------------------- writes
     def write_prefill(
-        self, layer: int, block_table: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor
+        self,
+        layer: int,
+        block_table: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        lengths: torch.Tensor,
+        start: int = 0,
     ) -> None:
-        """Store a right-padded prompt batch: ``k, v [B, T, Hkv, D]``, ``lengths [B]`` valid tokens.
+        """Store a chunk of a right-padded prompt batch.
 
-        Pages must already be reserved. Centroids are set to the mean of each page's valid keys.
+        Args:
+            k, v: [B, T, Hkv, D] keys/values of positions start .. start + T - 1.
+            lengths: [B] prompt lengths; positions at or past them are not stored.
+            start: first position of the chunk, a multiple of page_size (chunks cover whole pages).
+
+        Pages must already be reserved. Each page's centroid is set to the mean of its valid keys.
         """
         batch, t, hkv, d = k.shape
         ps = self.page_size
+        if start % ps:
+            raise ValueError(f"write_prefill: start={start} must be a multiple of page_size={ps}")
         n_pages = math.ceil(t / ps)
-        pos = torch.arange(n_pages * ps, device=k.device)
+        pos = start + torch.arange(n_pages * ps, device=k.device)
         valid = pos[None, :] < lengths.to(k.device)[:, None]  # [B, n_pages * ps]
         pad = n_pages * ps - t
         k_pad = torch.nn.functional.pad(k, (0, 0, 0, 0, 0, pad)) * valid[:, :, None, None]
@@ -97,7 +110,7 @@ class PagedKVCache:
         v_pg = v_pad.view(batch, n_pages, ps, hkv, d).transpose(2, 3)
         counts = valid.view(batch, n_pages, ps).sum(-1)  # [B, n_pages]
         used = counts > 0
-        phys = block_table[:, :n_pages][used].long()
+        phys = block_table[:, start // ps : start // ps + n_pages][used].long()
         stored = k_pg[used].to(self.k_pages[layer].dtype)  # [N, Hkv, ps, D]
         self.k_pages[layer][phys] = stored
         self.v_pages[layer][phys] = v_pg[used].to(self.v_pages[layer].dtype)

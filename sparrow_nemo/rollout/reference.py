@@ -57,6 +57,8 @@ class ReferenceRolloutEngine:
         attention_backend: "auto" (fused kernels on CUDA when available), "torch" or "triton".
         tokenizer: anything with ``decode(list[int]) -> str``; needed only for stop strings.
         max_batch_size: sequences decoded together (bounds the KV cache); None = all prompts at once.
+        prefill_chunk_tokens: prompt positions per prefill chunk (a multiple of page_size; bounds the
+            prefill attention memory); None = whole prompts at once.
     """
 
     def __init__(
@@ -70,6 +72,7 @@ class ReferenceRolloutEngine:
         attention_backend: str = "auto",
         tokenizer: Detokenizer | None = None,
         max_batch_size: int | None = None,
+        prefill_chunk_tokens: int | None = None,
     ) -> None:
         if not 0 <= dense_layers <= model.shape.num_layers:
             raise ValueError(f"dense_layers must be in [0, {model.shape.num_layers}], got {dense_layers}")
@@ -79,6 +82,12 @@ class ReferenceRolloutEngine:
             raise ValueError(
                 f"page_size must be > 0 and sink_pages/local_pages >= 0, got {page_size}, {sink_pages}, {local_pages}"
             )
+        if prefill_chunk_tokens is not None and (
+            prefill_chunk_tokens <= 0 or prefill_chunk_tokens % page_size
+        ):
+            raise ValueError(
+                f"prefill_chunk_tokens must be a positive multiple of page_size={page_size}, got {prefill_chunk_tokens}"
+            )
         self.model = model
         self.dense_layers = dense_layers
         self.page_size = page_size
@@ -86,6 +95,7 @@ class ReferenceRolloutEngine:
         self.local_pages = local_pages
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
+        self.prefill_chunk_tokens = prefill_chunk_tokens
         self.device = model.device
         self.backend = choose_backend(attention_backend, self.device)
         self._kernels = KernelDecode() if self.backend == "triton" else None
@@ -170,7 +180,7 @@ class ReferenceRolloutEngine:
         ids, lengths = self._pad([self._as_ids(s, i, "sequence") for i, s in enumerate(sequences)])
         adapter, self.model.lora = self.model.lora, None
         try:
-            h = self._dense_forward(ids, lengths, block_table=None)
+            h = self._dense_hidden(ids, lengths)
         finally:
             self.model.lora = adapter
         out = []
@@ -232,8 +242,7 @@ class ReferenceRolloutEngine:
 
         t0 = self._now()
         cache.reserve(block_table, seq_len)
-        h = self._dense_forward(ids, seq_len, block_table)
-        logits = self.model.logits(h[torch.arange(batch, device=self.device), seq_len - 1])
+        logits = self._prefill(cache, block_table, ids, seq_len)
         active = torch.arange(batch, device=self.device)  # sample index of each live row
         tokens = self._sample_and_record(rec, logits, sampling, gens, active, seq_len, None)
         t1 = self._now()
@@ -355,21 +364,41 @@ class ReferenceRolloutEngine:
             ids[b, : s.numel()] = s
         return ids, lengths
 
-    def _dense_forward(
-        self, ids: torch.Tensor, lengths: torch.Tensor, block_table: torch.Tensor | None
-    ) -> torch.Tensor:
-        """Causal forward of a right-padded batch ``ids [B, T]`` -> final hidden states [B, T, hidden].
-
-        With a block table, each layer's keys/values are written to the KV cache (prefill).
-        """
+    def _dense_hidden(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Causal forward of a right-padded batch ``ids [B, T]`` -> final hidden states [B, T, hidden]."""
         positions = torch.arange(ids.shape[1], device=self.device)[None, :].expand_as(ids)
         h = self.model.embed(ids)
         for layer in range(self.shape.num_layers):
             q, k, v = self.model.attention_inputs(layer, h, positions)
-            if block_table is not None:
-                self._cache.write_prefill(layer, block_table, k, v, lengths)
             h = self.model.attention_output(layer, h, causal_attention(q, k, v, lengths))
         return h
+
+    def _prefill(
+        self, cache: PagedKVCache, block_table: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor
+    ) -> torch.Tensor:
+        """Dense prefill of prompts ``ids [B, T]`` (right-padded) into the cache, in chunks of
+        ``prefill_chunk_tokens`` positions; each chunk attends to everything cached before it.
+
+        Returns the fp32 logits [B, V] after each prompt's last token.
+        """
+        t = ids.shape[1]
+        chunk = self.prefill_chunk_tokens or t
+        last = torch.empty(ids.shape[0], self.shape.hidden_size, dtype=self.model.dtype, device=self.device)
+        for start in range(0, t, chunk):
+            end = min(t, start + chunk)
+            positions = torch.arange(start, end, device=self.device)[None, :].expand(ids.shape[0], -1)
+            h = self.model.embed(ids[:, start:end])
+            for layer in range(self.shape.num_layers):
+                q, k, v = self.model.attention_inputs(layer, h, positions)
+                cache.write_prefill(layer, block_table, k, v, lengths, start=start)
+                k_all, v_all = cache.contiguous(layer, block_table, lengths.clamp(max=end))  # [B, Hkv, L, D]
+                attn = causal_attention(
+                    q, k_all.transpose(1, 2), v_all.transpose(1, 2), lengths, q_offset=start
+                )
+                h = self.model.attention_output(layer, h, attn)
+            ends_here = (lengths - 1 >= start) & (lengths - 1 < end)
+            last[ends_here] = h[ends_here, (lengths - 1 - start)[ends_here]]
+        return self.model.logits(last)
 
     def _decode_step(
         self,

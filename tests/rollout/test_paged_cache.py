@@ -71,6 +71,10 @@ def test_release_recycles_pages_and_exhaustion_is_an_error() -> None:
         cache.reserve(table, torch.tensor([9, 5]))
     cache.release(table[:1])
     assert cache.num_free == 3
+    with pytest.raises(ValueError, match="start=2 must be a multiple of page_size=4"):
+        cache.write_prefill(
+            0, table, torch.zeros(2, 3, HKV, D), torch.zeros(2, 3, HKV, D), torch.tensor([5, 5]), start=2
+        )
     with pytest.raises(ValueError, match="block table has 3 columns"):
         cache.reserve(table[:1], torch.tensor([17]))
 

@@ -187,6 +187,17 @@ def test_mixed_length_batch_equals_each_prompt_alone(engine: ReferenceRolloutEng
             assert s.finish_reason == "length" and s.response_ids.numel() == 40
 
 
+def test_chunked_prefill_equals_whole_prompt_prefill(engine: ReferenceRolloutEngine) -> None:
+    p, params = prompts([40, 7, 33, 16]), SamplingParams(max_new_tokens=12, seed=5, stop_token_ids=())
+    sched = BudgetSchedule(bin_tokens=48, budgets=(32, 48), name="t")
+    whole = engine.generate(p, params, sched)
+    chunked = ReferenceRolloutEngine(engine.model, prefill_chunk_tokens=16).generate(p, params, sched)
+    for a, b in zip(whole.samples, chunked.samples):
+        assert torch.equal(a.response_ids, b.response_ids) and (a.logprobs - b.logprobs).abs().max() < 1e-5
+    with pytest.raises(ValueError, match="prefill_chunk_tokens must be a positive multiple of page_size=16"):
+        ReferenceRolloutEngine(engine.model, prefill_chunk_tokens=20)
+
+
 def test_finished_sequences_leave_the_batch(
     engine: ReferenceRolloutEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
