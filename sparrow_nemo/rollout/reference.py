@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -171,23 +171,49 @@ class ReferenceRolloutEngine:
 
     @torch.no_grad()
     def score(self, sequences: Sequence[Sequence[int]], topk: int = 20) -> list[ScoredSequence]:
-        """Dense teacher-forced scores of each sequence, without the LoRA adapter (the dense policy)."""
+        """Dense teacher-forced scores of each sequence, without the LoRA adapter (the dense policy).
+
+        Runs as a dense prefill through the paged cache, ``prefill_chunk_tokens`` positions at a time, so
+        memory (attention and [chunk, vocab] logits) stays bounded for long sequences.
+        """
         self._check_awake()
         if topk <= 0:
             raise ValueError(f"score: topk must be > 0, got {topk}")
         if not sequences:
             return []
         ids, lengths = self._pad([self._as_ids(s, i, "sequence") for i, s in enumerate(sequences)])
+        n_tokens = lengths.tolist()
+        parts: list[list[tuple[torch.Tensor, ...]]] = [[] for _ in n_tokens]
+
+        def collect(start: int, h: torch.Tensor) -> None:  # h: [B, chunk, hidden] at start, start + 1, ...
+            for b, n in enumerate(n_tokens):
+                stop = min(start + h.shape[1], n - 1)  # the last token predicts nothing
+                if stop > start:
+                    logits = self.model.logits(h[b, : stop - start])
+                    parts[b].append(token_logprobs(logits, ids[b, start + 1 : stop + 1], topk))
+
+        cache = self._ensure_cache(sum(math.ceil(n / self.page_size) for n in n_tokens))
+        block_table = torch.full(
+            (len(n_tokens), math.ceil(max(n_tokens) / self.page_size)),
+            -1,
+            dtype=torch.int32,
+            device=self.device,
+        )
         adapter, self.model.lora = self.model.lora, None
         try:
-            h = self._dense_hidden(ids, lengths)
+            cache.reserve(block_table, lengths)
+            self._prefill(cache, block_table, ids, lengths, collect)
         finally:
             self.model.lora = adapter
+            cache.release(block_table)
         out = []
-        for b, n in enumerate(lengths.tolist()):
-            logits = self.model.logits(h[b, : n - 1])
-            lp, top_ids, top_lp = token_logprobs(logits, ids[b, 1:n], topk)
-            out.append(ScoredSequence(logprobs=lp.cpu(), top_ids=top_ids.cpu(), top_logprobs=top_lp.cpu()))
+        for chunks in parts:
+            lp, top_ids, top_lp = (
+                (torch.cat(c).cpu() for c in zip(*chunks))
+                if chunks
+                else _empty_scores(min(topk, self.shape.vocab_size))
+            )
+            out.append(ScoredSequence(logprobs=lp, top_ids=top_ids, top_logprobs=top_lp))
         return out
 
     @torch.no_grad()
@@ -242,7 +268,14 @@ class ReferenceRolloutEngine:
 
         t0 = self._now()
         cache.reserve(block_table, seq_len)
-        logits = self._prefill(cache, block_table, ids, seq_len)
+        last = torch.empty(batch, self.shape.hidden_size, dtype=self.model.dtype, device=self.device)
+
+        def keep_last(start: int, h: torch.Tensor) -> None:  # the hidden state after each prompt's last token
+            ends_here = (seq_len - 1 >= start) & (seq_len - 1 < start + h.shape[1])
+            last[ends_here] = h[ends_here, (seq_len - 1 - start)[ends_here]]
+
+        self._prefill(cache, block_table, ids, seq_len, keep_last)
+        logits = self.model.logits(last)
         active = torch.arange(batch, device=self.device)  # sample index of each live row
         tokens = self._sample_and_record(rec, logits, sampling, gens, active, seq_len, None)
         t1 = self._now()
@@ -364,26 +397,22 @@ class ReferenceRolloutEngine:
             ids[b, : s.numel()] = s
         return ids, lengths
 
-    def _dense_hidden(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """Causal forward of a right-padded batch ``ids [B, T]`` -> final hidden states [B, T, hidden]."""
-        positions = torch.arange(ids.shape[1], device=self.device)[None, :].expand_as(ids)
-        h = self.model.embed(ids)
-        for layer in range(self.shape.num_layers):
-            q, k, v = self.model.attention_inputs(layer, h, positions)
-            h = self.model.attention_output(layer, h, causal_attention(q, k, v, lengths))
-        return h
-
     def _prefill(
-        self, cache: PagedKVCache, block_table: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor
-    ) -> torch.Tensor:
-        """Dense prefill of prompts ``ids [B, T]`` (right-padded) into the cache, in chunks of
+        self,
+        cache: PagedKVCache,
+        block_table: torch.Tensor,
+        ids: torch.Tensor,
+        lengths: torch.Tensor,
+        emit: Callable[[int, torch.Tensor], None],
+    ) -> None:
+        """Dense prefill of right-padded ``ids [B, T]`` into the cache (pages reserved), in chunks of
         ``prefill_chunk_tokens`` positions; each chunk attends to everything cached before it.
 
-        Returns the fp32 logits [B, V] after each prompt's last token.
+        ``emit(start, h)`` receives each chunk's final hidden states ``h [B, chunk, hidden]``
+        (positions start, start + 1, ...; rows past a sequence's length are padding).
         """
         t = ids.shape[1]
         chunk = self.prefill_chunk_tokens or t
-        last = torch.empty(ids.shape[0], self.shape.hidden_size, dtype=self.model.dtype, device=self.device)
         for start in range(0, t, chunk):
             end = min(t, start + chunk)
             positions = torch.arange(start, end, device=self.device)[None, :].expand(ids.shape[0], -1)
@@ -396,9 +425,7 @@ class ReferenceRolloutEngine:
                     q, k_all.transpose(1, 2), v_all.transpose(1, 2), lengths, q_offset=start
                 )
                 h = self.model.attention_output(layer, h, attn)
-            ends_here = (lengths - 1 >= start) & (lengths - 1 < end)
-            last[ends_here] = h[ends_here, (lengths - 1 - start)[ends_here]]
-        return self.model.logits(last)
+            emit(start, h)
 
     def _decode_step(
         self,
@@ -486,3 +513,8 @@ class _Recorder:
         names = ("response_ids", "logprobs", "top_ids", "top_logprobs", "cached_len", "kv_budget")
         split = [c[order].split(counts) for c in cols[1:]]
         return [{name: split[j][s] for j, name in enumerate(names)} for s in range(self.batch)]
+
+
+def _empty_scores(topk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Scores of a one-token sequence: nothing is predicted."""
+    return torch.empty(0), torch.empty(0, topk, dtype=torch.int64), torch.empty(0, topk)

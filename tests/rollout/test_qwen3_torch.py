@@ -32,6 +32,12 @@ def test_score_matches_transformers_on_unequal_lengths(fixture: str, request: py
     gen = torch.Generator().manual_seed(3)
     seqs = [torch.randint(0, engine.shape.vocab_size, (n,), generator=gen).tolist() for n in (37, 5, 20)]
     scored = engine.score(seqs, topk=20)
+    chunked = ReferenceRolloutEngine(engine.model, prefill_chunk_tokens=16).score(seqs, topk=20)
+    assert engine._cache.num_free == engine._cache.num_pages  # scoring returns its pages
+    for a, b in zip(scored, chunked):
+        assert (a.logprobs - b.logprobs).abs().max() < 1e-5
+    one = engine.score([[4]])[0]
+    assert one.logprobs.shape == (0,) and one.top_ids.shape == (0, 20)
     for ids, got in zip(seqs, scored):
         ref = hf_logprobs(path, ids)
         target = torch.tensor(ids[1:])
