@@ -16,7 +16,6 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Protocol
 
 import torch
 
@@ -38,13 +37,8 @@ from sparrow_nemo.rollout.sampling import (
     sample_tokens,
     token_logprobs,
 )
+from sparrow_nemo.rollout.stopping import Detokenizer, StopRule
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET, BudgetSchedule
-
-
-class Detokenizer(Protocol):
-    """What stop strings need from a tokenizer."""
-
-    def decode(self, ids: list[int]) -> str: ...
 
 
 class ReferenceRolloutEngine:
@@ -187,10 +181,10 @@ class ReferenceRolloutEngine:
 
         def collect(start: int, h: torch.Tensor) -> None:  # h: [B, chunk, hidden] at start, start + 1, ...
             for b, n in enumerate(n_tokens):
-                stop = min(start + h.shape[1], n - 1)  # the last token predicts nothing
-                if stop > start:
-                    logits = self.model.logits(h[b, : stop - start])
-                    parts[b].append(token_logprobs(logits, ids[b, start + 1 : stop + 1], topk))
+                upto = min(start + h.shape[1], n - 1)  # the last token predicts nothing
+                if upto > start:
+                    logits = self.model.logits(h[b, : upto - start])
+                    parts[b].append(token_logprobs(logits, ids[b, start + 1 : upto + 1], topk))
 
         cache = self._ensure_cache(sum(math.ceil(n / self.page_size) for n in n_tokens))
         block_table = torch.full(
@@ -233,11 +227,13 @@ class ReferenceRolloutEngine:
         """
         self._check_awake()
         prompt_ids, seeds, max_new = self._check_request(prompts, sampling, schedule, sample_seeds)
+        stop_ids = (self.shape.eos_token_id,) if sampling.stop_token_ids is None else sampling.stop_token_ids
+        stop = StopRule(frozenset(stop_ids), sampling.stop_strings, self.tokenizer)
         out = RolloutBatch(samples=[], schedule_name=schedule.name, prefill_s=0.0, decode_s=0.0)
         step = self.max_batch_size or max(len(prompt_ids), 1)
         for lo in range(0, len(prompt_ids), step):
             wave = slice(lo, lo + step)
-            part = self._generate_wave(prompt_ids[wave], seeds[wave], max_new[wave], sampling, schedule)
+            part = self._generate_wave(prompt_ids[wave], seeds[wave], max_new[wave], sampling, schedule, stop)
             out.samples += part.samples
             out.prefill_s += part.prefill_s
             out.decode_s += part.decode_s
@@ -250,12 +246,10 @@ class ReferenceRolloutEngine:
         max_new: list[int],
         sampling: SamplingParams,
         schedule: BudgetSchedule,
+        stop: StopRule,
     ) -> RolloutBatch:
         """Generate for prompts decoded together (at most ``max_batch_size``); inputs already validated."""
         batch = len(prompt_ids)
-        stop_ids = (
-            {self.shape.eos_token_id} if sampling.stop_token_ids is None else set(sampling.stop_token_ids)
-        )
         ps = self.page_size
         final_len = [p.numel() + m for p, m in zip(prompt_ids, max_new)]
         cache = self._ensure_cache(sum(math.ceil(n / ps) for n in final_len))
@@ -286,7 +280,7 @@ class ReferenceRolloutEngine:
             keep = []  # live rows that continue
             for row, (s, t) in enumerate(zip(active.tolist(), tokens.tolist())):
                 responses[s].append(t)
-                done = self._finish_reason(responses[s], t, stop_ids, sampling.stop_strings, max_new[s])
+                done = stop.check(responses[s], max_new[s])
                 if done is None:
                     keep.append(row)
                 else:
@@ -310,9 +304,9 @@ class ReferenceRolloutEngine:
 
         samples = []
         for s, fields in enumerate(rec.per_sample()):
-            reason, stop = finished[s]
+            reason, matched = finished[s]
             samples.append(
-                RolloutSample(prompt_ids=prompt_ids[s].cpu(), **fields, finish_reason=reason, stop=stop)
+                RolloutSample(prompt_ids=prompt_ids[s].cpu(), **fields, finish_reason=reason, stop=matched)
             )
         return RolloutBatch(samples=samples, schedule_name=schedule.name, prefill_s=t1 - t0, decode_s=t2 - t1)
 
@@ -333,10 +327,6 @@ class ReferenceRolloutEngine:
             raise ValueError(
                 f"schedule '{schedule.name}' uses page_size={schedule.page_size} but the engine pages are "
                 f"{self.page_size} tokens"
-            )
-        if sampling.stop_strings and self.tokenizer is None:
-            raise ValueError(
-                "SamplingParams.stop_strings needs an engine tokenizer (ReferenceRolloutEngine(tokenizer=...))"
             )
         prompt_ids = [self._as_ids(p, i, "prompt") for i, p in enumerate(prompts)]
         n = len(prompt_ids)
@@ -476,21 +466,6 @@ class ReferenceRolloutEngine:
         budget = torch.full_like(cached_len, DENSE_BUDGET) if budgets is None else budgets
         rec.add(active, tokens, lp, top_ids, top_lp, cached_len, budget)
         return tokens
-
-    def _finish_reason(
-        self, response: list[int], token: int, stop_ids: set[int], stop_strings: tuple[str, ...], max_new: int
-    ) -> tuple[str, int | str | None] | None:
-        """Why a response ends after ``token`` (stop token > stop string > length), or None."""
-        if token in stop_ids:
-            return "stop_token", token
-        if stop_strings:
-            text = self.tokenizer.decode(response)
-            for s in stop_strings:
-                if s in text:
-                    return "stop_string", s
-        if len(response) >= max_new:
-            return "length", None
-        return None
 
 
 class _Recorder:
