@@ -1,21 +1,26 @@
 """The synthetic verifiable task: follow a chain of pointers through a table given early in the prompt.
 
-The prompt holds a table of ``num_nodes`` entries in random order, ``k:d>n`` = node ``k`` (one letter) has
-digit ``d`` and points to node ``n`` (``.`` = end of its chain), then the start node::
+Nodes are upper-case letters. The prompt holds a table of ``num_nodes`` entries in random order, ``dKn``
+= node ``K`` has digit ``d`` and points to node ``N`` (written lower-case, ``n``; ``.`` = end of its
+chain), then the start node::
 
-    T:q:4>.,a:3>x,x:5>q,b:7>.\\nQ:a\\n
+    (4Q.,3Ax,5Xq,7B.)\n?A\n
 
-The reference solution walks the chain, copying each visited entry and a running digit sum mod 10, and
-ends with the answer = last node + final sum::
+The reference solution walks the chain, writing for each visited node ``K``, its digit, its successor and
+the running digit sum mod 10, and ends with the answer = last node + final sum::
 
-    a:3>x=3 x:5>q=8 q:4>.=2\\nA:q2
+    A3x=3 X5q=8 Q4.=2\n!Q2
 
-Why it suits sparse rollout: no node is visited twice, so each step's digit and successor (2 of its 8
+Why it suits sparse rollout: no node is visited twice, so each step's digit and successor (2 of its 6
 characters) can only be read from the table in the prompt, far back, while the other characters are local
 copies or a local sum. Dropping the right page hurts those few tokens badly while most stay easy (the skewed
-per-token mismatch of the paper), and the completion length (8 characters per hop) varies with the number
-of hops, from a few dozen to several hundred tokens. The nodes not on the queried chain form other chains
-that also end in ``.``, so the end of the chain cannot be found without walking it.
+per-token mismatch of the paper), and the completion length (6 characters per hop) varies with the number
+of hops. The nodes not on the queried chain form other chains that also end in ``.``, so the end of the
+chain cannot be found without walking it.
+
+Why it is learnable by a tiny model in minutes: every look-up is keyed by the step's node letter, which
+occurs exactly once in the table; the digit is the token just before it there and the successor the token
+just after it, the two patterns an attention head learns first (induction / duplicate-token heads).
 """
 
 from __future__ import annotations
@@ -26,10 +31,10 @@ import string
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-NODE_NAMES = string.ascii_letters
+NODE_NAMES = string.ascii_uppercase
 END = "."
-_ANSWER_RE = re.compile(r"A:(\S*)")
-_ENTRY_RE = re.compile(r"([A-Za-z]):(\d)>([A-Za-z.])")
+_ANSWER_RE = re.compile(r"!(\S*)")
+_ENTRY_RE = re.compile(r"(\d)([A-Z])([a-z.])")
 
 
 @dataclass(frozen=True)
@@ -49,21 +54,21 @@ class ChainTaskConfig:
     """Difficulty knobs; each problem draws its sizes uniformly from the inclusive ranges.
 
     Attributes:
-        num_nodes: (min, max) table entries, 2..52. Prompt length = 6 * num_nodes + 6 characters.
+        num_nodes: (min, max) table entries, 2..26. Prompt length = 4 * num_nodes + 5 characters.
         num_hops: (min, max) pointer hops on the queried chain, clamped to num_nodes - 1 (no node repeats).
-            Trace length = 8 * (num_hops + 1) + 4 characters.
+            Trace length = 6 * (num_hops + 1) + 3 characters (so at most 159; with the prompt at most 268).
         seed: problems are a pure function of (seed, index).
     """
 
-    num_nodes: tuple[int, int] = (8, 40)
-    num_hops: tuple[int, int] = (2, 32)
+    num_nodes: tuple[int, int] = (8, 26)
+    num_hops: tuple[int, int] = (2, 25)
     seed: int = 0
 
     def __post_init__(self) -> None:
         lo, hi = self.num_nodes
         if not (2 <= lo <= hi <= len(NODE_NAMES)):
             raise ValueError(
-                f"ChainTaskConfig.num_nodes must satisfy 2 <= min <= max <= 52, got {self.num_nodes}"
+                f"ChainTaskConfig.num_nodes must satisfy 2 <= min <= max <= 26, got {self.num_nodes}"
             )
         lo, hi = self.num_hops
         if not (1 <= lo <= hi):
@@ -78,7 +83,7 @@ def make_problem(rng: random.Random, num_nodes: int, num_hops: int) -> ChainProb
     """A problem with ``num_nodes`` table entries whose queried chain has ``num_hops`` hops (<= num_nodes - 1)."""
     if not (1 <= num_hops <= num_nodes - 1 and num_nodes <= len(NODE_NAMES)):
         raise ValueError(
-            f"need 1 <= num_hops <= num_nodes - 1 <= 51, got num_nodes={num_nodes}, num_hops={num_hops}"
+            f"need 1 <= num_hops <= num_nodes - 1 <= 25, got num_nodes={num_nodes}, num_hops={num_hops}"
         )
     names = rng.sample(NODE_NAMES, num_nodes)
     digit = {k: rng.randrange(10) for k in names}
@@ -91,13 +96,13 @@ def make_problem(rng: random.Random, num_nodes: int, num_hops: int) -> ChainProb
         rest = rest[cut:]
     order = names[:]
     rng.shuffle(order)
-    prompt = "T:" + ",".join(f"{k}:{digit[k]}>{succ[k]}" for k in order) + f"\nQ:{path[0]}\n"
+    prompt = "(" + ",".join(f"{digit[k]}{k}{succ[k].lower()}" for k in order) + f")\n?{path[0]}\n"
     steps, total = [], 0
     for k in path:
         total = (total + digit[k]) % 10
-        steps.append(f"{k}:{digit[k]}>{succ[k]}={total}")
+        steps.append(f"{k}{digit[k]}{succ[k].lower()}={total}")
     answer = f"{path[-1]}{total}"
-    trace = " ".join(steps) + f"\nA:{answer}"
+    trace = " ".join(steps) + f"\n!{answer}"
     return ChainProblem(prompt=prompt, trace=trace, answer=answer, num_nodes=num_nodes, num_hops=num_hops)
 
 
@@ -112,10 +117,10 @@ def solve(prompt: str) -> str:
 
     Raises ValueError when the prompt is not a well-formed chain problem (no table, unknown start, a cycle).
     """
-    table_line, _, query = prompt.partition("\nQ:")
-    if not table_line.startswith("T:") or not query.strip():
+    table_line, _, query = prompt.partition("\n?")
+    if not (table_line.startswith("(") and table_line.endswith(")")) or not query.strip():
         raise ValueError(f"not a chain prompt: {prompt[:40]!r}...")
-    table = {k: (int(d), n) for k, d, n in _ENTRY_RE.findall(table_line)}
+    table = {k: (int(d), n.upper()) for d, k, n in _ENTRY_RE.findall(table_line)}
     node, total, seen = query.strip(), 0, set()
     while True:
         if node not in table or node in seen:
@@ -129,7 +134,7 @@ def solve(prompt: str) -> str:
 
 
 def parse_answer(completion: str) -> str | None:
-    """The text after the last ``A:`` up to whitespace, or None when there is no ``A:``."""
+    """The text after the last ``!`` up to whitespace, or None when there is no ``!``."""
     found = _ANSWER_RE.findall(completion)
     return found[-1] if found else None
 
