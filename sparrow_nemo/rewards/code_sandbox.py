@@ -108,6 +108,10 @@ def _readable_by_others(path: Path) -> bool:
 def _sandbox_python() -> tuple[str, bool]:
     """(interpreter, can drop to nobody): this interpreter if ``nobody`` can read its standard library,
     else the system ``python3`` of the same minor version if nobody can; else this one without dropping."""
+    try:
+        pwd.getpwnam("nobody")
+    except KeyError:
+        return sys.executable, False
     if os.geteuid() != 0:
         return sys.executable, False
     version = f"python{sys.version_info.major}.{sys.version_info.minor}"
@@ -151,6 +155,48 @@ def _kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
 
 
+def _write_config(
+    private: Path, workdir: Path, limits: SandboxLimits, marker_fd: int, token: str, exit_ok: bool, drop: bool
+) -> Path:
+    """Write the guard's config (root-only readable when ``drop``) and hand the work directory to nobody."""
+    nobody = pwd.getpwnam("nobody") if drop else None
+    if nobody is not None:  # private/ stays root's (0711: nobody may pass through, not list or write)
+        os.chmod(private, 0o711)
+        for p in (workdir, workdir / "program.py"):
+            os.chown(p, nobody.pw_uid, nobody.pw_gid)
+    config = private / "config.json"
+    fields = {
+        "workdir": str(workdir),
+        "program": str(workdir / "program.py"),
+        "cpu_s": int(limits.cpu_s),
+        "memory_bytes": limits.memory_mb << 20,
+        "file_size_bytes": limits.output_bytes,
+        "max_processes": limits.max_processes,
+        "uid": nobody.pw_uid if nobody else None,
+        "gid": nobody.pw_gid if nobody else None,
+        "marker_fd": marker_fd,
+        "token": token,
+        "exit_ok": exit_ok,
+    }
+    config.write_text(json.dumps(fields))
+    os.chmod(config, 0o600)
+    return config
+
+
+def _command(exe: str, config: Path) -> list[str]:
+    cmd = [exe, "-I", "-S", str(_GUARD), str(config)]
+    return [shutil.which("unshare") or "unshare", "-n", "--", *cmd] if _netns_available() else cmd
+
+
+def _read_marker(fd: int) -> bytes:
+    """What the guard wrote to the marker pipe (nothing if it never did), without blocking."""
+    os.set_blocking(fd, False)
+    try:
+        return os.read(fd, 64)
+    except BlockingIOError:
+        return b""
+
+
 def run_python(
     source: str, stdin: str = "", limits: SandboxLimits | None = None, exit_ok: bool = True
 ) -> SandboxResult:
@@ -161,41 +207,15 @@ def run_python(
     """
     limits = limits or SandboxLimits()
     exe, drop = _sandbox_python()
-    nobody = pwd.getpwnam("nobody") if drop else None
-    private = Path(tempfile.mkdtemp(prefix="sparrow_sandbox_"))  # 0700: config and outputs, not the program's
+    private = Path(tempfile.mkdtemp(prefix="sparrow_sandbox_"))  # config and outputs; the program is in work/
     workdir = private / "work"
-    workdir.mkdir()
+    workdir.mkdir(mode=0o700)
     read_fd, write_fd = os.pipe()
     token = secrets.token_hex(16)
     try:
         (workdir / "program.py").write_text(source, encoding="utf-8")
         (private / "stdin").write_text(stdin, encoding="utf-8")
-        if nobody is not None:  # private/ stays root's (0711: nobody may pass through, not list or write)
-            os.chmod(private, 0o711)
-            for p in (workdir, workdir / "program.py"):
-                os.chown(p, nobody.pw_uid, nobody.pw_gid)
-        config = private / "config.json"
-        config.write_text(
-            json.dumps(
-                {
-                    "workdir": str(workdir),
-                    "program": str(workdir / "program.py"),
-                    "cpu_s": int(limits.cpu_s),
-                    "memory_bytes": limits.memory_mb << 20,
-                    "file_size_bytes": limits.output_bytes,
-                    "max_processes": limits.max_processes,
-                    "uid": nobody.pw_uid if nobody else None,
-                    "gid": nobody.pw_gid if nobody else None,
-                    "marker_fd": write_fd,
-                    "token": token,
-                    "exit_ok": exit_ok,
-                }
-            )
-        )
-        os.chmod(config, 0o600)
-        cmd = [exe, "-I", "-S", str(_GUARD), str(config)]
-        if _netns_available():
-            cmd = [shutil.which("unshare") or "unshare", "-n", "--", *cmd]
+        config = _write_config(private, workdir, limits, write_fd, token, exit_ok, drop)
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8", "HOME": str(workdir)}
         start = time.perf_counter()
         with (
@@ -204,7 +224,7 @@ def run_python(
             open(private / "stderr", "wb") as ferr,
         ):
             proc = subprocess.Popen(
-                cmd,
+                _command(exe, config),
                 stdin=fin,
                 stdout=fout,
                 stderr=ferr,
@@ -220,14 +240,10 @@ def run_python(
             proc.wait(timeout=limits.wall_s)
         except subprocess.TimeoutExpired:
             timed_out = True
-        _kill_group(proc.pid)
+        _kill_group(proc.pid)  # the program and anything it left behind in its process group
         proc.wait()
         wall = time.perf_counter() - start
-        os.set_blocking(read_fd, False)
-        try:
-            marker = os.read(read_fd, 64)
-        except BlockingIOError:
-            marker = b""
+        marker = _read_marker(read_fd)
         stdout, out_capped = _read_capped(private / "stdout", limits.output_bytes)
         stderr, err_capped = _read_capped(private / "stderr", limits.output_bytes)
         limited = out_capped or err_capped or proc.returncode == -signal.SIGXFSZ
