@@ -49,6 +49,7 @@ __all__ = [
     "ConfigError",
     "DataConfig",
     "DistillConfig",
+    "EvaluationConfig",
     "GrpoConfig",
     "LoggingConfig",
     "LossConfig",
@@ -60,7 +61,9 @@ __all__ = [
     "RolloutConfig",
     "SparrowConfig",
     "SparsityConfig",
+    "TaskConfig",
     "TrainerConfig",
+    "WarmstartConfig",
     "from_dict",
     "load_config",
     "recipes_dir",
@@ -572,6 +575,54 @@ class LoggingConfig:
 
 
 @dataclass(frozen=True)
+class TaskConfig:
+    """The embedded synthetic task (reward.type=synthetic): chain following, sparrow_nemo.tasks.chain."""
+
+    #: (min, max) table entries per problem, 2..52 (prompt = 6 x num_nodes + 6 characters)
+    num_nodes: tuple[int, ...] = _field((4, 10), check=_interval(2, 52))
+    #: (min, max) pointer hops on the queried chain (response = 8 x (hops + 1) + 4 characters)
+    num_hops: tuple[int, ...] = _field((1, 6), check=AT_LEAST_ONE)
+    #: problems are a pure function of (seed, index)
+    seed: int = _field(0, check=NON_NEGATIVE)
+
+    def check(self) -> None:
+        for key in ("num_nodes", "num_hops"):
+            value = getattr(self, key)
+            if len(value) != 2 or value[0] > value[1]:
+                raise _Problem(key, "two integers [min, max] with min <= max")
+        if self.num_hops[0] > self.num_nodes[1] - 1:
+            raise _Problem("num_hops", f"a minimum <= num_nodes max - 1 = {self.num_nodes[1] - 1}")
+
+
+@dataclass(frozen=True)
+class WarmstartConfig:
+    """Supervised warm-start on the task's reference solutions before RL (synthetic task only).
+
+    The result is cached as an HF checkpoint under ``<cache_dir>/<hash>/`` (hash of the model, the task
+    and these settings), so a second run skips it.
+    """
+
+    #: run the warm-start (ignored when model.hf_checkpoint is given)
+    enabled: bool = True
+    #: optimizer steps
+    steps: int = _field(600, check=AT_LEAST_ONE)
+    #: (prompt, solution) pairs per step
+    batch_size: int = _field(16, check=AT_LEAST_ONE)
+    #: learning rate, constant (the other optimizer settings come from policy.optimizer)
+    lr: float = _field(3e-3, check=POSITIVE)
+    #: cache folder; null = ~/.cache/sparrow_nemo/warmstart (or $SPARROW_CACHE/warmstart)
+    cache_dir: str | None = _field(None, hashed=False)
+
+
+@dataclass(frozen=True)
+class EvaluationConfig:
+    """The held-out evaluation before and after training (the run summary's accuracy and speedup)."""
+
+    #: held-out prompts, one sample each (synthetic task: unseen problems; a file: its first rows)
+    num_prompts: int = _field(32, check=AT_LEAST_ONE, hashed=False)
+
+
+@dataclass(frozen=True)
 class TrainerConfig:
     """The RL loop."""
 
@@ -605,6 +656,9 @@ class SparrowConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    warmstart: WarmstartConfig = field(default_factory=WarmstartConfig)
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     #: callbacks: a list of {_target_: dotted.path.Class, **kwargs}
     callbacks: tuple[dict[str, Any], ...] = ()
 

@@ -1,19 +1,68 @@
-"""``sparrow calibrate``: pick the sparsity schedule that meets ``sparsity.threshold`` (issue 6)."""
+"""``sparrow calibrate``: pick the sparsity schedule that meets ``sparsity.threshold`` on calibration prompts.
+
+Builds the rollout engine from the recipe's model (``model.hf_checkpoint``, or the cached warm-start of
+the synthetic task, trained first when missing), samples ``sparsity.calibration.num_prompts`` held-out
+prompts x ``samples_per_prompt`` sparse at every candidate budget, scores them dense, and writes the
+per-bin table, the schedule YAML and the plot (:func:`sparrow_nemo.callbacks.run_calibration`).
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
 
-from sparrow_nemo.commands._common import add_config_arguments, config_from_args, not_implemented
+from sparrow_nemo.commands._common import add_config_arguments, config_from_args
 
 NAME = "calibrate"
 HELP = "calibrate a sparsity schedule: per-bin acceptance-rate tail for candidate budgets"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="output folder (default: <logging.run_dir or runs>/<name>-<timestamp>/calibration)",
+    )
     add_config_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    config_from_args(args)
-    return not_implemented(NAME, issue=6)
+    config = config_from_args(args)
+    from pathlib import Path
+
+    from sparrow_nemo.callbacks import run_calibration
+    from sparrow_nemo.grpo import setup
+    from sparrow_nemo.grpo.prompts import build_prompt_source
+    from sparrow_nemo.grpo.rundir import make_run_dir
+    from sparrow_nemo.grpo.warmstart import ensure_warm_start
+    from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    source = build_prompt_source(config)
+    hf_dir = config.model.hf_checkpoint
+    if hf_dir is None and config.warmstart.enabled:
+        hf_dir = ensure_warm_start(config, source, config.logging.progress_bar)
+    if hf_dir is not None:
+        weights = Qwen3Decoder.from_hf_dir(hf_dir).params
+    else:
+        weights = Qwen3Decoder.random(config.model.shape(), seed=config.trainer.seed).params
+    engine = setup.build_engine(config, weights, source.tokenizer)
+    s = config.sparsity
+    out = Path(args.out) if args.out else make_run_dir(config) / "calibration"
+    items = source.eval_batch(s.calibration.num_prompts)
+    prompts = [item.prompt_ids for item in items for _ in range(s.calibration.samples_per_prompt)]
+    result = run_calibration(
+        engine,
+        prompts,
+        s.calibration.candidate_budgets,
+        setup.sampling_params(config),
+        bin_tokens=s.bin_tokens,
+        threshold=s.threshold,
+        quantile=s.quantile,
+        page_size=s.page_size,
+        run_dir=out,
+    )
+    print(result.table())
+    print(f"\nschedule (tokens per {s.bin_tokens}-token bin): {list(result.schedule.budgets)}")
+    print(f"written to {out}")
+    return 0

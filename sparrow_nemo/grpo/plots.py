@@ -1,0 +1,68 @@
+"""PNG plots of a run from its metrics rows: reward, response length, tail per bin, schedule."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+_TAIL = re.compile(r"^acceptance/p[\d.]+/bin_(\d+)$")
+_BUDGET = re.compile(r"^sparsity/budget/bin_(\d+)$")
+
+
+def _series(history: Sequence[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    points = [(row["step"], row[key]) for row in history if row.get(key) is not None and row["step"] >= 0]
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def _per_bin(history: Sequence[dict[str, Any]], pattern: re.Pattern) -> dict[int, str]:
+    keys = {k for row in history for k in row if pattern.match(k)}
+    return dict(sorted((int(pattern.match(k).group(1)), k) for k in keys))
+
+
+def write_plots(history: Sequence[dict[str, Any]], threshold: float, out_dir: Path) -> list[Path]:
+    """Write reward.png, response_length.png, tail_per_bin.png and schedule.png; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    panels = {
+        "reward.png": ("reward", [("reward/mean", "mean reward"), ("reward/accuracy", "accuracy")], None),
+        "response_length.png": (
+            "response length (tokens)",
+            [("response_length/mean", "mean"), ("response_length/max", "max")],
+            None,
+        ),
+        "tail_per_bin.png": (
+            "acceptance-rate tail per bin",
+            [(k, f"bin {b}") for b, k in _per_bin(history, _TAIL).items()],
+            threshold,
+        ),
+        "schedule.png": (
+            "KV budget per bin (tokens)",
+            [(k, f"bin {b}") for b, k in _per_bin(history, _BUDGET).items()],
+            None,
+        ),
+    }
+    paths = []
+    for name, (title, lines, hline) in panels.items():
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for key, label in lines:
+            x, y = _series(history, key)
+            y = [v if math.isfinite(v) else float("nan") for v in y]
+            ax.plot(x, y, marker=".", label=label)
+        if hline is not None:
+            ax.axhline(hline, color="red", linestyle="--", label=f"threshold {hline:g}")
+        ax.set_xlabel("RL step")
+        ax.set_title(title)
+        if lines or hline is not None:
+            ax.legend(fontsize="small")
+        fig.tight_layout()
+        fig.savefig(out_dir / name, dpi=100)
+        plt.close(fig)
+        paths.append(out_dir / name)
+    return paths

@@ -1,0 +1,168 @@
+"""Where the RL prompts, their answers and the reward come from, chosen by the recipe.
+
+- ``reward.type: synthetic``: the embedded chain task (:mod:`sparrow_nemo.tasks.chain`, sized by the
+  ``task`` section) with the character tokenizer; problems are drawn by index, so the stream never ends
+  and never repeats within a run. It also supplies (prompt, solution) pairs for the warm-start.
+- ``math`` / ``code``: rows of ``data.train_path`` (:func:`sparrow_nemo.grpo.data.load_prompts`) with the
+  tokenizer of ``model.hf_checkpoint``; epochs are reshuffled with ``trainer.seed``.
+
+The trainer sees only :class:`PromptSource`: ``next_batch(n)``, ``reward(completion, answer)`` and a
+cursor that checkpoints can store.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from sparrow_nemo.config import SparrowConfig
+from sparrow_nemo.rewards.registry import get_reward
+
+#: warm-start problems are drawn from this index on, RL prompts from 0: the sets do not overlap.
+WARMSTART_OFFSET = 10_000_000
+#: evaluation problems of the synthetic task start here (disjoint from RL and warm-start problems).
+EVAL_OFFSET = 5_000_000
+
+
+@dataclass(frozen=True)
+class PromptItem:
+    """One prompt: ``prompt_ids`` (list of int, special tokens included) and the reward's ground truth."""
+
+    prompt_ids: list[int]
+    answer: Any
+
+
+class PromptSource:
+    """A cursor over the run's prompts plus the reward function.
+
+    Args:
+        items: indexable prompts (``index -> PromptItem``); ``size`` None = endless (synthetic task).
+        reward_fn: ``(completion text, answer) -> float`` in [0, 1].
+        tokenizer: decodes responses (``decode(ids) -> str``).
+        seed: shuffles the order of each epoch of a finite set (when ``shuffle``).
+        warm_start_pairs: ``start -> iterator of (prompt, solution)`` texts, when the task has them.
+        eval_start: stream position of the evaluation prompts (:meth:`eval_batch`).
+    """
+
+    def __init__(
+        self,
+        items: Callable[[int], PromptItem],
+        size: int | None,
+        reward_fn: Callable[[str, Any], float],
+        tokenizer: Any,
+        seed: int = 0,
+        shuffle: bool = True,
+        warm_start_pairs: Callable[[int], Iterator[tuple[str, str]]] | None = None,
+        eval_start: int = 0,
+    ) -> None:
+        if size is not None and size <= 0:
+            raise ValueError(f"PromptSource: the prompt set is empty (size={size})")
+        self._items = items
+        self.size = size
+        self.reward_fn = reward_fn
+        self.tokenizer = tokenizer
+        self.seed = seed
+        self.shuffle = shuffle
+        self.warm_start_pairs = warm_start_pairs
+        self.eval_start = eval_start
+        self.cursor = 0
+
+    def _index(self, position: int) -> int:
+        """Item index of stream position ``position`` (a seeded permutation per epoch of a finite set)."""
+        if self.size is None:
+            return position
+        epoch, offset = divmod(position, self.size)
+        if not self.shuffle:
+            return offset
+        order = list(range(self.size))
+        random.Random(f"prompts:{self.seed}:{epoch}").shuffle(order)
+        return order[offset]
+
+    def peek(self, count: int, start: int = 0) -> list[PromptItem]:
+        """Items at stream positions ``start .. start + count - 1`` without moving the cursor."""
+        return [self._items(self._index(p)) for p in range(start, start + count)]
+
+    def next_batch(self, count: int) -> list[PromptItem]:
+        """The next ``count`` prompts; advances the cursor."""
+        batch = self.peek(count, self.cursor)
+        self.cursor += count
+        return batch
+
+    def eval_batch(self, count: int) -> list[PromptItem]:
+        """The fixed evaluation prompts (synthetic task: held-out problems; a file: its first rows)."""
+        return self.peek(count, self.eval_start)
+
+    def reward(self, response_ids: list[int], answer: Any) -> float:
+        """Reward of a response (token ids, decoded without special tokens)."""
+        return float(self.reward_fn(self.tokenizer.decode(response_ids), answer))
+
+
+def _synthetic_source(config: SparrowConfig) -> PromptSource:
+    from sparrow_nemo.tasks.chain import ChainTask, ChainTaskConfig
+    from sparrow_nemo.tasks.tokenizer import CharTokenizer
+
+    t = config.task
+    task = ChainTask(ChainTaskConfig(num_nodes=tuple(t.num_nodes), num_hops=tuple(t.num_hops), seed=t.seed))
+    tokenizer = CharTokenizer()
+    vocab = config.model.shape().vocab_size
+    if tokenizer.vocab_size > vocab:
+        raise ValueError(
+            f"model vocab_size={vocab} is smaller than the synthetic task's {tokenizer.vocab_size} token ids"
+        )
+
+    def item(index: int) -> PromptItem:
+        problem = task.problem(index)
+        return PromptItem(tokenizer.encode(problem.prompt, add_special_tokens=True), problem.answer)
+
+    def pairs(start: int) -> Iterator[tuple[str, str]]:
+        return task.warm_start_pairs(WARMSTART_OFFSET + start)
+
+    return PromptSource(
+        item,
+        None,
+        task.reward,
+        tokenizer,
+        config.trainer.seed,
+        warm_start_pairs=pairs,
+        eval_start=EVAL_OFFSET,
+    )
+
+
+def _file_source(config: SparrowConfig) -> PromptSource:
+    from sparrow_nemo.grpo.data import PromptDataConfig, load_prompts
+
+    if config.model.hf_checkpoint is None:
+        raise ValueError(
+            f"reward.type={config.reward.type} reads data.train_path, whose prompts need the tokenizer of "
+            "model.hf_checkpoint; set model.hf_checkpoint"
+        )
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(config.model.hf_checkpoint)
+    data = config.data
+    dataset = load_prompts(
+        data.train_path,
+        tokenizer,
+        PromptDataConfig(
+            prompt_key=data.prompt_key,
+            answer_key=data.answer_key,
+            max_prompt_tokens=data.max_prompt_tokens,
+            max_bad_fraction=data.max_bad_fraction,
+        ),
+    )
+
+    def item(index: int) -> PromptItem:
+        example = dataset[index]
+        return PromptItem(example.prompt_ids, example.answer)
+
+    reward_fn = get_reward(config.reward.type)
+    return PromptSource(item, len(dataset), reward_fn, tokenizer, config.trainer.seed, data.shuffle)
+
+
+def build_prompt_source(config: SparrowConfig) -> PromptSource:
+    """The :class:`PromptSource` the recipe names (see the module docstring)."""
+    if config.reward.type == "synthetic":
+        return _synthetic_source(config)
+    return _file_source(config)

@@ -1,0 +1,107 @@
+"""Build the run's workers from a recipe: the megatron policy, the rollout engine, the sampling settings.
+
+Shared by ``sparrow train`` (the trainer) and ``sparrow calibrate`` so both read the recipe the same way.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from sparrow_nemo.config import SparrowConfig
+from sparrow_nemo.rollout.engine import SamplingParams
+
+
+def world_size() -> int:
+    """Ranks of this run (``WORLD_SIZE`` as set by torchrun / srun; 1 when absent)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def rank() -> int:
+    """This process's global rank (``RANK``; 0 when absent)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def device(config: SparrowConfig) -> torch.device:
+    """``trainer.device`` resolved: auto = cuda when available."""
+    if config.trainer.device == "cuda" or (config.trainer.device == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ValueError("trainer.device=cuda but no CUDA device is visible")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def build_policy(config: SparrowConfig, hf_dir: str | Path | None, lr: float | None = None):
+    """A :class:`~sparrow_nemo.policy.policy.MegatronPolicy` for the recipe, from ``hf_dir`` or random init.
+
+    Args:
+        lr: learning rate override (the warm-start uses its own); None = ``policy.optimizer.lr``.
+    """
+    from sparrow_nemo.policy.optim import OptimizerSettings
+    from sparrow_nemo.policy.parallel import ParallelLayout
+    from sparrow_nemo.policy.policy import MegatronPolicy
+
+    p, o = config.policy, config.policy.optimizer
+    layout = ParallelLayout.for_world(
+        world_size(), p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    )
+    if p.data_parallel_size is not None and p.data_parallel_size != layout.dp:
+        raise ValueError(
+            f"policy.data_parallel_size={p.data_parallel_size} but {world_size()} ranks with tp="
+            f"{layout.tp}, pp={layout.pp} give dp={layout.dp}"
+        )
+    settings = OptimizerSettings(
+        lr=o.lr if lr is None else lr,
+        betas=tuple(o.betas),
+        eps=o.eps,
+        weight_decay=o.weight_decay,
+        grad_clip=o.grad_clip,
+        distributed=o.distributed,
+    )
+    return MegatronPolicy(
+        config.model.shape(), layout, settings, dtype=p.precision, hf_dir=hf_dir, seed=config.trainer.seed + 1
+    )
+
+
+def build_engine(config: SparrowConfig, weights: Mapping[str, torch.Tensor], tokenizer=None):
+    """The rollout engine of ``rollout.backend`` over HF-named ``weights`` (e.g. ``policy.export_hf()``)."""
+    if config.rollout.backend != "reference":
+        raise ValueError(
+            f"rollout.backend={config.rollout.backend}: only the reference engine is wired into the trainer "
+            "in this version"
+        )
+    from sparrow_nemo.policy.model import resolve_dtype
+    from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder
+    from sparrow_nemo.rollout.reference import ReferenceRolloutEngine
+
+    dtype, dev = resolve_dtype(config.model.dtype), device(config)
+    params = {name: t.to(device=dev, dtype=dtype) for name, t in weights.items()}
+    s, r = config.sparsity, config.rollout
+    return ReferenceRolloutEngine(
+        Qwen3Decoder(config.model.shape(), params),
+        dense_layers=s.dense_layers,
+        page_size=s.page_size,
+        sink_pages=s.sink_pages,
+        local_pages=s.local_pages,
+        attention_backend=r.attention_impl,
+        tokenizer=tokenizer,
+        max_batch_size=r.max_batch_size,
+    )
+
+
+def sampling_params(config: SparrowConfig, seed: int | None = None) -> SamplingParams:
+    """The recipe's :class:`SamplingParams`; ``seed`` replaces ``rollout.seed`` (one per RL step)."""
+    r = config.rollout
+    return SamplingParams(
+        max_new_tokens=r.max_new_tokens,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        seed=r.seed if seed is None else seed,
+        stop_token_ids=r.stop_token_ids,
+        stop_strings=r.stop_strings,
+        logprobs_topk=r.logprobs_topk,
+    )

@@ -1,0 +1,87 @@
+"""The end-of-run summary: accuracy before/after, acceptance-rate tail per bin vs threshold, speedups."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from sparrow_nemo.config import SparrowConfig
+
+SUMMARY_JSON = "summary.json"
+SUMMARY_TXT = "summary.txt"
+_BIN = re.compile(r"^acceptance/(p[\d.]+)/bin_(\d+)$")
+
+
+def tail_per_bin(history: Sequence[dict[str, Any]]) -> dict[int, dict[str, float]]:
+    """Per bin over the steps: ``last`` and ``min`` of the tail statistic, and ``steps`` with a value."""
+    out: dict[int, dict[str, float]] = {}
+    for row in history:
+        for key, value in row.items():
+            match = _BIN.match(key)
+            if match is None or value is None:
+                continue
+            b = int(match.group(2))
+            entry = out.setdefault(b, {"last": value, "min": value, "steps": 0})
+            entry["last"], entry["min"], entry["steps"] = value, min(entry["min"], value), entry["steps"] + 1
+    return dict(sorted(out.items()))
+
+
+def build_summary(state, history: Sequence[dict[str, Any]], config: SparrowConfig) -> dict[str, Any]:
+    """The summary dict (JSON-ready) of a finished run; ``state`` is the trainer's :class:`TrainerState`."""
+    steps = [row for row in history if row["step"] >= 0]
+    evals = state.evals
+    threshold = config.sparsity.threshold
+    tails = tail_per_bin(steps)
+    predicted = [row["sparsity/predicted_speedup"] for row in steps if row.get("sparsity/predicted_speedup")]
+    summary: dict[str, Any] = {
+        "steps": state.step,
+        "threshold": threshold,
+        "accuracy_start": evals.get("start", {}).get("accuracy"),
+        "accuracy_end": evals.get("end", {}).get("accuracy"),
+        "accuracy_end_dense": evals.get("end_dense", {}).get("accuracy"),
+        "train_reward_first": steps[0]["reward/mean"] if steps else None,
+        "train_reward_last": steps[-1]["reward/mean"] if steps else None,
+        "tail_per_bin": {str(b): {**t, "ok": t["last"] >= threshold} for b, t in tails.items()},
+        "bins_below_threshold_last_step": [b for b, t in tails.items() if t["last"] < threshold],
+        "initial_schedule": state.initial_schedule.to_dict() if state.initial_schedule else None,
+        "final_schedule": state.schedule.to_dict(),
+        "predicted_speedup_mean": sum(predicted) / len(predicted) if predicted else None,
+        "evals": evals,
+    }
+    end, dense = evals.get("end"), evals.get("end_dense")
+    if end and dense and dense["tokens_per_s"] > 0:
+        summary["measured_rollout_speedup"] = end["tokens_per_s"] / dense["tokens_per_s"]
+    return summary
+
+
+def _fmt(value: Any, spec: str = ".3f") -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """A few lines of text for the terminal."""
+    lines = [
+        f"steps: {summary['steps']}",
+        f"accuracy on held-out prompts: start {_fmt(summary['accuracy_start'])} -> end "
+        f"{_fmt(summary['accuracy_end'])} (sparse schedule), {_fmt(summary['accuracy_end_dense'])} (dense)",
+        f"acceptance-rate tail per bin (threshold {summary['threshold']:g}; last step / worst step):",
+    ]
+    for b, t in summary["tail_per_bin"].items():
+        mark = "ok" if t["ok"] else "BELOW"
+        lines.append(f"  bin {b:>3}: {t['last']:.3f} / {t['min']:.3f}  {mark}")
+    final = summary["final_schedule"]["budgets"]
+    lines.append(f"final schedule (tokens per bin): {final}")
+    lines.append(
+        f"rollout speedup vs dense: predicted {_fmt(summary['predicted_speedup_mean'], '.2f')}x (H200 cost model), "
+        f"measured {_fmt(summary.get('measured_rollout_speedup'), '.2f')}x (this machine)"
+    )
+    return "\n".join(lines)
+
+
+def write_summary(summary: dict[str, Any], run_dir: Path) -> None:
+    """``summary.json`` and ``summary.txt`` in the run folder."""
+    (run_dir / SUMMARY_JSON).write_text(json.dumps(summary, indent=2) + "\n")
+    (run_dir / SUMMARY_TXT).write_text(format_summary(summary) + "\n")

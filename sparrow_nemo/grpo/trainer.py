@@ -1,0 +1,322 @@
+"""The GRPO trainer with sparse rollouts: one RL step = one short function calling the pieces.
+
+Boundaries (NeMo-RL): the algorithm lives here; generation goes through a
+:class:`~sparrow_nemo.rollout.engine.RolloutEngine`; the policy worker is
+:class:`~sparrow_nemo.policy.policy.MegatronPolicy`. Per step:
+
+1. prompts -> ``engine.generate`` (sparse, ``grpo.samples_per_prompt`` samples per prompt, current schedule)
+   -> rewards (rank 0; the rollouts are broadcast to the other ranks);
+2. group advantages -> padded micro-batches -> dense logprobs, entropy and top-20 from the policy;
+3. per-token acceptance rate (policy top-20 vs engine top-20) -> :class:`StepReport` -> callbacks
+   (the tail scheduler may change ``self.schedule`` for the next step);
+4. policy loss -> one optimizer step -> ``engine.update_weights(policy.export_hf())``;
+5. metrics (JSONL, TensorBoard), checkpoint every ``checkpoint.every_n_steps`` and at the end.
+
+Process model: every rank builds the policy and runs logprobs / train_step (collectives); only rank 0
+holds the rollout engine, runs callbacks and writes files. All run state is in :class:`TrainerState`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from sparrow_nemo.callbacks import (
+    CallbackList,
+    TailMismatchScheduler,
+    build_step_report,
+    instantiate_callbacks,
+)
+from sparrow_nemo.config import SparrowConfig
+from sparrow_nemo.grpo import setup
+from sparrow_nemo.grpo.advantages import compute_advantages
+from sparrow_nemo.grpo.evaluation import EvalResult, evaluate
+from sparrow_nemo.grpo.metrics import MetricsWriter, progress, rollout_metrics
+from sparrow_nemo.grpo.objective import grpo_loss_fn, policy_loss_config
+from sparrow_nemo.grpo.prompts import build_prompt_source
+from sparrow_nemo.grpo.rollout_step import collate, concat_outputs, micro_batches, token_mismatch
+from sparrow_nemo.grpo.rundir import make_run_dir, save_trainer_checkpoint
+from sparrow_nemo.grpo.warmstart import ensure_warm_start
+from sparrow_nemo.rollout.engine import RolloutSample
+from sparrow_nemo.rollout.sampling import sample_seed
+from sparrow_nemo.sparse.cost_model import HARDWARE, DecodeCostModel
+from sparrow_nemo.sparse.schedule import BudgetSchedule
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainerState:
+    """Everything a resume needs besides the policy checkpoint (plain data).
+
+    Attributes:
+        step: RL steps completed.
+        schedule: the budget schedule the next rollout uses.
+        prompt_cursor: position in the prompt stream.
+        initial_schedule: the schedule the run started with (for the summary).
+        warm_start_dir: the HF checkpoint the policy started from, if any.
+        evals: evaluation results by tag ("start", "end", "end_dense").
+    """
+
+    step: int
+    schedule: BudgetSchedule
+    prompt_cursor: int = 0
+    initial_schedule: BudgetSchedule | None = None
+    warm_start_dir: str | None = None
+    evals: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "schedule": self.schedule.to_dict(),
+            "prompt_cursor": self.prompt_cursor,
+            "initial_schedule": None if self.initial_schedule is None else self.initial_schedule.to_dict(),
+            "warm_start_dir": self.warm_start_dir,
+            "evals": self.evals,
+        }
+
+
+def _broadcast(obj: Any) -> Any:
+    """``obj`` from rank 0 on every rank (identity in a 1-rank run)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class GrpoTrainer:
+    """GRPO over a recipe; implements the callbacks' ``TrainerLike`` / ``CalibratingTrainer``.
+
+    Args:
+        config: the resolved recipe.
+        run_dir: output folder; None = ``logging.run_dir/<name>-<timestamp>`` (``runs/`` when unset).
+    """
+
+    def __init__(self, config: SparrowConfig, run_dir: str | Path | None = None) -> None:
+        self.config = config
+        self.is_main = setup.rank() == 0
+        self.show_progress = config.logging.progress_bar and self.is_main
+        torch.manual_seed(config.trainer.seed)
+        self.prompts = build_prompt_source(config)
+        hf_dir = config.model.hf_checkpoint
+        if hf_dir is None and config.warmstart.enabled:
+            hf_dir = str(ensure_warm_start(config, self.prompts, self.show_progress))
+        self.policy = setup.build_policy(config, hf_dir)
+        self.run_dir = Path(_broadcast(str(make_run_dir(config, run_dir)) if self.is_main else None))
+        weights = self.policy.export_hf()
+        self.rollout_engine = (
+            setup.build_engine(config, weights, self.prompts.tokenizer) if self.is_main else None
+        )
+        self.sampling = setup.sampling_params(config)
+        schedule = config.sparsity.build_schedule()
+        self.state = TrainerState(step=0, schedule=schedule, initial_schedule=schedule, warm_start_dir=hf_dir)
+        self.callbacks = self._callbacks()
+        self.metrics = MetricsWriter(
+            self.run_dir, config.logging.jsonl, config.logging.tensorboard and self.is_main
+        )
+        self.loss_fn = grpo_loss_fn(policy_loss_config(config.grpo.loss))
+        self.cost_model = DecodeCostModel(
+            config.model.shape(), HARDWARE["h200"], dense_layers=config.sparsity.dense_layers
+        )
+        self._logged: dict[str, float] = {}
+
+    # ----- TrainerLike ------------------------------------------------------------------------
+    @property
+    def schedule(self) -> BudgetSchedule:
+        return self.state.schedule
+
+    @schedule.setter
+    def schedule(self, value: BudgetSchedule) -> None:
+        self.state.schedule = value
+
+    def log(self, metrics: dict[str, float]) -> None:
+        """Callbacks' metrics for the current step (written with the step's own)."""
+        self._logged.update(metrics)
+
+    @property
+    def calibration_prompts(self) -> list[list[int]]:
+        """``sparsity.calibration.num_prompts`` held-out prompts x ``samples_per_prompt`` (CalibratingTrainer)."""
+        c = self.config.sparsity.calibration
+        items = self.prompts.eval_batch(c.num_prompts)
+        return [item.prompt_ids for item in items for _ in range(c.samples_per_prompt)]
+
+    # ----- the run ------------------------------------------------------------------------------
+    def _callbacks(self) -> CallbackList:
+        if not self.is_main:
+            return CallbackList()
+        callbacks = list(instantiate_callbacks(self.config.callbacks))
+        s = self.config.sparsity
+        wants_scheduler = s.adapt != "off" or s.calibrate or not self.schedule.is_dense
+        if wants_scheduler and not any(isinstance(c, TailMismatchScheduler) for c in callbacks):
+            callbacks.insert(0, TailMismatchScheduler.from_sparsity(s))
+        return CallbackList(callbacks)
+
+    def fit(self) -> dict[str, Any]:
+        """Run ``trainer.max_steps`` RL steps; returns the summary (see :mod:`sparrow_nemo.grpo.summary`)."""
+        from sparrow_nemo.grpo.plots import write_plots
+        from sparrow_nemo.grpo.summary import build_summary, write_summary
+
+        cfg = self.config
+        self.callbacks.on_train_start(self)
+        self._flush_logged(step=-1)
+        self.state.initial_schedule = self.schedule
+        self._evaluate("start", self.schedule)
+        bar = progress(
+            range(self.state.step, cfg.trainer.max_steps),
+            enabled=self.show_progress,
+            desc="GRPO",
+            unit="step",
+        )
+        for _ in bar:
+            metrics = self.step()
+            bar.set_postfix(
+                reward=f"{metrics['reward/mean']:.3f}", tok_s=f"{metrics['rollout/tokens_per_s']:.0f}"
+            )
+            if cfg.checkpoint.enabled and self.state.step % cfg.checkpoint.every_n_steps == 0:
+                self.save_checkpoint()
+        self._evaluate("end", self.schedule)
+        self._evaluate("end_dense", BudgetSchedule.dense(self.schedule.bin_tokens, self.schedule.page_size))
+        if cfg.checkpoint.enabled and self.state.step % cfg.checkpoint.every_n_steps != 0:
+            self.save_checkpoint()
+        self.callbacks.on_train_end(self)
+        summary = build_summary(self.state, self.metrics.history, cfg)
+        if self.is_main:
+            if cfg.logging.plots:
+                write_plots(self.metrics.history, cfg.sparsity.threshold, self.run_dir / "plots")
+            write_summary(summary, self.run_dir)
+        self.metrics.close()
+        return summary
+
+    def step(self) -> dict[str, float]:
+        """One RL step (see the module docstring); returns its metrics."""
+        cfg, step = self.config, self.state.step
+        items = self.prompts.next_batch(cfg.grpo.prompts_per_step)
+        self.state.prompt_cursor = self.prompts.cursor
+        samples, rewards, tokens_per_s = self._rollout(
+            [i.prompt_ids for i in items], [i.answer for i in items], step
+        )
+        advantages = compute_advantages(
+            cfg.grpo.adv_estimator, rewards, cfg.grpo.samples_per_prompt, **self._adv_options()
+        )
+        data = collate(samples, advantages.float(), pad_id=0)
+        batches = micro_batches(data.tokens, data.lengths, {}, cfg.policy.micro_batch_size)
+        dense = concat_outputs([o.detach() for o in self.policy.logprobs(batches)])
+        mismatch = token_mismatch(samples, dense, data)
+        report = build_step_report(step, samples, mismatch, rewards, self.schedule, correct=rewards >= 1.0)
+        lengths = [s.response_ids.numel() for s in samples]
+        prompt_lens = [s.prompt_ids.numel() for s in samples]
+        metrics = rollout_metrics(
+            samples,
+            rewards,
+            mismatch,
+            self.schedule,
+            cfg.sparsity.quantile,
+            tokens_per_s,
+            self.cost_model.predicted_speedup(self.schedule, lengths, prompt_lens),
+        )
+        self.callbacks.on_rollout_end(self, report)
+        metrics.update(self._update(data, dense, advantages))
+        self.callbacks.on_train_batch_end(self, report, metrics)
+        self.state.step += 1
+        self._flush_logged(step, metrics)
+        return metrics
+
+    # ----- pieces -------------------------------------------------------------------------------
+    def _adv_options(self) -> dict[str, Any]:
+        return (
+            {"normalize_std": self.config.grpo.normalize_std}
+            if self.config.grpo.adv_estimator == "grpo"
+            else {}
+        )
+
+    def _rollout(
+        self, prompts: list[list[int]], answers: list[Any], step: int
+    ) -> tuple[list[RolloutSample], torch.Tensor, float]:
+        """Rank 0 samples ``samples_per_prompt`` responses per prompt (grouped) and rewards them; broadcast."""
+        payload = None
+        if self.is_main:
+            n = self.config.grpo.samples_per_prompt
+            sampling = setup.sampling_params(self.config, seed=sample_seed(self.config.rollout.seed, step))
+            batch = self.rollout_engine.generate(
+                [p for p in prompts for _ in range(n)], sampling, self.schedule
+            )
+            expanded = [a for a in answers for _ in range(n)]
+            rewards = [
+                self.prompts.reward(s.response_ids.tolist(), a) for s, a in zip(batch.samples, expanded)
+            ]
+            payload = (batch.samples, torch.tensor(rewards, dtype=torch.float32), batch.tokens_per_second())
+        return _broadcast(payload)
+
+    def _update(self, data, dense, advantages: torch.Tensor) -> dict[str, float]:
+        """One optimizer step of the policy loss on this DP rank's micro-batches; engine refit."""
+        from megatron.core import parallel_state as ps
+
+        extras = {
+            "mask": data.response_mask,
+            "old_logprobs": dense.logprobs,
+            "rollout_logprobs": data.rollout_logprobs,
+            "advantages": advantages.float(),
+        }
+        batches = micro_batches(data.tokens, data.lengths, extras, self.config.policy.micro_batch_size)
+        dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        if len(batches) % dp:
+            raise ValueError(
+                f"{len(batches)} micro-batches per step do not split over {dp} data-parallel ranks"
+            )
+        result = self.policy.train_step(batches[dp_rank::dp], self.loss_fn)
+        weights = self.policy.export_hf()
+        if self.is_main:
+            self.rollout_engine.update_weights(weights)
+        out = {f"train/{k}": float(v) for k, v in result.metrics.items()}
+        out["train/loss"] = result.loss
+        out["train/grad_norm"] = result.grad_norm
+        return out
+
+    def _evaluate(self, tag: str, schedule: BudgetSchedule) -> None:
+        """Sample the held-out prompts once each under ``schedule`` (rank 0); stored in the state."""
+        if self.is_main:
+            items = self.prompts.eval_batch(self.config.evaluation.num_prompts)
+            result: EvalResult = evaluate(self.rollout_engine, self.prompts, items, self.sampling, schedule)
+            self.state.evals[tag] = result.to_dict()
+            logger.info(
+                "eval %s (%s): accuracy %.3f, %.0f tokens/s",
+                tag,
+                schedule.name,
+                result.accuracy,
+                result.tokens_per_s,
+            )
+        self.state.evals = _broadcast(self.state.evals)
+
+    def _flush_logged(self, step: int, metrics: dict[str, float] | None = None) -> None:
+        """Write the step's metrics: callback values first, the trainer's own (rollout-time) values win."""
+        if not self.is_main:
+            return
+        merged = {**self._logged, **(metrics or {})}
+        self._logged = {}
+        if merged:
+            self.metrics.write(step, merged)
+
+    def save_checkpoint(self) -> Path:
+        """``policy.save`` plus ``trainer_state.json`` (state, callback states) in the same step folder."""
+        root = Path(self.config.checkpoint.dir or self.run_dir / "checkpoints")
+        path = self.policy.save(root, self.state.step)
+        if self.is_main:
+            callbacks = self.callbacks.on_save_checkpoint(self)
+            save_trainer_checkpoint(path, self.state.to_dict(), callbacks, self.config.checkpoint.keep_last)
+        return path
+
+
+def train(config: SparrowConfig, run_dir: str | Path | None = None) -> tuple[dict[str, Any], Path]:
+    """Build the trainer, run it, close the workers; returns (summary, run folder)."""
+    trainer = GrpoTrainer(config, run_dir)
+    try:
+        summary = trainer.fit()
+    finally:
+        trainer.policy.close()
+    return summary, trainer.run_dir

@@ -1,0 +1,133 @@
+"""Supervised warm-start on the task's reference solutions, cached as an HF checkpoint directory.
+
+RL needs a policy that already solves part of the task. For the synthetic task a short SFT on generated
+(prompt, solution) pairs gives one: the loss is the mean NLL of the solution tokens (eos included) given
+the prompt. The result is written once, atomically (staging folder + rename), to
+``<cache>/<key>/`` where ``key`` hashes everything that determines it (model shape, task, warm-start
+settings, seed, precision, tokenizer), and later runs load it without training.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from sparrow_nemo.config import SparrowConfig
+from sparrow_nemo.grpo.metrics import progress
+from sparrow_nemo.grpo.objective import sft_loss_fn
+from sparrow_nemo.grpo.prompts import PromptSource
+from sparrow_nemo.grpo.rollout_step import micro_batches, pad_pairs
+
+logger = logging.getLogger(__name__)
+
+#: bump when the warm-start procedure changes what it produces
+WARMSTART_VERSION = 1
+
+
+def cache_root(config: SparrowConfig) -> Path:
+    """``warmstart.cache_dir``, else ``$SPARROW_CACHE/warmstart``, else ``~/.cache/sparrow_nemo/warmstart``."""
+    if config.warmstart.cache_dir is not None:
+        return Path(config.warmstart.cache_dir).expanduser()
+    base = os.environ.get("SPARROW_CACHE")
+    return (Path(base) if base else Path.home() / ".cache" / "sparrow_nemo") / "warmstart"
+
+
+def cache_key(config: SparrowConfig, tokenizer_name: str) -> str:
+    """16 hex digits identifying the warm-start result (see the module docstring)."""
+    w = config.warmstart
+    spec = {
+        "version": WARMSTART_VERSION,
+        "shape": asdict(config.model.shape()),
+        "task": asdict(config.task),
+        "warmstart": {"steps": w.steps, "batch_size": w.batch_size, "lr": w.lr},
+        "micro_batch_size": config.policy.micro_batch_size,
+        "precision": config.policy.precision,
+        "seed": config.trainer.seed,
+        "tokenizer": tokenizer_name,
+    }
+    text = json.dumps(spec, sort_keys=True, default=list)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def warm_start_dir(config: SparrowConfig, source: PromptSource) -> Path:
+    """Where the warm-start checkpoint of this recipe lives (it may not exist yet)."""
+    return cache_root(config) / cache_key(config, type(source.tokenizer).__name__)
+
+
+def _sft_batch(
+    source: PromptSource, pairs, batch_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens [b, S], lengths [b], solution mask [b, S-1]) of the next ``batch_size`` pairs."""
+    tok = source.tokenizer
+    prompts, solutions = [], []
+    for _ in range(batch_size):
+        prompt, solution = next(pairs)
+        prompts.append(torch.tensor(tok.encode(prompt, add_special_tokens=True), dtype=torch.int64))
+        solutions.append(torch.tensor([*tok.encode(solution), tok.eos_token_id], dtype=torch.int64))
+    return pad_pairs(prompts, solutions, tok.pad_token_id)
+
+
+def run_warm_start(config: SparrowConfig, source: PromptSource, policy, show_progress: bool) -> list[float]:
+    """Train ``policy`` in place for ``warmstart.steps`` SFT steps; returns the loss per step.
+
+    Collective over the ranks (every rank builds the same batches; DP rank r trains on micro-batches
+    r, r + dp, ...).
+    """
+    if source.warm_start_pairs is None:
+        raise ValueError(
+            f"warmstart.enabled=true but reward.type={config.reward.type} has no reference solutions; "
+            "set warmstart.enabled=false or give model.hf_checkpoint"
+        )
+    from megatron.core import parallel_state as ps
+
+    w = config.warmstart
+    pairs = source.warm_start_pairs(0)
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    losses = []
+    bar = progress(range(w.steps), enabled=show_progress, desc="warm-start", unit="step")
+    for _ in bar:
+        tokens, lengths, mask = _sft_batch(source, pairs, w.batch_size)
+        batches = micro_batches(tokens, lengths, {"mask": mask}, config.policy.micro_batch_size)
+        result = policy.train_step(batches[dp_rank::dp], sft_loss_fn)
+        losses.append(result.loss)
+        bar.set_postfix(nll=f"{result.loss:.3f}")
+    return losses
+
+
+def ensure_warm_start(config: SparrowConfig, source: PromptSource, show_progress: bool = True) -> Path:
+    """The warm-start checkpoint directory, training and caching it first when it is missing.
+
+    Collective: every rank calls it; rank 0 writes the cache. Builds (and discards) its own policy with
+    the warm-start learning rate, so the RL policy starts with fresh optimizer state.
+    """
+    from sparrow_nemo.grpo.setup import build_policy, rank
+    from sparrow_nemo.policy.hf_import import save_hf_checkpoint
+
+    target = warm_start_dir(config, source)
+    if (target / "config.json").is_file():
+        logger.info("warm-start: using the cached checkpoint %s", target)
+        return target
+    logger.info("warm-start: %d SFT steps (cached afterwards in %s)", config.warmstart.steps, target)
+    policy = build_policy(config, hf_dir=None, lr=config.warmstart.lr)
+    losses = run_warm_start(config, source, policy, show_progress)
+    weights = policy.export_hf()
+    if rank() == 0:
+        staging = target.parent / f".{target.name}.partial-{os.getpid()}"
+        shutil.rmtree(staging, ignore_errors=True)
+        save_hf_checkpoint(weights, config.model.shape(), staging)
+        (staging / "warmstart.json").write_text(json.dumps({"losses": losses}) + "\n")
+        try:
+            os.replace(staging, target)
+        except OSError:  # another process finished the same warm-start first: keep theirs
+            shutil.rmtree(staging, ignore_errors=True)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+    return target
