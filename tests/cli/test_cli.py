@@ -52,7 +52,6 @@ def test_commands_are_discovered_from_their_modules() -> None:
         ["calibrate"],
         ["bench"],
         ["bench", "rollout"],
-        ["bench", "attention"],
         ["plan"],
         ["eval"],
         ["config"],
@@ -88,8 +87,6 @@ def test_config_show_defaults_to_the_tiny_recipe(capsys: pytest.CaptureFixture[s
         (["train"], 6),
         (["calibrate"], 6),
         (["eval"], 8),
-        (["bench", "attention"], 4),
-        (["bench", "rollout"], 5),
     ],
 )
 def test_unimplemented_commands_say_which_issue(
