@@ -84,8 +84,6 @@ def test_config_show_defaults_to_the_tiny_recipe(capsys: pytest.CaptureFixture[s
 @pytest.mark.parametrize(
     ("argv", "issue"),
     [
-        (["train"], 6),
-        (["calibrate"], 6),
         (["eval"], 8),
     ],
 )
