@@ -578,20 +578,24 @@ class LoggingConfig:
 class TaskConfig:
     """The embedded synthetic task (reward.type=synthetic): chain following, sparrow_nemo.tasks.chain."""
 
-    #: (min, max) table entries per problem, 2..52 (prompt = 6 x num_nodes + 6 characters)
-    num_nodes: tuple[int, ...] = _field((4, 10), check=_interval(2, 52))
-    #: (min, max) pointer hops on the queried chain (response = 8 x (hops + 1) + 4 characters)
-    num_hops: tuple[int, ...] = _field((1, 6), check=AT_LEAST_ONE)
+    #: (min, max) table entries per problem (one upper-case letter each, so at most 26)
+    num_nodes: tuple[int, ...] = _field((8, 16), check=_interval(2, 26))
+    #: (min, max) pointer hops on the queried chain (the response grows by 6 characters per hop)
+    num_hops: tuple[int, ...] = _field((1, 4), check=AT_LEAST_ONE)
     #: problems are a pure function of (seed, index)
     seed: int = _field(0, check=NON_NEGATIVE)
 
     def check(self) -> None:
+        from sparrow_nemo.tasks.chain import ChainTaskConfig
+
         for key in ("num_nodes", "num_hops"):
             value = getattr(self, key)
             if len(value) != 2 or value[0] > value[1]:
                 raise _Problem(key, "two integers [min, max] with min <= max")
-        if self.num_hops[0] > self.num_nodes[1] - 1:
-            raise _Problem("num_hops", f"a minimum <= num_nodes max - 1 = {self.num_nodes[1] - 1}")
+        try:
+            ChainTaskConfig(num_nodes=tuple(self.num_nodes), num_hops=tuple(self.num_hops), seed=self.seed)
+        except ValueError as exc:
+            raise _Problem("num_hops", f"a valid task size ({exc})") from None
 
 
 @dataclass(frozen=True)
@@ -605,11 +609,11 @@ class WarmstartConfig:
     #: run the warm-start (ignored when model.hf_checkpoint is given)
     enabled: bool = True
     #: optimizer steps
-    steps: int = _field(600, check=AT_LEAST_ONE)
+    steps: int = _field(2500, check=AT_LEAST_ONE)
     #: (prompt, solution) pairs per step
     batch_size: int = _field(16, check=AT_LEAST_ONE)
     #: learning rate, constant (the other optimizer settings come from policy.optimizer)
-    lr: float = _field(3e-3, check=POSITIVE)
+    lr: float = _field(5e-3, check=POSITIVE)
     #: cache folder; null = ~/.cache/sparrow_nemo/warmstart (or $SPARROW_CACHE/warmstart)
     cache_dir: str | None = _field(None, hashed=False)
 

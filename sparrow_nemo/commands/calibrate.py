@@ -35,13 +35,18 @@ def run(args: argparse.Namespace) -> int:
     from sparrow_nemo.grpo.prompts import build_prompt_source
     from sparrow_nemo.grpo.rundir import make_run_dir
     from sparrow_nemo.grpo.warmstart import ensure_warm_start
+    from sparrow_nemo.policy.parallel import destroy_parallel
     from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     source = build_prompt_source(config)
     hf_dir = config.model.hf_checkpoint
     if hf_dir is None and config.warmstart.enabled:
-        hf_dir = ensure_warm_start(config, source, config.logging.progress_bar)
+        setup.start_processes()
+        try:
+            hf_dir = ensure_warm_start(config, source, config.logging.progress_bar)
+        finally:
+            destroy_parallel()
     if hf_dir is not None:
         weights = Qwen3Decoder.from_hf_dir(hf_dir).params
     else:

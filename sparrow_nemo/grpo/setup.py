@@ -6,13 +6,46 @@ Shared by ``sparrow train`` (the trainer) and ``sparrow calibrate`` so both read
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from sparrow_nemo.config import SparrowConfig
 from sparrow_nemo.rollout.engine import SamplingParams
+
+
+def single_process_defaults() -> None:
+    """Outside torchrun / srun (no ``WORLD_SIZE``): a 1-rank world on a free local port.
+
+    ``init_distributed`` would otherwise use port 29500, which another local job may hold.
+    """
+    if "WORLD_SIZE" in os.environ:
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def start_processes() -> None:
+    """The default process group (gloo on CPU, nccl on GPU) from the launcher's env, or a 1-rank one."""
+    from sparrow_nemo.policy.parallel import init_distributed
+
+    single_process_defaults()
+    init_distributed()
+
+
+def broadcast_from_rank0(obj: Any) -> Any:
+    """``obj`` as rank 0 has it, on every rank (identity without a multi-rank process group)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def world_size() -> int:

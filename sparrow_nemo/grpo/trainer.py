@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from sparrow_nemo.callbacks import (
     CallbackList,
@@ -81,15 +80,6 @@ class TrainerState:
         }
 
 
-def _broadcast(obj: Any) -> Any:
-    """``obj`` from rank 0 on every rank (identity in a 1-rank run)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 class GrpoTrainer:
     """GRPO over a recipe; implements the callbacks' ``TrainerLike`` / ``CalibratingTrainer``.
 
@@ -108,7 +98,9 @@ class GrpoTrainer:
         if hf_dir is None and config.warmstart.enabled:
             hf_dir = str(ensure_warm_start(config, self.prompts, self.show_progress))
         self.policy = setup.build_policy(config, hf_dir)
-        self.run_dir = Path(_broadcast(str(make_run_dir(config, run_dir)) if self.is_main else None))
+        self.run_dir = Path(
+            setup.broadcast_from_rank0(str(make_run_dir(config, run_dir)) if self.is_main else None)
+        )
         weights = self.policy.export_hf()
         self.rollout_engine = (
             setup.build_engine(config, weights, self.prompts.tokenizer) if self.is_main else None
@@ -251,7 +243,7 @@ class GrpoTrainer:
                 self.prompts.reward(s.response_ids.tolist(), a) for s, a in zip(batch.samples, expanded)
             ]
             payload = (batch.samples, torch.tensor(rewards, dtype=torch.float32), batch.tokens_per_second())
-        return _broadcast(payload)
+        return setup.broadcast_from_rank0(payload)
 
     def _update(self, data, dense, advantages: torch.Tensor) -> dict[str, float]:
         """One optimizer step of the policy loss on this DP rank's micro-batches; engine refit."""
@@ -291,7 +283,7 @@ class GrpoTrainer:
                 result.accuracy,
                 result.tokens_per_s,
             )
-        self.state.evals = _broadcast(self.state.evals)
+        self.state.evals = setup.broadcast_from_rank0(self.state.evals)
 
     def _flush_logged(self, step: int, metrics: dict[str, float] | None = None) -> None:
         """Write the step's metrics: callback values first, the trainer's own (rollout-time) values win."""
@@ -314,6 +306,7 @@ class GrpoTrainer:
 
 def train(config: SparrowConfig, run_dir: str | Path | None = None) -> tuple[dict[str, Any], Path]:
     """Build the trainer, run it, close the workers; returns (summary, run folder)."""
+    setup.start_processes()
     trainer = GrpoTrainer(config, run_dir)
     try:
         summary = trainer.fit()

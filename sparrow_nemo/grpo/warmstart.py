@@ -108,11 +108,11 @@ def ensure_warm_start(config: SparrowConfig, source: PromptSource, show_progress
     Collective: every rank calls it; rank 0 writes the cache. Builds (and discards) its own policy with
     the warm-start learning rate, so the RL policy starts with fresh optimizer state.
     """
-    from sparrow_nemo.grpo.setup import build_policy, rank
+    from sparrow_nemo.grpo.setup import broadcast_from_rank0, build_policy, rank
     from sparrow_nemo.policy.hf_import import save_hf_checkpoint
 
     target = warm_start_dir(config, source)
-    if (target / "config.json").is_file():
+    if broadcast_from_rank0((target / "config.json").is_file()):
         logger.info("warm-start: using the cached checkpoint %s", target)
         return target
     logger.info("warm-start: %d SFT steps (cached afterwards in %s)", config.warmstart.steps, target)

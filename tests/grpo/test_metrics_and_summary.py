@@ -1,0 +1,110 @@
+"""Step metrics against hand-computed values; JSONL writer; summary and plots from metric rows."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from sparrow_nemo.grpo.metrics import MetricsWriter, read_metrics, rollout_metrics
+from sparrow_nemo.grpo.plots import write_plots
+from sparrow_nemo.grpo.summary import format_summary, tail_per_bin
+from sparrow_nemo.rollout.engine import RolloutSample
+from sparrow_nemo.rollout.scoring import TokenMismatch
+from sparrow_nemo.sparse.schedule import BudgetSchedule
+
+
+def _sample(n: int, reason: str) -> RolloutSample:
+    return RolloutSample(
+        prompt_ids=torch.tensor([1, 5]),
+        response_ids=torch.arange(n) + 3,
+        logprobs=torch.zeros(n),
+        top_ids=torch.zeros(n, 1, dtype=torch.long),
+        top_logprobs=torch.zeros(n, 1),
+        cached_len=torch.arange(2, 2 + n),
+        kv_budget=torch.full((n,), 32),
+        finish_reason=reason,
+    )
+
+
+def test_rollout_metrics_hand_computed() -> None:
+    samples = [_sample(2, "stop_token"), _sample(4, "length")]
+    rewards = torch.tensor([1.0, 0.0])
+    # 6 tokens: alpha in bins of 4 tokens of cached length: cached 2,3 | 2,3,4,5 -> bin 0: 2,3,2,3; bin 1: 4,5
+    alpha = torch.tensor([1.0, 0.9, 0.8, 0.7, 0.6, 0.5])
+    cached = torch.tensor([2, 3, 2, 3, 4, 5])
+    train = torch.tensor([0.0, -1.0, 0.0, 0.0, 0.0, 0.0])
+    gen = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, -0.5])
+    schedule = BudgetSchedule(bin_tokens=4, budgets=(32, 48), page_size=16, name="s")
+    m = rollout_metrics(samples, rewards, TokenMismatch(alpha, cached, train, gen), schedule, 0.5, 12.5, 1.7)
+    assert m["reward/mean"] == 0.5 and m["reward/std"] == pytest.approx(math.sqrt(0.5))
+    assert m["reward/accuracy"] == 0.5
+    assert (m["response_length/mean"], m["response_length/max"], m["response_length/min"]) == (3.0, 4.0, 2.0)
+    assert m["response_length/truncation_rate"] == 0.5
+    assert m["rollout/tokens"] == 6.0 and m["rollout/tokens_per_s"] == 12.5
+    assert m["sparsity/predicted_speedup"] == 1.7
+    assert m["acceptance/mean"] == pytest.approx(0.75)
+    assert m["acceptance/p50/bin_0"] == pytest.approx(0.85)  # median of 1.0, 0.9, 0.8, 0.7
+    assert m["acceptance/p50/bin_1"] == pytest.approx(0.55)
+    assert m["sparsity/budget/bin_0"] == 32.0 and m["sparsity/budget/bin_1"] == 48.0
+    assert m["token_mult_prob_error"] == pytest.approx((4 + math.e + math.exp(0.5)) / 6)
+
+
+def test_dense_schedule_budget_is_logged_as_infinite() -> None:
+    samples = [_sample(2, "stop_token"), _sample(2, "stop_token")]
+    mm = TokenMismatch(torch.ones(4), torch.tensor([2, 3, 2, 3]), torch.zeros(4), torch.zeros(4))
+    m = rollout_metrics(samples, torch.zeros(2), mm, BudgetSchedule.dense(4), 0.05, 1.0, 1.0)
+    assert m["sparsity/budget/bin_0"] == math.inf and m["sparsity/dense"] == 1.0
+
+
+def test_metrics_writer_jsonl_rows_and_nulls(tmp_path: Path) -> None:
+    writer = MetricsWriter(tmp_path)
+    writer.write(0, {"a/b": 1.5, "c": float("inf")})
+    writer.write(1, {"a/b": 2.0})
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1] and all("time" in r for r in rows)
+    assert rows[0]["a/b"] == 1.5 and rows[0]["c"] is None
+
+
+def test_tail_per_bin_summary_and_plots(tmp_path: Path) -> None:
+    history = [
+        {
+            "step": 0,
+            "reward/mean": 0.1,
+            "acceptance/p5/bin_0": 0.9,
+            "acceptance/p5/bin_1": 0.7,
+            "sparsity/budget/bin_0": 64.0,
+        },
+        {
+            "step": 1,
+            "reward/mean": 0.2,
+            "acceptance/p5/bin_0": 0.88,
+            "acceptance/p5/bin_1": 0.9,
+            "sparsity/budget/bin_0": 96.0,
+        },
+    ]
+    tails = tail_per_bin(history)
+    assert tails == {0: {"last": 0.88, "min": 0.88, "steps": 2}, 1: {"last": 0.9, "min": 0.7, "steps": 2}}
+    summary = {
+        "steps": 2,
+        "threshold": 0.86,
+        "accuracy_start": 0.25,
+        "accuracy_end": 0.5,
+        "accuracy_end_dense": None,
+        "tail_per_bin": {str(b): {**t, "ok": t["last"] >= 0.86} for b, t in tails.items()},
+        "final_schedule": {"budgets": [96]},
+        "predicted_speedup_mean": 1.5,
+        "measured_rollout_speedup": 1.1,
+    }
+    text = format_summary(summary)
+    assert "start 0.250 -> end 0.500" in text and "bin   1: 0.900 / 0.700  ok" in text and "1.50x" in text
+    paths = write_plots(history, 0.86, tmp_path / "plots")
+    assert sorted(p.name for p in paths) == [
+        "response_length.png",
+        "reward.png",
+        "schedule.png",
+        "tail_per_bin.png",
+    ]
+    assert all(p.stat().st_size > 1000 for p in paths)

@@ -1,0 +1,60 @@
+"""Prompt sources from the recipe, and the warm-start cache key."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from sparrow_nemo.config import load_config
+from sparrow_nemo.grpo.prompts import build_prompt_source
+from sparrow_nemo.grpo.warmstart import cache_key, cache_root, warm_start_dir
+from sparrow_nemo.tasks.chain import ChainTask, ChainTaskConfig, solve
+
+
+def test_synthetic_source_streams_task_problems_and_rewards_them() -> None:
+    config = load_config(None, ["task.num_nodes=[3, 5]", "task.num_hops=[1, 2]", "task.seed=7"])
+    source = build_prompt_source(config)
+    task = ChainTask(ChainTaskConfig(num_nodes=(3, 5), num_hops=(1, 2), seed=7))
+    first, second = source.next_batch(2), source.next_batch(1)
+    assert source.cursor == 3
+    for item, problem in zip([*first, *second], task.problems(3)):
+        assert source.tokenizer.decode(item.prompt_ids) == problem.prompt
+        assert item.prompt_ids[0] == source.tokenizer.bos_token_id
+        assert item.answer == solve(problem.prompt)
+        good = source.tokenizer.encode(problem.trace)
+        assert source.reward(good, item.answer) == 1.0
+        assert source.reward(source.tokenizer.encode("A:zz"), item.answer) == 0.0
+    held_out = {tuple(i.prompt_ids) for i in source.eval_batch(20)}
+    assert not held_out & {tuple(i.prompt_ids) for i in source.peek(200)}
+    prompt, solution = next(source.warm_start_pairs(0))
+    assert source.reward(source.tokenizer.encode(solution), solve(prompt)) == 1.0
+
+
+def test_file_source_needs_the_model_tokenizer(tmp_path: Path) -> None:
+    rows = tmp_path / "p.jsonl"
+    rows.write_text(json.dumps({"problem": "1+1?", "answer": "2"}) + "\n")
+    config = load_config(None, [f"data.train_path={rows}", "reward.type=math"])
+    with pytest.raises(ValueError, match=r"model\.hf_checkpoint"):
+        build_prompt_source(config)
+
+
+def test_warm_start_cache_key_tracks_what_changes_the_result(tmp_path: Path) -> None:
+    base = load_config(None, [f"warmstart.cache_dir={tmp_path}"])
+    key = cache_key(base, "CharTokenizer")
+    assert len(key) == 16 and key == cache_key(
+        load_config(None, [f"warmstart.cache_dir={tmp_path}"]), "CharTokenizer"
+    )
+    for change in (
+        ["warmstart.steps=7"],
+        ["warmstart.lr=0.1"],
+        ["task.num_hops=[1, 2]"],
+        ["model.preset=tiny-test", "rollout.max_new_tokens=512"],
+    ):
+        assert cache_key(load_config(None, change), "CharTokenizer") != key, change
+    for same in (["warmstart.cache_dir=/elsewhere"], ["trainer.max_steps=3"], ["grpo.loss.clip_high=0.3"]):
+        assert cache_key(load_config(None, same), "CharTokenizer") == key, same
+    source = build_prompt_source(base)
+    assert warm_start_dir(base, source) == tmp_path / key
+    assert cache_root(base) == tmp_path
