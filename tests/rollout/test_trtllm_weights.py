@@ -1,0 +1,86 @@
+"""Weight mapping for the TensorRT-LLM engine: HF-named export checks, LoRA merge, IPC buckets.
+
+The merged-LoRA weights are checked against the reference engine running the same adapter unmerged
+(its logits with the adapter == its logits without an adapter on the merged weights).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from sparrow_nemo.rollout.lora import LoraAdapter
+from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder, expected_weight_shapes, linear_in_out
+from sparrow_nemo.rollout.trtllm_weights import buckets, merge_lora, refit_tensors
+
+from ._helpers import SHAPE
+
+
+def test_refit_tensors_checks_names_shapes_and_ties() -> None:
+    dec = Qwen3Decoder.random(SHAPE, seed=0)
+    named = dict(refit_tensors(dec.params, SHAPE, torch.bfloat16))
+    assert set(named) == set(expected_weight_shapes(SHAPE))
+    assert all(t.dtype == torch.bfloat16 and t.is_contiguous() for t in named.values())
+    torch.testing.assert_close(
+        named["model.norm.weight"].float(), dec.params["model.norm.weight"], rtol=2**-8, atol=0
+    )
+
+    tied = SHAPE.replace(tie_word_embeddings=True)
+    state = {"lm_head.weight": torch.zeros(SHAPE.vocab_size, SHAPE.hidden_size)}
+    assert refit_tensors(state, tied, torch.float32) == []  # the loader ties lm_head to the embeddings
+
+    with pytest.raises(
+        KeyError, match=re.escape("'model.layers.0.self_attn.qkv_proj.weight' is not a Qwen3 parameter")
+    ):
+        refit_tensors({"model.layers.0.self_attn.qkv_proj.weight": torch.zeros(1)}, SHAPE, torch.float32)
+    bad = dec.params["model.layers.0.mlp.up_proj.weight"].t()
+    with pytest.raises(ValueError, match=re.escape("'model.layers.0.mlp.up_proj.weight' has shape")):
+        refit_tensors({"model.layers.0.mlp.up_proj.weight": bad}, SHAPE, torch.float32)
+
+
+def _adapter(rank: int = 2, seed: int = 0) -> LoraAdapter:
+    gen = torch.Generator().manual_seed(seed)
+    weights = {}
+    for name, (fan_in, fan_out) in linear_in_out(SHAPE).items():
+        if name.endswith(("q_proj", "down_proj")):
+            weights[name] = (
+                0.1 * torch.randn(rank, fan_in, generator=gen),
+                0.1 * torch.randn(fan_out, rank, generator=gen),
+            )
+    return LoraAdapter.from_alpha(weights, alpha=16.0)
+
+
+def test_merged_lora_equals_the_reference_adapter() -> None:
+    dec = Qwen3Decoder.random(SHAPE, seed=3)
+    adapter = _adapter()
+    merged = merge_lora(dec.params, adapter, SHAPE)
+    assert set(merged) == {f"{m}.weight" for m in adapter.weights}
+    h = torch.randn(2, 5, SHAPE.hidden_size)
+    for module in adapter.weights:
+        if not module.endswith("q_proj"):
+            continue
+        dec.lora = adapter
+        with_adapter = dec.linear(module, h)
+        dec.lora = None
+        expected = h @ merged[f"{module}.weight"].t()
+        torch.testing.assert_close(with_adapter, expected, rtol=1e-5, atol=1e-5)  # fp32 reassociation
+
+
+def test_merge_lora_errors() -> None:
+    adapter = _adapter()
+    with pytest.raises(KeyError, match=re.escape("no 'model.layers.0.self_attn.q_proj.weight'")):
+        merge_lora({}, adapter, SHAPE)
+    wrong = LoraAdapter({"model.layers.0.self_attn.q_proj": (torch.zeros(2, 3), torch.zeros(4, 2))}, 1.0)
+    with pytest.raises(ValueError, match="expected A \\[r,"):
+        merge_lora(Qwen3Decoder.random(SHAPE).params, wrong, SHAPE)
+
+
+def test_buckets_bound_bytes_and_keep_order() -> None:
+    named = [(f"t{i}", torch.zeros(n, dtype=torch.float32)) for i, n in enumerate([10, 10, 30, 5, 100, 1])]
+    groups = buckets(named, max_bytes=80)  # 40, 40, 120, 20, 400, 4 bytes
+    assert [[n for n, _ in g] for g in groups] == [["t0", "t1"], ["t2"], ["t3"], ["t4"], ["t5"]]
+    assert [n for g in groups for n, _ in g] == [n for n, _ in named]
+    with pytest.raises(ValueError, match="max_bytes must be > 0"):
+        buckets(named, 0)
