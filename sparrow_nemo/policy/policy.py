@@ -14,12 +14,15 @@ from sparrow_nemo.model_shapes import Qwen3Shape
 from sparrow_nemo.policy.batch import PolicyBatch
 from sparrow_nemo.policy.hf_import import export_hf_state_dict, load_hf_into_model
 from sparrow_nemo.policy.logprobs import TOP_K, LogprobOutput
+from sparrow_nemo.policy.lora import LoraConfig, MegatronLora
 from sparrow_nemo.policy.model import build_model, resolve_dtype
 from sparrow_nemo.policy.optim import OptimizerSettings, wrap_for_training
 from sparrow_nemo.policy.parallel import ParallelLayout, destroy_parallel, initialize_parallel
 from sparrow_nemo.policy.resume import load_policy_checkpoint, save_policy_checkpoint
 from sparrow_nemo.policy.schedule import LossFn, compute_logprobs
+from sparrow_nemo.policy.sparse_forward import SparsePattern, SparsePlan, compute_sparse_logprobs
 from sparrow_nemo.policy.train_step import StepResult, train_step
+from sparrow_nemo.rollout.lora import LoraAdapter
 
 
 class MegatronPolicy:
@@ -54,10 +57,39 @@ class MegatronPolicy:
         self.model, self.optimizer = wrap_for_training(
             model, settings, shape.tie_word_embeddings, resolve_dtype(dtype)
         )
+        self.lora: MegatronLora | None = None
 
     def logprobs(self, batches: list[PolicyBatch], top_k: int = TOP_K) -> list[LogprobOutput]:
         """Dense log-probs, entropy and top-k per micro-batch (CPU tensors [B, S-1], on every rank)."""
         return compute_logprobs(self.model, self.spec, batches, top_k)
+
+    def enable_lora(
+        self, config: LoraConfig, adapter: LoraAdapter | None = None, seed: int = 0
+    ) -> MegatronLora:
+        """Attach a DistillSparse LoRA adapter (HF-named ``adapter``, else a fresh one with B = 0).
+
+        The adapter is applied only inside :meth:`sparse_logprobs` (``use_lora=True``) and the adapter's own
+        training; :meth:`logprobs` and :meth:`train_step` stay dense and adapter-free.
+        """
+        if self.lora is not None:
+            self.lora.remove()
+        self.lora = MegatronLora(self.model, self.spec, config, adapter, seed)
+        return self.lora
+
+    def sparse_logprobs(
+        self,
+        batches: list[PolicyBatch],
+        plans: list[SparsePlan],
+        pattern: SparsePattern,
+        use_lora: bool = True,
+        top_k: int = TOP_K,
+    ) -> list[LogprobOutput]:
+        """Log-probs under decode-time sparse attention (what the sparse rollout engine computed).
+
+        One :class:`SparsePlan` per micro-batch; with ``use_lora`` the attached adapter is applied.
+        """
+        lora = self.lora if use_lora else None
+        return compute_sparse_logprobs(self.model, self.spec, batches, plans, pattern, lora, top_k)
 
     def train_step(self, batches: list[PolicyBatch], loss_fn: LossFn) -> StepResult:
         """One optimizer step on the mean of ``loss_fn`` over this DP rank's micro-batches (and over DP)."""

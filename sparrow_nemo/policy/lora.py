@@ -1,0 +1,310 @@
+"""LoRA adapters on the megatron-core policy's linear layers (DistillSparse), tensor-parallel aware.
+
+The adapter adds ``scaling * (x @ A.T) @ B.T`` (``scaling = alpha / rank``) to a linear layer's output,
+through forward hooks, and only while :meth:`MegatronLora.active` is entered: dense logprobs and the
+policy update never see it. Its parameters live outside the ``GPTModel`` (the policy's optimizer,
+DDP buffers and checkpoints are untouched).
+
+Tensor parallelism (sequence parallelism off):
+
+- column-parallel layers (``linear_qkv``, ``linear_fc1``): ``A [r, in]`` replicated, ``B`` split on
+  its output rows exactly like the weight (megatron's fused layouts). ``h = x @ A.T`` goes through
+  megatron's ``copy_to_tensor_model_parallel_region`` (forward identity, backward all-reduce), so
+  ``A``'s gradient is the sum over all output shards and equal on every rank.
+- row-parallel layers (``linear_proj``, ``linear_fc2``): ``A`` split on its input columns like the
+  weight, the partial ``x_local @ A_local.T`` all-reduced (``reduce_from_tensor_model_parallel_region``)
+  before the replicated ``B [out, r]``.
+
+Import/export use the rollout engine's :class:`~sparrow_nemo.rollout.lora.LoraAdapter` in Hugging Face
+module names: the fused ``linear_qkv`` is ``q_proj``/``k_proj``/``v_proj`` with one shared ``A`` and ``B``
+split by rows, ``linear_fc1`` likewise ``gate_proj``/``up_proj``; the row layouts reuse the weights'
+(:mod:`sparrow_nemo.policy.hf_import`), so export -> ``engine.set_lora`` reproduces the policy exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from sparrow_nemo.model_shapes import Qwen3Shape
+from sparrow_nemo.policy.hf_import import COLUMNS, FC1, QKV, _all_gather, _fuse_fc1, _fuse_qkv, _merge, _split
+from sparrow_nemo.policy.model import PolicyModelSpec, unwrap_model
+from sparrow_nemo.policy.parallel import stage_layer_range
+from sparrow_nemo.rollout.lora import LoraAdapter
+
+#: megatron module (under ``decoder.layers.{i}.``) -> (HF modules, column-parallel?, row layout of B / A)
+TARGETS: dict[str, tuple[tuple[str, ...], bool, str]] = {
+    "linear_qkv": (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), True, QKV),
+    "linear_proj": (("self_attn.o_proj",), False, COLUMNS),
+    "linear_fc1": (("mlp.gate_proj", "mlp.up_proj"), True, FC1),
+    "linear_fc2": (("mlp.down_proj",), False, COLUMNS),
+}
+_PARENT = {
+    "linear_qkv": "self_attention",
+    "linear_proj": "self_attention",
+    "linear_fc1": "mlp",
+    "linear_fc2": "mlp",
+}
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """Adapter hyper-parameters (recipe ``distill.lora``).
+
+    Attributes:
+        rank: r, the inner dimension.
+        alpha: output scaling numerator (scaling = alpha / rank; paper: 16).
+        targets: megatron linear names to adapt (default: all four per layer).
+    """
+
+    rank: int = 8
+    alpha: float = 16.0
+    targets: tuple[str, ...] = tuple(TARGETS)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "targets", tuple(self.targets))
+        if self.rank <= 0:
+            raise ValueError(f"LoraConfig.rank must be > 0, got {self.rank}")
+        unknown = sorted(set(self.targets) - set(TARGETS))
+        if unknown or not self.targets:
+            raise ValueError(
+                f"LoraConfig.targets must be a non-empty subset of {list(TARGETS)}, got {unknown}"
+            )
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
+def _in_out(shape: Qwen3Shape, target: str) -> tuple[int, int]:
+    """(in_features, out_features) of one full (unsplit) megatron linear."""
+    h, d, i = shape.hidden_size, shape.head_dim, shape.intermediate_size
+    qkv = (shape.num_attention_heads + 2 * shape.num_key_value_heads) * d
+    return {
+        "linear_qkv": (h, qkv),
+        "linear_proj": (shape.num_attention_heads * d, h),
+        "linear_fc1": (h, 2 * i),
+        "linear_fc2": (i, h),
+    }[target]
+
+
+def init_adapter(shape: Qwen3Shape, config: LoraConfig, seed: int = 0) -> LoraAdapter:
+    """A fresh adapter in HF names: A ~ U(-1/sqrt(in), 1/sqrt(in)) (one per megatron linear), B = 0.
+
+    B = 0 makes the adapted model start equal to the base model. The draw depends only on ``seed``, so
+    every tensor-parallel layout imports the same adapter.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    weights = {}
+    for layer in range(shape.num_layers):
+        for target in config.targets:
+            fan_in, _ = _in_out(shape, target)
+            a = (torch.rand(config.rank, fan_in, generator=gen) * 2 - 1) / math.sqrt(fan_in)
+            for hf in TARGETS[target][0]:
+                fan_out = _hf_out(shape, hf)
+                weights[f"model.layers.{layer}.{hf}"] = (a.clone(), torch.zeros(fan_out, config.rank))
+    return LoraAdapter(weights=weights, scaling=config.scaling)
+
+
+def _hf_out(shape: Qwen3Shape, hf_module: str) -> int:
+    d = shape.head_dim
+    return {
+        "self_attn.q_proj": shape.num_attention_heads * d,
+        "self_attn.k_proj": shape.num_key_value_heads * d,
+        "self_attn.v_proj": shape.num_key_value_heads * d,
+        "self_attn.o_proj": shape.hidden_size,
+        "mlp.gate_proj": shape.intermediate_size,
+        "mlp.up_proj": shape.intermediate_size,
+        "mlp.down_proj": shape.hidden_size,
+    }[hf_module]
+
+
+class MegatronLora(torch.nn.Module):
+    """This rank's LoRA shards for the layers of its pipeline stage, hooked into the model.
+
+    Parameters are named ``layers.{global layer}.{target}.a`` / ``.b`` (A: [r, in_local],
+    B: [out_local, r], the model's dtype and device).
+
+    Args:
+        model: this rank's megatron ``GPTModel`` (possibly wrapped); must use the local layer spec.
+        spec: what was built on this rank.
+        config: rank, alpha, targets.
+        adapter: initial weights in HF names (default :func:`init_adapter` with ``seed``).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        spec: PolicyModelSpec,
+        config: LoraConfig,
+        adapter: LoraAdapter | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        inner = unwrap_model(model)
+        if spec.use_te:
+            raise ValueError(
+                "LoRA needs the local layer spec (Transformer Engine fuses the RMSNorm into linear_qkv/"
+                "linear_fc1, so the adapter would see the un-normalised input); build the policy with use_te=False"
+            )
+        if inner.config.sequence_parallel:
+            raise ValueError("LoRA: sequence parallelism is not supported")
+        self.spec = spec
+        self.config = config
+        self.enabled = False
+        dtype = inner.config.params_dtype
+        device = next(inner.parameters()).device
+        self.params = torch.nn.ParameterDict()
+        self._hooks = []
+        layers = stage_layer_range(spec.shape.num_layers, spec.layout.pp, spec.pp_rank)
+        for local, layer in enumerate(layers):
+            block = inner.decoder.layers[local]
+            for target in config.targets:
+                fan_in, fan_out = _in_out(spec.shape, target)
+                column = TARGETS[target][1]
+                tp = spec.layout.tp
+                a_shape = (config.rank, fan_in if column else fan_in // tp)
+                b_shape = (fan_out // tp if column else fan_out, config.rank)
+                key = self.key(layer, target)
+                self.params[key + "__a"] = torch.nn.Parameter(
+                    torch.zeros(a_shape, dtype=dtype, device=device)
+                )
+                self.params[key + "__b"] = torch.nn.Parameter(
+                    torch.zeros(b_shape, dtype=dtype, device=device)
+                )
+                module = getattr(getattr(block, _PARENT[target]), target)
+                self._hooks.append(module.register_forward_hook(self._hook(key, column), with_kwargs=True))
+        self.load_adapter(adapter if adapter is not None else init_adapter(spec.shape, config, seed))
+
+    @staticmethod
+    def key(layer: int, target: str) -> str:
+        """Parameter-name stem of one adapted linear (``__a`` / ``__b`` appended)."""
+        return f"layers__{layer}__{target}"
+
+    # ----------------------------------------------------------------- forward
+    def _hook(self, key: str, column: bool):
+        def hook(_module, args, kwargs, output):
+            if not self.enabled:
+                return output
+            x = args[0] if args else kwargs["input_"]
+            out, bias = output
+            return out + self._delta(x, key, column).to(out.dtype), bias
+
+        return hook
+
+    def _delta(self, x: torch.Tensor, key: str, column: bool) -> torch.Tensor:
+        """``scaling * (x @ A.T) @ B.T`` with the TP collectives of the module doc."""
+        from megatron.core.tensor_parallel.mappings import (
+            copy_to_tensor_model_parallel_region,
+            reduce_from_tensor_model_parallel_region,
+        )
+
+        a, b = self.params[key + "__a"], self.params[key + "__b"]
+        h = torch.nn.functional.linear(x, a)
+        if self.spec.layout.tp > 1:
+            h = (
+                copy_to_tensor_model_parallel_region(h)
+                if column
+                else reduce_from_tensor_model_parallel_region(h)
+            )
+        return self.config.scaling * torch.nn.functional.linear(h, b)
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """Apply the adapter to the model's forwards inside the block (off again afterwards)."""
+        previous, self.enabled = self.enabled, True
+        try:
+            yield
+        finally:
+            self.enabled = previous
+
+    def remove(self) -> None:
+        """Detach the hooks from the model (the adapter can no longer be applied)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    # ----------------------------------------------------------------- HF import / export
+    def _layers(self) -> list[int]:
+        return list(stage_layer_range(self.spec.shape.num_layers, self.spec.layout.pp, self.spec.pp_rank))
+
+    @torch.no_grad()
+    def load_adapter(self, adapter: LoraAdapter) -> None:
+        """Copy an HF-named adapter (this stage's layers, this rank's shards) into the parameters.
+
+        Modules fused in megatron must share one A (``q/k/v_proj``, ``gate/up_proj``); the scaling and rank
+        must match the config. Every targeted module of this stage must be present.
+        """
+        if not math.isclose(adapter.scaling, self.config.scaling):
+            raise ValueError(f"LoRA adapter scaling {adapter.scaling} != alpha/rank = {self.config.scaling}")
+        shape, tp, rank = self.spec.shape, self.spec.layout.tp, self.spec.tp_rank
+        for layer in self._layers():
+            for target in self.config.targets:
+                hf_modules, column, layout = TARGETS[target]
+                names = [f"model.layers.{layer}.{m}" for m in hf_modules]
+                missing = [n for n in names if n not in adapter.weights]
+                if missing:
+                    raise KeyError(f"LoRA adapter lacks {missing} (targets {list(self.config.targets)})")
+                a_list = [adapter.weights[n][0] for n in names]
+                b_list = [adapter.weights[n][1] for n in names]
+                if any(not torch.equal(a, a_list[0]) for a in a_list[1:]):
+                    raise ValueError(
+                        f"LoRA adapter: {names} are fused in megatron and must share one A matrix"
+                    )
+                if column:
+                    a = a_list[0]
+                    b = (
+                        _fuse_qkv(*b_list, shape=shape, tp=tp, rank=rank)
+                        if layout == QKV
+                        else (_fuse_fc1(*b_list, tp=tp, rank=rank))
+                    )
+                else:
+                    a, b = _split(a_list[0], COLUMNS, tp, rank, 0), b_list[0]
+                key = self.key(layer, target)
+                for suffix, value in (("__a", a), ("__b", b)):
+                    param = self.params[key + suffix]
+                    if tuple(value.shape) != tuple(param.shape):
+                        raise ValueError(
+                            f"LoRA adapter for {names}: {suffix[2:].upper()} shard {tuple(value.shape)}, "
+                            f"expected {tuple(param.shape)} (rank {self.config.rank})"
+                        )
+                    param.copy_(value)
+
+    @torch.no_grad()
+    def export_adapter(self, grads: bool = False) -> LoraAdapter:
+        """The whole adapter (all layers, full matrices) in HF names on every rank (CPU). Collective.
+
+        ``grads=True`` exports the parameters' gradients in the same layout instead (zeros where None).
+        """
+        from megatron.core import parallel_state as ps
+
+        tp_group = ps.get_tensor_model_parallel_group()
+        shape = self.spec.shape
+        out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for layer in self._layers():
+            for target in self.config.targets:
+                hf_modules, column, layout = TARGETS[target]
+                key = self.key(layer, target)
+                a, b = (self._value(self.params[key + s], grads) for s in ("__a", "__b"))
+                split, whole = (b, a) if column else (a, b)
+                merged = _merge(_all_gather(split, tp_group), layout, shape)
+                replicated = whole.clone()
+                for name, part in zip(hf_modules, merged, strict=True):
+                    pair = (replicated, part) if column else (part, replicated)
+                    out[f"model.layers.{layer}.{name}"] = tuple(t.cpu() for t in pair)
+        if self.spec.layout.pp > 1:
+            parts: list[dict | None] = [None] * self.spec.layout.pp
+            dist.all_gather_object(parts, out, group=ps.get_pipeline_model_parallel_group())
+            out = {k: v for part in parts for k, v in part.items()}
+        return LoraAdapter(weights=out, scaling=self.config.scaling)
+
+    @staticmethod
+    def _value(param: torch.nn.Parameter, grads: bool) -> torch.Tensor:
+        if not grads:
+            return param.detach()
+        return param.grad.detach() if param.grad is not None else torch.zeros_like(param)

@@ -1,0 +1,160 @@
+"""The policy's sparse teacher-forced forward reproduces the sparse rollout engine (fp32, CPU).
+
+- the per-query mask equals the method layer's ``select_pages`` run on each position's own cache
+  prefix (integer-valued q/k: exact scores, ties included);
+- policy sparse logprobs == the reference engine's sampled-token logprobs (max abs diff < 1e-4),
+  with and without a LoRA adapter exported to the engine, for local_pages 2 and 0 (0 makes the
+  current partial page's centroid matter), while the dense logprobs differ clearly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from policy._helpers import make_hf_checkpoint, single_rank_env
+from sparrow_nemo.grpo.rollout_step import pad_pairs
+from sparrow_nemo.model_shapes import PRESETS
+from sparrow_nemo.policy.batch import PolicyBatch
+from sparrow_nemo.policy.lora import LoraConfig, init_adapter
+from sparrow_nemo.policy.optim import OptimizerSettings
+from sparrow_nemo.policy.parallel import ParallelLayout
+from sparrow_nemo.policy.policy import MegatronPolicy
+from sparrow_nemo.policy.sparse_forward import SparsePattern, SparsePlan, sparse_attention_mask
+from sparrow_nemo.rollout.engine import SamplingParams
+from sparrow_nemo.rollout.lora import LoraAdapter
+from sparrow_nemo.rollout.reference import ReferenceRolloutEngine
+from sparrow_nemo.sparse.attention import select_pages, selected_token_mask
+from sparrow_nemo.sparse.schedule import DENSE_BUDGET, BudgetSchedule
+
+TOL = 1e-4  # max abs logprob difference, fp32 (different matmul groupings)
+PAGE = 4
+SCHEDULE = BudgetSchedule(bin_tokens=16, budgets=(12, 16, 20), page_size=PAGE, name="test")
+SHAPE = PRESETS["tiny-test"]
+
+
+def test_mask_equals_method_layer_selection_per_position():
+    g = torch.Generator().manual_seed(0)
+    b, hq, hkv, s, d = 2, 4, 2, 37, 8
+    q = torch.randint(-3, 4, (b, hq, s, d), generator=g).float()
+    k = torch.randint(-3, 4, (b, hkv, s, d), generator=g).float()
+    prompt_lens = torch.tensor([5, 9])
+    budget = torch.randint(0, 7, (b, s), generator=g) * PAGE
+    budget[1, 20] = DENSE_BUDGET
+    plan = SparsePlan(prompt_lens, torch.where(torch.arange(s) < prompt_lens[:, None], DENSE_BUDGET, budget))
+    for local in (2, 0):
+        pattern = SparsePattern(page_size=PAGE, sink_pages=1, local_pages=local)
+        mask = sparse_attention_mask(q, k, plan, pattern)
+        for row in range(b):
+            for t in range(s):
+                got = mask[row, :, t]
+                if t < int(prompt_lens[row]):
+                    assert got[:, : t + 1].all() and not got[:, t + 1 :].any()
+                    continue
+                seq = torch.tensor([t + 1])
+                idx = select_pages(
+                    q[row : row + 1, :, t],
+                    k[row : row + 1, :, : t + 1],
+                    seq,
+                    budget[row, t : t + 1],
+                    PAGE,
+                    1,
+                    local,
+                )
+                want = selected_token_mask(idx, seq, t + 1, PAGE)[0]
+                assert torch.equal(got[:, : t + 1], want), (row, t, local)
+                assert not got[:, t + 1 :].any()
+    n_kept = mask[:, :, 20:].sum(-1)
+    assert (n_kept < torch.arange(21, s + 1)).any(), "some decode rows must drop pages"
+
+
+def _rollout(engine: ReferenceRolloutEngine, prompts: list[torch.Tensor]):
+    sampling = SamplingParams(max_new_tokens=40, temperature=1.0, seed=3, stop_token_ids=())
+    return engine.generate(prompts, sampling, SCHEDULE).samples
+
+
+def _policy_inputs(samples) -> tuple[PolicyBatch, SparsePlan, torch.Tensor]:
+    tokens, lengths, mask = pad_pairs([s.prompt_ids for s in samples], [s.response_ids for s in samples])
+    prompt_lens = torch.tensor([s.prompt_ids.numel() for s in samples])
+    plan = SparsePlan.from_schedule(SCHEDULE, prompt_lens, tokens.shape[1])
+    # the plan's budget of the query predicting response token i is the engine's kv_budget[i]
+    assert torch.equal(plan.query_budget[:, :-1][mask], torch.cat([s.kv_budget for s in samples]))
+    return PolicyBatch(tokens, lengths), plan, mask
+
+
+def _random_lora(seed: int) -> tuple[LoraConfig, LoraAdapter]:
+    config = LoraConfig(rank=4, alpha=8.0)
+    fresh = init_adapter(SHAPE, config, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    weights = {n: (a, 0.3 * torch.randn(b.shape, generator=g)) for n, (a, b) in fresh.weights.items()}
+    return config, LoraAdapter(weights=weights, scaling=fresh.scaling)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_hf_checkpoint(SHAPE, tmp_path_factory.mktemp("sparse_fwd") / "hf")
+
+
+@pytest.mark.parametrize("local_pages", [2, 0])
+def test_sparse_logprobs_equal_engine_with_and_without_lora(checkpoint, local_pages):
+    pattern = SparsePattern(page_size=PAGE, sink_pages=1, local_pages=local_pages, dense_layers=1)
+    engine = ReferenceRolloutEngine.from_hf_dir(
+        checkpoint,
+        dense_layers=1,
+        page_size=PAGE,
+        sink_pages=1,
+        local_pages=local_pages,
+        attention_backend="torch",
+    )
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, SHAPE.vocab_size, (n,), generator=g) for n in (7, 13)]
+    settings = OptimizerSettings(lr=1e-3)
+    with single_rank_env():
+        policy = MegatronPolicy(SHAPE, ParallelLayout(), settings, "float32", hf_dir=checkpoint)
+        try:
+            samples = _rollout(engine, prompts)
+            batch, plan, mask = _policy_inputs(samples)
+            engine_lp = torch.cat([s.logprobs for s in samples])
+            sparse = policy.sparse_logprobs([batch], [plan], pattern)[0].logprobs[mask]
+            dense = policy.logprobs([batch])[0].logprobs[mask]
+            assert (sparse - engine_lp).abs().max().item() < TOL
+            assert (dense - engine_lp).abs().max().item() > 0.05, "the schedule must change some tokens"
+
+            config, adapter = _random_lora(seed=5)
+            policy.enable_lora(config, adapter)
+            exported = policy.lora.export_adapter()
+            assert set(exported.weights) == set(adapter.weights)
+            for name, (a, b) in adapter.weights.items():  # import -> export is bit-exact
+                assert torch.equal(exported.weights[name][0], a) and torch.equal(exported.weights[name][1], b)
+            engine.set_lora(exported)
+            lora_samples = _rollout(engine, prompts)
+            batch, plan, mask = _policy_inputs(lora_samples)
+            engine_lp = torch.cat([s.logprobs for s in lora_samples])
+            with_lora = policy.sparse_logprobs([batch], [plan], pattern)[0].logprobs[mask]
+            without = policy.sparse_logprobs([batch], [plan], pattern, use_lora=False)[0].logprobs[mask]
+            assert (with_lora - engine_lp).abs().max().item() < TOL
+            assert (without - engine_lp).abs().max().item() > 0.05, "the adapter must matter"
+            # the adapter never reaches the dense path
+            assert torch.equal(policy.logprobs([batch])[0].logprobs, _dense_without_adapter(policy, batch))
+        finally:
+            policy.close()
+
+
+def _dense_without_adapter(policy: MegatronPolicy, batch: PolicyBatch) -> torch.Tensor:
+    hooks, policy.lora = policy.lora, None
+    try:
+        hooks.remove()
+        return policy.logprobs([batch])[0].logprobs
+    finally:
+        policy.lora = hooks
+
+
+def test_plan_and_pattern_refuse_bad_input():
+    with pytest.raises(ValueError, match="query_budget"):
+        SparsePlan(torch.tensor([3]), torch.zeros(1, 5, dtype=torch.int32))
+    with pytest.raises(ValueError, match="prompt_lens"):
+        SparsePlan(torch.tensor([3, 4]), torch.zeros(1, 5, dtype=torch.int64))
+    with pytest.raises(ValueError, match="page_size"):
+        SparsePattern(page_size=0)
+    with pytest.raises(ValueError, match="dense_layers"):
+        SparsePattern(dense_layers=-1)
