@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from sparrow_nemo.rollout.paged_cache import PagedKVCache
 from sparrow_nemo.sparse.attention import decode_attention, select_pages_from_centroids
+from sparrow_nemo.sparse.schedule import DENSE_BUDGET
 
 log = logging.getLogger(__name__)
 
@@ -122,11 +123,12 @@ class KernelDecode:
         layer: int,
         block_table: torch.Tensor,
         seq_len: torch.Tensor,
-        budget_tokens: torch.Tensor,
+        budget_tokens: torch.Tensor | None,
         sink_pages: int,
         local_pages: int,
     ) -> torch.Tensor:
-        """Kernel version of :func:`decode_attention_torch` (dense = a budget covering everything)."""
+        """Kernel version of :func:`decode_attention_torch`; None = dense (every page, no scoring pass)."""
+        budget = DENSE_BUDGET if budget_tokens is None else budget_tokens.to(torch.int32)
         return self._k.sparse_decode_attention_paged(
             q,
             cache.k_pages[layer],
@@ -134,7 +136,7 @@ class KernelDecode:
             cache.centroids[layer],
             block_table,
             seq_len.to(torch.int32),
-            budget_tokens.to(torch.int32),
+            budget,
             page_size=cache.page_size,
             sink_pages=sink_pages,
             local_pages=local_pages,

@@ -6,7 +6,10 @@
   from ``dense_layers`` on attends only to the pages chosen by the method layer's rule (1 sink page,
   2 local pages, top-k by GQA-averaged query) within the budget the schedule gives for that
   sequence's current cached length. The first ``dense_layers`` layers stay dense.
-- Finished sequences leave the batch: the live set is compacted (index_select) and their pages freed.
+- Decode loops (``decode_loop``): "compact" checks stops after every token and drops finished
+  sequences from the batch (index_select, pages freed); "static" keeps a fixed batch with pages for
+  the whole response reserved, checks stops every ``stop_check_every`` tokens and, on CUDA with the
+  fused kernels, replays each step from a CUDA graph (``static_decode``). Both give the same tokens.
 - On CUDA the fused ``sparrow_kernels`` decode is used when available (see ``choose_backend``).
 """
 
@@ -37,6 +40,7 @@ from sparrow_nemo.rollout.sampling import (
     sample_tokens,
     token_logprobs,
 )
+from sparrow_nemo.rollout.static_decode import StaticDecoder, decode_static
 from sparrow_nemo.rollout.stopping import Detokenizer, StopRule
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET, BudgetSchedule
 
@@ -53,6 +57,9 @@ class ReferenceRolloutEngine:
         max_batch_size: sequences decoded together (bounds the KV cache); None = all prompts at once.
         prefill_chunk_tokens: prompt positions per prefill chunk (a multiple of page_size; bounds the
             prefill attention memory); None = whole prompts at once.
+        decode_loop: "compact", "static" or "auto" (static on CUDA with the fused kernels, else compact).
+        stop_check_every: tokens between host stop checks in the static loop.
+        cuda_graph: replay static decode steps from a CUDA graph (CUDA + triton backend only).
     """
 
     def __init__(
@@ -67,6 +74,9 @@ class ReferenceRolloutEngine:
         tokenizer: Detokenizer | None = None,
         max_batch_size: int | None = None,
         prefill_chunk_tokens: int | None = None,
+        decode_loop: str = "auto",
+        stop_check_every: int = 64,
+        cuda_graph: bool = True,
     ) -> None:
         if not 0 <= dense_layers <= model.shape.num_layers:
             raise ValueError(f"dense_layers must be in [0, {model.shape.num_layers}], got {dense_layers}")
@@ -82,6 +92,10 @@ class ReferenceRolloutEngine:
             raise ValueError(
                 f"prefill_chunk_tokens must be a positive multiple of page_size={page_size}, got {prefill_chunk_tokens}"
             )
+        if decode_loop not in ("auto", "compact", "static"):
+            raise ValueError(f"decode_loop must be 'auto', 'compact' or 'static', got '{decode_loop}'")
+        if stop_check_every <= 0:
+            raise ValueError(f"stop_check_every must be > 0 tokens, got {stop_check_every}")
         self.model = model
         self.dense_layers = dense_layers
         self.page_size = page_size
@@ -93,6 +107,10 @@ class ReferenceRolloutEngine:
         self.device = model.device
         self.backend = choose_backend(attention_backend, self.device)
         self._kernels = KernelDecode() if self.backend == "triton" else None
+        fast = self.device.type == "cuda" and self.backend == "triton"
+        self.decode_loop = ("static" if fast else "compact") if decode_loop == "auto" else decode_loop
+        self.stop_check_every = stop_check_every
+        self.cuda_graph = cuda_graph and fast
         self._cache: PagedKVCache | None = None
         self._cache_pages = 0
         self._asleep = False
@@ -251,7 +269,9 @@ class ReferenceRolloutEngine:
         """Generate for prompts decoded together (at most ``max_batch_size``); inputs already validated."""
         batch = len(prompt_ids)
         ps = self.page_size
-        final_len = [p.numel() + m for p, m in zip(prompt_ids, max_new)]
+        static = self.decode_loop == "static"
+        # The static loop decodes every row for the longest response: reserve all of it up front.
+        final_len = [p.numel() + (max(max_new) if static else m) for p, m in zip(prompt_ids, max_new)]
         cache = self._ensure_cache(sum(math.ceil(n / ps) for n in final_len))
         block_table = torch.full(
             (batch, math.ceil(max(final_len) / ps)), -1, dtype=torch.int32, device=self.device
@@ -270,6 +290,10 @@ class ReferenceRolloutEngine:
 
         self._prefill(cache, block_table, ids, seq_len, keep_last)
         logits = self.model.logits(last)
+        if static:
+            return self._decode_static(
+                prompt_ids, cache, block_table, seq_len, logits, gens, max_new, sampling, schedule, stop, t0
+            )
         active = torch.arange(batch, device=self.device)  # sample index of each live row
         tokens = self._sample_and_record(rec, logits, sampling, gens, active, seq_len, None)
         t1 = self._now()
@@ -308,6 +332,42 @@ class ReferenceRolloutEngine:
             samples.append(
                 RolloutSample(prompt_ids=prompt_ids[s].cpu(), **fields, finish_reason=reason, stop=matched)
             )
+        return RolloutBatch(samples=samples, schedule_name=schedule.name, prefill_s=t1 - t0, decode_s=t2 - t1)
+
+    def _decode_static(
+        self,
+        prompt_ids: list[torch.Tensor],
+        cache: PagedKVCache,
+        block_table: torch.Tensor,
+        seq_len: torch.Tensor,
+        logits: torch.Tensor,
+        gens: list[torch.Generator],
+        max_new: list[int],
+        sampling: SamplingParams,
+        schedule: BudgetSchedule,
+        stop: StopRule,
+        t0: float,
+    ) -> RolloutBatch:
+        """The static decode loop of one wave after its prefill (``logits [B, V]`` of the last prompt
+        tokens); pages for prompt + max(max_new) tokens are reserved here and freed at the end."""
+        cache.reserve(block_table, seq_len + max(max_new))
+        dec = StaticDecoder(
+            self, cache, block_table, seq_len, max(max_new), sampling, schedule, self.stop_check_every
+        )
+        first = (
+            draw_uniforms(gens) if sampling.temperature > 0 else torch.zeros(len(gens), dtype=torch.float64)
+        )
+        dec.record_first(logits, first)
+        t1 = self._now()
+        try:
+            fields, finished = decode_static(dec, gens, max_new, stop, self.cuda_graph)
+        finally:
+            cache.release(block_table)
+        t2 = self._now()
+        samples = [
+            RolloutSample(prompt_ids=p.cpu(), **f, finish_reason=reason, stop=matched)
+            for p, f, (reason, matched) in zip(prompt_ids, fields, finished)
+        ]
         return RolloutBatch(samples=samples, schedule_name=schedule.name, prefill_s=t1 - t0, decode_s=t2 - t1)
 
     # ----------------------------------------------------------------- internals
@@ -434,8 +494,6 @@ class ReferenceRolloutEngine:
             layer_budget = budgets if layer >= self.dense_layers else None
             if self._kernels is not None:
                 self._kernels.append(cache, layer, block_table, positions, k, v)
-                if layer_budget is None:
-                    layer_budget = torch.full_like(seq_len, DENSE_BUDGET)
                 attn = self._kernels.attend(
                     q, cache, layer, block_table, seq_len, layer_budget, self.sink_pages, self.local_pages
                 )
