@@ -145,6 +145,8 @@ class MegatronLora(torch.nn.Module):
         adapter: LoraAdapter | None = None,
         seed: int = 0,
     ) -> None:
+        from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
+
         super().__init__()
         inner = unwrap_model(model)
         if spec.use_te:
@@ -171,12 +173,11 @@ class MegatronLora(torch.nn.Module):
                 a_shape = (config.rank, fan_in if column else fan_in // tp)
                 b_shape = (fan_out // tp if column else fan_out, config.rank)
                 key = self.key(layer, target)
-                self.params[key + "__a"] = torch.nn.Parameter(
-                    torch.zeros(a_shape, dtype=dtype, device=device)
-                )
-                self.params[key + "__b"] = torch.nn.Parameter(
-                    torch.zeros(b_shape, dtype=dtype, device=device)
-                )
+                a = torch.nn.Parameter(torch.zeros(a_shape, dtype=dtype, device=device))
+                b = torch.nn.Parameter(torch.zeros(b_shape, dtype=dtype, device=device))
+                # megatron's marker: split weights count on every TP rank in the grad norm, replicated once
+                set_tensor_model_parallel_attributes(b if column else a, True, 0 if column else 1, 1)
+                self.params[key + "__a"], self.params[key + "__b"] = a, b
                 module = getattr(getattr(block, _PARENT[target]), target)
                 self._hooks.append(module.register_forward_hook(self._hook(key, column), with_kwargs=True))
         self.load_adapter(adapter if adapter is not None else init_adapter(spec.shape, config, seed))
@@ -308,3 +309,16 @@ class MegatronLora(torch.nn.Module):
         if not grads:
             return param.detach()
         return param.grad.detach() if param.grad is not None else torch.zeros_like(param)
+
+
+@contextlib.contextmanager
+def frozen(model: torch.nn.Module) -> Iterator[None]:
+    """Inside the block no parameter of ``model`` requires grad (the adapter's step leaves the policy alone)."""
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    for p, _ in flags:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p, flag in flags:
+            p.requires_grad_(flag)

@@ -14,13 +14,18 @@ from sparrow_nemo.model_shapes import Qwen3Shape
 from sparrow_nemo.policy.batch import PolicyBatch
 from sparrow_nemo.policy.hf_import import export_hf_state_dict, load_hf_into_model
 from sparrow_nemo.policy.logprobs import TOP_K, LogprobOutput
-from sparrow_nemo.policy.lora import LoraConfig, MegatronLora
+from sparrow_nemo.policy.lora import LoraConfig, MegatronLora, frozen
 from sparrow_nemo.policy.model import build_model, resolve_dtype
-from sparrow_nemo.policy.optim import OptimizerSettings, wrap_for_training
+from sparrow_nemo.policy.optim import OptimizerSettings, TorchPolicyOptimizer, wrap_for_training
 from sparrow_nemo.policy.parallel import ParallelLayout, destroy_parallel, initialize_parallel
 from sparrow_nemo.policy.resume import load_policy_checkpoint, save_policy_checkpoint
 from sparrow_nemo.policy.schedule import LossFn, compute_logprobs
-from sparrow_nemo.policy.sparse_forward import SparsePattern, SparsePlan, compute_sparse_logprobs
+from sparrow_nemo.policy.sparse_forward import (
+    SparsePattern,
+    SparsePlan,
+    compute_sparse_logprobs,
+    sparse_forward,
+)
 from sparrow_nemo.policy.train_step import StepResult, train_step
 from sparrow_nemo.rollout.lora import LoraAdapter
 
@@ -90,6 +95,28 @@ class MegatronPolicy:
         """
         lora = self.lora if use_lora else None
         return compute_sparse_logprobs(self.model, self.spec, batches, plans, pattern, lora, top_k)
+
+    def lora_optimizer(self, settings: OptimizerSettings) -> TorchPolicyOptimizer:
+        """AdamW over the attached adapter's parameters, with the policy's DP grad mean and TP-aware clipping."""
+        return TorchPolicyOptimizer(self._require_lora(), settings, tie_embeddings=False)
+
+    def lora_train_step(
+        self,
+        batches: list[PolicyBatch],
+        plans: list[SparsePlan],
+        pattern: SparsePattern,
+        loss_fn: LossFn,
+        optimizer: TorchPolicyOptimizer,
+    ) -> StepResult:
+        """One adapter step: ``loss_fn`` on the sparse-forward-with-LoRA outputs; the policy weights stay frozen."""
+        lora = self._require_lora()
+        with frozen(self.model), lora.active(), sparse_forward(self.model, plans, pattern):
+            return train_step(self.model, optimizer, self.spec, batches, loss_fn)
+
+    def _require_lora(self) -> MegatronLora:
+        if self.lora is None:
+            raise RuntimeError("no LoRA adapter attached: call MegatronPolicy.enable_lora(...) first")
+        return self.lora
 
     def train_step(self, batches: list[PolicyBatch], loss_fn: LossFn) -> StepResult:
         """One optimizer step on the mean of ``loss_fn`` over this DP rank's micro-batches (and over DP)."""

@@ -82,7 +82,7 @@ def _policy_inputs(samples) -> tuple[PolicyBatch, SparsePlan, torch.Tensor]:
     return PolicyBatch(tokens, lengths), plan, mask
 
 
-def _random_lora(seed: int) -> tuple[LoraConfig, LoraAdapter]:
+def random_lora(seed: int) -> tuple[LoraConfig, LoraAdapter]:
     config = LoraConfig(rank=4, alpha=8.0)
     fresh = init_adapter(SHAPE, config, seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
@@ -120,7 +120,7 @@ def test_sparse_logprobs_equal_engine_with_and_without_lora(checkpoint, local_pa
             assert (sparse - engine_lp).abs().max().item() < TOL
             assert (dense - engine_lp).abs().max().item() > 0.05, "the schedule must change some tokens"
 
-            config, adapter = _random_lora(seed=5)
+            config, adapter = random_lora(seed=5)
             policy.enable_lora(config, adapter)
             exported = policy.lora.export_adapter()
             assert set(exported.weights) == set(adapter.weights)
