@@ -69,8 +69,11 @@ def run(args: argparse.Namespace) -> int:
     if data is not None and args.data is None:
         config = _config(args, data)
     source = build_prompt_source(config)
-    limit = args.max_prompts or (source.size or config.evaluation.num_prompts)
-    items = source.eval_batch(min(limit, source.size or limit))
+    if source.size is None:  # the synthetic task: endless held-out problems
+        count = args.max_prompts or config.evaluation.num_prompts
+    else:
+        count = min(args.max_prompts or source.size, source.size)
+    items = source.eval_batch(count)
 
     engine = _build_engine(config, source.tokenizer)
     schedule = config.sparsity.build_schedule()

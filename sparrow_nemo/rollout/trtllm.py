@@ -88,6 +88,7 @@ def llm_kwargs(config: Any, model_dir: str | Path, spec: SparrowSparseSpec) -> d
         },
         "enable_chunked_prefill": False,  # prompts' centroids are written in one prefill
         "attn_backend": "TRTLLM",
+        "cuda_graph_config": None,  # the page prediction reads block tables on the host each step
         "enable_sleep_mode": True,
         "orchestrator_type": "ray",
         "ray_worker_extension_cls": "sparrow_nemo.rollout.trtllm_plugin.SparrowWorkerExtension",

@@ -79,6 +79,9 @@ class _Runtime:
         self.spec: SparrowSparseSpec | None = None
         self.pool: CentroidPool | None = None
         self.use_kernel: bool | None = None
+        self.tables: dict[
+            tuple, torch.Tensor
+        ] = {}  # this step's block tables (context rows, generation rows)
 
     def pool_for(self, kv_cache_manager: Any, layer: TrtllmAttention, q: torch.Tensor) -> CentroidPool:
         if self.pool is None:
@@ -143,14 +146,24 @@ class SparrowTrtllmAttention(TrtllmAttention):
         )
 
     @staticmethod
-    def _block_table(metadata: Any, request_ids: list[int], device: torch.device) -> torch.Tensor:
-        """[n, max_blocks] int32 physical KV block per logical page, -1 padded."""
-        blocks = metadata.kv_cache_manager.get_batch_cache_indices(request_ids)
-        width = max((len(b) for b in blocks), default=0)
-        table = torch.full((len(blocks), width), -1, dtype=torch.int32)
-        for i, b in enumerate(blocks):
-            table[i, : len(b)] = torch.tensor(b, dtype=torch.int32)
-        return table.to(device)
+    def _block_table(metadata: Any, rows: slice, device: torch.device) -> torch.Tensor:
+        """[n, max_blocks] int32 physical KV block per logical page of requests ``rows``, -1 padded.
+
+        Built once per step (all layers share it): cached on the request ids and their KV lengths.
+        """
+        request_ids = list(metadata.request_ids[rows])
+        key = (tuple(request_ids), tuple(metadata.kv_lens[rows].tolist()), str(device))
+        table = _RUNTIME.tables.get(key)
+        if table is None:
+            blocks = metadata.kv_cache_manager.get_batch_cache_indices(request_ids)
+            width = max((len(b) for b in blocks), default=0)
+            table = torch.full((len(blocks), width), -1, dtype=torch.int32)
+            for i, b in enumerate(blocks):
+                table[i, : len(b)] = torch.tensor(b, dtype=torch.int32)
+            if len(_RUNTIME.tables) >= 4:  # older steps' tables
+                _RUNTIME.tables.clear()
+            table = _RUNTIME.tables[key] = table.to(device)
+        return table
 
     def sparse_kv_predict(
         self, q: torch.Tensor, k: torch.Tensor | None, metadata: Any, **kwargs: Any
@@ -162,7 +175,7 @@ class SparrowTrtllmAttention(TrtllmAttention):
         pool = _RUNTIME.pool_for(metadata.kv_cache_manager, self, q)
         _, keys = self._q_k(q, k, slice(0, metadata.num_ctx_tokens))
         lengths = metadata.context_lens[: metadata.num_contexts].tolist()
-        table = self._block_table(metadata, list(metadata.request_ids[: metadata.num_contexts]), q.device)
+        table = self._block_table(metadata, slice(0, metadata.num_contexts), q.device)
         start = 0
         for i, n in enumerate(lengths):
             pool.write_prefill(self.layer_idx, keys[start : start + n], table[i])
@@ -180,7 +193,7 @@ class SparrowTrtllmAttention(TrtllmAttention):
         q_gen, k_gen = self._q_k(q, k, slice(metadata.num_ctx_tokens, None))
         gen = slice(metadata.num_contexts, metadata.num_seqs)
         seq_len = metadata.kv_lens_cuda_runtime[gen].to(torch.int64)
-        table = self._block_table(metadata, list(metadata.request_ids[gen]), q.device)
+        table = self._block_table(metadata, gen, q.device)
         pool.append(self.layer_idx, k_gen, table, seq_len - 1)
         page_idx = predict_pages(q_gen, pool, self.layer_idx, table, seq_len, spec, bool(_RUNTIME.use_kernel))
         return flatten_page_indices(page_idx)
@@ -196,6 +209,7 @@ class SparrowWorkerExtension(WorkerExtension):
     def reset_sparrow_centroids(self) -> None:
         """Drop the centroid pool (after sleep: the KV cache it mirrors was released)."""
         _RUNTIME.pool = None
+        _RUNTIME.tables.clear()
 
 
 # --------------------------------------------------------------------------------------- registration
