@@ -1,0 +1,153 @@
+"""``sbatch slurm/train_tiny_cpu.sh`` on a real (local, single-node) Slurm: 2 tasks, gloo, TP=2.
+
+1. A short run completes: the job ends COMPLETED, ``metrics.jsonl`` holds every step, each rank logged
+   to its own file in the per-job run folder.
+2. The time-limit warning (USR1 to the batch shell, as ``#SBATCH --signal=B:USR1@60`` sends it) mid-run
+   makes the launcher requeue the job; the next attempt (same job id, same run folder) runs to the
+   end. Resuming from the checkpoint needs the trainer's preemption handling (issue 9); until the
+   trainer resumes, that last assertion is an expected failure.
+
+Runs the real trainer, so it takes ~1-2 minutes on a 2-core machine. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from .conftest import REPO_ROOT
+
+pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
+
+WRAPPER = REPO_ROOT / "slurm" / "train_tiny_cpu.sh"
+JOB_NAME = "sparrow-tiny-cpu"  # the wrapper's --job-name
+#: a few-second version of the tiny smoke recipe (the warm-start is cached for the module)
+FAST = (
+    "warmstart.steps=20",
+    "evaluation.num_prompts=4",
+    "logging.plots=false",
+)
+
+
+def _slurm(env: dict[str, str], *args: str) -> str:
+    done = subprocess.run(list(args), env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, f"{' '.join(args)} failed: {done.stderr}"
+    return done.stdout
+
+
+def _job_field(env: dict[str, str], job: str, name: str) -> str:
+    text = _slurm(env, "scontrol", "show", "job", job)
+    match = re.search(rf"\b{name}=(\S*)", text)
+    assert match, f"no {name} in scontrol show job {job}:\n{text}"
+    return match.group(1)
+
+
+def _wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(1.0)
+
+
+def _steps(metrics: Path) -> list[int]:
+    if not metrics.is_file():
+        return []
+    return [json.loads(line)["step"] for line in metrics.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Submit folder (Slurm's output files), run folders and the shared warm-start cache."""
+    return tmp_path_factory.mktemp("slurm_runs")
+
+
+def _submit(env: dict[str, str], workdir: Path, *overrides: str) -> tuple[str, Path]:
+    """Submit the tiny CPU wrapper from ``workdir``; returns (job id, run folder)."""
+    job_env = {
+        **env,
+        "RECIPE": "tiny_cpu_smoke",
+        "SPARROW_ROOT": str(REPO_ROOT),
+        "SPARROW_RUNS": str(workdir / "runs"),
+    }
+    done = subprocess.run(
+        [
+            "sbatch",
+            "--parsable",
+            str(WRAPPER),
+            *FAST,
+            f"warmstart.cache_dir={workdir / 'warmstart'}",
+            *overrides,
+        ],
+        cwd=workdir,
+        env=job_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    job = done.stdout.strip().split(";")[0]
+    return job, workdir / "runs" / f"{JOB_NAME}-{job}"
+
+
+def _wait_finished(env: dict[str, str], workdir: Path, job: str, timeout: float) -> str:
+    finished = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+    _wait_until(lambda: _job_field(env, job, "JobState") in finished, timeout, f"job {job} to finish")
+    state = _job_field(env, job, "JobState")
+    out = workdir / f"slurm-{JOB_NAME}-{job}.out"
+    assert state == "COMPLETED", f"job {job} ended {state}:\n{out.read_text() if out.exists() else ''}"
+    return state
+
+
+def test_sbatch_tiny_cpu_completes_with_metrics(slurm_env: dict[str, str], workdir: Path) -> None:
+    job, run = _submit(slurm_env, workdir, "trainer.max_steps=2")
+    _wait_finished(slurm_env, workdir, job, timeout=600)
+    assert _steps(run / "metrics.jsonl") == [0, 1]
+    assert (run / "summary.json").is_file()
+    assert sorted(p.name for p in (run / "logs").iterdir()) == ["attempt0_rank0.log", "attempt0_rank1.log"]
+    # both ranks ran the TP=2 layout the wrapper sets
+    config = (run / "config.yaml").read_text()
+    assert re.search(r"tensor_model_parallel_size: 2\b", config)
+    assert "run folder:" in (run / "logs" / "attempt0_rank0.log").read_text()
+    assert _job_field(slurm_env, job, "Restarts") == "0"
+
+
+def test_time_limit_signal_requeues_and_the_job_finishes(slurm_env: dict[str, str], workdir: Path) -> None:
+    job, run = _submit(slurm_env, workdir, "trainer.max_steps=4", "checkpoint.every_n_steps=2")
+    first_checkpoint = run / "checkpoints" / "step_00000002" / "trainer_state.json"
+    _wait_until(first_checkpoint.is_file, 600, "the step-2 checkpoint")
+    # what `#SBATCH --signal=B:USR1@60` does before the time limit: USR1 to the batch shell only
+    _slurm(slurm_env, "scancel", "--batch", "--signal=USR1", job)
+    _wait_until(lambda: _job_field(slurm_env, job, "Restarts") == "1", 120, f"job {job} to be requeued")
+    # a requeued job waits ~2 minutes (Slurm's requeue begin-time hold); release it now
+    _wait_until(
+        lambda: _job_field(slurm_env, job, "JobState") in ("PENDING", "RUNNING", "COMPLETED"),
+        60,
+        f"job {job} back in the queue",
+    )
+    if _job_field(slurm_env, job, "JobState") == "PENDING":
+        _slurm(slurm_env, "scontrol", "update", f"JobId={job}", "StartTime=now")
+    _wait_finished(slurm_env, workdir, job, timeout=600)
+
+    out = (workdir / f"slurm-{JOB_NAME}-{job}.out").read_text()
+    assert "USR1: asking the training tasks to checkpoint" in out
+    assert f"requeueing job {job}" in out
+    assert f"job {job} attempt 1:" in out  # the second attempt ran, in the same run folder
+    logs = sorted(p.name for p in (run / "logs").iterdir())
+    assert logs == [f"attempt{a}_rank{r}.log" for a in (0, 1) for r in (0, 1)]
+    steps = _steps(run / "metrics.jsonl")
+    assert steps[-1] == 3, steps  # the last attempt trained to trainer.max_steps
+    assert (run / "summary.json").is_file()
+
+    resumed = steps.count(0) == 1 and steps.count(3) == 1
+    if not resumed:
+        pytest.xfail(
+            "the trainer does not resume from checkpoint.resume=auto yet (issue 9): the requeued attempt "
+            f"restarted from step 0 (metrics steps {steps})"
+        )
