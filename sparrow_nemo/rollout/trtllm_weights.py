@@ -8,7 +8,7 @@ so a refit sends HF names. What this module adds is the checking and shaping the
   are tied (the loader ties them itself), cast to the engine dtype, make contiguous;
 - :func:`merge_lora`: DistillSparse's adapter folded into the base linears, ``W + scaling * B @ A``
   (TensorRT-LLM then runs the merged weights; dense scoring goes back to the base weights);
-- :func:`buckets`: the tensors split into groups of bounded bytes, one IPC transfer each.
+- :func:`buckets`: the tensors split into groups of bounded bytes (whole layers), one IPC transfer each.
 """
 
 from __future__ import annotations
@@ -66,17 +66,31 @@ def merge_lora(
     return merged
 
 
+def _unit(name: str) -> str:
+    """Tensors that travel in the same bucket: one decoder layer (its q/k/v and gate/up are fused on
+    load), or a single tensor outside the layers."""
+    parts = name.split(".")
+    return ".".join(parts[:3]) if name.startswith("model.layers.") else name
+
+
 def buckets(named: list[tuple[str, torch.Tensor]], max_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
-    """Consecutive groups of at most ``max_bytes`` (a tensor larger than that is a group of its own)."""
+    """Consecutive groups of at most ``max_bytes``; a decoder layer's tensors are never split across groups
+    (a layer, or a tensor, larger than ``max_bytes`` is a group of its own)."""
     if max_bytes <= 0:
         raise ValueError(f"buckets: max_bytes must be > 0, got {max_bytes}")
+    units: list[list[tuple[str, torch.Tensor]]] = []
+    for item in named:
+        if units and _unit(units[-1][0][0]) == _unit(item[0]):
+            units[-1].append(item)
+        else:
+            units.append([item])
     groups: list[list[tuple[str, torch.Tensor]]] = []
     size = 0
-    for name, tensor in named:
-        nbytes = tensor.numel() * tensor.element_size()
+    for unit in units:
+        nbytes = sum(t.numel() * t.element_size() for _, t in unit)
         if not groups or size + nbytes > max_bytes:
             groups.append([])
             size = 0
-        groups[-1].append((name, tensor))
+        groups[-1].extend(unit)
         size += nbytes
     return groups

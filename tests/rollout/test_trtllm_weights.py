@@ -84,3 +84,14 @@ def test_buckets_bound_bytes_and_keep_order() -> None:
     assert [n for g in groups for n, _ in g] == [n for n, _ in named]
     with pytest.raises(ValueError, match="max_bytes must be > 0"):
         buckets(named, 0)
+
+
+def test_buckets_keep_each_layer_whole() -> None:
+    named = refit_tensors(Qwen3Decoder.random(SHAPE).params, SHAPE, torch.float32)
+    layer_bytes = sum(t.numel() * 4 for n, t in named if n.startswith("model.layers.0."))
+    groups = buckets(named, max_bytes=layer_bytes + 1)
+    assert [n for g in groups for n, _ in g] == [n for n, _ in named]
+    for i in range(SHAPE.num_layers):
+        holding = [j for j, g in enumerate(groups) if any(n.startswith(f"model.layers.{i}.") for n, _ in g)]
+        assert len(holding) == 1, (i, holding)
+    assert all(sum(t.numel() * 4 for _, t in g) <= layer_bytes + 1 or len(g) == 1 for g in groups)
