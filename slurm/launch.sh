@@ -30,7 +30,8 @@
 #   RECIPE               recipe name or path (required; set by every wrapper)
 #   SPARROW_ROOT         repository checkout (default: the sbatch submit directory)
 #   SPARROW_RUNS         run folder root (default: $SPARROW_ROOT/runs)
-#   SPARROW_IMAGE        container image for pyxis (a .sqsh file or a registry image); empty = no container
+#   SPARROW_IMAGE        container image for pyxis: a .sqsh file (relative to SPARROW_ROOT or absolute) or a
+#                        registry image (nvcr.io#nvidia/...); empty = no container
 #   SPARROW_MOUNTS       extra container mounts, comma separated src:dst[,src:dst] (data, checkpoints, caches)
 #   SPARROW_PYTHON       python of the tasks (default: python in a container, $SPARROW_ROOT/.venv/bin/python
 #                        without one)
@@ -56,6 +57,10 @@ ROOT=$(cd "${SPARROW_ROOT:-${SLURM_SUBMIT_DIR:-.}}" && pwd)
 [[ -f $ROOT/slurm/task.sh ]] || die "SPARROW_ROOT=$ROOT is not a sparrow_nemo checkout (no slurm/task.sh); submit from the repository root or set SPARROW_ROOT"
 RUNS=${SPARROW_RUNS:-$ROOT/runs}
 IMAGE=${SPARROW_IMAGE:-}
+if [[ $IMAGE == *.sqsh ]]; then
+    [[ $IMAGE == /* ]] || IMAGE=$ROOT/$IMAGE
+    [[ -f $IMAGE ]] || die "container image $IMAGE not found: build it (docker build -f docker/Dockerfile -t sparrow-nemo . && enroot import -o $IMAGE dockerd://sparrow-nemo), point SPARROW_IMAGE at one, or set SPARROW_IMAGE= to run without a container"
+fi
 REQUEUE_EXIT=${SPARROW_REQUEUE_EXIT:-3}
 MAX_RESTARTS=${SPARROW_MAX_RESTARTS:-20}
 ATTEMPT=${SLURM_RESTART_COUNT:-0}

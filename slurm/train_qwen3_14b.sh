@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Qwen3-14B math GRPO with sparse rollout on 4 nodes x 8 GPUs (80 GB H100/H200): recipes/qwen3_14b_math.yaml through slurm/launch.sh.
+#
+#   sbatch slurm/train_qwen3_14b.sh                                   # from the repository root
+#   sbatch slurm/train_qwen3_14b.sh trainer.max_steps=500 sparsity.threshold=0.88      # recipe overrides
+#   sbatch -p <partition> -A <account> --time=08:00:00 slurm/train_qwen3_14b.sh        # cluster options
+#
+# Container (pyxis/enroot): SPARROW_IMAGE, default ./sparrow_nemo.sqsh built from docker/Dockerfile
+# (docker build -f docker/Dockerfile -t sparrow-nemo . && enroot import -o sparrow_nemo.sqsh dockerd://sparrow-nemo);
+# SPARROW_IMAGE= (empty) runs .venv/bin/python on the nodes instead. The repository is mounted at
+# /workspace/sparrow_nemo (recipe paths such as checkpoints/ and data/ are relative to it); add data and
+# model folders with SPARROW_MOUNTS=/lustre/ckpt:/workspace/sparrow_nemo/checkpoints,...
+# Output: runs/<job name>-<job id>/ (stable across requeues), per-rank logs in its logs/ folder.
+# Time limit: USR1 5 minutes before it -> checkpoint -> requeue -> the job resumes by itself (launch.sh).
+#SBATCH --job-name=sparrow-qwen3-14b
+#SBATCH --nodes=4
+#SBATCH --ntasks-per-node=8
+#SBATCH --gpus-per-node=8
+#SBATCH --cpus-per-task=12
+#SBATCH --exclusive
+#SBATCH --time=04:00:00
+#SBATCH --signal=B:USR1@300
+#SBATCH --requeue
+#SBATCH --open-mode=append
+#SBATCH --output=slurm-%x-%j.out
+set -euo pipefail
+export RECIPE=${RECIPE:-qwen3_14b_math}
+export SPARROW_IMAGE=${SPARROW_IMAGE-sparrow_nemo.sqsh}
+exec bash "${SPARROW_ROOT:-${SLURM_SUBMIT_DIR:-.}}/slurm/launch.sh" "$@"
