@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
@@ -116,3 +118,22 @@ def test_tiny_cpu_run_writes_a_consistent_line(bench: ModuleType, tmp_path: Path
     mem = [model.rollout_cost(s, [80, 80], 16).memory_s for s in (dense, schedule)]
     assert row["memory_bound_speedup_limit"] == pytest.approx(mem[0] / mem[1])
     assert row["memory_bound_speedup_limit"] > 1.0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU mode; on a GPU the script itself is the check")
+def test_gpu_rollout_check_dry_mode(tmp_path: Path) -> None:
+    """The prepared GPU script in --dry mode: imports, test collection, tiny benchmark, all exit 0."""
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    env["RESULTS_DIR"] = str(tmp_path)
+    proc = subprocess.run(
+        ["bash", str(REPO / "benchmarks" / "gpu_rollout_check.sh"), "--dry"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    log = (tmp_path / "gpu_rollout_check_dry.log").read_text()
+    assert proc.returncode == 0, log[-3000:]
+    assert "=== summary: imports=0 tests=0 benchmark=0" in log
+    rows = [json.loads(x) for x in (tmp_path / "gpu_rollout_check_dry_bench.jsonl").read_text().splitlines()]
+    assert len(rows) == 1 and rows[0]["speedup"] > 0

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# One prepared GPU check of the rollout engine's fast decode path and its speedup (issue 11), sized for
+# ONE device call under 8 minutes on an H200 (run it with a call timeout of ~500 s):
+#   1. versions and import hygiene (the rollout engine and the kernels import neither megatron nor transformers);
+#   2. the fast-decode tests natively on the GPU (static loop = compact loop, CUDA-graph replay = eager,
+#      fused kernels = torch path), limit 90 s;
+#   3. benchmarks/rollout_speedup.py: Qwen3 1.7B and 8B (then 4B, 14B while time is left), batch 64 (or what
+#      fits), prompt 512, generation 32K and 16K, dense vs the 0.86 preset; no configuration starts after
+#      280 s, limit 370 s.
+# Output: benchmarks/results/ (or $RESULTS_DIR): gpu_rollout_check_<mode>.log, gpu_rollout_check_<mode>_tests.xml,
+# rollout_speedup.jsonl; all copied to $OUT when set.
+#
+# Usage:  bash benchmarks/gpu_rollout_check.sh          # GPU (the image's python3; PYTHONPATH only, installs nothing)
+#         bash benchmarks/gpu_rollout_check.sh --tiny   # CPU, TRITON_INTERPRET=1: the same tests + tiny benchmark
+#         bash benchmarks/gpu_rollout_check.sh --dry    # CPU: collect the tests only + tiny benchmark (what CI tests)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+MODE=gpu
+case "${1:-}" in
+  "") ;;
+  --tiny) MODE=tiny ;;
+  --dry) MODE=dry ;;
+  *) echo "usage: $0 [--tiny|--dry]" >&2; exit 2 ;;
+esac
+
+PY=${PYTHON:-python3}
+if [ "$MODE" != gpu ]; then
+  export TRITON_INTERPRET=1
+  [ -x .venv/bin/python ] && PY=${PYTHON:-.venv/bin/python}
+fi
+export PYTHONPATH="kernels:.${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+RESULTS=${RESULTS_DIR:-benchmarks/results}
+mkdir -p "$RESULTS"
+LOG="$RESULTS/gpu_rollout_check_${MODE}.log"
+: > "$LOG"
+log() { echo "$@" | tee -a "$LOG"; }
+step() { # step NAME TIMEOUT_S CMD...: run with a time limit, log output, record the exit status
+  local name=$1 limit=$2; shift 2
+  log "=== $name (limit ${limit}s): $*"
+  local start=$SECONDS
+  timeout "$limit" "$@" 2>&1 | tee -a "$LOG"
+  local rc=${PIPESTATUS[0]}
+  log "=== $name: exit $rc after $((SECONDS - start))s"
+  STATUS+=("$name=$rc")
+  [ "$rc" -eq 0 ] || FAILED=1
+}
+finish() {
+  log "=== summary: ${STATUS[*]:-none}"
+  if [ -n "${OUT:-}" ]; then
+    mkdir -p "$OUT" && cp "$RESULTS"/gpu_rollout_check_"${MODE}"* "$OUT"/ 2>/dev/null
+    [ "$MODE" = gpu ] && cp "$RESULTS"/rollout_speedup.jsonl "$OUT"/ 2>/dev/null
+  fi
+  return 0
+}
+STATUS=()
+FAILED=0
+trap finish EXIT
+
+log "=== rollout fast-decode check, mode=$MODE, $(date -u +%Y-%m-%dT%H:%M:%SZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv | tee -a "$LOG"
+"$PY" -c "import sys, torch, triton; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available())" 2>&1 | tee -a "$LOG"
+
+step imports 60 "$PY" -c "
+import sys
+import sparrow_kernels, sparrow_nemo.rollout.reference, sparrow_nemo.rollout.static_decode, sparrow_nemo.sparse.cost_model
+bad = sorted(m for m in sys.modules if m.split('.')[0] in ('megatron', 'transformers'))
+assert not bad, f'the rollout engine must not import megatron/transformers, got {bad}'
+print('imports ok; INTERPRETED =', sparrow_kernels.INTERPRETED)
+"
+
+TESTS=(tests/rollout/test_fast_decode.py tests/rollout/test_fast_decode_bench.py tests/rollout/test_kernel_path.py)
+PYTEST=("$PY" -m pytest -q -p no:cacheprovider "${TESTS[@]}" --junitxml "$RESULTS/gpu_rollout_check_${MODE}_tests.xml")
+BENCH=("$PY" benchmarks/rollout_speedup.py)
+case "$MODE" in
+  gpu)
+    step tests 90 "${PYTEST[@]}"
+    step benchmark 370 "${BENCH[@]}" --time-budget-s 280 --out "$RESULTS/rollout_speedup.jsonl"
+    ;;
+  tiny)
+    step tests 600 "${PYTEST[@]}"
+    step benchmark 300 "${BENCH[@]}" --tiny --device cpu --out "$RESULTS/gpu_rollout_check_tiny_bench.jsonl"
+    ;;
+  dry)
+    step tests 120 "${PYTEST[@]}" --collect-only
+    step benchmark 300 "${BENCH[@]}" --tiny --device cpu --e2e-tokens 0 \
+      --out "$RESULTS/gpu_rollout_check_dry_bench.jsonl"
+    ;;
+esac
+exit "$FAILED"
