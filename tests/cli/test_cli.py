@@ -81,21 +81,6 @@ def test_config_show_defaults_to_the_tiny_recipe(capsys: pytest.CaptureFixture[s
     assert yaml.safe_load(capsys.readouterr().out) == load_config().to_dict()
 
 
-@pytest.mark.parametrize(
-    ("argv", "issue"),
-    [
-        (["eval"], 8),
-    ],
-)
-def test_unimplemented_commands_say_which_issue(
-    argv: list[str], issue: int, capsys: pytest.CaptureFixture[str]
-) -> None:
-    assert cli.main(argv) == 2
-    captured = capsys.readouterr()
-    assert captured.out == ""
-    assert captured.err == f"sparrow {' '.join(argv)}: not implemented yet: see issue {issue}\n"
-
-
 def test_commands_validate_the_recipe_first(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["train", "--config", "tiny_cpu", "grpo.loss.clip_high=0.1"]) == 2
     err = capsys.readouterr().err
