@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from sparrow_nemo.config import DEFAULT_RECIPE, SparrowConfig, load_config
 
@@ -27,9 +26,3 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> SparrowConfig:
     """The resolved recipe named by ``--config`` plus the overrides (ConfigError on a bad one)."""
     return load_config(args.config, args.overrides)
-
-
-def not_implemented(command: str, issue: int) -> int:
-    """One line on stderr for a subcommand that a later issue delivers; exit status 2."""
-    print(f"sparrow {command}: not implemented yet: see issue {issue}", file=sys.stderr)
-    return 2
