@@ -1,26 +1,26 @@
 """The synthetic verifiable task: follow a chain of pointers through a table given early in the prompt.
 
-Nodes are upper-case letters. The prompt holds a table of ``num_nodes`` entries in random order, ``dKn``
-= node ``K`` has digit ``d`` and points to node ``N`` (written lower-case, ``n``; ``.`` = end of its
-chain), then the start node::
+Nodes are upper-case letters. The prompt holds a table of ``num_nodes`` entries in random order, then the
+start node. ``Kn5`` = node ``K`` points to node ``N`` (written lower-case) and the edge adds 5; ``K.`` = node
+``K`` ends its chain::
 
-    (4Q.,3Ax,5Xq,7B.)\n?A\n
+    (Ax3,Q.,Xq5,B.)\n?A\n
 
-The reference solution walks the chain, writing for each visited node ``K``, its digit, its successor and
-the running digit sum mod 10, and ends with the answer = last node + final sum::
+The reference solution walks the chain, copying each visited entry followed by the running sum mod 10 of
+the edge digits, and ends with the answer = the chain's last node + the final sum::
 
-    A3x=3 X5q=8 Q4.=2\n!Q2
+    Ax3=3 Xq5=8 Q.\n!Q8
 
-Why it suits sparse rollout: no node is visited twice, so each step's digit and successor (2 of its 6
+Why it suits sparse rollout: no node is visited twice, so each step's successor and digit (2 of its 6
 characters) can only be read from the table in the prompt, far back, while the other characters are local
 copies or a local sum. Dropping the right page hurts those few tokens badly while most stay easy (the skewed
 per-token mismatch of the paper), and the completion length (6 characters per hop) varies with the number
 of hops. The nodes not on the queried chain form other chains that also end in ``.``, so the end of the
 chain cannot be found without walking it.
 
-Why it is learnable by a tiny model in minutes: every look-up is keyed by the step's node letter, which
-occurs exactly once in the table; the digit is the token just before it there and the successor the token
-just after it, the two patterns an attention head learns first (induction / duplicate-token heads).
+Why a tiny model can learn it: both look-ups of a step are plain induction (find the earlier occurrence of
+the current token, copy the token after it). The upper-case node occurs once in the table, followed by its
+successor; the lower-case successor occurs once in the table, followed by the digit.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 NODE_NAMES = string.ascii_uppercase
 END = "."
 _ANSWER_RE = re.compile(r"!(\S*)")
-_ENTRY_RE = re.compile(r"(\d)([A-Z])([a-z.])")
+_ENTRY_RE = re.compile(r"([A-Z])(?:([a-z])(\d)|\.)")
 
 
 @dataclass(frozen=True)
@@ -54,9 +54,9 @@ class ChainTaskConfig:
     """Difficulty knobs; each problem draws its sizes uniformly from the inclusive ranges.
 
     Attributes:
-        num_nodes: (min, max) table entries, 2..26. Prompt length = 4 * num_nodes + 5 characters.
+        num_nodes: (min, max) table entries, 2..26. Prompt length = 4 * num_nodes + 5 - (number of chains).
         num_hops: (min, max) pointer hops on the queried chain, clamped to num_nodes - 1 (no node repeats).
-            Trace length = 6 * (num_hops + 1) + 3 characters (so at most 159; with the prompt at most 268).
+            Trace length = 6 * num_hops + 6 characters (so at most 156; with the prompt at most 260).
         seed: problems are a pure function of (seed, index).
     """
 
@@ -96,14 +96,19 @@ def make_problem(rng: random.Random, num_nodes: int, num_hops: int) -> ChainProb
         rest = rest[cut:]
     order = names[:]
     rng.shuffle(order)
-    prompt = "(" + ",".join(f"{digit[k]}{k}{succ[k].lower()}" for k in order) + f")\n?{path[0]}\n"
+    prompt = "(" + ",".join(_entry(k, succ, digit) for k in order) + f")\n?{path[0]}\n"
     steps, total = [], 0
-    for k in path:
+    for k in path[:-1]:
         total = (total + digit[k]) % 10
-        steps.append(f"{k}{digit[k]}{succ[k].lower()}={total}")
+        steps.append(f"{_entry(k, succ, digit)}={total}")
     answer = f"{path[-1]}{total}"
-    trace = " ".join(steps) + f"\n!{answer}"
+    trace = " ".join([*steps, _entry(path[-1], succ, digit)]) + f"\n!{answer}"
     return ChainProblem(prompt=prompt, trace=trace, answer=answer, num_nodes=num_nodes, num_hops=num_hops)
+
+
+def _entry(node: str, succ: dict[str, str], digit: dict[str, int]) -> str:
+    """Table text of ``node``: node, successor in lower case, digit; or node and END."""
+    return f"{node}{END}" if succ[node] == END else f"{node}{succ[node].lower()}{digit[node]}"
 
 
 def _link(chain: list[str], succ: dict[str, str]) -> None:
@@ -120,16 +125,16 @@ def solve(prompt: str) -> str:
     table_line, _, query = prompt.partition("\n?")
     if not (table_line.startswith("(") and table_line.endswith(")")) or not query.strip():
         raise ValueError(f"not a chain prompt: {prompt[:40]!r}...")
-    table = {k: (int(d), n.upper()) for d, k, n in _ENTRY_RE.findall(table_line)}
+    table = {k: (int(d), n.upper()) if n else (0, END) for k, n, d in _ENTRY_RE.findall(table_line)}
     node, total, seen = query.strip(), 0, set()
     while True:
         if node not in table or node in seen:
             raise ValueError(f"chain prompt: node {node!r} is missing from the table or repeats")
         seen.add(node)
         d, nxt = table[node]
-        total = (total + d) % 10
         if nxt == END:
             return f"{node}{total}"
+        total = (total + d) % 10
         node = nxt
 
 

@@ -112,6 +112,6 @@ def test_bad_specs(spec: dict, match: str) -> None:
 def test_registry_exposes_the_rewards() -> None:
     assert get_reward("code") is code_reward
     assert get_reward("math")("\\boxed{2}", "2") == 1.0
-    assert get_reward("chain")("B7c=7 C5.=2\n!C2", "C2") == 1.0
+    assert get_reward("chain")("Bc7=7 C.\n!C7", "C7") == 1.0
     with pytest.raises(KeyError, match="known: chain, code, math"):
         get_reward("bleu")

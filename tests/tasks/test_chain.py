@@ -33,22 +33,23 @@ def test_generator_answers_match_an_independent_solver() -> None:
 def test_trace_replays_the_chain() -> None:
     """Every trace step copies a table entry and carries the running sum mod 10; no node repeats."""
     for p in PROBLEMS[:50]:
-        table = {k: d + n for d, k, n in re.findall(r"(\d)([A-Z])([a-z.])", p.prompt)}
+        entries = p.prompt[1 : p.prompt.index(")")].split(",")
+        table = {e[0]: e[1:] for e in entries}
         assert len(table) == p.num_nodes
-        steps = p.trace.split("\n")[0].split(" ")
-        assert len(steps) == p.num_hops + 1
+        *steps, last = p.trace.split("\n")[0].split(" ")
+        assert len(steps) == p.num_hops
         total, nodes = 0, []
         for i, step in enumerate(steps):
             entry, running = step.split("=")
-            node, looked_up = entry[0], entry[1:]
-            assert table[node] == looked_up
+            assert table[entry[0]] == entry[1:]
             if i:
-                assert node == steps[i - 1][2].upper()  # the previous step's successor
-            total = (total + int(looked_up[0])) % 10
+                assert entry[0] == steps[i - 1][1].upper()  # the previous step's successor
+            total = (total + int(entry[2])) % 10
             assert int(running) == total
-            nodes.append(node)
+            nodes.append(entry[0])
+        assert last == steps[-1][1].upper() + "." and table[last[0]] == "."
+        nodes.append(last[0])
         assert len(set(nodes)) == len(nodes)
-        assert steps[-1][2] == "."
         assert p.answer == nodes[-1] + str(total)
 
 
@@ -64,29 +65,27 @@ def test_sizes_follow_the_knobs() -> None:
     for p in PROBLEMS:
         assert cfg.num_nodes[0] <= p.num_nodes <= cfg.num_nodes[1]
         assert cfg.num_hops[0] <= p.num_hops <= min(cfg.num_hops[1], p.num_nodes - 1)
-        assert len(p.prompt) == 4 * p.num_nodes + 5
-        assert len(p.trace) == 6 * (p.num_hops + 1) + 3
+        assert len(p.prompt) == 4 * p.num_nodes + 5 - p.prompt.count(".")
+        assert len(p.trace) == 6 * p.num_hops + 6
     totals = [len(p.prompt) + len(p.trace) for p in PROBLEMS]
     assert min(totals) < 100 and max(totals) > 240  # varied lengths, several times a 64-token budget
 
 
 def test_lookups_reach_far_back() -> None:
-    """Each step's digit and successor exist only in the prompt table, around the only occurrence of the
-    step's node letter there; measure how far back they are."""
+    """Each step's successor and digit exist only in the prompt table, each right after the only table
+    occurrence of the token before it (plain induction); measure how far back they are."""
     tok = CharTokenizer()
     distances = []
     for p in PROBLEMS:
         text = p.prompt + p.trace
         assert len(tok.encode(text)) == len(text)  # one token per character
-        for m in re.finditer(r"([A-Z])(\d)([a-z.])=", p.trace):
-            read_at = len(p.prompt) + m.start(2)  # position of the looked-up digit in the trace
-            table = p.prompt[: p.prompt.index(")")]
-            assert table.count(m.group(1)) == 1
-            entry = table.index(m.group(1))
-            assert text[entry - 1] == m.group(2) and text[entry + 1] == m.group(
-                3
-            )  # digit before, successor after
-            distances.append(read_at - entry)
+        table = p.prompt[: p.prompt.index(")")]
+        for m in re.finditer(r"([A-Z])([a-z])(\d)=", p.trace):
+            node, succ, digit = m.groups()
+            assert table.count(node) == 1 and table.count(succ) == 1
+            assert table[table.index(node) + 1] == succ and table[table.index(succ) + 1] == digit
+            read_at = len(p.prompt) + m.start(2)  # position of the looked-up successor in the trace
+            distances.append(read_at - (table.index(node) + 1))
     assert min(distances) >= 6
     assert statistics.median(distances) > 64  # beyond 4 pages of 16 tokens for half the look-ups
 
@@ -116,7 +115,7 @@ def test_reward_is_total_on_garbage(text: str) -> None:
 
 def test_make_problem_extremes_and_errors() -> None:
     p = make_problem(random.Random(0), num_nodes=26, num_hops=25)
-    assert solve(p.prompt) == p.answer and p.trace.count("=") == 26 and len(p.prompt) + len(p.trace) == 268
+    assert solve(p.prompt) == p.answer and p.trace.count("=") == 25 and len(p.trace) == 156
     with pytest.raises(ValueError, match="num_hops"):
         make_problem(random.Random(0), num_nodes=5, num_hops=5)
     with pytest.raises(ValueError, match="num_nodes"):
