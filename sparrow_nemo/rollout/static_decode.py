@@ -4,9 +4,11 @@ The reference engine's default loop (``decode_loop="compact"``) checks stops aft
 compacts the batch when a sequence finishes; each step costs a host synchronisation and hundreds of
 Python-launched kernels. :class:`StaticDecoder` runs the same math with static shapes instead:
 
-- the batch is fixed for the whole wave; a finished sequence keeps decoding (its extra tokens are
-  dropped on the host) until every sequence is done. Pages for prompt + the longest response are
-  reserved up front, so nothing is allocated per token (a live mask, not compaction);
+- the batch is fixed for the whole wave (a live mask, not compaction): a finished sequence stays in
+  its row until every sequence is done, its extra tokens dropped on the host. Once the host has seen
+  it finish, its row is retired: it decodes at cached length 1 (position 0, one page read per layer),
+  so it no longer costs attention bandwidth. Pages for prompt + the longest response are reserved up
+  front, so nothing is allocated per token;
 - one step = ``seq_len += 1``, the schedule's budget looked up on the device, the engine's
   ``_decode_step`` (embeddings, norms, projections, attention, MLP, LM head), sampling and the
   logprob/top-k record, all written into preallocated buffers indexed by a device step counter;
@@ -77,7 +79,7 @@ class StaticDecoder:
         sampling, schedule: as in ``generate``; the schedule's budgets apply from ``engine.dense_layers`` on.
         check_every: steps per block of pre-drawn uniforms (and per host stop check).
 
-    Buffers (device): ``tokens [B]``, ``seq_len [B]``, ``step_idx [1]`` (next record row),
+    Buffers (device): ``tokens [B]``, ``seq_len [B]``, ``live [B]`` bool, ``step_idx [1]`` (next record row),
     ``uniforms [check_every, B]`` float64, records ``rec_tokens [steps, B]`` int64, ``rec_lp [steps, B]``
     float32, ``rec_top_ids [steps, B, K]`` int64, ``rec_top_lp [steps, B, K]`` float32,
     ``rec_cached [steps, B]`` int64, ``rec_budget [steps, B]`` int64.
@@ -106,6 +108,7 @@ class StaticDecoder:
         self.budget_of = None if schedule.is_dense else DeviceBudgets(schedule, device)
         self.tokens = torch.zeros(batch, dtype=torch.int64, device=device)
         self.seq_len = seq_len.to(device=device, dtype=torch.int64).clone()
+        self.live = torch.ones(batch, dtype=torch.bool, device=device)
         self.step_idx = torch.ones(1, dtype=torch.int64, device=device)
         self.uniforms = torch.zeros(check_every, batch, dtype=torch.float64, device=device)
         self.rec_tokens = torch.zeros(steps, batch, dtype=torch.int64, device=device)
@@ -124,7 +127,8 @@ class StaticDecoder:
     def step(self) -> None:
         """One decode step on the device, no host sync (with the triton backend): feeds ``tokens``,
         samples the next ones and records them at row ``step_idx``; advances ``seq_len`` and ``step_idx``."""
-        self.seq_len += 1  # the last sampled token enters the cache now
+        # The last sampled token enters the cache now; retired rows restart at position 0 every step.
+        self.seq_len.copy_(torch.where(self.live, self.seq_len + 1, 1))
         budgets = None if self.budget_of is None else self.budget_of(self.seq_len)
         logits = self.engine._decode_step(self.cache, self.block_table, self.tokens, self.seq_len, budgets)
         row = (self.step_idx - 1) % self.check_every
@@ -152,14 +156,20 @@ class StaticDecoder:
             buf.index_copy_(0, idx, value[None].to(buf.dtype))
 
     def capture(self) -> None:
-        """Capture :meth:`step` in a CUDA graph (run one eager step first: it compiles the kernels and
-        initialises the libraries, and it is a real step). Afterwards :meth:`run` replays the graph."""
+        """Run one real step eagerly on a side stream (it compiles the kernels and initialises the
+        libraries, as CUDA-graph capture requires), then capture :meth:`step` in a CUDA graph; from
+        then on :meth:`run` replays it."""
         if self.engine.device.type != "cuda":
             raise RuntimeError("StaticDecoder.capture needs a CUDA device")
         if self.engine.backend != "triton":
             raise RuntimeError(
                 "CUDA-graph decode needs attention_backend='triton' (the torch path syncs with the host)"
             )
+        side = torch.cuda.Stream(self.engine.device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self.step()
+        torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             self.step()
@@ -172,6 +182,12 @@ class StaticDecoder:
                 self.graph.replay()
             else:
                 self.step()
+
+    def retire(self, rows: Sequence[int]) -> None:
+        """Mark finished ``rows`` dead (stream-ordered): from the next queued step on they decode at
+        cached length 1, overwriting only their own position 0; their records are meaningless."""
+        if rows:
+            self.live[torch.as_tensor(list(rows), device=self.live.device)] = False
 
     def load_uniforms(self, block: torch.Tensor) -> None:
         """Copy ``block [n <= check_every, B]`` float64 host uniforms into rows 0..n-1 (stream-ordered:
@@ -203,7 +219,7 @@ def decode_static(
     """Drive ``dec`` (row 0 already recorded) until every sample has stopped.
 
     Blocks of ``dec.check_every`` steps: draw the block's uniforms on the host (sampling only), queue
-    the steps (the first step of the wave runs eagerly, then the graph is captured when ``use_graph``),
+    the steps (with ``use_graph``, the wave's first step runs eagerly inside ``capture``, then replays),
     and, when ``stop`` has stop tokens or strings, copy the block's tokens to the host and check them
     token by token exactly as the compact loop does. Without them only the length cap applies and the
     loop never waits for the device until the records are read.
@@ -220,12 +236,16 @@ def decode_static(
         if not watch:
             return
         rows = dec.rec_tokens[lo:hi].cpu().tolist()
+        done = []
         for s in range(batch):
             for row in rows:
                 if finished[s] is not None:
                     break
                 responses[s].append(row[s])
                 finished[s] = stop.check(responses[s], max_new[s])
+                if finished[s] is not None:
+                    done.append(s)
+        dec.retire(done)
 
     scan(0, 1)
     total = dec.steps
@@ -235,8 +255,7 @@ def decode_static(
         if dec.sampling.temperature > 0:
             dec.load_uniforms(draw_uniform_block(generators, n))
         if use_graph and dec.graph is None:
-            dec.run(1)
-            dec.capture()
+            dec.capture()  # includes this block's first step
             dec.run(n - 1)
         else:
             dec.run(n)

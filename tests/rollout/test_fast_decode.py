@@ -18,7 +18,7 @@ import torch
 from sparrow_nemo.rollout import ReferenceRolloutEngine, SamplingParams
 from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder
 from sparrow_nemo.rollout.sampling import draw_uniforms, make_generators
-from sparrow_nemo.rollout.static_decode import DeviceBudgets, draw_uniform_block
+from sparrow_nemo.rollout.static_decode import DeviceBudgets, StaticDecoder, draw_uniform_block
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 from ._helpers import SHAPE
@@ -168,3 +168,20 @@ def test_cuda_graph_loop_equals_eager_static_loop(hf_dir: Path) -> None:
     params = SamplingParams(max_new_tokens=13, temperature=1.0, seed=5, stop_token_ids=(7,))
     prompts = make_prompts((45, 7, 80))
     assert_same(eager.generate(prompts, params, SCHEDULE), graph.generate(prompts, params, SCHEDULE))
+
+
+@torch.no_grad()
+def test_retired_rows_decode_at_position_zero(model: Qwen3Decoder) -> None:
+    """A retired row restarts at cached length 1 every step; live rows advance and are unaffected."""
+    engine = ReferenceRolloutEngine(model, dense_layers=1, attention_backend="torch", decode_loop="static")
+    cache = engine._ensure_cache(8)
+    table = torch.full((2, 4), -1, dtype=torch.int32)
+    cache.reserve(table, torch.tensor([40, 40]))
+    params = SamplingParams(max_new_tokens=4, temperature=0.0, stop_token_ids=())
+    dec = StaticDecoder(engine, cache, table, torch.tensor([20, 20]), 4, params, SCHEDULE, check_every=4)
+    dec.run(1)
+    dec.retire([1])
+    dec.run(2)
+    assert dec.seq_len.tolist() == [23, 1]
+    assert dec.rec_cached[1:4].tolist() == [[21, 21], [22, 1], [23, 1]]
+    assert dec.live.tolist() == [True, False]
