@@ -69,7 +69,10 @@ RUN_DIR=$RUNS/$NAME-$SLURM_JOB_ID
 LOG_DIR=$RUN_DIR/logs
 mkdir -p "$LOG_DIR"
 
-MASTER_ADDR=$(scontrol show hostnames "${SLURM_JOB_NODELIST:?}" | head -n 1)
+# (read the whole list: `| head -n 1` could kill scontrol with SIGPIPE, fatal under pipefail)
+mapfile -t hosts < <(scontrol show hostnames "${SLURM_JOB_NODELIST:?}")
+[[ ${#hosts[@]} -gt 0 ]] || die "scontrol show hostnames '$SLURM_JOB_NODELIST' listed no host"
+MASTER_ADDR=${hosts[0]}
 MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))
 export MASTER_ADDR MASTER_PORT
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}

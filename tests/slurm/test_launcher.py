@@ -1,0 +1,172 @@
+"""slurm/launch.sh decisions with stand-ins for srun/scontrol/scancel and the trainer (no Slurm daemons).
+
+The stand-ins log their arguments; the fake trainer logs the torch.distributed variables it sees and
+exits with a chosen status. Covered: rendezvous variables, run folder per job id, override order,
+requeue on the "checkpointed" status (3) and not otherwise, the restart cap, the pyxis container flags,
+and the clear errors. The real Slurm run is tests/slurm/test_local_slurm.py.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from .conftest import REPO_ROOT
+
+LAUNCH = REPO_ROOT / "slurm" / "launch.sh"
+JOB_ID = "4242"
+
+FAKES = {
+    "scontrol": """#!/usr/bin/env bash
+if [[ $1 == show && $2 == hostnames ]]; then printf 'node-a\\nnode-b\\n'; exit 0; fi
+echo "scontrol $*" >> "$FAKE_LOG"
+""",
+    "scancel": """#!/usr/bin/env bash
+echo "scancel $*" >> "$FAKE_LOG"
+""",
+    # srun: log the options, then run the command once as task 0 of 2
+    "srun": """#!/usr/bin/env bash
+echo "srun $*" >> "$FAKE_LOG"
+while [[ $1 == --* ]]; do shift; done
+SLURM_PROCID=0 SLURM_NTASKS=2 SLURM_LOCALID=0 SLURM_NTASKS_PER_NODE=2 exec "$@"
+""",
+    "trainer": """#!/usr/bin/env bash
+echo "env RANK=$RANK WORLD_SIZE=$WORLD_SIZE LOCAL_RANK=$LOCAL_RANK MASTER=$MASTER_ADDR:$MASTER_PORT" >> "$FAKE_LOG"
+echo "trainer $*" >> "$FAKE_LOG"
+exit "$FAKE_EXIT"
+""",
+}
+
+
+@pytest.fixture
+def fake_slurm(tmp_path: Path) -> dict[str, str]:
+    """Environment of a batch job of 2 tasks on node-a,node-b with the stand-ins first on PATH."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in FAKES.items():
+        path = bin_dir / name
+        path.write_text(body)
+        path.chmod(0o755)
+    return {
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "HOME": str(tmp_path),
+        "FAKE_LOG": str(tmp_path / "calls.log"),
+        "FAKE_EXIT": "0",
+        "SLURM_JOB_ID": JOB_ID,
+        "SLURM_JOB_NAME": "sparrow-test",
+        "SLURM_JOB_NODELIST": "node-[a-b]",
+        "SLURM_NTASKS": "2",
+        "SLURM_JOB_NUM_NODES": "2",
+        "RECIPE": "qwen3_8b_math",
+        "SPARROW_ROOT": str(REPO_ROOT),
+        "SPARROW_RUNS": str(tmp_path / "runs"),
+        "SPARROW_PYTHON": str(bin_dir / "trainer"),
+    }
+
+
+def _launch(env: dict[str, str], *overrides: str) -> tuple[subprocess.CompletedProcess[str], list[str]]:
+    done = subprocess.run(
+        ["bash", str(LAUNCH), *overrides], env=env, capture_output=True, text=True, timeout=60
+    )
+    log = Path(env["FAKE_LOG"])
+    return done, log.read_text().splitlines() if log.exists() else []
+
+
+def _line(calls: list[str], prefix: str) -> str:
+    found = [c for c in calls if c.startswith(prefix)]
+    assert found, f"no '{prefix}' call in {calls}"
+    return found[0]
+
+
+def test_rendezvous_run_folder_and_override_order(fake_slurm: dict[str, str]) -> None:
+    done, calls = _launch(fake_slurm, "policy.tensor_model_parallel_size=2", "trainer.max_steps=7")
+    assert done.returncode == 0, done.stderr
+    port = 20000 + int(JOB_ID) % 20000
+    assert _line(calls, "env") == f"env RANK=0 WORLD_SIZE=2 LOCAL_RANK=0 MASTER=node-a:{port}"
+    run_dir = f"{fake_slurm['SPARROW_RUNS']}/sparrow-test-{JOB_ID}"
+    assert _line(calls, "trainer") == (
+        f"trainer -m sparrow_nemo.cli train --config qwen3_8b_math --run-dir {run_dir} "
+        "checkpoint.resume=auto logging.progress_bar=false policy.tensor_model_parallel_size=2 trainer.max_steps=7"
+    )
+    srun = _line(calls, "srun")
+    assert f"--output={run_dir}/logs/attempt0_rank%t.log" in srun
+    assert "--container-image" not in srun
+    assert not any(c.startswith("scontrol") for c in calls)  # finished: no requeue
+
+
+def test_checkpointed_status_requeues_the_job(fake_slurm: dict[str, str]) -> None:
+    done, calls = _launch({**fake_slurm, "FAKE_EXIT": "3", "SLURM_RESTART_COUNT": "2"})
+    assert done.returncode == 0, done.stderr
+    assert f"scontrol requeue {JOB_ID}" in calls
+    assert "attempt2_rank%t.log" in _line(calls, "srun")  # logs of this attempt kept apart
+    assert "attempt 3 resumes from the newest checkpoint" in done.stderr
+
+
+def test_a_failure_is_not_requeued(fake_slurm: dict[str, str]) -> None:
+    done, calls = _launch({**fake_slurm, "FAKE_EXIT": "1"})
+    assert done.returncode == 1
+    assert not any(c.startswith("scontrol") for c in calls)
+
+
+def test_restart_cap_stops_a_requeue_loop(fake_slurm: dict[str, str]) -> None:
+    env = {**fake_slurm, "FAKE_EXIT": "3", "SLURM_RESTART_COUNT": "5", "SPARROW_MAX_RESTARTS": "5"}
+    done, calls = _launch(env)
+    assert done.returncode == 3
+    assert not any(c.startswith("scontrol") for c in calls)
+    assert "not requeueing: 5 restarts already" in done.stderr
+
+
+def test_container_flags_and_task_paths(fake_slurm: dict[str, str]) -> None:
+    env = {
+        **fake_slurm,
+        "SPARROW_IMAGE": "nvcr.io#nvidia/tensorrt-llm/release:1.2.0",
+        "SPARROW_MOUNTS": "/lustre/data:/workspace/sparrow_nemo/data",
+        "SPARROW_DRY_RUN": "1",
+    }
+    del env["SPARROW_PYTHON"]
+    done, calls = _launch(env, "trainer.max_steps=3")
+    assert done.returncode == 0, done.stderr
+    assert calls == []  # dry run: nothing started
+    mounts = (
+        f"{REPO_ROOT}:/workspace/sparrow_nemo,{fake_slurm['SPARROW_RUNS']}:/workspace/runs,"
+        "/lustre/data:/workspace/sparrow_nemo/data"
+    )
+    words = shlex.split(done.stdout)  # the launcher prints the command shell-quoted
+    assert words[0] == "srun"
+    assert "--container-image=nvcr.io#nvidia/tensorrt-llm/release:1.2.0" in words
+    assert f"--container-mounts={mounts}" in words
+    assert "--container-workdir=/workspace/sparrow_nemo" in words
+    start = words.index("/workspace/sparrow_nemo/slurm/task.sh")
+    assert words[start + 1 : start + 5] == ["python", "-m", "sparrow_nemo.cli", "train"]
+    assert f"/workspace/runs/sparrow-test-{JOB_ID}" in words
+    assert words[-1] == "trainer.max_steps=3"
+
+
+def test_missing_image_file_is_a_clear_error(fake_slurm: dict[str, str]) -> None:
+    done, _ = _launch({**fake_slurm, "SPARROW_IMAGE": "images/none.sqsh"})
+    assert done.returncode == 2
+    assert f"container image {REPO_ROOT}/images/none.sqsh not found" in done.stderr
+    assert "docker build -f docker/Dockerfile" in done.stderr
+
+
+def test_outside_a_job_is_a_clear_error(fake_slurm: dict[str, str]) -> None:
+    env = {k: v for k, v in fake_slurm.items() if k != "SLURM_JOB_ID"}
+    done, _ = _launch(env)
+    assert done.returncode == 2
+    assert "not inside a Slurm job" in done.stderr and "sbatch" in done.stderr
+
+
+def test_task_env_needs_the_rendezvous(fake_slurm: dict[str, str]) -> None:
+    done = subprocess.run(
+        ["bash", str(REPO_ROOT / "slurm" / "task.sh"), "true"],
+        env={**fake_slurm, "SLURM_PROCID": "0", "SLURM_LOCALID": "0"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode != 0
+    assert "MASTER_ADDR is not set" in done.stderr
