@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -75,6 +75,28 @@ class LoraConfig:
             raise ValueError(
                 f"LoraConfig.targets must be a non-empty subset of {list(TARGETS)}, got {unknown}"
             )
+
+    @classmethod
+    def from_hf_targets(cls, rank: int, alpha: float, modules: Sequence[str]) -> LoraConfig:
+        """From HF linear names (recipe ``distill.target_modules``); fused groups must be named whole.
+
+        ``q_proj``/``k_proj``/``v_proj`` are one megatron linear (one shared A), as are ``gate_proj``/``up_proj``.
+        """
+        targets = []
+        for target, (hf_modules, _, _) in TARGETS.items():
+            short = [m.split(".")[-1] for m in hf_modules]
+            named = [m for m in short if m in modules]
+            if named and len(named) != len(short):
+                raise ValueError(
+                    f"LoRA target_modules: {short} are fused in megatron ({target}); name all of them or none, "
+                    f"got {named}"
+                )
+            if named:
+                targets.append(target)
+        unknown = sorted(set(modules) - {m.split(".")[-1] for hf, _, _ in TARGETS.values() for m in hf})
+        if unknown:
+            raise ValueError(f"LoRA target_modules: unknown {unknown}")
+        return cls(rank=rank, alpha=alpha, targets=tuple(targets))
 
     @property
     def scaling(self) -> float:

@@ -119,6 +119,29 @@ class SparsePlan:
         prompt = pos < prompt_lens[:, None]
         return cls(prompt_lens, torch.where(prompt, torch.full_like(budget, DENSE_BUDGET), budget))
 
+    @classmethod
+    def from_rollouts(
+        cls, prompt_lens: Sequence[int], kv_budgets: Sequence[torch.Tensor], width: int
+    ) -> SparsePlan:
+        """The budgets a rollout engine recorded: response token i was predicted by the query at position
+        ``prompt_len - 1 + i`` under ``kv_budget[i]`` (``RolloutSample.kv_budget``); other positions dense.
+
+        Args:
+            prompt_lens: B prompt lengths; kv_budgets: B tensors [Lr] of integer tokens; width: S.
+        """
+        if len(prompt_lens) != len(kv_budgets):
+            raise ValueError(
+                f"SparsePlan.from_rollouts: {len(prompt_lens)} prompt lengths, {len(kv_budgets)} budgets"
+            )
+        budget = torch.full((len(prompt_lens), width), DENSE_BUDGET, dtype=torch.int64)
+        for row, (n, kv) in enumerate(zip(prompt_lens, kv_budgets)):
+            if n - 1 + kv.numel() > width:
+                raise ValueError(
+                    f"SparsePlan.from_rollouts: row {row} needs {n - 1 + kv.numel()} > {width} positions"
+                )
+            budget[row, n - 1 : n - 1 + kv.numel()] = kv.to(torch.int64)
+        return cls(torch.tensor(list(prompt_lens), dtype=torch.int64), budget)
+
 
 def sparse_attention_mask(
     q: torch.Tensor, k: torch.Tensor, plan: SparsePlan, pattern: SparsePattern

@@ -77,9 +77,11 @@ def _policy_inputs(samples) -> tuple[PolicyBatch, SparsePlan, torch.Tensor]:
     tokens, lengths, mask = pad_pairs([s.prompt_ids for s in samples], [s.response_ids for s in samples])
     prompt_lens = torch.tensor([s.prompt_ids.numel() for s in samples])
     plan = SparsePlan.from_schedule(SCHEDULE, prompt_lens, tokens.shape[1])
+    recorded = SparsePlan.from_rollouts(prompt_lens.tolist(), [s.kv_budget for s in samples], tokens.shape[1])
     # the plan's budget of the query predicting response token i is the engine's kv_budget[i]
     assert torch.equal(plan.query_budget[:, :-1][mask], torch.cat([s.kv_budget for s in samples]))
-    return PolicyBatch(tokens, lengths), plan, mask
+    assert torch.equal(recorded.query_budget[:, :-1][mask], plan.query_budget[:, :-1][mask])
+    return PolicyBatch(tokens, lengths), recorded, mask
 
 
 def random_lora(seed: int) -> tuple[LoraConfig, LoraAdapter]:
