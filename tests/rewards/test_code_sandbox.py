@@ -45,7 +45,7 @@ def test_infinite_loop_hits_the_wall_clock() -> None:
     t0 = time.perf_counter()
     r = run_python("while True:\n    pass\n", "", SandboxLimits(wall_s=1.5, cpu_s=30))
     assert not r.passed and r.timed_out and r.returncode == -signal.SIGKILL
-    assert time.perf_counter() - t0 < 5.0
+    assert time.perf_counter() - t0 < 10.0  # 1.5 s limit plus start-up on a shared CPU
 
 
 def test_cpu_limit_kills_a_busy_loop() -> None:

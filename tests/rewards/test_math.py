@@ -66,9 +66,10 @@ def test_every_math500_answer_verifies_and_a_perturbed_one_does_not(shared_data:
     wrong_accepted, right_rejected = [], []
     for i, row in enumerate(rows):
         gold = row["answer"]
-        if math_reward(f"Thus the answer is \\boxed{{{gold}}}.", gold) != 1.0:
+        # generous timeout: this checks equivalence, not speed, and the CPU may be shared
+        if math_reward(f"Thus the answer is \\boxed{{{gold}}}.", gold, timeout_s=60) != 1.0:
             right_rejected.append((i, gold))
-        if math_reward(f"\\boxed{{{_perturb(gold)}}}", gold) != 0.0:
+        if math_reward(f"\\boxed{{{_perturb(gold)}}}", gold, timeout_s=60) != 0.0:
             wrong_accepted.append((i, gold, _perturb(gold)))
     assert right_rejected == []
     assert wrong_accepted == []
@@ -103,7 +104,7 @@ def test_math_equal_cases(pred: str, gold: str, equal: bool) -> None:
 def test_timeout_returns_false_quickly() -> None:
     t0 = time.perf_counter()
     assert math_equal("9^{9^{9^{9^{9}}}}", "9^{9^{9^{9^{8}}}}", timeout_s=1) is False
-    assert time.perf_counter() - t0 < 4.0
+    assert time.perf_counter() - t0 < 10.0  # without the timeout this takes hours
 
 
 def test_works_outside_the_main_thread() -> None:
