@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
+import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -40,3 +42,15 @@ def slurm_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, st
         yield env
     finally:
         subprocess.run(["bash", str(SETUP), "stop", str(state)], capture_output=True, text=True, timeout=120)
+
+
+def load_script(name: str) -> types.ModuleType:
+    """The module ``scripts/<name>.py`` (scripts/ is not a package)."""
+    module_name = f"sparrow_scripts_{name}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    spec = importlib.util.spec_from_file_location(module_name, REPO_ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # dataclasses look their module up while the file executes
+    spec.loader.exec_module(module)
+    return module

@@ -19,25 +19,22 @@ import pytest
 
 from sparrow_nemo.cli import main
 
-from .conftest import REPO_ROOT
+from .conftest import REPO_ROOT, load_script
+
+recipe_hours = load_script("recipe_hours")
 
 RECIPES = REPO_ROOT / "recipes"
 SLURM = REPO_ROOT / "slurm"
 HEADROOM_GIB = 64.0
-CLUSTER_LINE = re.compile(
-    r"^# cluster: (?P<nodes>\d+) nodes? x (?P<gpus>\d+) GPUs \(80 GB H100\) - (?P<submit>.*)$", re.M
-)
 MODEL_RECIPES = sorted(p.stem for p in RECIPES.glob("qwen3_*.yaml") if p.stem != "qwen3_math_base")
 
 
 def _cluster(recipe: str) -> tuple[int, int, str]:
     """(nodes, GPUs per node, wrapper script) documented in the recipe."""
-    text = (RECIPES / f"{recipe}.yaml").read_text()
-    match = CLUSTER_LINE.search(text)
-    assert match, f"recipes/{recipe}.yaml has no '# cluster: N nodes x G GPUs (80 GB H100) - ...' line"
-    wrapper = re.search(r"slurm/(train_\w+\.sh)", match.group("submit"))
+    nodes, gpus, submit = recipe_hours.documented_cluster(RECIPES / f"{recipe}.yaml")
+    wrapper = re.search(r"slurm/(train_\w+\.sh)", submit)
     assert wrapper, f"recipes/{recipe}.yaml: the cluster line names no slurm/train_*.sh wrapper"
-    return int(match.group("nodes")), int(match.group("gpus")), wrapper.group(1)
+    return nodes, gpus, wrapper.group(1)
 
 
 def _sbatch_options(script: Path) -> dict[str, str]:
