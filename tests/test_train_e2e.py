@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from policy._helpers import single_rank_env
 
+from sparrow_nemo import cli
 from sparrow_nemo.config import SparrowConfig, load_config
 from sparrow_nemo.grpo.metrics import read_metrics
 from sparrow_nemo.grpo.prompts import build_prompt_source
@@ -80,21 +81,27 @@ def test_smoke_run_improves_over_warm_start_and_keeps_the_tail(smoke_overrides, 
     assert (tmp_path / "config.yaml").is_file()
 
 
-def test_fixed_budget_far_too_small_shows_bins_below_threshold(smoke_overrides, tmp_path: Path) -> None:
-    config = load_config(
-        "tiny_cpu_smoke",
-        [
-            *smoke_overrides,
-            "sparsity.schedule=fixed:16",
-            "sparsity.adapt=off",
-            "trainer.max_steps=2",
-            "checkpoint.enabled=false",
-            "logging.plots=false",
-        ],
-    )
-    _, rows = _train(config, tmp_path)
+def test_fixed_budget_far_too_small_shows_bins_below_threshold(
+    smoke_overrides, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # through the command line: `sparrow train` prints the summary, which flags the failing bins
+    overrides = [
+        *smoke_overrides,
+        "sparsity.schedule=fixed:16",
+        "sparsity.adapt=off",
+        "trainer.max_steps=2",
+        "checkpoint.enabled=false",
+        "logging.plots=false",
+        "evaluation.num_prompts=8",
+    ]
+    with single_rank_env():
+        assert cli.main(["train", "--config", "tiny_cpu_smoke", "--run-dir", str(tmp_path), *overrides]) == 0
+    out = capsys.readouterr().out
+    assert f"run folder: {tmp_path}" in out and "BELOW" in out
+    rows = [row for row in read_metrics(tmp_path / "metrics.jsonl") if row["step"] >= 0]
+    threshold = load_config("tiny_cpu_smoke", overrides).sparsity.threshold
     tails = {b: t["min"] for b, t in tail_per_bin(rows).items()}
-    assert any(v < config.sparsity.threshold for v in tails.values()), tails
+    assert any(v < threshold for v in tails.values()), tails
 
 
 def test_dense_rollout_matches_the_policy_token_by_token(smoke_overrides, tmp_path: Path) -> None:
@@ -107,6 +114,7 @@ def test_dense_rollout_matches_the_policy_token_by_token(smoke_overrides, tmp_pa
             "trainer.max_steps=2",
             "checkpoint.enabled=false",
             "logging.plots=false",
+            "evaluation.num_prompts=8",
         ],
     )
     _, rows = _train(config, tmp_path)

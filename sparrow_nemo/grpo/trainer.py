@@ -92,11 +92,11 @@ class GrpoTrainer:
         self.config = config
         self.is_main = setup.rank() == 0
         self.show_progress = config.logging.progress_bar and self.is_main
-        torch.manual_seed(config.trainer.seed)
         self.prompts = build_prompt_source(config)
         hf_dir = config.model.hf_checkpoint
         if hf_dir is None and config.warmstart.enabled:
             hf_dir = str(ensure_warm_start(config, self.prompts, self.show_progress))
+        torch.manual_seed(config.trainer.seed)  # the same start whether or not the warm-start was cached
         self.policy = setup.build_policy(config, hf_dir)
         self.run_dir = Path(
             setup.broadcast_from_rank0(str(make_run_dir(config, run_dir)) if self.is_main else None)

@@ -116,6 +116,7 @@ def ensure_warm_start(config: SparrowConfig, source: PromptSource, show_progress
         logger.info("warm-start: using the cached checkpoint %s", target)
         return target
     logger.info("warm-start: %d SFT steps (cached afterwards in %s)", config.warmstart.steps, target)
+    torch.manual_seed(config.trainer.seed)
     policy = build_policy(config, hf_dir=None, lr=config.warmstart.lr)
     losses = run_warm_start(config, source, policy, show_progress)
     weights = policy.export_hf()
