@@ -300,6 +300,30 @@ def cost_model_terms(
     }
 
 
+def linear_at(x: float, p: tuple[float, float], q: tuple[float, float]) -> float:
+    """The line through points p and q (x, y) evaluated at x."""
+    return p[1] + (q[1] - p[1]) * (x - p[0]) / (q[0] - p[0])
+
+
+def summary(
+    name: str, shape: Qwen3Shape, schedule: BudgetSchedule, batch: int, prompt: int, gen: int, dense_layers: int,
+    bandwidth: float, dense_s: float, sparse_s: float,
+) -> dict[str, float | None]:  # fmt: skip
+    """Tokens/s, speedup and the cost-model columns of one batch size from the two arms' decode seconds."""
+    out: dict[str, float | None] = {
+        "dense_decode_s": dense_s,
+        "sparse_decode_s": sparse_s,
+        "dense_tok_s": batch * gen / dense_s,
+        "sparse_tok_s": batch * gen / sparse_s,
+        "speedup": dense_s / sparse_s,
+    }
+    out.update(cost_model_terms(shape, schedule, batch, prompt, gen, dense_layers, bandwidth))
+    out["fraction_of_memory_bound_limit"] = out["speedup"] / out["memory_bound_speedup_limit"]
+    out["dense_vs_memory_bound"] = out["dense_memory_bound_tok_s"] / out["dense_tok_s"]
+    out["paper_speedup"] = PAPER_SPEEDUP.get(name)
+    return out
+
+
 def e2e_check(
     engine: ReferenceRolloutEngine,
     batch: int,
@@ -356,7 +380,7 @@ def run_config(
                  "dtype": str(engine.model.dtype).removeprefix("torch."), "dense_layers": engine.dense_layers,
                  "temperature": sampling.temperature, "regions": len(region_list),
                  "engine_cuda_graph": engine.cuda_graph}  # fmt: skip
-    steps_ms, e2e_model = {}, {}
+    steps_ms, e2e_model, decode_s = {}, {}, {}
     e2e_regions = regions(prompt + 1, prompt + args.e2e_tokens - 1, schedule) if args.e2e_tokens > 1 else []
     for arm, sched in (("dense", dense), ("sparse", schedule)):
         total_ms, points, last_ms, graphed, warm_s = decode_ms(
@@ -364,8 +388,7 @@ def run_config(
         )
         row[f"{arm}_cuda_graph"] = graphed
         row[f"{arm}_first_step_and_capture_s"] = warm_s  # includes kernel compilation on first use
-        row[f"{arm}_decode_s"] = total_ms / 1e3
-        row[f"{arm}_tok_s"] = batch * gen / (total_ms / 1e3)
+        decode_s[arm] = total_ms / 1e3
         row[f"{arm}_points_ms"] = [[round(x, 1), round(t, 4)] for x, t in points]
         steps_ms[arm] = last_ms
         if e2e_regions:  # the step-time model over the e2e check's steps
@@ -373,11 +396,31 @@ def run_config(
                 engine, block_table, sched, sampling, e2e_regions, args.steps_per_window
             )
             e2e_model[arm] = (e2e_ms / 1e3, e2e_capture_s)
-    row["speedup"] = row["dense_decode_s"] / row["sparse_decode_s"]
-    row.update(cost_model_terms(shape, schedule, batch, prompt, gen, engine.dense_layers, bandwidth))
-    row["fraction_of_memory_bound_limit"] = row["speedup"] / row["memory_bound_speedup_limit"]
-    row["dense_vs_memory_bound"] = row["dense_memory_bound_tok_s"] / row["dense_tok_s"]
-    row["paper_speedup"] = PAPER_SPEEDUP.get(name)
+    common = (name, shape, schedule)
+    row.update(
+        summary(
+            *common, batch, prompt, gen, engine.dense_layers, bandwidth, decode_s["dense"], decode_s["sparse"]
+        )
+    )
+    if args.extrapolate and batch_requested > batch >= 2:
+        # The requested batch does not fit: time half the batch too and extrapolate each arm's decode
+        # time linearly in the batch (weights are read once per step, KV bytes grow with the batch).
+        half = batch // 2
+        at_req = {}
+        for arm, sched in (("dense", dense), ("sparse", schedule)):
+            half_s = (
+                decode_ms(engine, block_table[:half], sched, sampling, region_list, args.steps_per_window)[0]
+                / 1e3
+            )
+            at_req[arm] = linear_at(batch_requested, (half, half_s), (batch, decode_s[arm]))
+            row[f"{arm}_decode_s_half_batch"] = half_s
+        row["extrapolated"] = {
+            "batch": batch_requested,
+            "from_batches": [half, batch],
+            "how": "decode time per arm linear in batch through the two measured batches",
+            **summary(*common, batch_requested, prompt, gen, engine.dense_layers, bandwidth, at_req["dense"],
+                      at_req["sparse"]),
+        }  # fmt: skip
     stages = stage_ms(engine, block_table, last, schedule, sampling, timer)
     row["stages_at_cached_len"] = last
     for arm in ("dense", "sparse"):
@@ -400,11 +443,10 @@ def run_config(
     return row
 
 
-def target_lines(row: dict) -> list[str]:
-    """The issue's targets for one row, as PASS/FAIL lines."""
+def target_lines(row: dict, tag: str) -> list[str]:
+    """The issue's targets for one row (or its ``extrapolated`` part), as PASS/FAIL lines."""
     lines = []
     paper = row["paper_speedup"]
-    tag = f"{row['model']} b{row['batch']} gen {row['gen_len']}"
     if paper is not None:
         ok = row["speedup"] > paper
         lines.append(f"{'PASS' if ok else 'FAIL'} {tag}: speedup {row['speedup']:.2f}x vs paper {paper:.2f}x")
@@ -426,7 +468,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda", help="cuda, or cpu (Triton interpreter; use with --tiny)")
     p.add_argument("--tiny", action="store_true", help="tiny shape and short context: a CPU smoke run")
     p.add_argument("--models", nargs="+", default=["qwen3-1.7b", "qwen3-8b", "qwen3-4b", "qwen3-14b"])
-    p.add_argument("--batches", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--batches", type=int, nargs="+", default=None, help="default 64 128 (tiny: 2)")
+    p.add_argument("--max-batch", type=int, default=None, help="cap on the batch actually run (tests)")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--gen-lens", type=int, nargs="+", default=[32768, 16384])
     p.add_argument("--dense-layers", type=int, default=2, help="leading dense layers (the paper: 2)")
@@ -437,6 +480,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--e2e-tokens", type=int, default=256, help="tokens of the engine.generate check (0 = skip)"
     )
     p.add_argument(
+        "--no-extrapolate", dest="extrapolate", action="store_false",
+        help="do not estimate the requested batch from two smaller measured batches when it does not fit",
+    )  # fmt: skip
+    p.add_argument(
         "--headroom-gib", type=float, default=8.0, help="GPU memory kept free besides the KV cache"
     )
     p.add_argument("--time-budget-s", type=float, default=390.0, help="start no configuration after this")
@@ -444,8 +491,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None, help="JSON lines file to append to")
     args = p.parse_args(argv)
     if args.tiny:
-        args.models, args.batches, args.prompt_len, args.gen_lens = ["tiny-test"], [2], 16, [80]
+        args.models, args.prompt_len, args.gen_lens = ["tiny-test"], 16, [80]
         args.steps_per_window, args.e2e_tokens, args.dense_layers = 1, min(args.e2e_tokens, 4), 1
+    args.batches = args.batches or ([2] if args.tiny else [64, 128])
     return args
 
 
@@ -494,6 +542,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     torch.cuda.empty_cache()
                 headroom = int(args.headroom_gib * 2**30)
                 batch = fit_batch(want, args.prompt_len + gen, per_token, device, headroom)
+                batch = min(batch, args.max_batch or batch)
                 if batch in done or batch == 0:
                     skipped.append(f"{name} gen {gen} batch {want}: fits only {batch}")
                     continue
@@ -515,7 +564,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
                       f"{row['sparse_tok_s']:.0f} tok/s, speedup {row['speedup']:.2f}x (cost model "
                       f"{row['cost_model_predicted_speedup']:.2f}x, memory-bound limit "
                       f"{row['memory_bound_speedup_limit']:.2f}x) [{row['wall_s']:.0f}s]", flush=True)  # fmt: skip
-                for line in [] if args.tiny else target_lines(row):
+                lines = target_lines(row, f"{name} b{batch} gen {gen}")
+                if "extrapolated" in row:
+                    lines += target_lines(row["extrapolated"], f"{name} b{want} (extrapolated) gen {gen}")
+                for line in [] if args.tiny else lines:
                     print("  " + line, flush=True)
         engine._cache = None
         del engine

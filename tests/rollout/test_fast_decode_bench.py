@@ -77,6 +77,11 @@ def test_region_sum_is_exact_for_linear_step_time(bench: ModuleType, lo: int, hi
     assert all(lo - 1 <= x <= hi + 1 for x, _ in points)
 
 
+def test_linear_at(bench: ModuleType) -> None:
+    assert bench.linear_at(64, (16, 1.0), (32, 1.5)) == pytest.approx(2.5)
+    assert bench.linear_at(16, (16, 1.0), (32, 1.5)) == pytest.approx(1.0)
+
+
 def test_step_breakdown_adds_up(bench: ModuleType) -> None:
     stages = {
         f"{arm}_{s}_ms": v
@@ -94,11 +99,18 @@ def test_step_breakdown_adds_up(bench: ModuleType) -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU smoke mode; the GPU runs gpu_rollout_check.sh")
 def test_tiny_cpu_run_writes_a_consistent_line(bench: ModuleType, tmp_path: Path) -> None:
     out = tmp_path / "speedup.jsonl"
-    rows = bench.main(["--tiny", "--device", "cpu", "--out", str(out)])
+    # Batch 3 requested, 2 run (as when 64 does not fit a GPU): batch 3 is extrapolated from batches 1 and 2.
+    rows = bench.main(["--tiny", "--device", "cpu", "--batches", "3", "--max-batch", "2", "--out", str(out)])
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert len(rows) == len(lines) == 1
     row = lines[0]
     assert row["model"] == "tiny-test" and row["batch"] == 2 and row["gen_len"] == 80
+    ext = row["extrapolated"]
+    assert ext["batch"] == 3 and ext["from_batches"] == [1, 2]
+    for arm in ("dense", "sparse"):
+        one, two = row[f"{arm}_decode_s_half_batch"], row[f"{arm}_decode_s"]
+        assert ext[f"{arm}_decode_s"] == pytest.approx(2 * two - one)  # the line through (1, one), (2, two)
+    assert ext["speedup"] == pytest.approx(ext["dense_decode_s"] / ext["sparse_decode_s"])
     for key in ("gpu", "driver", "torch", "triton", "date", "method", "copy_bandwidth_GBps"):
         assert key in row, key
     for arm in ("dense", "sparse"):
