@@ -3,7 +3,7 @@
 One warm-start per test session (session fixture, in a temporary cache), then:
 - the GRPO smoke run improves the held-out accuracy over the warm-start policy, keeps every decided bin's
   p5 at or above the threshold under the tail scheduler, and writes metrics, plots, checkpoint and summary;
-- a fixed budget far too small (16 tokens, no adaptation) shows bins below the threshold;
+- a fixed budget far too small (16 tokens = 1 top-k page, no adaptation) shows bins below the threshold;
 - with the dense schedule the rollout engine and the megatron policy agree token by token (alpha ~ 1).
 """
 
@@ -87,8 +87,8 @@ def test_fixed_budget_far_too_small_shows_bins_below_threshold(
     # through the command line: `sparrow train` prints the summary, which flags the failing bins
     overrides = [
         *smoke_overrides,
-        "sparsity.schedule=fixed:16",
-        "sparsity.adapt=off",
+        "sparsity.budgets=[16]",
+        "sparsity.adapt='off'",
         "trainer.max_steps=2",
         "checkpoint.enabled=false",
         "logging.plots=false",
@@ -110,7 +110,7 @@ def test_dense_rollout_matches_the_policy_token_by_token(smoke_overrides, tmp_pa
         [
             *smoke_overrides,
             "sparsity.schedule=dense",
-            "sparsity.adapt=off",
+            "sparsity.adapt='off'",
             "trainer.max_steps=2",
             "checkpoint.enabled=false",
             "logging.plots=false",

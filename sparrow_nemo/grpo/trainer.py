@@ -107,6 +107,8 @@ class GrpoTrainer:
         )
         self.sampling = setup.sampling_params(config)
         schedule = config.sparsity.build_schedule()
+        if schedule.is_dense:  # the preset's pages and bins are nominal: use the engine's and the recipe's
+            schedule = BudgetSchedule.dense(config.sparsity.bin_tokens, config.sparsity.page_size)
         self.state = TrainerState(step=0, schedule=schedule, initial_schedule=schedule, warm_start_dir=hf_dir)
         self.callbacks = self._callbacks()
         self.metrics = MetricsWriter(
