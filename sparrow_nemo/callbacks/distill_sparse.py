@@ -266,6 +266,7 @@ class DistillSparse(Callback):
             "p5_after": {str(b): v for b, v in tail_after.items()},
             "kl_before": _mean_k3(before),
             "kl_after": _mean_k3(after),
+            "loss_first": results[0].loss,
             "loss": results[-1].loss,
             "grad_norm": results[0].grad_norm,
         }

@@ -1,10 +1,14 @@
 """DistillSparse on a tiny random Qwen3 (fp32, CPU, one process).
 
 A stand-in trainer holds what the callback uses (policy, reference engine, probe prompts, schedule,
-the ``tiny_cpu_distill`` recipe's config). Checked: a schedule whose probe p5 is below the threshold
-without the adapter reaches it after a few DistillSparse steps (per-bin p5 and KL before/after are
-logged), the policy's own weights never move, the cost model predicts a higher speedup for the
-tighter schedule, the sparse PG term uses the advantages, and the adapter survives a checkpoint.
+the ``tiny_cpu_distill`` recipe's config). Checked: the adapter steps fit their batch (k3 falls) and
+the engine rolls out with the updated adapter, per-bin p5 and KL before/after are logged, the
+policy's own weights never move, the loss gradient is k3 + sparse PG with the advantages, and the
+adapter and its optimizer state survive a checkpoint.
+
+Not checked here: that the probe p5 rises. On this random model it does not (the adapter fits its
+batch but the held-out KL grows: the sparse/dense mismatch of random weights is not systematic);
+the tail effect needs a trained model (``recipes/tiny_cpu_distill.yaml``).
 """
 
 from __future__ import annotations
@@ -29,8 +33,8 @@ from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 SHAPE = PRESETS["tiny-test"]
 PAGE = 4
-AGGRESSIVE = BudgetSchedule(bin_tokens=16, budgets=(12,), page_size=PAGE, name="aggressive")  # k = 0
-THRESHOLD = 0.6
+#: 12 tokens = the 3 reserved pages of 4 tokens, no top-k page: far below the dense sequence
+AGGRESSIVE = BudgetSchedule(bin_tokens=16, budgets=(12,), page_size=PAGE, name="aggressive")
 
 
 class _Trainer:
@@ -58,13 +62,50 @@ class _Trainer:
         self.logged.append(dict(metrics))
 
 
-def _p5(entry: dict, key: str) -> float:
-    return min(entry[key].values())
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return make_hf_checkpoint(SHAPE, tmp_path_factory.mktemp("distill") / "hf")
+
+
+def test_distill_steps_train_the_adapter_the_engine_uses(checkpoint, tmp_path):
+    overrides = [
+        "policy.optimizer.lr=2e-3",
+        "distill.steps=4",
+        "distill.pg_coef=0",
+        "policy.micro_batch_size=4",
+    ]
+    with single_rank_env():
+        trainer = _Trainer(checkpoint, tmp_path, overrides)
+        try:
+            weights = trainer.policy.export_hf()
+            callback = DistillSparse()
+            callback.on_train_start(trainer)
+            assert (
+                max(b.abs().max().item() for _, b in trainer.rollout_engine.model.lora.weights.values()) == 0
+            )
+            for _ in range(2):
+                callback.on_train_batch_end(trainer, None, {})
+            after = trainer.policy.export_hf()
+            adapter = trainer.policy.lora.export_adapter()
+            engine_adapter = trainer.rollout_engine.model.lora
+        finally:
+            trainer.policy.close()
+    for entry in callback.history:  # the adapter fits its batch: k3 falls over the adapter steps
+        assert entry["loss"] < 0.7 * entry["loss_first"], entry
+        assert entry["p5_before"] and entry["p5_after"] and entry["kl_before"] > 0
+    assert callback.history[0]["p5_after"] == callback.history[1]["p5_before"]  # same probe, same adapter
+    for name, (a, b) in adapter.weights.items():
+        assert torch.equal(engine_adapter.weights[name][0], a) and torch.equal(
+            engine_adapter.weights[name][1], b
+        )
+    assert all(torch.equal(weights[n], w) for n, w in after.items()), "the policy must stay frozen"
+    logged = trainer.logged[-1]
+    assert {
+        "distill/kl_before",
+        "distill/kl_after",
+        "distill/p5_before/bin_0",
+        "distill/p5_after/bin_0",
+    } <= set(logged)
 
 
 def test_loss_gradients_are_k3_and_sparse_pg():
