@@ -54,7 +54,8 @@ _PARENT = {
 
 @dataclass(frozen=True)
 class LoraConfig:
-    """Adapter hyper-parameters (recipe ``distill.lora``).
+    """Adapter hyper-parameters (recipe ``distill.lora_rank``, ``lora_alpha``, ``target_modules``: see
+    :meth:`from_hf_targets`).
 
     Attributes:
         rank: r, the inner dimension.
