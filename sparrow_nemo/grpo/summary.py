@@ -16,7 +16,8 @@ _BIN = re.compile(r"^acceptance/(p[\d.]+)/bin_(\d+)$")
 
 
 def tail_per_bin(history: Sequence[dict[str, Any]]) -> dict[int, dict[str, float]]:
-    """Per bin over the steps: ``last`` and ``min`` of the tail statistic, and ``steps`` with a value."""
+    """Per bin over the steps: ``last`` and ``min`` of the tail statistic, ``steps`` with a value and
+    ``tokens`` behind the last value (``acceptance/tokens/bin_<b>``; 0 when not logged)."""
     out: dict[int, dict[str, float]] = {}
     for row in history:
         for key, value in row.items():
@@ -26,6 +27,7 @@ def tail_per_bin(history: Sequence[dict[str, Any]]) -> dict[int, dict[str, float
             b = int(match.group(2))
             entry = out.setdefault(b, {"last": value, "min": value, "steps": 0})
             entry["last"], entry["min"], entry["steps"] = value, min(entry["min"], value), entry["steps"] + 1
+            entry["tokens"] = row.get(f"acceptance/tokens/bin_{b}") or 0
     return dict(sorted(out.items()))
 
 
@@ -44,6 +46,7 @@ def build_summary(state, history: Sequence[dict[str, Any]], config: SparrowConfi
         "accuracy_end_dense": evals.get("end_dense", {}).get("accuracy"),
         "train_reward_first": steps[0]["reward/mean"] if steps else None,
         "train_reward_last": steps[-1]["reward/mean"] if steps else None,
+        "min_bin_tokens": config.sparsity.min_bin_tokens,
         "tail_per_bin": {str(b): {**t, "ok": t["last"] >= threshold} for b, t in tails.items()},
         "bins_below_threshold_last_step": [b for b, t in tails.items() if t["last"] < threshold],
         "initial_schedule": state.initial_schedule.to_dict() if state.initial_schedule else None,
@@ -71,7 +74,11 @@ def format_summary(summary: dict[str, Any]) -> str:
     ]
     for b, t in summary["tail_per_bin"].items():
         mark = "ok" if t["ok"] else "BELOW"
-        lines.append(f"  bin {b:>3}: {t['last']:.3f} / {t['min']:.3f}  {mark}")
+        if not t["ok"] and t.get("tokens", 0) < summary.get("min_bin_tokens", 0):
+            mark += " (too few tokens for a decision)"
+        lines.append(
+            f"  bin {b:>3}: {t['last']:.3f} / {t['min']:.3f}  {mark}  [{t.get('tokens', 0):.0f} tokens]"
+        )
     final = summary["final_schedule"]["budgets"]
     lines.append(f"final schedule (tokens per bin): {final}")
     lines.append(

@@ -48,6 +48,7 @@ def test_rollout_metrics_hand_computed() -> None:
     assert m["acceptance/mean"] == pytest.approx(0.75)
     assert m["acceptance/p50/bin_0"] == pytest.approx(0.85)  # median of 1.0, 0.9, 0.8, 0.7
     assert m["acceptance/p50/bin_1"] == pytest.approx(0.55)
+    assert (m["acceptance/tokens/bin_0"], m["acceptance/tokens/bin_1"]) == (4.0, 2.0)
     assert m["sparsity/budget/bin_0"] == 32.0 and m["sparsity/budget/bin_1"] == 48.0
     assert m["token_mult_prob_error"] == pytest.approx((4 + math.e + math.exp(0.5)) / 6)
 
@@ -86,7 +87,10 @@ def test_tail_per_bin_summary_and_plots(tmp_path: Path) -> None:
         },
     ]
     tails = tail_per_bin(history)
-    assert tails == {0: {"last": 0.88, "min": 0.88, "steps": 2}, 1: {"last": 0.9, "min": 0.7, "steps": 2}}
+    assert tails == {
+        0: {"last": 0.88, "min": 0.88, "steps": 2, "tokens": 0},
+        1: {"last": 0.9, "min": 0.7, "steps": 2, "tokens": 0},
+    }
     summary = {
         "steps": 2,
         "threshold": 0.86,
@@ -99,7 +103,8 @@ def test_tail_per_bin_summary_and_plots(tmp_path: Path) -> None:
         "measured_rollout_speedup": 1.1,
     }
     text = format_summary(summary)
-    assert "start 0.250 -> end 0.500" in text and "bin   1: 0.900 / 0.700  ok" in text and "1.50x" in text
+    assert "start 0.250 -> end 0.500" in text and "bin   1: 0.900 / 0.700  ok  [0 tokens]" in text
+    assert "1.50x" in text
     paths = write_plots(history, 0.86, tmp_path / "plots")
     assert sorted(p.name for p in paths) == [
         "response_length.png",
