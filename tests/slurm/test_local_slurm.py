@@ -96,13 +96,21 @@ def _submit(env: dict[str, str], workdir: Path, *overrides: str) -> tuple[str, P
     return job, workdir / "runs" / f"{JOB_NAME}-{job}"
 
 
-def _wait_finished(env: dict[str, str], workdir: Path, job: str, timeout: float) -> str:
+def _diagnostics(env: dict[str, str], workdir: Path, job: str) -> str:
+    """The job record, the launcher's output and the end of every rank log (for a failure message)."""
+    parts = [_slurm(env, "scontrol", "show", "job", job)]
+    out = workdir / f"slurm-{JOB_NAME}-{job}.out"
+    parts.append(out.read_text() if out.exists() else f"(no {out.name})")
+    for log in sorted((workdir / "runs" / f"{JOB_NAME}-{job}" / "logs").glob("*.log")):
+        parts.append(f"--- {log.name}\n" + "\n".join(log.read_text().splitlines()[-25:]))
+    return "\n".join(parts)
+
+
+def _wait_finished(env: dict[str, str], workdir: Path, job: str, timeout: float) -> None:
     finished = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
     _wait_until(lambda: _job_field(env, job, "JobState") in finished, timeout, f"job {job} to finish")
     state = _job_field(env, job, "JobState")
-    out = workdir / f"slurm-{JOB_NAME}-{job}.out"
-    assert state == "COMPLETED", f"job {job} ended {state}:\n{out.read_text() if out.exists() else ''}"
-    return state
+    assert state == "COMPLETED", f"job {job} ended {state}:\n{_diagnostics(env, workdir, job)}"
 
 
 def test_sbatch_tiny_cpu_completes_with_metrics(slurm_env: dict[str, str], workdir: Path) -> None:
