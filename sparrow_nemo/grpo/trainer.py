@@ -172,6 +172,14 @@ class GrpoTrainer:
             bar.set_postfix(
                 reward=f"{metrics['reward/mean']:.3f}", tok_s=f"{metrics['rollout/tokens_per_s']:.0f}"
             )
+            if not self.show_progress and self.is_main:
+                logger.info(
+                    "step %d: reward %.3f, response length %.1f, %.0f tokens/s",
+                    self.state.step,
+                    metrics["reward/mean"],
+                    metrics["response_length/mean"],
+                    metrics["rollout/tokens_per_s"],
+                )
             if cfg.checkpoint.enabled and self.state.step % cfg.checkpoint.every_n_steps == 0:
                 self.save_checkpoint()
         self._evaluate("end", self.schedule)

@@ -93,12 +93,14 @@ def run_warm_start(config: SparrowConfig, source: PromptSource, policy, show_pro
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     losses = []
     bar = progress(range(w.steps), enabled=show_progress, desc="warm-start", unit="step")
-    for _ in bar:
+    for i in bar:
         tokens, lengths, mask = _sft_batch(source, pairs, w.batch_size)
         batches = micro_batches(tokens, lengths, {"mask": mask}, config.policy.micro_batch_size)
         result = policy.train_step(batches[dp_rank::dp], sft_loss_fn)
         losses.append(result.loss)
         bar.set_postfix(nll=f"{result.loss:.3f}")
+        if not show_progress and (i + 1) % max(1, w.steps // 10) == 0:
+            logger.info("warm-start: step %d/%d, solution NLL %.3f", i + 1, w.steps, result.loss)
     return losses
 
 
