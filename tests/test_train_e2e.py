@@ -4,17 +4,20 @@ One warm-start per test session (session fixture, in a temporary cache), then:
 - the GRPO smoke run improves the held-out accuracy over the warm-start policy, keeps every decided bin's
   p5 at or above the threshold under the tail scheduler, and writes metrics, plots, checkpoint and summary;
 - a fixed budget far too small (16 tokens = 1 top-k page, no adaptation) shows bins below the threshold;
-- with the dense schedule the rollout engine and the megatron policy agree token by token (alpha ~ 1).
+- with the dense schedule the rollout engine and the megatron policy agree token by token (alpha ~ 1);
+- two tensor-parallel ranks under torchrun give the one-rank step.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from policy._helpers import single_rank_env
+from policy._helpers import free_port, single_rank_env
 
 from sparrow_nemo import cli
 from sparrow_nemo.config import SparrowConfig, load_config
@@ -121,3 +124,34 @@ def test_dense_rollout_matches_the_policy_token_by_token(smoke_overrides, tmp_pa
     for row in rows:  # step 1 runs after a policy update and the engine refit
         assert row["acceptance/p5"] > 0.999, row
         assert row["token_mult_prob_error"] == pytest.approx(1.0, abs=1e-3)
+
+
+def test_two_tensor_parallel_ranks_match_one_rank(smoke_overrides, tmp_path: Path) -> None:
+    # torchrun, 2 gloo ranks, TP=2: rank 0 samples and broadcasts, both ranks score and train
+    overrides = [
+        *smoke_overrides,
+        "trainer.max_steps=1",
+        "checkpoint.enabled=false",
+        "logging.plots=false",
+        "evaluation.num_prompts=8",
+    ]
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
+    torchrun = Path(sys.executable).parent / "torchrun"
+    command = [str(torchrun), "--nproc_per_node=2", f"--master_port={free_port()}", "-m", "sparrow_nemo.cli"]
+    args = ["train", "--config", "tiny_cpu_smoke", "--run-dir", str(tmp_path / "tp2")]
+    done = subprocess.run(
+        [*command, *args, *overrides, "policy.tensor_model_parallel_size=2"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (two,) = read_metrics(tmp_path / "tp2" / "metrics.jsonl")[-1:]
+    _, (one,) = _train(load_config("tiny_cpu_smoke", overrides), tmp_path / "tp1")
+    assert two["reward/mean"] == one["reward/mean"]  # same rollouts: same weights in the engine
+    for key in ("acceptance/mean", "train/entropy", "train/loss"):
+        assert two[key] == pytest.approx(one[key], abs=1e-4), key
+    assert two["train/grad_norm"] == pytest.approx(one["train/grad_norm"], rel=1e-3)
