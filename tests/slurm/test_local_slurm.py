@@ -48,6 +48,10 @@ def _job_field(env: dict[str, str], job: str, name: str) -> str:
     return match.group(1)
 
 
+def _node_idle(env: dict[str, str]) -> bool:
+    return _slurm(env, "sinfo", "--noheader", "--format=%T").strip() == "idle"
+
+
 def _wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -133,14 +137,15 @@ def test_time_limit_signal_requeues_and_the_job_finishes(slurm_env: dict[str, st
     # what `#SBATCH --signal=B:USR1@60` does before the time limit: USR1 to the batch shell only
     _slurm(slurm_env, "scancel", "--batch", "--signal=USR1", job)
     _wait_until(lambda: _job_field(slurm_env, job, "Restarts") == "1", 120, f"job {job} to be requeued")
-    # a requeued job waits ~2 minutes (Slurm's requeue begin-time hold); release it now
+    # A requeued job is held ~2 minutes (Slurm's requeue begin-time) so that the previous attempt is fully
+    # cleaned up first. Release it early, but only once the node is idle again: starting the next attempt
+    # while the first one is still completing lets its late end mark the job FAILED.
     _wait_until(
-        lambda: _job_field(slurm_env, job, "JobState") in ("PENDING", "RUNNING", "COMPLETED"),
-        60,
-        f"job {job} back in the queue",
+        lambda: _job_field(slurm_env, job, "JobState") == "PENDING" and _node_idle(slurm_env),
+        120,
+        f"job {job} pending again on an idle node",
     )
-    if _job_field(slurm_env, job, "JobState") == "PENDING":
-        _slurm(slurm_env, "scontrol", "update", f"JobId={job}", "StartTime=now")
+    _slurm(slurm_env, "scontrol", "update", f"JobId={job}", "StartTime=now")
     _wait_finished(slurm_env, workdir, job, timeout=600)
 
     out = (workdir / f"slurm-{JOB_NAME}-{job}.out").read_text()
