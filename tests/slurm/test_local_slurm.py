@@ -30,6 +30,7 @@ JOB_NAME = "sparrow-tiny-cpu"  # the wrapper's --job-name
 #: a few-second version of the tiny smoke recipe (the warm-start is cached for the module)
 FAST = (
     "warmstart.steps=20",
+    "grpo.prompts_per_step=2",
     "evaluation.num_prompts=4",
     "logging.plots=false",
 )
