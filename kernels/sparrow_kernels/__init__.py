@@ -1,6 +1,6 @@
 """sparrow_kernels: Triton kernels for Sparrow sparse decode attention over a paged KV cache.
 
-Public API (layout and semantics in /work/briefs/shared_api.md, reference in
+Public API (cache layout in ``sparrow_nemo.rollout.paged_cache``, reference semantics in
 ``sparrow_nemo.sparse.attention``):
 
 - ``append_kv``: write a decoded token's K/V into its page and update the page centroid.
