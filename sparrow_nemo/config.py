@@ -579,9 +579,9 @@ class TaskConfig:
     """The embedded synthetic task (reward.type=synthetic): chain following, sparrow_nemo.tasks.chain."""
 
     #: (min, max) table entries per problem (one upper-case letter each, so at most 26)
-    num_nodes: tuple[int, ...] = _field((8, 16), check=_interval(2, 26))
+    num_nodes: tuple[int, ...] = _field((2, 4), check=_interval(2, 26))
     #: (min, max) pointer hops on the queried chain (the response grows by 6 characters per hop)
-    num_hops: tuple[int, ...] = _field((1, 4), check=AT_LEAST_ONE)
+    num_hops: tuple[int, ...] = _field((1, 2), check=AT_LEAST_ONE)
     #: problems are a pure function of (seed, index)
     seed: int = _field(0, check=NON_NEGATIVE)
 
@@ -609,7 +609,7 @@ class WarmstartConfig:
     #: run the warm-start (ignored when model.hf_checkpoint is given)
     enabled: bool = True
     #: optimizer steps
-    steps: int = _field(2500, check=AT_LEAST_ONE)
+    steps: int = _field(1500, check=AT_LEAST_ONE)
     #: (prompt, solution) pairs per step
     batch_size: int = _field(16, check=AT_LEAST_ONE)
     #: learning rate, constant (the other optimizer settings come from policy.optimizer)
