@@ -49,7 +49,7 @@ def test_warm_start_cache_key_tracks_what_changes_the_result(tmp_path: Path) -> 
     for change in (
         ["warmstart.steps=7"],
         ["warmstart.lr=0.1"],
-        ["task.num_hops=[1, 2]"],
+        ["task.num_hops=[1, 3]"],
         ["model.preset=tiny-test", "rollout.max_new_tokens=512"],
     ):
         assert cache_key(load_config(None, change), "CharTokenizer") != key, change
