@@ -101,11 +101,14 @@ def build_policy(config: SparrowConfig, hf_dir: str | Path | None, lr: float | N
 
 def build_engine(config: SparrowConfig, weights: Mapping[str, torch.Tensor], tokenizer=None):
     """The rollout engine of ``rollout.backend`` over HF-named ``weights`` (e.g. ``policy.export_hf()``)."""
-    if config.rollout.backend != "reference":
-        raise ValueError(
-            f"rollout.backend={config.rollout.backend}: only the reference engine is wired into the trainer "
-            "in this version"
-        )
+    if config.rollout.backend == "trtllm":
+        if config.model.hf_checkpoint is None:
+            raise ValueError("rollout.backend=trtllm needs model.hf_checkpoint (the LLM starts from it)")
+        from sparrow_nemo.rollout.trtllm import TrtllmRolloutEngine
+
+        engine = TrtllmRolloutEngine.from_recipe(config, config.model.hf_checkpoint)
+        engine.update_weights(weights)
+        return engine
     from sparrow_nemo.policy.model import resolve_dtype
     from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder
     from sparrow_nemo.rollout.reference import ReferenceRolloutEngine

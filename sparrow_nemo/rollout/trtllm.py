@@ -251,7 +251,7 @@ class TrtllmRolloutEngine:
         from sparrow_nemo.policy.model import resolve_dtype
 
         spec = SparrowSparseSpec.from_recipe(config)
-        shape = shape_from_hf_config(SafetensorsDir(model_dir).config)
+        shape = shape_from_hf_config(SafetensorsDir(model_dir).config())
         return cls(shape, spec, llm_kwargs(config, model_dir, spec), resolve_dtype(config.model.dtype))
 
     # ----------------------------------------------------------------- RolloutEngine API
