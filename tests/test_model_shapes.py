@@ -6,6 +6,7 @@ import pytest
 import transformers
 
 from sparrow_nemo.model_shapes import PRESETS, Qwen3Shape, get_shape
+from sparrow_nemo.policy.hf_import import hf_config_dict
 
 
 @pytest.mark.parametrize(
@@ -25,16 +26,7 @@ def test_preset_parameter_counts_match_the_public_models(name: str, billions: fl
 @pytest.mark.parametrize("name", ["tiny", "tiny-test"])
 def test_parameter_count_equals_transformers_model(name: str) -> None:
     shape = PRESETS[name]
-    config = transformers.Qwen3Config(
-        vocab_size=shape.vocab_size,
-        hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size,
-        num_hidden_layers=shape.num_layers,
-        num_attention_heads=shape.num_attention_heads,
-        num_key_value_heads=shape.num_key_value_heads,
-        head_dim=shape.head_dim,
-        tie_word_embeddings=shape.tie_word_embeddings,
-    )
+    config = transformers.Qwen3Config(**hf_config_dict(shape))
     model = transformers.Qwen3ForCausalLM(config)
     assert sum(p.numel() for p in model.parameters()) == shape.num_parameters()
 

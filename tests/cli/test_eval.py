@@ -15,6 +15,7 @@ import torch
 from sparrow_nemo import cli
 from sparrow_nemo.evaluation import PromptResult, default_ks, pass_at_k, summarize
 from sparrow_nemo.model_shapes import PRESETS
+from sparrow_nemo.policy.hf_import import hf_config_dict
 
 
 @pytest.mark.parametrize(
@@ -81,20 +82,7 @@ def _tiny_checkpoint(path: Path) -> Path:
     PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", eos_token="<|im_end|>").save_pretrained(
         path
     )
-    config = Qwen3Config(
-        vocab_size=shape.vocab_size,
-        hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size,
-        num_hidden_layers=shape.num_layers,
-        num_attention_heads=shape.num_attention_heads,
-        num_key_value_heads=shape.num_key_value_heads,
-        head_dim=shape.head_dim,
-        rope_theta=shape.rope_theta,
-        rms_norm_eps=shape.rms_norm_eps,
-        max_position_embeddings=shape.max_position_embeddings,
-        tie_word_embeddings=shape.tie_word_embeddings,
-        eos_token_id=shape.eos_token_id,
-    )
+    config = Qwen3Config(**hf_config_dict(shape))
     torch.manual_seed(0)
     Qwen3ForCausalLM(config).float().save_pretrained(path)
     return path

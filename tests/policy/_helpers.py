@@ -12,6 +12,7 @@ import torch
 import torch.multiprocessing as mp
 
 from sparrow_nemo.model_shapes import Qwen3Shape
+from sparrow_nemo.policy.hf_import import hf_config_dict
 
 
 def free_port() -> int:
@@ -27,21 +28,7 @@ def make_hf_checkpoint(
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    config = Qwen3Config(
-        vocab_size=shape.vocab_size,
-        hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size,
-        num_hidden_layers=shape.num_layers,
-        num_attention_heads=shape.num_attention_heads,
-        num_key_value_heads=shape.num_key_value_heads,
-        head_dim=shape.head_dim,
-        max_position_embeddings=shape.max_position_embeddings,
-        rms_norm_eps=shape.rms_norm_eps,
-        rope_theta=shape.rope_theta,
-        tie_word_embeddings=shape.tie_word_embeddings,
-        eos_token_id=shape.eos_token_id,
-        initializer_range=0.2,
-    )
+    config = Qwen3Config(**hf_config_dict(shape), initializer_range=0.2)
     model = Qwen3ForCausalLM(config).float()
     with torch.no_grad():  # non-trivial norm weights, so a swapped norm would show
         for name, p in model.named_parameters():
