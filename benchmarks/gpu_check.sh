@@ -16,47 +16,10 @@
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 
-MODE=gpu
-case "${1:-}" in
-  "") ;;
-  --tiny) MODE=tiny ;;
-  --dry) MODE=dry ;;
-  *) echo "usage: $0 [--tiny|--dry]" >&2; exit 2 ;;
-esac
-
-PY=${PYTHON:-python3}
-if [ "$MODE" != gpu ]; then
-  export TRITON_INTERPRET=1
-  [ -x .venv/bin/python ] && PY=${PYTHON:-.venv/bin/python}
-fi
-export PYTHONPATH="kernels:.${PYTHONPATH:+:$PYTHONPATH}"
-RESULTS=${RESULTS_DIR:-benchmarks/results}
-mkdir -p "$RESULTS"
-LOG="$RESULTS/gpu_check_${MODE}.log"
-: > "$LOG"
-log() { echo "$@" | tee -a "$LOG"; }
-step() { # step NAME TIMEOUT_S CMD...: run with a time limit, log output, record the exit status
-  local name=$1 limit=$2; shift 2
-  log "=== $name (limit ${limit}s): $*"
-  local start=$SECONDS
-  timeout "$limit" "$@" 2>&1 | tee -a "$LOG"
-  local rc=${PIPESTATUS[0]}
-  log "=== $name: exit $rc after $((SECONDS - start))s"
-  STATUS+=("$name=$rc")
-  [ "$rc" -eq 0 ] || FAILED=1
-}
-# shellcheck disable=SC2329  # called through the EXIT trap
-finish() {
-  log "=== summary: ${STATUS[*]:-none}"
-  if [ -n "${OUT:-}" ]; then
-    mkdir -p "$OUT" && cp "$RESULTS"/gpu_check_"${MODE}"* "$OUT"/ 2>/dev/null
-    [ "$MODE" = gpu ] && cp "$RESULTS"/sparse_attention*.jsonl "$OUT"/ 2>/dev/null
-  fi
-  return 0
-}
-STATUS=()
-FAILED=0
-trap finish EXIT
+CHECK_NAME=gpu_check
+GPU_RESULTS=("sparse_attention*.jsonl")
+# shellcheck source=benchmarks/gpu_common.sh
+source benchmarks/gpu_common.sh "$@"
 
 # Pure-Python fallbacks for pytest / pyyaml when the image lacks them (only those packages are linked).
 SITE=.venv/lib/python3.11/site-packages

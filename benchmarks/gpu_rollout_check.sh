@@ -16,47 +16,10 @@
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 
-MODE=gpu
-case "${1:-}" in
-  "") ;;
-  --tiny) MODE=tiny ;;
-  --dry) MODE=dry ;;
-  *) echo "usage: $0 [--tiny|--dry]" >&2; exit 2 ;;
-esac
-
-PY=${PYTHON:-python3}
-if [ "$MODE" != gpu ]; then
-  export TRITON_INTERPRET=1
-  [ -x .venv/bin/python ] && PY=${PYTHON:-.venv/bin/python}
-fi
-export PYTHONPATH="kernels:.${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-RESULTS=${RESULTS_DIR:-benchmarks/results}
-mkdir -p "$RESULTS"
-LOG="$RESULTS/gpu_rollout_check_${MODE}.log"
-: > "$LOG"
-log() { echo "$@" | tee -a "$LOG"; }
-step() { # step NAME TIMEOUT_S CMD...: run with a time limit, log output, record the exit status
-  local name=$1 limit=$2; shift 2
-  log "=== $name (limit ${limit}s): $*"
-  local start=$SECONDS
-  timeout "$limit" "$@" 2>&1 | tee -a "$LOG"
-  local rc=${PIPESTATUS[0]}
-  log "=== $name: exit $rc after $((SECONDS - start))s"
-  STATUS+=("$name=$rc")
-  [ "$rc" -eq 0 ] || FAILED=1
-}
-# shellcheck disable=SC2329  # called through the EXIT trap
-finish() {
-  log "=== summary: ${STATUS[*]:-none}"
-  if [ -n "${OUT:-}" ]; then
-    mkdir -p "$OUT" && cp "$RESULTS"/gpu_rollout_check_"${MODE}"* "$OUT"/ 2>/dev/null
-    [ "$MODE" = gpu ] && cp "$RESULTS"/rollout_speedup.jsonl "$OUT"/ 2>/dev/null
-  fi
-  return 0
-}
-STATUS=()
-FAILED=0
-trap finish EXIT
+CHECK_NAME=gpu_rollout_check
+GPU_RESULTS=("rollout_speedup.jsonl")
+# shellcheck source=benchmarks/gpu_common.sh
+source benchmarks/gpu_common.sh "$@"
 
 log "=== rollout fast-decode check, mode=$MODE, $(date -u +%Y-%m-%dT%H:%M:%SZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv | tee -a "$LOG"

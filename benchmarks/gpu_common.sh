@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Shared set-up of the prepared GPU checks (gpu_check.sh, gpu_rollout_check.sh); sourced, not run.
+# The caller sets CHECK_NAME (log file prefix) and GPU_RESULTS (result file globs copied to $OUT after
+# a GPU run), then sources this file with its own arguments. Defines MODE (gpu | tiny | dry), PY,
+# RESULTS, LOG, log, step (a time-limited, logged command) and an EXIT trap that writes the summary
+# and copies the outputs to $OUT when set.
+# shellcheck disable=SC2034  # STATUS/FAILED/MODE/PY are read by the sourcing script
+
+MODE=gpu
+case "${1:-}" in
+  "") ;;
+  --tiny) MODE=tiny ;;
+  --dry) MODE=dry ;;
+  *) echo "usage: $0 [--tiny|--dry]" >&2; exit 2 ;;
+esac
+
+PY=${PYTHON:-python3}
+if [ "$MODE" != gpu ]; then
+  export TRITON_INTERPRET=1
+  [ -x .venv/bin/python ] && PY=${PYTHON:-.venv/bin/python}
+fi
+export PYTHONPATH="kernels:.${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+RESULTS=${RESULTS_DIR:-benchmarks/results}
+mkdir -p "$RESULTS"
+LOG="$RESULTS/${CHECK_NAME}_${MODE}.log"
+: > "$LOG"
+log() { echo "$@" | tee -a "$LOG"; }
+step() { # step NAME TIMEOUT_S CMD...: run with a time limit, log output, record the exit status
+  local name=$1 limit=$2; shift 2
+  log "=== $name (limit ${limit}s): $*"
+  local start=$SECONDS
+  timeout "$limit" "$@" 2>&1 | tee -a "$LOG"
+  local rc=${PIPESTATUS[0]}
+  log "=== $name: exit $rc after $((SECONDS - start))s"
+  STATUS+=("$name=$rc")
+  [ "$rc" -eq 0 ] || FAILED=1
+}
+# shellcheck disable=SC2329  # called through the EXIT trap
+finish() {
+  log "=== summary: ${STATUS[*]:-none}"
+  if [ -n "${OUT:-}" ]; then
+    mkdir -p "$OUT" && cp "$RESULTS"/"${CHECK_NAME}_${MODE}"* "$OUT"/ 2>/dev/null
+    if [ "$MODE" = gpu ]; then
+      for pattern in "${GPU_RESULTS[@]}"; do
+        # shellcheck disable=SC2086  # the pattern is a glob on purpose
+        cp "$RESULTS"/$pattern "$OUT"/ 2>/dev/null
+      done
+    fi
+  fi
+  return 0
+}
+STATUS=()
+FAILED=0
+trap finish EXIT
