@@ -7,6 +7,8 @@ Each :class:`~sparrow_nemo.policy.batch.PolicyBatch` carries in ``extras`` (all 
 
 from __future__ import annotations
 
+import dataclasses
+
 from sparrow_nemo.config import LossConfig
 from sparrow_nemo.grpo.losses import PolicyLossConfig, compute_policy_loss, masked_mean
 from sparrow_nemo.policy.batch import PolicyBatch
@@ -16,19 +18,7 @@ from sparrow_nemo.policy.schedule import LossFn
 
 def policy_loss_config(loss: LossConfig) -> PolicyLossConfig:
     """The recipe's ``grpo.loss`` section as the loss registry's :class:`PolicyLossConfig` (same field names)."""
-    return PolicyLossConfig(
-        name=loss.name,
-        clip_low=loss.clip_low,
-        clip_high=loss.clip_high,
-        aggregation=loss.aggregation,
-        kl_coef=loss.kl_coef,
-        correction=loss.correction,
-        tis_cap=loss.tis_cap,
-        icepop_low=loss.icepop_low,
-        icepop_high=loss.icepop_high,
-        seq_mask_low=loss.seq_mask_low,
-        seq_mask_high=loss.seq_mask_high,
-    )
+    return PolicyLossConfig(**dataclasses.asdict(loss))
 
 
 def grpo_loss_fn(config: PolicyLossConfig) -> LossFn:
