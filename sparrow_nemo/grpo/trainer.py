@@ -35,7 +35,7 @@ from sparrow_nemo.config import SparrowConfig
 from sparrow_nemo.grpo import setup
 from sparrow_nemo.grpo.advantages import compute_advantages
 from sparrow_nemo.grpo.evaluation import EvalResult, evaluate
-from sparrow_nemo.grpo.metrics import MetricsWriter, progress, rollout_metrics
+from sparrow_nemo.grpo.metrics import MetricsWriter, progress, rollout_metrics, rollout_progress
 from sparrow_nemo.grpo.objective import grpo_loss_fn, policy_loss_config
 from sparrow_nemo.grpo.prompts import build_prompt_source
 from sparrow_nemo.grpo.rollout_step import collate, concat_outputs, micro_batches, token_mismatch
@@ -245,9 +245,10 @@ class GrpoTrainer:
         if self.is_main:
             n = self.config.grpo.samples_per_prompt
             sampling = setup.sampling_params(self.config, seed=sample_seed(self.config.rollout.seed, step))
-            batch = self.rollout_engine.generate(
-                [p for p in prompts for _ in range(n)], sampling, self.schedule
-            )
+            with rollout_progress(len(prompts) * n, sampling.max_new_tokens, self.show_progress) as bar:
+                batch = self.rollout_engine.generate(
+                    [p for p in prompts for _ in range(n)], sampling, self.schedule, on_tokens=bar.update
+                )
             expanded = [a for a in answers for _ in range(n)]
             rewards = [
                 self.prompts.reward(s.response_ids.tolist(), a) for s, a in zip(batch.samples, expanded)

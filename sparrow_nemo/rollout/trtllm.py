@@ -35,7 +35,13 @@ import torch
 
 from sparrow_nemo._optional import require
 from sparrow_nemo.model_shapes import Qwen3Shape
-from sparrow_nemo.rollout.engine import RolloutBatch, RolloutSample, SamplingParams, ScoredSequence
+from sparrow_nemo.rollout.engine import (
+    RolloutBatch,
+    RolloutSample,
+    SamplingParams,
+    ScoredSequence,
+    TokenProgress,
+)
 from sparrow_nemo.rollout.lora import LoraAdapter
 from sparrow_nemo.rollout.sampling import sample_seed
 from sparrow_nemo.rollout.trtllm_sparse import SparrowSparseSpec
@@ -256,9 +262,17 @@ class TrtllmRolloutEngine:
 
     # ----------------------------------------------------------------- RolloutEngine API
     def generate(
-        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, schedule: BudgetSchedule
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingParams,
+        schedule: BudgetSchedule,
+        *,
+        on_tokens: TokenProgress | None = None,
     ) -> RolloutBatch:
-        """Sample one response per prompt; sample i uses seed ``sample_seed(sampling.seed, i)``."""
+        """Sample one response per prompt; sample i uses seed ``sample_seed(sampling.seed, i)``.
+
+        ``on_tokens`` hears the total once, when ``LLM.generate`` returns (it runs the batch as one call).
+        """
         self._check_awake()
         if sampling.temperature not in (0.0, 1.0) or sampling.top_k or sampling.top_p < 1.0:
             log.warning(
@@ -283,7 +297,10 @@ class TrtllmRolloutEngine:
             for p, out in zip(prompts, outputs)
         ]
         # TensorRT-LLM overlaps prefill and decode across requests: the wall time is reported as decode.
-        return RolloutBatch(samples=samples, schedule_name=schedule.name, prefill_s=0.0, decode_s=elapsed)
+        batch = RolloutBatch(samples=samples, schedule_name=schedule.name, prefill_s=0.0, decode_s=elapsed)
+        if on_tokens is not None:
+            on_tokens(batch.num_response_tokens)
+        return batch
 
     def score(self, sequences: Sequence[Sequence[int]], topk: int = 20) -> list[ScoredSequence]:
         """Dense teacher-forced scores (prompt logprobs of a 1-token request), without the LoRA adapter."""
