@@ -417,7 +417,7 @@ class LossConfig:
     clip_high: float = _field(0.28, check=NON_NEGATIVE)
     #: token_mean (token-level, the paper) or seq_mean_token_mean
     aggregation: str = _field("token_mean", check=_registered(lambda: _grpo_aggregation))
-    #: weight of the k3 KL to the reference policy; 0 = no reference model
+    #: weight of the k3 KL to the frozen reference policy (the initial weights, kept on the host); 0 = none
     kl_coef: float = _field(0.0, check=NON_NEGATIVE)
     #: rollout/train mismatch correction: none, tis, icepop, seq_mask
     correction: str = _field("tis", check=_registered(lambda: _grpo_losses().get_correction))

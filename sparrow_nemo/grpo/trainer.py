@@ -38,7 +38,13 @@ from sparrow_nemo.grpo.evaluation import EvalResult, evaluate
 from sparrow_nemo.grpo.metrics import MetricsWriter, progress, rollout_metrics, rollout_progress
 from sparrow_nemo.grpo.objective import grpo_loss_fn, policy_loss_config
 from sparrow_nemo.grpo.prompts import build_prompt_source
-from sparrow_nemo.grpo.rollout_step import collate, concat_outputs, micro_batches, token_mismatch
+from sparrow_nemo.grpo.rollout_step import (
+    collate,
+    concat_outputs,
+    micro_batches,
+    reference_logprobs,
+    token_mismatch,
+)
 from sparrow_nemo.grpo.rundir import make_run_dir, save_trainer_checkpoint
 from sparrow_nemo.grpo.warmstart import ensure_warm_start
 from sparrow_nemo.rollout.engine import RolloutSample
@@ -98,6 +104,8 @@ class GrpoTrainer:
             hf_dir = str(ensure_warm_start(config, self.prompts, self.show_progress))
         torch.manual_seed(config.trainer.seed)  # the same start whether or not the warm-start was cached
         self.policy = setup.build_policy(config, hf_dir)
+        if config.grpo.loss.kl_coef > 0:  # the KL penalty's reference: the initial weights (NeMo-RL style)
+            self.policy.keep_reference()
         self.run_dir = Path(
             setup.broadcast_from_rank0(str(make_run_dir(config, run_dir)) if self.is_main else None)
         )
@@ -266,6 +274,10 @@ class GrpoTrainer:
             "rollout_logprobs": data.rollout_logprobs,
             "advantages": advantages.float(),
         }
+        if self.config.grpo.loss.kl_coef > 0:
+            extras["ref_logprobs"] = reference_logprobs(
+                self.policy, data, self.config.policy.micro_batch_size
+            )
         batches = micro_batches(data.tokens, data.lengths, extras, self.config.policy.micro_batch_size)
         dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         if len(batches) % dp:
