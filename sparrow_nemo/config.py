@@ -223,7 +223,7 @@ class OptimizerConfig:
     """Adam(W) for the policy (field names of sparrow_nemo.policy.optim.OptimizerSettings)."""
 
     #: peak learning rate
-    lr: float = _field(1e-4, check=POSITIVE)
+    lr: float = _field(1e-3, check=POSITIVE)
     #: Adam beta1, beta2
     betas: tuple[float, ...] = _field((0.9, 0.999), check=_interval(0, 1, hi_open=True))
     #: Adam epsilon
@@ -316,7 +316,7 @@ class SparsityConfig:
     #: YAML path (relative to the working directory), or 'explicit' (= budgets, bin_tokens, page_size below)
     schedule: str = "explicit"
     #: budgets per bin in tokens (reserved pages included); read only when schedule=explicit
-    budgets: tuple[int, ...] | None = (16, 24, 32, 64)
+    budgets: tuple[int, ...] | None = (16, 24, 48, 64)
     #: acceptance-rate tail to keep in every bin
     threshold: float = _field(0.86, check=OPEN_UNIT)
     #: quantile of the per-token acceptance rate that defines the tail
@@ -448,7 +448,7 @@ class GrpoConfig:
     """The GRPO algorithm."""
 
     #: prompts sampled per RL step
-    prompts_per_step: int = _field(8, check=AT_LEAST_ONE)
+    prompts_per_step: int = _field(16, check=AT_LEAST_ONE)
     #: samples per prompt (the group; the paper: 8)
     samples_per_prompt: int = _field(8, check=_interval(lo=2))
     #: registered advantage estimator (sparrow_nemo.grpo.advantages): grpo, rloo (leave-one-out)
@@ -633,7 +633,7 @@ class TrainerConfig:
     """The RL loop."""
 
     #: RL steps to run (not hashed: a run may be extended)
-    max_steps: int = _field(30, check=AT_LEAST_ONE, hashed=False)
+    max_steps: int = _field(40, check=AT_LEAST_ONE, hashed=False)
     #: global seed (data order, initialisation)
     seed: int = _field(0, check=NON_NEGATIVE)
     #: where to run; auto = cuda when available

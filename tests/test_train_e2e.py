@@ -55,6 +55,7 @@ def test_smoke_run_improves_over_warm_start_and_keeps_the_tail(smoke_overrides, 
     summary, rows = _train(config, tmp_path)
     assert len(rows) == config.trainer.max_steps
     assert summary["accuracy_end"] > summary["accuracy_start"], summary
+    assert summary["accuracy_end_dense"] > summary["accuracy_start_dense"], summary
     # the scheduler's decisions hold: in the last step, every bin with enough tokens meets the threshold
     last = rows[-1]
     decided = [

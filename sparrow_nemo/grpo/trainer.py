@@ -65,7 +65,7 @@ class TrainerState:
         prompt_cursor: position in the prompt stream.
         initial_schedule: the schedule the run started with (for the summary).
         warm_start_dir: the HF checkpoint the policy started from, if any.
-        evals: evaluation results by tag ("start", "end", "end_dense").
+        evals: evaluation results by tag ("start", "start_dense", "end", "end_dense").
     """
 
     step: int
@@ -169,6 +169,7 @@ class GrpoTrainer:
         self._flush_logged(step=-1)
         self.state.initial_schedule = self.schedule
         self._evaluate("start", self.schedule)
+        self._evaluate("start_dense", BudgetSchedule.dense(self.schedule.bin_tokens, self.schedule.page_size))
         bar = progress(
             range(self.state.step, cfg.trainer.max_steps),
             enabled=self.show_progress,

@@ -48,7 +48,7 @@ def test_default_recipe_is_tiny_cpu_by_name_and_by_path() -> None:
 def test_tiny_schedule_is_the_explicit_scaled_one() -> None:
     config = load_config()
     schedule = config.sparsity.build_schedule()
-    assert schedule == BudgetSchedule(16, (16, 24, 32, 64), page_size=4, name="explicit")
+    assert schedule == BudgetSchedule(16, (16, 24, 48, 64), page_size=4, name="explicit")
     # flat after the last bin, and every budget holds the 3 reserved pages plus at least one top-k page
     assert schedule.budget(10_000) == 64
     assert min(schedule.budgets) >= 4 * 4

@@ -105,7 +105,10 @@ def test_tail_per_bin_summary_and_plots(tmp_path: Path) -> None:
         "measured_rollout_speedup": 1.1,
     }
     text = format_summary(summary)
-    assert "start 0.250 -> end 0.500" in text and "bin   1: 0.900 / 0.700  ok  [0 tokens]" in text
+    assert (
+        "start 0.250 -> end 0.500 (sparse schedule), n/a -> n/a (dense)" in text
+        and "bin   1: 0.900 / 0.700  ok  [0 tokens]" in text
+    )
     assert "1.50x" in text
     paths = write_plots(history, 0.86, tmp_path / "plots")
     assert sorted(p.name for p in paths) == [
