@@ -9,7 +9,9 @@ Boundaries (NeMo-RL): the algorithm lives here; generation goes through a
 2. group advantages -> padded micro-batches -> dense logprobs, entropy and top-20 from the policy;
 3. per-token acceptance rate (policy top-20 vs engine top-20) -> :class:`StepReport` -> callbacks
    (the tail scheduler may change ``self.schedule`` for the next step);
-4. policy loss -> one optimizer step -> ``engine.update_weights(policy.export_hf())``;
+4. policy loss -> one optimizer step -> ``engine.update_weights(policy.export_hf())``; a step whose loss or
+   gradient is not finite changes nothing (no update, no refit), is logged and counted
+   (``train/skipped_nonfinite``), and ``trainer.max_consecutive_nonfinite`` of them in a row abort the run;
 5. metrics (JSONL, TensorBoard), checkpoint every ``checkpoint.every_n_steps`` and at the end.
 
 Process model: every rank builds the policy and runs logprobs / train_step (collectives); only rank 0
@@ -47,6 +49,10 @@ from sparrow_nemo.sparse.cost_model import HARDWARE, DecodeCostModel
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 logger = logging.getLogger(__name__)
+
+
+class NonFiniteTrainingError(RuntimeError):
+    """``trainer.max_consecutive_nonfinite`` RL steps in a row skipped their update (NaN/inf loss or gradient)."""
 
 
 @dataclass
@@ -119,6 +125,7 @@ class GrpoTrainer:
             config.model.shape(), HARDWARE["h200"], dense_layers=config.sparsity.dense_layers
         )
         self._logged: dict[str, float] = {}
+        self._nonfinite_streak = 0  # steps in a row whose update was skipped for a NaN/inf loss or gradient
 
     # ----- TrainerLike ------------------------------------------------------------------------
     @property
@@ -227,6 +234,11 @@ class GrpoTrainer:
         self.callbacks.on_train_batch_end(self, report, metrics)
         self.state.step += 1
         self._flush_logged(step, metrics)
+        if self._nonfinite_streak >= cfg.trainer.max_consecutive_nonfinite:
+            raise NonFiniteTrainingError(
+                f"step {step}: {self._nonfinite_streak} steps in a row skipped for a non-finite loss or gradient "
+                f"(trainer.max_consecutive_nonfinite={cfg.trainer.max_consecutive_nonfinite}); aborting"
+            )
         return metrics
 
     # ----- pieces -------------------------------------------------------------------------------
@@ -272,12 +284,21 @@ class GrpoTrainer:
                 f"{len(batches)} micro-batches per step do not split over {dp} data-parallel ranks"
             )
         result = self.policy.train_step(batches[dp_rank::dp], self.loss_fn)
-        weights = self.policy.export_hf()
-        if self.is_main:
-            self.rollout_engine.update_weights(weights)
+        if result.skipped is None:
+            self._nonfinite_streak = 0
+            weights = self.policy.export_hf()
+            if self.is_main:
+                self.rollout_engine.update_weights(weights)
+        else:  # weights unchanged: nothing to refit
+            self._nonfinite_streak += (
+                result.skipped != "loss_scale"
+            )  # fp16 overflows are the scaler's business
+            if self.is_main:
+                logger.warning("step %d: update skipped, %s", self.state.step, result.skip_detail)
         out = {f"train/{k}": float(v) for k, v in result.metrics.items()}
         out["train/loss"] = result.loss
         out["train/grad_norm"] = result.grad_norm
+        out["train/skipped_nonfinite"] = float(result.skipped is not None)
         return out
 
     def _evaluate(self, tag: str, schedule: BudgetSchedule) -> None:
