@@ -4,7 +4,8 @@ Boundaries (NeMo-RL): the algorithm lives here; generation goes through a
 :class:`~sparrow_nemo.rollout.engine.RolloutEngine`; the policy worker is
 :class:`~sparrow_nemo.policy.policy.MegatronPolicy`. Per step:
 
-1. prompts -> ``engine.generate`` (sparse, ``grpo.samples_per_prompt`` samples per prompt, current schedule)
+1. prompts -> ``engine.generate`` (sparse, ``grpo.samples_per_prompt`` samples per prompt, current schedule;
+   the batch is halved and retried on out-of-memory, :mod:`sparrow_nemo.rollout.oom_retry`)
    -> rewards (rank 0; the rollouts are broadcast to the other ranks);
 2. group advantages -> padded micro-batches -> dense logprobs, entropy and top-20 from the policy;
 3. per-token acceptance rate (policy top-20 vs engine top-20) -> :class:`StepReport` -> callbacks
@@ -44,6 +45,7 @@ from sparrow_nemo.grpo.rollout_step import collate, concat_outputs, micro_batche
 from sparrow_nemo.grpo.rundir import make_run_dir, save_trainer_checkpoint
 from sparrow_nemo.grpo.warmstart import ensure_warm_start
 from sparrow_nemo.rollout.engine import RolloutSample
+from sparrow_nemo.rollout.oom_retry import OomRetryEngine
 from sparrow_nemo.rollout.sampling import sample_seed
 from sparrow_nemo.sparse.cost_model import HARDWARE, DecodeCostModel
 from sparrow_nemo.sparse.schedule import BudgetSchedule
@@ -109,7 +111,9 @@ class GrpoTrainer:
         )
         weights = self.policy.export_hf()
         self.rollout_engine = (
-            setup.build_engine(config, weights, self.prompts.tokenizer) if self.is_main else None
+            OomRetryEngine(setup.build_engine(config, weights, self.prompts.tokenizer))
+            if self.is_main
+            else None
         )
         self.sampling = setup.sampling_params(config)
         schedule = config.sparsity.build_schedule()
