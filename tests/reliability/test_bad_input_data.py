@@ -13,8 +13,6 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
 from sparrow_nemo.config import load_config
 from sparrow_nemo.grpo.data import PromptDataConfig, PromptDataError, load_prompts
@@ -22,21 +20,10 @@ from sparrow_nemo.grpo.prompts import build_prompt_source
 from sparrow_nemo.rewards.code import parse_test_spec
 from sparrow_nemo.tasks.tokenizer import CharTokenizer
 
+from ._helpers import save_char_tokenizer
+
 CFG = PromptDataConfig(prompt_key="problem", answer_key="answer")
 GOOD = json.dumps({"problem": "1 + 1", "answer": "2"})
-
-
-def save_char_tokenizer(path: Path, extra_tokens: int = 0) -> Path:
-    """A character-level Hugging Face tokenizer (99 ids + ``extra_tokens`` filler ids) saved offline."""
-    chars = [chr(i) for i in range(32, 127)] + ["\n"]
-    vocab = {"<unk>": 0, "<s>": 1, "<|im_end|>": 2} | {c: i + 3 for i, c in enumerate(chars)}
-    vocab |= {f"<extra_{i}>": len(vocab) + i for i in range(extra_tokens)}
-    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", eos_token="<|im_end|>").save_pretrained(
-        path
-    )
-    return path
 
 
 def test_empty_file_names_the_file(tmp_path: Path) -> None:
