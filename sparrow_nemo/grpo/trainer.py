@@ -294,9 +294,8 @@ class GrpoTrainer:
             if self.is_main:
                 self.rollout_engine.update_weights(weights)
         else:  # weights unchanged: nothing to refit
-            self._nonfinite_streak += (
-                result.skipped != "loss_scale"
-            )  # fp16 overflows are the scaler's business
+            if result.skipped != "loss_scale":  # an fp16 overflow is the grad scaler's business, not a fault
+                self._nonfinite_streak += 1
             if self.is_main:
                 logger.warning("step %d: update skipped, %s", self.state.step, result.skip_detail)
         out = {f"train/{k}": float(v) for k, v in result.metrics.items()}
