@@ -115,6 +115,7 @@ def _dp2_poison_rank1(rank: int, out_dir: str) -> None:
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow
 def test_nonfinite_loss_on_one_data_parallel_rank_skips_on_every_rank(tmp_path: Path) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     run_distributed(_dp2_poison_rank1, 2, str(tmp_path))
