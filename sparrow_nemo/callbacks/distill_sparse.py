@@ -276,6 +276,7 @@ class DistillSparse(Callback):
             "distill/kl_after": entry["kl_after"],
             "distill/loss": entry["loss"],
             "distill/grad_norm": entry["grad_norm"],
+            "distill/skipped_nonfinite": float(sum(r.skipped is not None for r in results)),
         }
         logged.update({f"distill/p5_before/bin_{b}": v for b, v in tail_before.items()})
         logged.update({f"distill/p5_after/bin_{b}": v for b, v in tail_after.items()})

@@ -219,11 +219,12 @@ class SafetensorsDir:
         index = self.path / "model.safetensors.index.json"
         single = self.path / "model.safetensors"
         if index.is_file():
-            self.weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            weight_map = _read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise CheckpointFormatError(f"{index}: no 'weight_map' object")
+            self.weight_map: dict[str, str] = weight_map
         elif single.is_file():
-            from safetensors import safe_open
-
-            with safe_open(str(single), framework="pt") as f:
+            with _open_safetensors(single) as f:
                 self.weight_map = dict.fromkeys(f.keys(), "model.safetensors")
         else:
             raise FileNotFoundError(
@@ -235,16 +236,43 @@ class SafetensorsDir:
         cfg = self.path / "config.json"
         if not cfg.is_file():
             raise FileNotFoundError(f"{cfg} not found")
-        return json.loads(cfg.read_text())
+        return _read_json(cfg)
 
     def get(self, name: str) -> torch.Tensor:
         """One tensor by HF name; a KeyError names the tensor and the directory."""
-        from safetensors import safe_open
+        from safetensors import SafetensorError
 
         if name not in self.weight_map:
             raise KeyError(f"tensor '{name}' not found in the checkpoint {self.path}")
-        with safe_open(str(self.path / self.weight_map[name]), framework="pt") as f:
-            return f.get_tensor(name)
+        file = self.path / self.weight_map[name]
+        with _open_safetensors(file) as f:
+            try:
+                return f.get_tensor(name)
+            except SafetensorError as exc:
+                raise CheckpointFormatError(f"{file}: cannot read tensor '{name}' ({exc})") from None
+
+
+def _read_json(path: Path) -> dict:
+    """A JSON object file; CheckpointFormatError naming the file when it is not one."""
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointFormatError(f"{path}: invalid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise CheckpointFormatError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _open_safetensors(path: Path):
+    """``safe_open(path)``; CheckpointFormatError naming the file when it is truncated or not safetensors."""
+    from safetensors import SafetensorError, safe_open
+
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found (named by the checkpoint index)")
+    try:
+        return safe_open(str(path), framework="pt")
+    except SafetensorError as exc:
+        raise CheckpointFormatError(f"{path}: not a readable safetensors file ({exc})") from None
 
 
 def _hf_shape(name: str, shape: Qwen3Shape) -> tuple[int, ...]:
@@ -274,6 +302,7 @@ def megatron_shard_from_hf(
 ) -> dict[str, torch.Tensor]:
     """This rank's megatron-named tensors built from HF tensors (a dict or a checkpoint reader)."""
     get = hf.get if isinstance(hf, SafetensorsDir) else hf.__getitem__
+    where = f"{hf.path}: " if isinstance(hf, SafetensorsDir) else ""
     shape, tp, rank = spec.shape, spec.layout.tp, spec.tp_rank
     out: dict[str, torch.Tensor] = {}
     for key, hf_names, layout in weight_plan(spec):
@@ -282,7 +311,8 @@ def megatron_shard_from_hf(
             t = get(name)
             if tuple(t.shape) != _hf_shape(name, shape):
                 raise CheckpointFormatError(
-                    f"tensor '{name}' has shape {tuple(t.shape)}, expected {_hf_shape(name, shape)}"
+                    f"{where}tensor '{name}' has shape {tuple(t.shape)}, expected {_hf_shape(name, shape)}"
+                    " from the model config"
                 )
             tensors.append(t)
         if layout == QKV:

@@ -132,9 +132,18 @@ class RolloutEngine(Protocol):
     """A generator the RL loop drives; see the module docstring for conventions."""
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, schedule: BudgetSchedule
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingParams,
+        schedule: BudgetSchedule,
+        *,
+        sample_seeds: Sequence[int] | None = None,
     ) -> RolloutBatch:
-        """Sample one response per prompt with the sparse layers following ``schedule``."""
+        """Sample one response per prompt with the sparse layers following ``schedule``.
+
+        Sample i draws from seed ``sample_seeds[i]`` (default ``sample_seed(sampling.seed, i)``), so a part
+        of a batch reproduces its samples in the whole batch.
+        """
         ...
 
     def score(self, sequences: Sequence[Sequence[int]], topk: int = 20) -> list[ScoredSequence]:
