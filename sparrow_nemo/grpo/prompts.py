@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sparrow_nemo.config import SparrowConfig
-from sparrow_nemo.rewards.registry import get_reward
+from sparrow_nemo.rewards.registry import bind_reward
 
 #: warm-start problems are drawn from this index on, RL prompts from 0: the sets do not overlap.
 WARMSTART_OFFSET = 10_000_000
@@ -178,12 +178,16 @@ def _file_source(config: SparrowConfig) -> PromptSource:
         example = dataset[index]
         return PromptItem(example.prompt_ids, example.answer)
 
-    reward_fn = get_reward(config.reward.type)
+    reward_fn = bind_reward(config.reward.type, config.reward.options)
     return PromptSource(item, len(dataset), reward_fn, tokenizer, config.trainer.seed, data.shuffle)
 
 
 def build_prompt_source(config: SparrowConfig) -> PromptSource:
     """The :class:`PromptSource` the recipe names (see the module docstring)."""
     if config.reward.type == "synthetic":
+        if config.reward.options:
+            raise ValueError(
+                f"reward.options {sorted(config.reward.options)}: the synthetic task's reward takes no options"
+            )
         return _synthetic_source(config)
     return _file_source(config)

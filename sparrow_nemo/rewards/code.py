@@ -125,10 +125,15 @@ def outputs_match(actual: str, expected: str) -> bool:
     return actual.split() == expected.split()
 
 
-def code_reward(completion: str, spec: Any) -> float:
-    """Reward in [0, 1] of ``completion`` on ``spec`` (a dict, or a :func:`parse_test_spec` shorthand)."""
+def code_reward(completion: str, spec: Any, mode: str | None = None) -> float:
+    """Reward in [0, 1] of ``completion`` on ``spec`` (a dict, or a :func:`parse_test_spec` shorthand).
+
+    ``mode`` ("fraction" or "all", the recipe's ``reward.options.mode``) overrides the spec's own.
+    """
     spec = parse_test_spec(spec)
-    mode = spec.get("mode", "fraction")
+    if mode is not None and mode not in _MODES:
+        raise ValueError(f"code reward mode must be one of {_MODES}, got {mode!r}")
+    mode = mode or spec.get("mode", "fraction")
     limits = SandboxLimits(**spec.get("limits", {}))
     cases = _cases(extract_code(completion), spec)
     passed = 0
