@@ -31,6 +31,7 @@ from sparrow_nemo.callbacks import (
     build_step_report,
     instantiate_callbacks,
 )
+from sparrow_nemo.callbacks.distill_sparse import DistillData
 from sparrow_nemo.config import SparrowConfig
 from sparrow_nemo.grpo import setup
 from sparrow_nemo.grpo.advantages import compute_advantages
@@ -119,6 +120,7 @@ class GrpoTrainer:
             config.model.shape(), HARDWARE["h200"], dense_layers=config.sparsity.dense_layers
         )
         self._logged: dict[str, float] = {}
+        self.distill_data: DistillData | None = None  # the last step's rollouts (see step)
 
     # ----- TrainerLike ------------------------------------------------------------------------
     @property
@@ -224,6 +226,8 @@ class GrpoTrainer:
         )
         self.callbacks.on_rollout_end(self, report)
         metrics.update(self._update(data, dense, advantages))
+        # DistillSparse's sparse PG term: this step's rollouts, advantages and (pre-update) dense logprobs
+        self.distill_data = DistillData(samples, advantages.float(), dense.logprobs)
         self.callbacks.on_train_batch_end(self, report, metrics)
         self.state.step += 1
         self._flush_logged(step, metrics)
