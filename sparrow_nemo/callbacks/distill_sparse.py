@@ -211,7 +211,8 @@ class DistillSparse(Callback):
         if _world_size() > 1:
             raise ValueError(
                 f"DistillSparse: the trainer runs callbacks on rank 0 only but the policy spans {_world_size()} "
-                "ranks; the adapter step is collective (run with one process)"
+                "ranks; the adapter step is collective over them, so multi-rank DistillSparse is not implemented yet "
+                "(run with one process)"
             )
         config = trainer.config
         d = config.distill
