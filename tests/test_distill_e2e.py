@@ -2,12 +2,10 @@
 
 The warm-start is the smoke recipe's (same cache key; trained once into the shared cache when missing).
 
-- With the policy held fixed, a few adapter rounds on training rollouts at the recipe's 16-token schedule
-  move held-out rollouts (prompts the adapter never saw, fixed seeds, same schedule) towards the dense
-  policy: mean acceptance rate up and mean k3 KL down, with margins. What they do NOT do on this task is
-  lift the p5 tail to the threshold: the failing tokens are those whose table entry sits in an unselected
-  page, which no weight change on the same pages restores (README, DistillSparse). The test pins the gap
-  that exists without the adapter and records the tail numbers, it does not claim a tail gain.
+- With the policy held fixed, 20 adapter rounds on training rollouts under the recipe's 24-token schedule
+  (all layers sparse) lift the p5 of the bin that fails without the adapter, on held-out prompts the adapter
+  never saw (same prompts, seeds and schedule with and without it), and keep the passing bin above the
+  threshold. Measured: bin 2 p5 0.35 -> 0.73 after 20 rounds (0.99 after 40), bin 1 0.993 -> 0.949.
 - A real trainer step hands the adapter the step's rollouts and advantages: the sparse PG term is logged.
 """
 
@@ -44,15 +42,16 @@ def warm_cache() -> None:
         ensure_warm_start(config, build_prompt_source(config), show_progress=False)
 
 
-def test_adapter_moves_fresh_sparse_rollouts_towards_dense(warm_cache, tmp_path: Path) -> None:
+def test_adapter_lifts_the_failing_bins_tail_on_fresh_rollouts(warm_cache, tmp_path: Path) -> None:
     config = load_config("tiny_cpu_distill", QUICK)
+    threshold = config.sparsity.threshold
     with single_rank_env():
         trainer = GrpoTrainer(config, tmp_path)
         try:
             callback = DistillSparse()
             callback.on_train_start(trainer)
             schedule = trainer.schedule
-            distill_rounds(trainer, callback, schedule, rounds=10)
+            distill_rounds(trainer, callback, schedule, rounds=20)
             held_out = [i.prompt_ids for i in trainer.prompts.eval_batch(32) for _ in range(2)]
             effect = adapter_effect(
                 trainer.rollout_engine,
@@ -65,13 +64,14 @@ def test_adapter_moves_fresh_sparse_rollouts_towards_dense(warm_cache, tmp_path:
             )
         finally:
             trainer.policy.close()
-    without, with_ = effect["without"], effect["with"]
-    # the gap: without the adapter the most populated bin is below the threshold at this schedule
-    busiest = max(without.tokens, key=without.tokens.get)
-    assert without.tail[busiest] < config.sparsity.threshold - 0.05, without
-    # measured after 10 rounds: mean alpha 0.811 -> 0.855, mean k3 1.61 -> 1.01 (8 rounds: 0.843, 1.25)
-    assert with_.mean_alpha > without.mean_alpha + 0.02, (without, with_)
-    assert with_.mean_k3 < 0.8 * without.mean_k3, (without, with_)
+    without, with_ = effect["without"].tail, effect["with"].tail
+    failing = [b for b, v in without.items() if v < threshold - 0.1]
+    passing = [b for b, v in without.items() if v >= threshold]
+    assert failing and passing, without  # the gap this recipe is built to show
+    for b in failing:
+        assert b in with_ and with_[b] > without[b] + 0.2, (b, without, with_)
+    for b in passing:
+        assert with_.get(b, 1.0) >= threshold, (b, without, with_)
 
 
 def test_trainer_step_feeds_the_sparse_pg_term(warm_cache, tmp_path: Path) -> None:
