@@ -13,8 +13,8 @@ the adapter never saw (``--eval-prompts`` x ``--samples`` fresh samples, fixed s
 
 Prints a table and writes the numbers as JSON (``--out``). CPU, one process:
 
-    .venv/bin/python benchmarks/distill_tail.py                         # tiny_cpu_distill, 10 rounds
-    .venv/bin/python benchmarks/distill_tail.py --rounds 20 distill.lr_multiplier=50
+    .venv/bin/python benchmarks/distill_tail.py --rounds 40             # tiny_cpu_distill (24 tokens)
+    .venv/bin/python benchmarks/distill_tail.py --rounds 20 'sparsity.budgets=[16,16,16,16,16]'
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ EVAL_SEED = 12_345
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", default="tiny_cpu_distill", help="recipe name or path")
-    p.add_argument("--rounds", type=int, default=10, help="adapter rounds (each: distill.steps updates)")
+    p.add_argument("--rounds", type=int, default=40, help="adapter rounds (each: distill.steps updates)")
     p.add_argument("--eval-prompts", type=int, default=32, help="held-out prompts for the tail measurement")
     p.add_argument("--samples", type=int, default=2, help="samples per held-out prompt")
     p.add_argument("--out", type=Path, default=None, help="JSON output file")
@@ -71,7 +71,7 @@ def run(args: argparse.Namespace, run_dir: Path) -> dict:
         effect = adapter_effect(
             trainer.rollout_engine, adapter, held_out, trainer.sampling, schedule, EVAL_SEED, s.quantile
         )
-        lengths_batch = trainer.rollout_engine.generate(held_out, trainer.sampling, schedule)
+        undistilled = effect["without"]  # the cost model prices both schedules on these lengths
         calibrated = calibrated_speedups(
             trainer.rollout_engine,
             adapter,
@@ -81,8 +81,8 @@ def run(args: argparse.Namespace, run_dir: Path) -> dict:
             s.bin_tokens,
             s.page_size,
             trainer.cost_model,
-            [x.response_ids.numel() for x in lengths_batch.samples],
-            [x.prompt_ids.numel() for x in lengths_batch.samples],
+            undistilled.response_lengths,
+            undistilled.prompt_lengths,
             threshold=s.threshold,
             quantile=s.quantile,
             min_tokens=s.min_bin_tokens,

@@ -75,6 +75,7 @@ class SparseTail:
         mean_alpha: mean acceptance rate over all response tokens.
         mean_k3: mean k3 estimate of KL(sparse || dense) over the sampled tokens (nats/token).
         mean_length: mean response length, tokens.
+        response_lengths, prompt_lengths: per sample, tokens (for the cost model).
     """
 
     tail: dict[int, float]
@@ -82,6 +83,8 @@ class SparseTail:
     mean_alpha: float
     mean_k3: float
     mean_length: float
+    response_lengths: tuple[int, ...]
+    prompt_lengths: tuple[int, ...]
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -120,6 +123,8 @@ def sparse_tail(
         mean_alpha=math.nan if empty else float(m.alpha.mean()),
         mean_k3=math.nan if empty else float(k3.mean()),
         mean_length=sum(s.response_ids.numel() for s in batch.samples) / len(batch.samples),
+        response_lengths=tuple(s.response_ids.numel() for s in batch.samples),
+        prompt_lengths=tuple(s.prompt_ids.numel() for s in batch.samples),
     )
 
 
