@@ -116,11 +116,11 @@ class GrpoTrainer:
             self.run_dir, config.logging.jsonl, config.logging.tensorboard and self.is_main
         )
         self.loss_fn = grpo_loss_fn(policy_loss_config(config.grpo.loss))
+        self.distill_data: DistillData | None = None  # the last step's rollouts (see step)
         self.cost_model = DecodeCostModel(
             config.model.shape(), HARDWARE["h200"], dense_layers=config.sparsity.dense_layers
         )
         self._logged: dict[str, float] = {}
-        self.distill_data: DistillData | None = None  # the last step's rollouts (see step)
 
     # ----- TrainerLike ------------------------------------------------------------------------
     @property
