@@ -33,6 +33,7 @@ from sparrow_nemo.callbacks.distill_sparse import DistillSparse
 from sparrow_nemo.config import load_config
 from sparrow_nemo.grpo import setup
 from sparrow_nemo.grpo.trainer import GrpoTrainer
+from sparrow_nemo.sparse.schedule import DENSE_BUDGET
 
 #: sampling seed of the held-out measurement rollouts (the training rounds use rollout.seed)
 EVAL_SEED = 12_345
@@ -130,7 +131,8 @@ def report(result: dict, min_tokens: int) -> str:
         t, c = tails[tag], result["calibrated"][tag]
         lines.append(
             f"{tag:>7} adapter: mean alpha {t['mean_alpha']:.4f}, mean k3 {t['mean_k3']:.4f}, "
-            f"response length {t['mean_length']:.1f}; calibrated budgets {c['budgets']} -> "
+            f"response length {t['mean_length']:.1f}; calibrated budgets "
+            f"{' '.join('dense' if b >= DENSE_BUDGET else str(b) for b in c['budgets'])} -> "
             f"predicted speedup {c['predicted_speedup']:.3f}x"
         )
     lines.append(f"took {result['seconds']:.0f} s")
