@@ -34,6 +34,7 @@ from sparrow_nemo.callbacks import (
     build_step_report,
     instantiate_callbacks,
 )
+from sparrow_nemo.callbacks.distill_sparse import DistillData
 from sparrow_nemo.config import SparrowConfig
 from sparrow_nemo.grpo import setup
 from sparrow_nemo.grpo.advantages import compute_advantages
@@ -125,6 +126,7 @@ class GrpoTrainer:
             self.run_dir, config.logging.jsonl, config.logging.tensorboard and self.is_main
         )
         self.loss_fn = grpo_loss_fn(policy_loss_config(config.grpo.loss))
+        self.distill_data: DistillData | None = None  # the last step's rollouts (see step)
         self.cost_model = DecodeCostModel(
             config.model.shape(), HARDWARE["h200"], dense_layers=config.sparsity.dense_layers
         )
@@ -235,6 +237,8 @@ class GrpoTrainer:
         )
         self.callbacks.on_rollout_end(self, report)
         metrics.update(self._update(data, dense, advantages))
+        # DistillSparse's sparse PG term: this step's rollouts, advantages and (pre-update) dense logprobs
+        self.distill_data = DistillData(samples, advantages.float(), dense.logprobs)
         self.callbacks.on_train_batch_end(self, report, metrics)
         self.state.step += 1
         self._flush_logged(step, metrics)

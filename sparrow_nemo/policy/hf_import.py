@@ -25,9 +25,18 @@ import torch.distributed as dist
 from sparrow_nemo.model_shapes import Qwen3Shape
 from sparrow_nemo.policy.model import PolicyModelSpec, unwrap_model
 from sparrow_nemo.policy.parallel import stage_layer_range
-
-# How a weight is laid out over tensor-parallel ranks.
-REPLICATED, COLUMNS, QKV, FC1, VOCAB = "replicated", "columns", "qkv", "fc1", "vocab"
+from sparrow_nemo.policy.tp_layout import (
+    COLUMNS,
+    FC1,
+    QKV,
+    REPLICATED,
+    VOCAB,
+    all_gather_shards,
+    fuse_fc1,
+    fuse_qkv,
+    merge_shards,
+    split_shard,
+)
 
 #: per-layer weights: (megatron suffix, HF suffixes, layout). The two norms have TE-spec names too.
 _LAYER_RULES: tuple[tuple[str, tuple[str, ...], str], ...] = (
@@ -119,64 +128,6 @@ def hf_config_dict(shape: Qwen3Shape, dtype: torch.dtype = torch.float32) -> dic
         "eos_token_id": shape.eos_token_id,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
-
-
-# ----------------------------------------------------------------------------- tensor layouts
-
-
-def _split(full: torch.Tensor, layout: str, tp: int, rank: int, padded_vocab: int) -> torch.Tensor:
-    """This TP rank's megatron slice of one unfused HF tensor (replicated, column-split or vocab-padded)."""
-    if layout == REPLICATED:
-        return full
-    if layout == COLUMNS:
-        return full.chunk(tp, dim=1)[rank]
-    if layout == VOCAB:
-        padded = full.new_zeros((padded_vocab, full.shape[1]))
-        padded[: full.shape[0]] = full
-        return padded.chunk(tp, dim=0)[rank]
-    raise AssertionError(layout)
-
-
-def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: Qwen3Shape, tp: int, rank: int):
-    """[Hq*D, H], [Hkv*D, H], [Hkv*D, H] -> this rank's ``linear_qkv`` rows [(Hkv/tp)*(G+2)*D, H]."""
-    hkv, d, g, h = shape.num_key_value_heads, shape.head_dim, shape.gqa_group_size, q.shape[1]
-    grouped = torch.cat([q.view(hkv, g * d, h), k.view(hkv, d, h), v.view(hkv, d, h)], dim=1)
-    return grouped.chunk(tp, dim=0)[rank].reshape(-1, h)
-
-
-def _unfuse_qkv(shards: list[torch.Tensor], shape: Qwen3Shape) -> list[torch.Tensor]:
-    """Inverse of :func:`_fuse_qkv` over all TP shards -> [q, k, v] in HF layout."""
-    hkv, d, g = shape.num_key_value_heads, shape.head_dim, shape.gqa_group_size
-    full = torch.cat(shards, dim=0)
-    grouped = full.view(hkv, (g + 2) * d, full.shape[1])
-    q, k, v = grouped.split([g * d, d, d], dim=1)
-    return [t.reshape(-1, full.shape[1]).contiguous() for t in (q, k, v)]
-
-
-def _fuse_fc1(gate: torch.Tensor, up: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
-    """[I, H] gate and up -> this rank's ``linear_fc1`` rows [2*I/tp, H] = [gate slice; up slice]."""
-    return torch.cat([gate.chunk(tp, dim=0)[rank], up.chunk(tp, dim=0)[rank]], dim=0)
-
-
-def _unfuse_fc1(shards: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Inverse of :func:`_fuse_fc1` -> [gate, up]."""
-    halves = [s.chunk(2, dim=0) for s in shards]
-    return [torch.cat([h[0] for h in halves]).contiguous(), torch.cat([h[1] for h in halves]).contiguous()]
-
-
-def _merge(shards: list[torch.Tensor], layout: str, shape: Qwen3Shape) -> list[torch.Tensor]:
-    """All TP shards of one megatron weight -> its HF tensors (list, HF-suffix order)."""
-    if layout == REPLICATED:
-        return [shards[0].clone()]
-    if layout == COLUMNS:
-        return [torch.cat(shards, dim=1)]
-    if layout == VOCAB:
-        return [torch.cat(shards, dim=0)[: shape.vocab_size].contiguous()]
-    if layout == QKV:
-        return _unfuse_qkv(shards, shape)
-    if layout == FC1:
-        return _unfuse_fc1(shards)
-    raise AssertionError(layout)
 
 
 # ----------------------------------------------------------------------------- name plan
@@ -316,11 +267,11 @@ def megatron_shard_from_hf(
                 )
             tensors.append(t)
         if layout == QKV:
-            out[key] = _fuse_qkv(*tensors, shape=shape, tp=tp, rank=rank)
+            out[key] = fuse_qkv(*tensors, shape=shape, tp=tp, rank=rank)
         elif layout == FC1:
-            out[key] = _fuse_fc1(*tensors, tp=tp, rank=rank)
+            out[key] = fuse_fc1(*tensors, tp=tp, rank=rank)
         else:
-            out[key] = _split(tensors[0], layout, tp, rank, spec.padded_vocab)
+            out[key] = split_shard(tensors[0], layout, tp, rank, spec.padded_vocab)
     return out
 
 
@@ -353,15 +304,6 @@ def load_hf_into_model(model: torch.nn.Module, spec: PolicyModelSpec, hf_dir: st
 # ----------------------------------------------------------------------------- export
 
 
-def _all_gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
-    size = dist.get_world_size(group)
-    if size == 1:
-        return [tensor]
-    out = [torch.empty_like(tensor) for _ in range(size)]
-    dist.all_gather(out, tensor.contiguous(), group=group)
-    return out
-
-
 @torch.no_grad()
 def export_hf_state_dict(model: torch.nn.Module, spec: PolicyModelSpec) -> dict[str, torch.Tensor]:
     """Full HF-named tensors (CPU, the model's dtype) of the whole model, returned on every rank.
@@ -375,9 +317,11 @@ def export_hf_state_dict(model: torch.nn.Module, spec: PolicyModelSpec) -> dict[
     local: dict[str, torch.Tensor] = {}
     for key, hf_names, layout in weight_plan(spec):
         shards = (
-            _all_gather(params[key].detach(), tp_group) if layout != REPLICATED else [params[key].detach()]
+            all_gather_shards(params[key].detach(), tp_group)
+            if layout != REPLICATED
+            else [params[key].detach()]
         )
-        for name, tensor in zip(hf_names, _merge(shards, layout, spec.shape), strict=True):
+        for name, tensor in zip(hf_names, merge_shards(shards, layout, spec.shape), strict=True):
             local[name] = tensor.cpu()
     if spec.layout.pp == 1:
         return local
