@@ -638,6 +638,8 @@ class TrainerConfig:
     seed: int = _field(0, check=NON_NEGATIVE)
     #: where to run; auto = cuda when available
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    #: abort the run after this many steps in a row whose update was skipped for a NaN/inf loss or gradient
+    max_consecutive_nonfinite: int = _field(3, check=AT_LEAST_ONE, hashed=False)
 
 
 _DOTTED = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")

@@ -41,6 +41,7 @@ from sparrow_nemo.policy.logprobs import LogprobOutput
 from sparrow_nemo.policy.lora import LoraConfig
 from sparrow_nemo.policy.optim import OptimizerSettings
 from sparrow_nemo.policy.sparse_forward import SparsePattern, SparsePlan
+from sparrow_nemo.policy.train_step import StepResult
 from sparrow_nemo.rollout.engine import RolloutSample
 from sparrow_nemo.rollout.lora import LoraAdapter
 from sparrow_nemo.rollout.sampling import sample_seed
@@ -210,7 +211,8 @@ class DistillSparse(Callback):
         if _world_size() > 1:
             raise ValueError(
                 f"DistillSparse: the trainer runs callbacks on rank 0 only but the policy spans {_world_size()} "
-                "ranks; the adapter step is collective (run with one process)"
+                "ranks; the adapter step is collective over them, so multi-rank DistillSparse is not implemented yet "
+                "(run with one process)"
             )
         config = trainer.config
         d = config.distill
@@ -244,18 +246,11 @@ class DistillSparse(Callback):
     ) -> None:
         if self.optimizer is None:
             raise RuntimeError("DistillSparse: on_train_start was not called")
-        s, policy, engine = self.settings, trainer.policy, trainer.rollout_engine
         probe_samples, before = self._probe(trainer)
         data: DistillData | None = getattr(trainer, "distill_data", None)
         if data is None:
             data = DistillData(samples=probe_samples, advantages=None)
-        batches, plans = self._batches(trainer, data)
-        loss_fn = distill_loss_fn(s.kl_coef, s.pg_coef)
-        results = [
-            policy.lora_train_step(batches, plans, self.pattern, loss_fn, self.optimizer)
-            for _ in range(s.steps)
-        ]
-        engine.set_lora(policy.lora.export_adapter())
+        results = self.train_adapter(trainer, data)
         _, after = self._probe(trainer)
         q = trainer.config.sparsity.quantile
         tail_before = tail_by_bin(before.alpha, before.cached_len, trainer.schedule.bin_tokens, q)
@@ -269,6 +264,7 @@ class DistillSparse(Callback):
             "loss_first": results[0].loss,
             "loss": results[-1].loss,
             "grad_norm": results[0].grad_norm,
+            "pg": results[-1].metrics.get("pg", math.nan),
         }
         self.history.append(entry)
         logged = {
@@ -276,7 +272,10 @@ class DistillSparse(Callback):
             "distill/kl_after": entry["kl_after"],
             "distill/loss": entry["loss"],
             "distill/grad_norm": entry["grad_norm"],
+            "distill/skipped_nonfinite": float(sum(r.skipped is not None for r in results)),
         }
+        if "pg" in results[-1].metrics:
+            logged["distill/pg"] = entry["pg"]
         logged.update({f"distill/p5_before/bin_{b}": v for b, v in tail_before.items()})
         logged.update({f"distill/p5_after/bin_{b}": v for b, v in tail_after.items()})
         trainer.log(logged)
@@ -296,6 +295,23 @@ class DistillSparse(Callback):
         if missing:
             raise ValueError(f"DistillSparse checkpoint state lacks {missing}")
         self._resume = state
+
+    def train_adapter(self, trainer: TrainerLike, data: DistillData) -> list[StepResult]:
+        """``settings.steps`` adapter updates on ``data`` (policy frozen), then the adapter goes to the engine.
+
+        Returns the :class:`StepResult` of every update (loss, grad norm, ``kl`` / ``pg`` metrics).
+        """
+        if self.optimizer is None:
+            raise RuntimeError("DistillSparse: on_train_start was not called")
+        s, policy = self.settings, trainer.policy
+        batches, plans = self._batches(trainer, data)
+        loss_fn = distill_loss_fn(s.kl_coef, s.pg_coef)
+        results = [
+            policy.lora_train_step(batches, plans, self.pattern, loss_fn, self.optimizer)
+            for _ in range(s.steps)
+        ]
+        trainer.rollout_engine.set_lora(policy.lora.export_adapter())
+        return results
 
     # ----------------------------------------------------------------- pieces
     def _probe(self, trainer: TrainerLike) -> tuple[list[RolloutSample], TokenMismatch]:

@@ -1,14 +1,18 @@
 """Prompt datasets for GRPO: rows from JSONL (optionally gzipped) or Parquet files, validated and tokenized.
 
-Each row must hold a prompt (non-empty string) and an answer (string, or an integer that is turned into
-one) under configurable field names. The prompt goes through the tokenizer's chat template when it has one
+Each row must hold a prompt (non-empty string) and an answer under configurable field names. What an answer
+may be is the reward's business: ``parse_answer`` checks and converts it (default :func:`text_answer`: a
+string, or an integer turned into one; the code reward passes its test-spec parser, which takes dicts,
+lists and JSON strings). The prompt goes through the tokenizer's chat template when it has one
 (``tokenizer.apply_chat_template``, as a single user turn, with the generation prompt); otherwise the raw
 text is used and the tokenizer adds its own special tokens (e.g. bos).
 
-A bad row (invalid JSON, not an object, missing field, wrong type, a prompt the tokenizer rejects or one
-longer than ``max_prompt_tokens``) is skipped and counted; the first ``report_first`` are logged with
-file and line. Loading fails with :class:`PromptDataError` only when more than ``max_bad_fraction`` of the
-rows are bad, or when the file has no rows at all.
+A bad row (invalid JSON or UTF-8, not an object, missing field, an answer ``parse_answer`` refuses, a prompt
+the tokenizer rejects or one longer than ``max_prompt_tokens``) is skipped and counted; the first
+``report_first`` are logged with file and line. Loading fails with a one-line :class:`PromptDataError`
+naming the file when more than ``max_bad_fraction`` of the rows are bad, when no row is usable, when the
+file has no rows, is unreadable (corrupt gzip / Parquet), or is a Parquet file without the prompt or answer
+column.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from __future__ import annotations
 import gzip
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -27,7 +31,7 @@ SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
 
 
 class PromptDataError(ValueError):
-    """A prompt file that cannot be used (missing, empty, unknown format, or too many bad rows)."""
+    """A prompt file that cannot be used (missing, empty, unreadable, unknown format, or too many bad rows)."""
 
 
 class PromptTokenizer(Protocol):
@@ -73,11 +77,12 @@ class PromptDataConfig:
 @dataclass(frozen=True)
 class PromptExample:
     """One usable row: ``prompt`` is the text fed to the model (after the chat template), ``prompt_ids`` its
-    token ids (list of int), ``answer`` the ground truth for the reward, ``source`` = "file:line"."""
+    token ids (list of int), ``answer`` the reward's ground truth (as ``parse_answer`` returned it: a string
+    for math, a test-spec dict for code), ``source`` = "file:line"."""
 
     prompt: str
     prompt_ids: list[int]
-    answer: str
+    answer: Any
     source: str
 
 
@@ -111,18 +116,40 @@ class _BadRowError(ValueError):
     """Raised inside the loader for one row; becomes a BadRow."""
 
 
-def _read_rows(path: Path) -> Iterator[tuple[int, Any]]:
-    """(1-based line or row number, parsed row or a _BadRowError) for each non-blank row of ``path``."""
+def _parquet_rows(path: Path, columns: tuple[str, ...]) -> list[dict]:
+    """The rows of a Parquet file that has ``columns``; PromptDataError when unreadable or a column is missing."""
+    import pyarrow as pa  # imported here: only Parquet inputs need it
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except (OSError, pa.ArrowException) as exc:
+        raise PromptDataError(f"{path}: not a readable Parquet file ({exc})") from None
+    for column in columns:
+        if column not in table.column_names:
+            raise PromptDataError(
+                f"{path}: no column '{column}' (columns: {', '.join(table.column_names) or 'none'})"
+            )
+    return table.to_pylist()
+
+
+def _read_rows(path: Path, columns: tuple[str, ...]) -> Iterator[tuple[int, Any]]:
+    """(1-based line or row number, parsed row or a _BadRowError) for each non-blank row of ``path``.
+
+    ``columns`` must exist in a Parquet file (JSON lines are checked row by row).
+    """
     name = path.name.lower()
     if name.endswith(".parquet"):
-        import pyarrow.parquet as pq  # imported here: only Parquet inputs need it
-
-        for i, row in enumerate(pq.read_table(path).to_pylist(), start=1):
-            yield i, row
+        yield from enumerate(_parquet_rows(path, columns), start=1)
         return
     opener = gzip.open if name.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as fh:
-        for i, line in enumerate(fh, start=1):
+    with opener(path, "rb") as fh:
+        for i, raw in enumerate(fh, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                yield i, _BadRowError(f"invalid UTF-8 at byte {exc.start}")
+                continue
             if not line.strip():
                 continue
             try:
@@ -151,19 +178,32 @@ def _prompt_text(prompt: str, tokenizer: PromptTokenizer, config: PromptDataConf
     return prompt, True
 
 
-def _example(row: Any, source: str, tokenizer: PromptTokenizer, config: PromptDataConfig) -> PromptExample:
+def text_answer(value: Any) -> str:
+    """The default answer rule: a non-empty string, or an integer (not a bool) turned into one."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"must be a non-empty string or an integer, got {type(value).__name__}")
+    return value
+
+
+def _example(
+    row: Any,
+    source: str,
+    tokenizer: PromptTokenizer,
+    config: PromptDataConfig,
+    parse_answer: Callable[[Any], Any],
+) -> PromptExample:
     prompt = _field(row, config.prompt_key)
     if not isinstance(prompt, str) or not prompt.strip():
         raise _BadRowError(
             f"field '{config.prompt_key}' must be a non-empty string, got {type(prompt).__name__}"
         )
-    answer = _field(row, config.answer_key)
-    if isinstance(answer, int) and not isinstance(answer, bool):
-        answer = str(answer)
-    if not isinstance(answer, str) or not answer.strip():
-        raise _BadRowError(
-            f"field '{config.answer_key}' must be a non-empty string or an integer, got {type(answer).__name__}"
-        )
+    raw_answer = _field(row, config.answer_key)
+    try:
+        answer = parse_answer(raw_answer)
+    except ValueError as exc:
+        raise _BadRowError(f"field '{config.answer_key}': {exc}") from None
     text, add_special = _prompt_text(prompt, tokenizer, config)
     try:
         ids = list(tokenizer.encode(text, add_special_tokens=add_special))
@@ -175,9 +215,15 @@ def _example(row: Any, source: str, tokenizer: PromptTokenizer, config: PromptDa
 
 
 def load_prompts(
-    path: str | Path, tokenizer: PromptTokenizer, config: PromptDataConfig | None = None
+    path: str | Path,
+    tokenizer: PromptTokenizer,
+    config: PromptDataConfig | None = None,
+    parse_answer: Callable[[Any], Any] = text_answer,
 ) -> PromptDataset:
-    """Load, validate and tokenize the prompts of ``path`` (.jsonl, .jsonl.gz or .parquet)."""
+    """Load, validate and tokenize the prompts of ``path`` (.jsonl, .jsonl.gz or .parquet).
+
+    ``parse_answer`` checks and converts each row's answer (a ValueError makes the row bad).
+    """
     config = config or PromptDataConfig()
     path = Path(path)
     if not path.name.lower().endswith(SUFFIXES):
@@ -185,23 +231,30 @@ def load_prompts(
     if not path.is_file():
         raise PromptDataError(f"{path}: prompt file not found")
     dataset = PromptDataset(examples=[])
-    for line, row in _read_rows(path):
-        source = f"{path}:{line}"
-        try:
-            dataset.examples.append(_example(row, source, tokenizer, config))
-        except _BadRowError as exc:
-            dataset.bad_rows.append(BadRow(source, str(exc)))
-            if len(dataset.bad_rows) <= config.report_first:
-                logger.warning("skipping bad prompt row %s: %s", source, exc)
+    try:
+        for line, row in _read_rows(path, (config.prompt_key, config.answer_key)):
+            source = f"{path}:{line}"
+            try:
+                dataset.examples.append(_example(row, source, tokenizer, config, parse_answer))
+            except _BadRowError as exc:
+                dataset.bad_rows.append(BadRow(source, str(exc)))
+                if len(dataset.bad_rows) <= config.report_first:
+                    logger.warning("skipping bad prompt row %s: %s", source, exc)
+    except (OSError, EOFError) as exc:  # a corrupt or truncated gzip stream
+        raise PromptDataError(f"{path}: cannot read the file ({exc})") from None
     if dataset.total_rows == 0:
         raise PromptDataError(f"{path}: the file has no rows")
     n_bad = len(dataset.bad_rows)
     if n_bad:
         logger.warning("%s: skipped %d of %d rows", path, n_bad, dataset.total_rows)
-    if n_bad / dataset.total_rows > config.max_bad_fraction:
+    if not dataset.examples or n_bad / dataset.total_rows > config.max_bad_fraction:
         first = "; ".join(f"{b.source}: {b.reason}" for b in dataset.bad_rows[: config.report_first])
+        limit = (
+            "none is usable"
+            if not dataset.examples
+            else f"more than max_bad_fraction={config.max_bad_fraction}"
+        )
         raise PromptDataError(
-            f"{path}: {n_bad} of {dataset.total_rows} rows are bad, more than max_bad_fraction="
-            f"{config.max_bad_fraction}; first: {first}"
+            f"{path}: {n_bad} of {dataset.total_rows} rows are bad, {limit}; first: {first}"
         )
     return dataset

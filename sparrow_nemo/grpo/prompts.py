@@ -4,7 +4,12 @@
   ``task`` section) with the character tokenizer; problems are drawn by index, so the stream never ends
   and never repeats within a run. It also supplies (prompt, solution) pairs for the warm-start.
 - ``math`` / ``code``: rows of ``data.train_path`` (:func:`sparrow_nemo.grpo.data.load_prompts`) with the
-  tokenizer of ``model.hf_checkpoint``; epochs are reshuffled with ``trainer.seed``.
+  tokenizer of ``model.hf_checkpoint``; epochs are reshuffled with ``trainer.seed``. Math answers are
+  strings; code answers are test specs (:func:`sparrow_nemo.rewards.code.parse_test_spec`: dicts, assert
+  lists or JSON strings), checked when the file is read so that a bad spec is a bad row, not a crash mid-run.
+
+Either way the tokenizer must fit the model: a tokenizer with more ids than ``model``'s vocabulary is
+refused up front (:func:`check_vocab`), naming both sizes.
 
 The trainer sees only :class:`PromptSource`: ``next_batch(n)``, ``reward(completion, answer)`` and a
 cursor that checkpoints can store.
@@ -18,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sparrow_nemo.config import SparrowConfig
-from sparrow_nemo.rewards.registry import get_reward
+from sparrow_nemo.rewards.registry import bind_reward
 
 #: warm-start problems are drawn from this index on, RL prompts from 0: the sets do not overlap.
 WARMSTART_OFFSET = 10_000_000
@@ -99,6 +104,20 @@ class PromptSource:
         return float(self.reward_fn(self.tokenizer.decode(response_ids), answer))
 
 
+def check_vocab(tokenizer: Any, vocab_size: int, what: str) -> None:
+    """Refuse a tokenizer that can produce ids outside the model's ``vocab_size`` rows (no embedding for them).
+
+    Args:
+        tokenizer: anything with ``len()`` = number of token ids (Hugging Face tokenizers, CharTokenizer).
+        what: names the tokenizer in the error, e.g. its checkpoint folder.
+    """
+    if len(tokenizer) > vocab_size:
+        raise ValueError(
+            f"tokenizer ({what}) has {len(tokenizer)} token ids but the model's vocab_size is {vocab_size}: "
+            "ids from the tokenizer would have no embedding"
+        )
+
+
 def _synthetic_source(config: SparrowConfig) -> PromptSource:
     from sparrow_nemo.tasks.chain import ChainTask, ChainTaskConfig
     from sparrow_nemo.tasks.tokenizer import CharTokenizer
@@ -106,11 +125,7 @@ def _synthetic_source(config: SparrowConfig) -> PromptSource:
     t = config.task
     task = ChainTask(ChainTaskConfig(num_nodes=tuple(t.num_nodes), num_hops=tuple(t.num_hops), seed=t.seed))
     tokenizer = CharTokenizer()
-    vocab = config.model.shape().vocab_size
-    if tokenizer.vocab_size > vocab:
-        raise ValueError(
-            f"model vocab_size={vocab} is smaller than the synthetic task's {tokenizer.vocab_size} token ids"
-        )
+    check_vocab(tokenizer, config.model.shape().vocab_size, "the synthetic task's characters")
 
     def item(index: int) -> PromptItem:
         problem = task.problem(index)
@@ -131,7 +146,7 @@ def _synthetic_source(config: SparrowConfig) -> PromptSource:
 
 
 def _file_source(config: SparrowConfig) -> PromptSource:
-    from sparrow_nemo.grpo.data import PromptDataConfig, load_prompts
+    from sparrow_nemo.grpo.data import PromptDataConfig, load_prompts, text_answer
 
     if config.model.hf_checkpoint is None:
         raise ValueError(
@@ -141,6 +156,11 @@ def _file_source(config: SparrowConfig) -> PromptSource:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(config.model.hf_checkpoint)
+    check_vocab(tokenizer, config.model.shape().vocab_size, config.model.hf_checkpoint)
+    if config.reward.type == "code":
+        from sparrow_nemo.rewards.code import parse_test_spec as parse_answer
+    else:
+        parse_answer = text_answer
     data = config.data
     dataset = load_prompts(
         data.train_path,
@@ -151,18 +171,23 @@ def _file_source(config: SparrowConfig) -> PromptSource:
             max_prompt_tokens=data.max_prompt_tokens,
             max_bad_fraction=data.max_bad_fraction,
         ),
+        parse_answer,
     )
 
     def item(index: int) -> PromptItem:
         example = dataset[index]
         return PromptItem(example.prompt_ids, example.answer)
 
-    reward_fn = get_reward(config.reward.type)
+    reward_fn = bind_reward(config.reward.type, config.reward.options)
     return PromptSource(item, len(dataset), reward_fn, tokenizer, config.trainer.seed, data.shuffle)
 
 
 def build_prompt_source(config: SparrowConfig) -> PromptSource:
     """The :class:`PromptSource` the recipe names (see the module docstring)."""
     if config.reward.type == "synthetic":
+        if config.reward.options:
+            raise ValueError(
+                f"reward.options {sorted(config.reward.options)}: the synthetic task's reward takes no options"
+            )
         return _synthetic_source(config)
     return _file_source(config)

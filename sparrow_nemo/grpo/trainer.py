@@ -4,12 +4,15 @@ Boundaries (NeMo-RL): the algorithm lives here; generation goes through a
 :class:`~sparrow_nemo.rollout.engine.RolloutEngine`; the policy worker is
 :class:`~sparrow_nemo.policy.policy.MegatronPolicy`. Per step:
 
-1. prompts -> ``engine.generate`` (sparse, ``grpo.samples_per_prompt`` samples per prompt, current schedule)
+1. prompts -> ``engine.generate`` (sparse, ``grpo.samples_per_prompt`` samples per prompt, current schedule;
+   the batch is halved and retried on out-of-memory, :mod:`sparrow_nemo.rollout.oom_retry`)
    -> rewards (rank 0; the rollouts are broadcast to the other ranks);
 2. group advantages -> padded micro-batches -> dense logprobs, entropy and top-20 from the policy;
 3. per-token acceptance rate (policy top-20 vs engine top-20) -> :class:`StepReport` -> callbacks
    (the tail scheduler may change ``self.schedule`` for the next step);
-4. policy loss -> one optimizer step -> ``engine.update_weights(policy.export_hf())``;
+4. policy loss -> one optimizer step -> ``engine.update_weights(policy.export_hf())``; a step whose loss or
+   gradient is not finite changes nothing (no update, no refit), is logged and counted
+   (``train/skipped_nonfinite``), and ``trainer.max_consecutive_nonfinite`` of them in a row abort the run;
 5. metrics (JSONL, TensorBoard), checkpoint every ``checkpoint.every_n_steps`` and at the end.
 
 Process model: every rank builds the policy and runs logprobs / train_step (collectives); only rank 0
@@ -31,6 +34,7 @@ from sparrow_nemo.callbacks import (
     build_step_report,
     instantiate_callbacks,
 )
+from sparrow_nemo.callbacks.distill_sparse import DistillData
 from sparrow_nemo.config import SparrowConfig
 from sparrow_nemo.grpo import setup
 from sparrow_nemo.grpo.advantages import compute_advantages
@@ -48,11 +52,16 @@ from sparrow_nemo.grpo.rollout_step import (
 from sparrow_nemo.grpo.rundir import make_run_dir, save_trainer_checkpoint
 from sparrow_nemo.grpo.warmstart import ensure_warm_start
 from sparrow_nemo.rollout.engine import RolloutSample
+from sparrow_nemo.rollout.oom_retry import OomRetryEngine
 from sparrow_nemo.rollout.sampling import sample_seed
 from sparrow_nemo.sparse.cost_model import HARDWARE, DecodeCostModel
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 logger = logging.getLogger(__name__)
+
+
+class NonFiniteTrainingError(RuntimeError):
+    """``trainer.max_consecutive_nonfinite`` RL steps in a row skipped their update (NaN/inf loss or gradient)."""
 
 
 @dataclass
@@ -111,7 +120,9 @@ class GrpoTrainer:
         )
         weights = self.policy.export_hf()
         self.rollout_engine = (
-            setup.build_engine(config, weights, self.prompts.tokenizer) if self.is_main else None
+            OomRetryEngine(setup.build_engine(config, weights, self.prompts.tokenizer))
+            if self.is_main
+            else None
         )
         self.sampling = setup.sampling_params(config)
         schedule = config.sparsity.build_schedule()
@@ -123,10 +134,12 @@ class GrpoTrainer:
             self.run_dir, config.logging.jsonl, config.logging.tensorboard and self.is_main
         )
         self.loss_fn = grpo_loss_fn(policy_loss_config(config.grpo.loss))
+        self.distill_data: DistillData | None = None  # the last step's rollouts (see step)
         self.cost_model = DecodeCostModel(
             config.model.shape(), HARDWARE["h200"], dense_layers=config.sparsity.dense_layers
         )
         self._logged: dict[str, float] = {}
+        self._nonfinite_streak = 0  # steps in a row whose update was skipped for a NaN/inf loss or gradient
 
     # ----- TrainerLike ------------------------------------------------------------------------
     @property
@@ -233,9 +246,16 @@ class GrpoTrainer:
         )
         self.callbacks.on_rollout_end(self, report)
         metrics.update(self._update(data, dense, advantages))
+        # DistillSparse's sparse PG term: this step's rollouts, advantages and (pre-update) dense logprobs
+        self.distill_data = DistillData(samples, advantages.float(), dense.logprobs)
         self.callbacks.on_train_batch_end(self, report, metrics)
         self.state.step += 1
         self._flush_logged(step, metrics)
+        if self._nonfinite_streak >= cfg.trainer.max_consecutive_nonfinite:
+            raise NonFiniteTrainingError(
+                f"step {step}: {self._nonfinite_streak} steps in a row skipped for a non-finite loss or gradient "
+                f"(trainer.max_consecutive_nonfinite={cfg.trainer.max_consecutive_nonfinite}); aborting"
+            )
         return metrics
 
     # ----- pieces -------------------------------------------------------------------------------
@@ -286,12 +306,20 @@ class GrpoTrainer:
                 f"{len(batches)} micro-batches per step do not split over {dp} data-parallel ranks"
             )
         result = self.policy.train_step(batches[dp_rank::dp], self.loss_fn)
-        weights = self.policy.export_hf()
-        if self.is_main:
-            self.rollout_engine.update_weights(weights)
+        if result.skipped is None:
+            self._nonfinite_streak = 0
+            weights = self.policy.export_hf()
+            if self.is_main:
+                self.rollout_engine.update_weights(weights)
+        else:  # weights unchanged: nothing to refit
+            if result.skipped != "loss_scale":  # an fp16 overflow is the grad scaler's business, not a fault
+                self._nonfinite_streak += 1
+            if self.is_main:
+                logger.warning("step %d: update skipped, %s", self.state.step, result.skip_detail)
         out = {f"train/{k}": float(v) for k, v in result.metrics.items()}
         out["train/loss"] = result.loss
         out["train/grad_norm"] = result.grad_norm
+        out["train/skipped_nonfinite"] = float(result.skipped is not None)
         return out
 
     def _evaluate(self, tag: str, schedule: BudgetSchedule) -> None:

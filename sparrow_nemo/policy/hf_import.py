@@ -25,9 +25,18 @@ import torch.distributed as dist
 from sparrow_nemo.model_shapes import Qwen3Shape
 from sparrow_nemo.policy.model import PolicyModelSpec, unwrap_model
 from sparrow_nemo.policy.parallel import stage_layer_range
-
-# How a weight is laid out over tensor-parallel ranks.
-REPLICATED, COLUMNS, QKV, FC1, VOCAB = "replicated", "columns", "qkv", "fc1", "vocab"
+from sparrow_nemo.policy.tp_layout import (
+    COLUMNS,
+    FC1,
+    QKV,
+    REPLICATED,
+    VOCAB,
+    all_gather_shards,
+    fuse_fc1,
+    fuse_qkv,
+    merge_shards,
+    split_shard,
+)
 
 #: per-layer weights: (megatron suffix, HF suffixes, layout). The two norms have TE-spec names too.
 _LAYER_RULES: tuple[tuple[str, tuple[str, ...], str], ...] = (
@@ -121,64 +130,6 @@ def hf_config_dict(shape: Qwen3Shape, dtype: torch.dtype = torch.float32) -> dic
     }
 
 
-# ----------------------------------------------------------------------------- tensor layouts
-
-
-def _split(full: torch.Tensor, layout: str, tp: int, rank: int, padded_vocab: int) -> torch.Tensor:
-    """This TP rank's megatron slice of one unfused HF tensor (replicated, column-split or vocab-padded)."""
-    if layout == REPLICATED:
-        return full
-    if layout == COLUMNS:
-        return full.chunk(tp, dim=1)[rank]
-    if layout == VOCAB:
-        padded = full.new_zeros((padded_vocab, full.shape[1]))
-        padded[: full.shape[0]] = full
-        return padded.chunk(tp, dim=0)[rank]
-    raise AssertionError(layout)
-
-
-def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: Qwen3Shape, tp: int, rank: int):
-    """[Hq*D, H], [Hkv*D, H], [Hkv*D, H] -> this rank's ``linear_qkv`` rows [(Hkv/tp)*(G+2)*D, H]."""
-    hkv, d, g, h = shape.num_key_value_heads, shape.head_dim, shape.gqa_group_size, q.shape[1]
-    grouped = torch.cat([q.view(hkv, g * d, h), k.view(hkv, d, h), v.view(hkv, d, h)], dim=1)
-    return grouped.chunk(tp, dim=0)[rank].reshape(-1, h)
-
-
-def _unfuse_qkv(shards: list[torch.Tensor], shape: Qwen3Shape) -> list[torch.Tensor]:
-    """Inverse of :func:`_fuse_qkv` over all TP shards -> [q, k, v] in HF layout."""
-    hkv, d, g = shape.num_key_value_heads, shape.head_dim, shape.gqa_group_size
-    full = torch.cat(shards, dim=0)
-    grouped = full.view(hkv, (g + 2) * d, full.shape[1])
-    q, k, v = grouped.split([g * d, d, d], dim=1)
-    return [t.reshape(-1, full.shape[1]).contiguous() for t in (q, k, v)]
-
-
-def _fuse_fc1(gate: torch.Tensor, up: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
-    """[I, H] gate and up -> this rank's ``linear_fc1`` rows [2*I/tp, H] = [gate slice; up slice]."""
-    return torch.cat([gate.chunk(tp, dim=0)[rank], up.chunk(tp, dim=0)[rank]], dim=0)
-
-
-def _unfuse_fc1(shards: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Inverse of :func:`_fuse_fc1` -> [gate, up]."""
-    halves = [s.chunk(2, dim=0) for s in shards]
-    return [torch.cat([h[0] for h in halves]).contiguous(), torch.cat([h[1] for h in halves]).contiguous()]
-
-
-def _merge(shards: list[torch.Tensor], layout: str, shape: Qwen3Shape) -> list[torch.Tensor]:
-    """All TP shards of one megatron weight -> its HF tensors (list, HF-suffix order)."""
-    if layout == REPLICATED:
-        return [shards[0].clone()]
-    if layout == COLUMNS:
-        return [torch.cat(shards, dim=1)]
-    if layout == VOCAB:
-        return [torch.cat(shards, dim=0)[: shape.vocab_size].contiguous()]
-    if layout == QKV:
-        return _unfuse_qkv(shards, shape)
-    if layout == FC1:
-        return _unfuse_fc1(shards)
-    raise AssertionError(layout)
-
-
 # ----------------------------------------------------------------------------- name plan
 
 
@@ -219,11 +170,12 @@ class SafetensorsDir:
         index = self.path / "model.safetensors.index.json"
         single = self.path / "model.safetensors"
         if index.is_file():
-            self.weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            weight_map = _read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise CheckpointFormatError(f"{index}: no 'weight_map' object")
+            self.weight_map: dict[str, str] = weight_map
         elif single.is_file():
-            from safetensors import safe_open
-
-            with safe_open(str(single), framework="pt") as f:
+            with _open_safetensors(single) as f:
                 self.weight_map = dict.fromkeys(f.keys(), "model.safetensors")
         else:
             raise FileNotFoundError(
@@ -235,16 +187,43 @@ class SafetensorsDir:
         cfg = self.path / "config.json"
         if not cfg.is_file():
             raise FileNotFoundError(f"{cfg} not found")
-        return json.loads(cfg.read_text())
+        return _read_json(cfg)
 
     def get(self, name: str) -> torch.Tensor:
         """One tensor by HF name; a KeyError names the tensor and the directory."""
-        from safetensors import safe_open
+        from safetensors import SafetensorError
 
         if name not in self.weight_map:
             raise KeyError(f"tensor '{name}' not found in the checkpoint {self.path}")
-        with safe_open(str(self.path / self.weight_map[name]), framework="pt") as f:
-            return f.get_tensor(name)
+        file = self.path / self.weight_map[name]
+        with _open_safetensors(file) as f:
+            try:
+                return f.get_tensor(name)
+            except SafetensorError as exc:
+                raise CheckpointFormatError(f"{file}: cannot read tensor '{name}' ({exc})") from None
+
+
+def _read_json(path: Path) -> dict:
+    """A JSON object file; CheckpointFormatError naming the file when it is not one."""
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointFormatError(f"{path}: invalid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise CheckpointFormatError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _open_safetensors(path: Path):
+    """``safe_open(path)``; CheckpointFormatError naming the file when it is truncated or not safetensors."""
+    from safetensors import SafetensorError, safe_open
+
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found (named by the checkpoint index)")
+    try:
+        return safe_open(str(path), framework="pt")
+    except SafetensorError as exc:
+        raise CheckpointFormatError(f"{path}: not a readable safetensors file ({exc})") from None
 
 
 def _hf_shape(name: str, shape: Qwen3Shape) -> tuple[int, ...]:
@@ -274,6 +253,7 @@ def megatron_shard_from_hf(
 ) -> dict[str, torch.Tensor]:
     """This rank's megatron-named tensors built from HF tensors (a dict or a checkpoint reader)."""
     get = hf.get if isinstance(hf, SafetensorsDir) else hf.__getitem__
+    where = f"{hf.path}: " if isinstance(hf, SafetensorsDir) else ""
     shape, tp, rank = spec.shape, spec.layout.tp, spec.tp_rank
     out: dict[str, torch.Tensor] = {}
     for key, hf_names, layout in weight_plan(spec):
@@ -282,15 +262,16 @@ def megatron_shard_from_hf(
             t = get(name)
             if tuple(t.shape) != _hf_shape(name, shape):
                 raise CheckpointFormatError(
-                    f"tensor '{name}' has shape {tuple(t.shape)}, expected {_hf_shape(name, shape)}"
+                    f"{where}tensor '{name}' has shape {tuple(t.shape)}, expected {_hf_shape(name, shape)}"
+                    " from the model config"
                 )
             tensors.append(t)
         if layout == QKV:
-            out[key] = _fuse_qkv(*tensors, shape=shape, tp=tp, rank=rank)
+            out[key] = fuse_qkv(*tensors, shape=shape, tp=tp, rank=rank)
         elif layout == FC1:
-            out[key] = _fuse_fc1(*tensors, tp=tp, rank=rank)
+            out[key] = fuse_fc1(*tensors, tp=tp, rank=rank)
         else:
-            out[key] = _split(tensors[0], layout, tp, rank, spec.padded_vocab)
+            out[key] = split_shard(tensors[0], layout, tp, rank, spec.padded_vocab)
     return out
 
 
@@ -323,15 +304,6 @@ def load_hf_into_model(model: torch.nn.Module, spec: PolicyModelSpec, hf_dir: st
 # ----------------------------------------------------------------------------- export
 
 
-def _all_gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
-    size = dist.get_world_size(group)
-    if size == 1:
-        return [tensor]
-    out = [torch.empty_like(tensor) for _ in range(size)]
-    dist.all_gather(out, tensor.contiguous(), group=group)
-    return out
-
-
 @torch.no_grad()
 def export_hf_state_dict(model: torch.nn.Module, spec: PolicyModelSpec) -> dict[str, torch.Tensor]:
     """Full HF-named tensors (CPU, the model's dtype) of the whole model, returned on every rank.
@@ -345,9 +317,11 @@ def export_hf_state_dict(model: torch.nn.Module, spec: PolicyModelSpec) -> dict[
     local: dict[str, torch.Tensor] = {}
     for key, hf_names, layout in weight_plan(spec):
         shards = (
-            _all_gather(params[key].detach(), tp_group) if layout != REPLICATED else [params[key].detach()]
+            all_gather_shards(params[key].detach(), tp_group)
+            if layout != REPLICATED
+            else [params[key].detach()]
         )
-        for name, tensor in zip(hf_names, _merge(shards, layout, spec.shape), strict=True):
+        for name, tensor in zip(hf_names, merge_shards(shards, layout, spec.shape), strict=True):
             local[name] = tensor.cpu()
     if spec.layout.pp == 1:
         return local

@@ -18,7 +18,7 @@ Tensor parallelism (sequence parallelism off):
 Import/export use the rollout engine's :class:`~sparrow_nemo.rollout.lora.LoraAdapter` in Hugging Face
 module names: the fused ``linear_qkv`` is ``q_proj``/``k_proj``/``v_proj`` with one shared ``A`` and ``B``
 split by rows, ``linear_fc1`` likewise ``gate_proj``/``up_proj``; the row layouts reuse the weights'
-(:mod:`sparrow_nemo.policy.hf_import`), so export -> ``engine.set_lora`` reproduces the policy exactly.
+(:mod:`sparrow_nemo.policy.tp_layout`), so export -> ``engine.set_lora`` reproduces the policy exactly.
 """
 
 from __future__ import annotations
@@ -32,9 +32,18 @@ import torch
 import torch.distributed as dist
 
 from sparrow_nemo.model_shapes import Qwen3Shape
-from sparrow_nemo.policy.hf_import import COLUMNS, FC1, QKV, _all_gather, _fuse_fc1, _fuse_qkv, _merge, _split
 from sparrow_nemo.policy.model import PolicyModelSpec, unwrap_model
 from sparrow_nemo.policy.parallel import stage_layer_range
+from sparrow_nemo.policy.tp_layout import (
+    COLUMNS,
+    FC1,
+    QKV,
+    all_gather_shards,
+    fuse_fc1,
+    fuse_qkv,
+    merge_shards,
+    split_shard,
+)
 from sparrow_nemo.rollout.lora import LoraAdapter
 
 #: megatron module (under ``decoder.layers.{i}.``) -> (HF modules, column-parallel?, row layout of B / A)
@@ -174,8 +183,9 @@ class MegatronLora(torch.nn.Module):
         inner = unwrap_model(model)
         if spec.use_te:
             raise ValueError(
-                "LoRA needs the local layer spec (Transformer Engine fuses the RMSNorm into linear_qkv/"
-                "linear_fc1, so the adapter would see the un-normalised input); build the policy with use_te=False"
+                "LoRA does not support the Transformer Engine layer spec (TE fuses the RMSNorm into "
+                "linear_qkv/linear_fc1, so the adapter's hook would see the un-normalised input, and TE needs "
+                "CUDA to build and test); build the policy with the local spec (use_te=False)"
             )
         if inner.config.sequence_parallel:
             raise ValueError("LoRA: sequence parallelism is not supported")
@@ -283,12 +293,12 @@ class MegatronLora(torch.nn.Module):
                 if column:
                     a = a_list[0]
                     b = (
-                        _fuse_qkv(*b_list, shape=shape, tp=tp, rank=rank)
+                        fuse_qkv(*b_list, shape=shape, tp=tp, rank=rank)
                         if layout == QKV
-                        else (_fuse_fc1(*b_list, tp=tp, rank=rank))
+                        else (fuse_fc1(*b_list, tp=tp, rank=rank))
                     )
                 else:
-                    a, b = _split(a_list[0], COLUMNS, tp, rank, 0), b_list[0]
+                    a, b = split_shard(a_list[0], COLUMNS, tp, rank, 0), b_list[0]
                 key = self.key(layer, target)
                 for suffix, value in (("__a", a), ("__b", b)):
                     param = self.params[key + suffix]
@@ -316,7 +326,7 @@ class MegatronLora(torch.nn.Module):
                 key = self.key(layer, target)
                 a, b = (self._value(self.params[key + s], grads) for s in ("__a", "__b"))
                 split, whole = (b, a) if column else (a, b)
-                merged = _merge(_all_gather(split, tp_group), layout, shape)
+                merged = merge_shards(all_gather_shards(split, tp_group), layout, shape)
                 replicated = whole.clone()
                 for name, part in zip(hf_modules, merged, strict=True):
                     pair = (replicated, part) if column else (part, replicated)

@@ -17,10 +17,16 @@ What runs where:
      when pp > 1 and the embeddings are tied;
   4. global L2 norm over the model-parallel group, counting TP-replicated and PP-shared weights once,
      then scaling every gradient by ``min(1, clip / (norm + 1e-6))``.
+
+Non-finite guard (both paths): the global norm is computed after the gradient sync, so every rank sees
+the same value; when it is not finite (a NaN/inf gradient on any rank) the update is skipped - no weight
+and no optimizer moment changes - and :meth:`step` says so in its :class:`UpdateOutcome`. On GPU with
+fp16, megatron's grad scaler reports overflows first (``"loss_scale"``; the scaler backs off by itself).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,6 +63,20 @@ class OptimizerSettings:
             raise ValueError(f"OptimizerSettings.betas must lie in [0, 1), got {self.betas}")
         if self.weight_decay < 0 or self.grad_clip < 0:
             raise ValueError("OptimizerSettings.weight_decay and grad_clip must be >= 0")
+
+
+@dataclass(frozen=True)
+class UpdateOutcome:
+    """What one optimizer step did.
+
+    Attributes:
+        grad_norm: global L2 gradient norm before clipping (NaN when megatron's fp16 scaler found an overflow).
+        skipped: None when the update was applied; else why not: ``"grad_norm"`` (the global gradient norm
+            is not finite) or ``"loss_scale"`` (fp16 grad-scaler overflow, GPU only).
+    """
+
+    grad_norm: float
+    skipped: str | None = None
 
 
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -128,12 +148,14 @@ class TorchPolicyOptimizer:
         """Drop accumulated gradients."""
         self.model.zero_grad(set_to_none=True)
 
-    def step(self) -> float:
-        """Sync, clip and apply the accumulated gradients. Returns the pre-clip global grad norm."""
+    def step(self) -> UpdateOutcome:
+        """Sync and clip the accumulated gradients, then apply them unless the global norm is not finite."""
         sync_grads_cpu(self.model, self.tie_embeddings)
         norm = clip_grads_cpu(self.model, self.settings.grad_clip)
+        if not math.isfinite(norm):
+            return UpdateOutcome(norm, skipped="grad_norm")
         self.optimizer.step()
-        return norm
+        return UpdateOutcome(norm)
 
     def state_dict(self) -> dict:
         """This rank's optimizer state (its parameter shard's Adam moments)."""
@@ -179,10 +201,31 @@ class MegatronPolicyOptimizer:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
 
-    def step(self) -> float:
-        """Apply the (already finalized by the schedule) gradients. Returns the grad norm."""
-        _, grad_norm, _ = self.optimizer.step()
-        return float(grad_norm) if grad_norm is not None else float("nan")
+    def step(self) -> UpdateOutcome:
+        """Apply the (already finalized by the schedule) gradients unless they are not finite.
+
+        megatron's own ``step()`` checks only fp16 overflows; this is its sequence (prepare, global norm,
+        clip by that norm, update) with the norm checked before anything is written, for every precision.
+        """
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        optimizer = self.optimizer
+        if optimizer.prepare_grads():  # fp16: unscaled, found inf/NaN, scaler updated
+            return UpdateOutcome(float("nan"), skipped="loss_scale")
+        grad_norm = float(optimizer.get_grad_norm())  # reduced over the grad-stats group: equal on all ranks
+        if not math.isfinite(grad_norm):
+            return UpdateOutcome(grad_norm, skipped="grad_norm")
+        for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+            params = sub.get_parameters()
+            if sub.config.clip_grad > 0 and params and not getattr(sub, "is_stub_optimizer", False):
+                clip_grad_by_total_norm_fp32(
+                    params,
+                    max_norm=sub.config.clip_grad,
+                    total_norm=grad_norm,
+                    use_decoupled_grad=sub.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
+                )
+        optimizer.step_with_ready_grads()
+        return UpdateOutcome(grad_norm)
 
     def state_dict(self) -> dict:
         """Optimizer state except, for the distributed optimizer, the sharded moments (see below)."""

@@ -1,7 +1,13 @@
-"""One optimizer step: forward/backward over micro-batches (gradient accumulation), sync, clip, update."""
+"""One optimizer step: forward/backward over micro-batches (gradient accumulation), sync, clip, update.
+
+Non-finite guard: a NaN/inf loss in any micro-batch on any rank, or a non-finite global gradient norm
+after the gradient sync, skips the update on every rank (weights and optimizer moments unchanged); the
+:class:`StepResult` names the offending statistic.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -20,11 +26,50 @@ class StepResult:
         loss: mean over micro-batches and data-parallel replicas of the loss_fn values.
         grad_norm: global L2 gradient norm before clipping.
         metrics: loss_fn metrics, mean over micro-batches (of this data-parallel replica's last stage).
+        skipped: None when the update was applied; else the statistic that was not finite: ``"loss"``,
+            ``"grad_norm"`` or ``"loss_scale"`` (megatron's fp16 grad-scaler overflow, which recovers by itself).
+        skip_detail: for a skipped step, which value and where, e.g. ``"loss is nan in micro-batch 1 of
+            data-parallel rank 0"``.
     """
 
     loss: float
     grad_norm: float
     metrics: dict[str, float]
+    skipped: str | None = None
+    skip_detail: str = ""
+
+
+#: all-reduce MIN sentinel: no non-finite loss on this rank
+_NO_BAD_LOSS = 1 << 62
+
+
+def first_nonfinite_loss(losses: list[torch.Tensor], num_microbatches: int) -> str | None:
+    """Which micro-batch loss is not finite, agreed by every rank of the run (collective when distributed).
+
+    Args:
+        losses: this rank's per-micro-batch scalar losses (empty off the last pipeline stage).
+        num_microbatches: micro-batches per data-parallel rank (the same on every rank).
+
+    Returns:
+        None when all are finite everywhere; else ``"loss is nan|inf in micro-batch i of data-parallel
+        rank r"`` for the first offender (lowest data-parallel rank, then micro-batch).
+    """
+    from megatron.core import parallel_state as ps
+
+    code = _NO_BAD_LOSS
+    for i, loss in enumerate(losses):
+        value = float(loss)
+        if not math.isfinite(value):
+            code = ((ps.get_data_parallel_rank() * num_microbatches + i) << 1) | int(math.isinf(value))
+            break
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        flag = torch.tensor([code], dtype=torch.int64, device="cuda" if torch.cuda.is_available() else "cpu")
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        code = int(flag.item())
+    if code == _NO_BAD_LOSS:
+        return None
+    rank, micro = divmod(code >> 1, num_microbatches)
+    return f"loss is {'inf' if code & 1 else 'nan'} in micro-batch {micro} of data-parallel rank {rank}"
 
 
 def train_step(
@@ -41,7 +86,16 @@ def train_step(
     model.train()
     optimizer.zero_grad()
     results = run_microbatches(model, spec, batches, loss_fn)
-    grad_norm = optimizer.step()
+    detail = first_nonfinite_loss([r[0] for r in results], len(batches))
+    if detail is not None:
+        grad_norm, skipped = float("nan"), "loss"
+    else:
+        outcome = optimizer.step()
+        grad_norm, skipped = outcome.grad_norm, outcome.skipped
+        if skipped == "grad_norm":
+            detail = f"grad_norm is {grad_norm}"
+        elif skipped == "loss_scale":
+            detail = "fp16 loss-scale overflow"
     if spec.post_process:
         loss = torch.stack([r[0].float().cpu() for r in results]).mean()
         keys = results[0][1].keys()
@@ -56,4 +110,6 @@ def train_step(
         dist.all_reduce(loss, group=dp_group)
         loss = loss.cpu() / spec.layout.dp
     loss_value, metrics = broadcast_from_last_stage(spec, (float(loss), metrics))
-    return StepResult(loss=loss_value, grad_norm=grad_norm, metrics=metrics)
+    return StepResult(
+        loss=loss_value, grad_norm=grad_norm, metrics=metrics, skipped=skipped, skip_detail=detail or ""
+    )

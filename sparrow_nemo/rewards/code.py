@@ -10,6 +10,10 @@ Test specs (the ``ground_truth`` of the reward registry), one dict per problem:
 - assert lists (MBPP, code-r1 style): ``{"format": "asserts", "tests": [str], "setup": str (optional)}``;
   one process per assert statement, after the solution and ``setup``.
 
+Shorthands (what code datasets store): a list of assert statements is an ``asserts`` spec, and a JSON string
+holding a spec or such a list (Parquet columns often do) is parsed; :func:`parse_test_spec` turns either into
+the dict, checking it, so a prompt loader can refuse a bad row up front.
+
 Optional keys in every spec: ``"mode"`` ("fraction": passed cases / cases, the default; "all": 1.0 only if
 every case passes, stopping at the first failure) and ``"limits"`` (a dict of
 :class:`~sparrow_nemo.rewards.code_sandbox.SandboxLimits` fields).
@@ -20,6 +24,7 @@ else the whole completion.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -79,18 +84,56 @@ def _cases(code: str, spec: dict) -> list[tuple[str, str, str | None, bool]]:
     raise ValueError(f"unknown code test format {fmt!r}; expected 'humaneval', 'stdio' or 'asserts'")
 
 
+def parse_test_spec(value: Any) -> dict:
+    """A checked test-spec dict from a spec dict, a list of assert statements, or a JSON string of either.
+
+    Raises:
+        ValueError: one line saying what is wrong (unknown format, missing or ill-typed key, bad mode or
+            limits, a string that is not JSON).
+    """
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"code test spec string is not JSON ({exc.msg} at column {exc.colno})") from None
+        if isinstance(value, str):
+            raise ValueError("code test spec string holds a JSON string, expected an object or a list")
+    if isinstance(value, list):
+        if not all(isinstance(t, str) for t in value):
+            raise ValueError("a code test list must hold assert statements (strings)")
+        value = {"format": "asserts", "tests": value}
+    if not isinstance(value, dict):
+        raise ValueError(
+            f"code test spec must be a dict, a list of asserts or a JSON string, got {type(value).__name__}"
+        )
+    mode = value.get("mode", "fraction")
+    if mode not in _MODES:
+        raise ValueError(f"code test spec 'mode' must be one of {_MODES}, got {mode!r}")
+    limits = value.get("limits", {})
+    if not isinstance(limits, dict):
+        raise ValueError(f"code test spec 'limits' must be a dict, got {type(limits).__name__}")
+    try:
+        SandboxLimits(**limits)
+    except TypeError as exc:
+        raise ValueError(f"code test spec 'limits': {exc}") from None
+    _cases("", value)  # format and its keys
+    return value
+
+
 def outputs_match(actual: str, expected: str) -> bool:
     """Whitespace-insensitive comparison: equal lists of whitespace-separated tokens."""
     return actual.split() == expected.split()
 
 
-def code_reward(completion: str, spec: dict) -> float:
-    """Reward in [0, 1] of ``completion`` on the test ``spec`` (see the module docstring)."""
-    if not isinstance(spec, dict):
-        raise ValueError(f"code_reward: the test spec must be a dict, got {type(spec).__name__}")
-    mode = spec.get("mode", "fraction")
-    if mode not in _MODES:
-        raise ValueError(f"code test spec 'mode' must be one of {_MODES}, got {mode!r}")
+def code_reward(completion: str, spec: Any, mode: str | None = None) -> float:
+    """Reward in [0, 1] of ``completion`` on ``spec`` (a dict, or a :func:`parse_test_spec` shorthand).
+
+    ``mode`` ("fraction" or "all", the recipe's ``reward.options.mode``) overrides the spec's own.
+    """
+    spec = parse_test_spec(spec)
+    if mode is not None and mode not in _MODES:
+        raise ValueError(f"code reward mode must be one of {_MODES}, got {mode!r}")
+    mode = mode or spec.get("mode", "fraction")
     limits = SandboxLimits(**spec.get("limits", {}))
     cases = _cases(extract_code(completion), spec)
     passed = 0
@@ -103,7 +146,7 @@ def code_reward(completion: str, spec: dict) -> float:
     return passed / len(cases) if mode == "fraction" else 1.0
 
 
-def code_rewards(completions: Sequence[str], specs: Sequence[dict], workers: int = 2) -> list[float]:
+def code_rewards(completions: Sequence[str], specs: Sequence[Any], workers: int = 2) -> list[float]:
     """:func:`code_reward` for each (completion, spec) pair, ``workers`` sandboxes at a time."""
     if len(completions) != len(specs):
         raise ValueError(f"code_rewards: {len(completions)} completions but {len(specs)} specs")

@@ -1,4 +1,7 @@
-"""Reward functions by name. Each is ``fn(completion: str, ground_truth) -> float`` in [0, 1].
+"""Reward functions by name. Each is ``fn(completion: str, ground_truth, **options) -> float`` in [0, 1].
+
+``reward.options`` from the recipe are bound as keyword arguments by :func:`bind_reward`, which refuses an
+option the function does not take (e.g. ``++reward.options.mode=all`` for code, ``timeout_s`` for math).
 
 Built-ins are imported lazily (the code sandbox and math_verify are only loaded when asked for):
 
@@ -9,7 +12,9 @@ Built-ins are imported lazily (the code sandbox and math_verify are only loaded 
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -48,3 +53,23 @@ def get_reward(name: str) -> RewardFn:
         raise KeyError(f"unknown reward '{name}'; known: {', '.join(reward_names())}")
     module, attr = _BUILTIN[name].split(":")
     return getattr(importlib.import_module(module), attr)
+
+
+def bind_reward(name: str, options: dict[str, Any]) -> RewardFn:
+    """:func:`get_reward` with ``options`` bound as keyword arguments (the recipe's ``reward.options``).
+
+    Raises:
+        ValueError: an option the reward function does not accept; names it and the accepted ones.
+    """
+    fn = get_reward(name)
+    if not options:
+        return fn
+    params = list(inspect.signature(fn).parameters.values())[2:]  # after (completion, ground_truth)
+    accepted = [p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    for key in options:
+        if key not in accepted:
+            raise ValueError(
+                f"reward.options.{key}: reward '{name}' takes no option '{key}' "
+                f"(accepted: {', '.join(accepted) or 'none'})"
+            )
+    return functools.partial(fn, **options)

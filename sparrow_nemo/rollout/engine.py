@@ -172,12 +172,15 @@ class RolloutEngine(Protocol):
         sampling: SamplingParams,
         schedule: BudgetSchedule,
         *,
+        sample_seeds: Sequence[int] | None = None,
         on_tokens: TokenProgress | None = None,
     ) -> RolloutBatch:
         """Sample one response per prompt with the sparse layers following ``schedule``.
 
-        ``on_tokens`` (optional) is told how many tokens were generated, as the engine can see them:
-        every few decode steps for the reference engine, once at the end for TensorRT-LLM.
+        Sample i draws from seed ``sample_seeds[i]`` (default ``sample_seed(sampling.seed, i)``), so a part
+        of a batch reproduces its samples in the whole batch. ``on_tokens`` (optional) is told how many
+        tokens were generated, as the engine can see them: every few decode steps for the reference
+        engine, once at the end for TensorRT-LLM.
         """
         ...
 

@@ -41,9 +41,9 @@ from sparrow_nemo.rollout.paged_attention import (
 from sparrow_nemo.rollout.paged_cache import PagedKVCache
 from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder, linear_in_out
 from sparrow_nemo.rollout.sampling import (
+    batch_seeds,
     draw_uniforms,
     make_generators,
-    sample_seed,
     sample_tokens,
     token_logprobs,
 )
@@ -419,14 +419,7 @@ class ReferenceRolloutEngine:
                 f"{self.page_size} tokens"
             )
         prompt_ids = [self._as_ids(p, i, "prompt") for i, p in enumerate(prompts)]
-        n = len(prompt_ids)
-        seeds = (
-            list(sample_seeds)
-            if sample_seeds is not None
-            else [sample_seed(sampling.seed, i) for i in range(n)]
-        )
-        if len(seeds) != n:
-            raise ValueError(f"sample_seeds has {len(seeds)} entries for {n} prompts")
+        seeds = batch_seeds(sampling.seed, len(prompt_ids), sample_seeds)
         max_pos = self.shape.max_position_embeddings
         for i, p in enumerate(prompt_ids):
             if p.numel() >= max_pos:

@@ -25,6 +25,16 @@ def sample_seed(seed: int, index: int) -> int:
     return (z ^ (z >> 31)) & ((1 << 63) - 1)
 
 
+def batch_seeds(seed: int, count: int, sample_seeds: Sequence[int] | None = None) -> list[int]:
+    """Per-sample seeds of a ``count``-prompt batch: ``sample_seeds`` when given (checked to have ``count``
+    entries), else ``sample_seed(seed, i)`` for i in 0..count-1."""
+    if sample_seeds is None:
+        return [sample_seed(seed, i) for i in range(count)]
+    if len(sample_seeds) != count:
+        raise ValueError(f"sample_seeds has {len(sample_seeds)} entries for {count} prompts")
+    return [int(s) for s in sample_seeds]
+
+
 def make_generators(seeds: Sequence[int]) -> list[torch.Generator]:
     """One CPU generator per sample."""
     return [torch.Generator().manual_seed(int(s)) for s in seeds]

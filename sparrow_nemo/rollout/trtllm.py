@@ -43,7 +43,7 @@ from sparrow_nemo.rollout.engine import (
     TokenProgress,
 )
 from sparrow_nemo.rollout.lora import LoraAdapter
-from sparrow_nemo.rollout.sampling import sample_seed
+from sparrow_nemo.rollout.sampling import batch_seeds
 from sparrow_nemo.rollout.trtllm_sparse import SparrowSparseSpec
 from sparrow_nemo.rollout.trtllm_weights import buckets, merge_lora, refit_tensors
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET, BudgetSchedule
@@ -267,12 +267,13 @@ class TrtllmRolloutEngine:
         sampling: SamplingParams,
         schedule: BudgetSchedule,
         *,
+        sample_seeds: Sequence[int] | None = None,
         on_tokens: TokenProgress | None = None,
     ) -> RolloutBatch:
-        """Sample one response per prompt; sample i uses seed ``sample_seed(sampling.seed, i)``.
-
-        ``on_tokens`` hears the total once, when ``LLM.generate`` returns (it runs the batch as one call).
-        """
+        """Sample one response per prompt; sample i uses seed ``sample_seeds[i]`` (default
+        ``sample_seed(sampling.seed, i)``). ``on_tokens`` hears the total once, when ``LLM.generate``
+        returns (it runs the batch as one call)."""
+        seeds = batch_seeds(sampling.seed, len(prompts), sample_seeds)
         self._check_awake()
         if sampling.temperature not in (0.0, 1.0) or sampling.top_k or sampling.top_p < 1.0:
             log.warning(
@@ -285,10 +286,7 @@ class TrtllmRolloutEngine:
         self._use_schedule(schedule)
         eos = self.shape.eos_token_id
         stop_ids = (eos,) if sampling.stop_token_ids is None else sampling.stop_token_ids
-        params = [
-            self._trtllm.SamplingParams(**sampling_kwargs(sampling, sample_seed(sampling.seed, i), eos))
-            for i in range(len(prompts))
-        ]
+        params = [self._trtllm.SamplingParams(**sampling_kwargs(sampling, seed, eos)) for seed in seeds]
         t0 = time.perf_counter()
         outputs = self._llm.generate([list(p) for p in prompts], sampling_params=params, use_tqdm=False)
         elapsed = time.perf_counter() - t0

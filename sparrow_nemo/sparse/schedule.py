@@ -76,10 +76,10 @@ class BudgetSchedule:
     def __post_init__(self) -> None:
         object.__setattr__(self, "budgets", tuple(self.budgets))
         label = f"schedule '{self.name}'" if self.name else "schedule"
-        if self.page_size <= 0:
-            raise ValueError(f"{label}: page_size must be > 0 tokens, got {self.page_size}")
-        if self.bin_tokens <= 0:
-            raise ValueError(f"{label}: bin_tokens must be > 0, got {self.bin_tokens}")
+        for key in ("page_size", "bin_tokens"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{label}: {key} must be an int > 0 (tokens), got {value!r}")
         if not self.budgets:
             raise ValueError(f"{label}: budgets must hold at least one value")
         for i, b in enumerate(self.budgets):
@@ -211,13 +211,16 @@ class BudgetSchedule:
 
     @classmethod
     def from_yaml(cls, source: str | Path) -> BudgetSchedule:
-        """Schedule from a YAML file path or a YAML string."""
-        if isinstance(source, Path) or ("\n" not in source and os.path.isfile(source)):
-            text = Path(source).read_text()
-        else:
-            text = source
+        """Schedule from a YAML file path or a YAML string; a bad file is a one-line ValueError naming it."""
+        is_file = isinstance(source, Path) or ("\n" not in source and os.path.isfile(source))
+        where = f"schedule file {source}" if is_file else "schedule YAML"
         try:
-            data = yaml.safe_load(text)
+            data = yaml.safe_load(Path(source).read_text() if is_file else source)
         except yaml.YAMLError as exc:
-            raise ValueError(f"schedule YAML {source!s:.80} does not parse: {exc}") from exc
-        return cls.from_dict(data)
+            raise ValueError(f"{where} does not parse: {' '.join(str(exc).split())}") from None
+        try:
+            return cls.from_dict(data)
+        except ValueError as exc:
+            if not is_file:
+                raise
+            raise ValueError(f"{where}: {exc}") from None

@@ -8,7 +8,7 @@ adapter and its optimizer state survive a checkpoint.
 
 Not checked here: that the probe p5 rises. On this random model it does not (the adapter fits its
 batch but the held-out KL grows: the sparse/dense mismatch of random weights is not systematic);
-the tail effect needs a trained model (``recipes/tiny_cpu_distill.yaml``).
+the effect on a warm-started model is measured in ``tests/test_distill_e2e.py``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from policy._helpers import make_hf_checkpoint, single_rank_env
+from policy._helpers import make_hf_checkpoint, run_distributed, single_rank_env
 
 from sparrow_nemo.callbacks.distill_sparse import DistillSparse, distill_loss_fn, k3
 from sparrow_nemo.config import load_config
@@ -175,3 +175,18 @@ def test_adapter_and_optimizer_survive_a_checkpoint(checkpoint, tmp_path):
     assert max(b.abs().max().item() for _, b in saved.weights.values()) > 0, "B moved off its zero init"
     for key, moments in saved_opt["state"].items():
         torch.testing.assert_close(loaded_opt["state"][key]["exp_avg"], moments["exp_avg"], atol=0, rtol=0)
+
+
+def _refuses_two_ranks(rank: int) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    try:
+        with pytest.raises(ValueError, match="spans 2 ranks"):
+            DistillSparse().on_train_start(None)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_more_than_one_rank_is_refused_with_the_reason():
+    run_distributed(_refuses_two_ranks, 2)

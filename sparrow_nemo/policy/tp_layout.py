@@ -1,0 +1,96 @@
+"""How HF Qwen3 linear weights map onto megatron's tensor-parallel shards (shared by import/export and LoRA).
+
+A weight's layout over the ``tp`` tensor-parallel ranks is one of:
+
+- ``REPLICATED``: every rank holds the whole tensor (norm weights);
+- ``COLUMNS``: split on dim 1, the input features (row-parallel ``linear_proj`` / ``linear_fc2``);
+- ``VOCAB``: rows padded with zeros to the padded vocabulary, then split on dim 0 (embedding, output);
+- ``QKV``: megatron's fused ``linear_qkv``: rows grouped per KV head ``[q heads of the group, k, v]``,
+  the KV groups split over ranks;
+- ``FC1``: megatron's fused ``linear_fc1``: each rank's rows are ``[gate slice; up slice]``.
+
+The functions here are pure tensor reshuffles (any dtype/device) plus one all-gather helper; they know
+nothing of checkpoints or modules.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from sparrow_nemo.model_shapes import Qwen3Shape
+
+REPLICATED, COLUMNS, QKV, FC1, VOCAB = "replicated", "columns", "qkv", "fc1", "vocab"
+
+
+def split_shard(full: torch.Tensor, layout: str, tp: int, rank: int, padded_vocab: int) -> torch.Tensor:
+    """This TP rank's megatron slice of one unfused HF tensor (``REPLICATED``, ``COLUMNS`` or ``VOCAB``).
+
+    ``padded_vocab`` (rows after padding) is read only for ``VOCAB``.
+    """
+    if layout == REPLICATED:
+        return full
+    if layout == COLUMNS:
+        return full.chunk(tp, dim=1)[rank]
+    if layout == VOCAB:
+        padded = full.new_zeros((padded_vocab, full.shape[1]))
+        padded[: full.shape[0]] = full
+        return padded.chunk(tp, dim=0)[rank]
+    raise ValueError(f"split_shard: layout {layout!r} is fused; use fuse_qkv / fuse_fc1")
+
+
+def fuse_qkv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: Qwen3Shape, tp: int, rank: int
+) -> torch.Tensor:
+    """[Hq*D, X], [Hkv*D, X], [Hkv*D, X] -> this rank's ``linear_qkv`` rows [(Hkv/tp)*(G+2)*D, X].
+
+    X is the hidden size for weights and the LoRA rank for adapter B matrices.
+    """
+    hkv, d, g, x = shape.num_key_value_heads, shape.head_dim, shape.gqa_group_size, q.shape[1]
+    grouped = torch.cat([q.view(hkv, g * d, x), k.view(hkv, d, x), v.view(hkv, d, x)], dim=1)
+    return grouped.chunk(tp, dim=0)[rank].reshape(-1, x)
+
+
+def unfuse_qkv(shards: list[torch.Tensor], shape: Qwen3Shape) -> list[torch.Tensor]:
+    """Inverse of :func:`fuse_qkv` over all TP shards (rank order) -> [q, k, v] in HF layout."""
+    hkv, d, g = shape.num_key_value_heads, shape.head_dim, shape.gqa_group_size
+    full = torch.cat(shards, dim=0)
+    grouped = full.view(hkv, (g + 2) * d, full.shape[1])
+    q, k, v = grouped.split([g * d, d, d], dim=1)
+    return [t.reshape(-1, full.shape[1]).contiguous() for t in (q, k, v)]
+
+
+def fuse_fc1(gate: torch.Tensor, up: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+    """[I, X] gate and up -> this rank's ``linear_fc1`` rows [2*I/tp, X] = [gate slice; up slice]."""
+    return torch.cat([gate.chunk(tp, dim=0)[rank], up.chunk(tp, dim=0)[rank]], dim=0)
+
+
+def unfuse_fc1(shards: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Inverse of :func:`fuse_fc1` over all TP shards (rank order) -> [gate, up]."""
+    halves = [s.chunk(2, dim=0) for s in shards]
+    return [torch.cat([h[0] for h in halves]).contiguous(), torch.cat([h[1] for h in halves]).contiguous()]
+
+
+def merge_shards(shards: list[torch.Tensor], layout: str, shape: Qwen3Shape) -> list[torch.Tensor]:
+    """All TP shards (rank order) of one megatron tensor -> its HF tensors (list, HF-name order)."""
+    if layout == REPLICATED:
+        return [shards[0].clone()]
+    if layout == COLUMNS:
+        return [torch.cat(shards, dim=1)]
+    if layout == VOCAB:
+        return [torch.cat(shards, dim=0)[: shape.vocab_size].contiguous()]
+    if layout == QKV:
+        return unfuse_qkv(shards, shape)
+    if layout == FC1:
+        return unfuse_fc1(shards)
+    raise ValueError(f"merge_shards: unknown layout {layout!r}")
+
+
+def all_gather_shards(tensor: torch.Tensor, group) -> list[torch.Tensor]:
+    """Every rank's ``tensor`` of the process ``group`` (same shape on all), in rank order. Collective."""
+    size = dist.get_world_size(group)
+    if size == 1:
+        return [tensor]
+    out = [torch.empty_like(tensor) for _ in range(size)]
+    dist.all_gather(out, tensor.contiguous(), group=group)
+    return out
