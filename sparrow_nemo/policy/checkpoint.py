@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -23,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 PARTIAL_SUFFIX = ".partial"
@@ -112,8 +115,8 @@ def finalize(root: str | Path, name: str, meta: dict[str, Any]) -> Path:
     return final
 
 
-def verify_checkpoint(path: str | Path, check_hashes: bool = True) -> dict[str, Any]:
-    """The manifest of a complete checkpoint; :class:`CheckpointError` names what is missing or wrong."""
+def read_manifest(path: str | Path) -> dict[str, Any]:
+    """The manifest of a checkpoint folder whose save completed (its files are not checked)."""
     path = Path(path)
     if path.name.endswith(PARTIAL_SUFFIX):
         raise CheckpointError(f"{path} is an unfinished save (no rename happened)")
@@ -126,6 +129,13 @@ def verify_checkpoint(path: str | Path, check_hashes: bool = True) -> dict[str, 
         raise CheckpointError(f"{path}: {MANIFEST} is not valid JSON ({exc})") from None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
         raise CheckpointError(f"{path}: {MANIFEST} is not a mapping with a 'files' mapping")
+    return manifest
+
+
+def verify_checkpoint(path: str | Path, check_hashes: bool = True) -> dict[str, Any]:
+    """The manifest of a complete checkpoint; :class:`CheckpointError` names what is missing or wrong."""
+    path = Path(path)
+    manifest = read_manifest(path)
     for name, digest in manifest.get("files", {}).items():
         file = path / name
         if not file.is_file():
@@ -136,8 +146,8 @@ def verify_checkpoint(path: str | Path, check_hashes: bool = True) -> dict[str, 
 
 
 def complete_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
-    """``(step, folder)`` of the complete checkpoints under ``root`` (manifest present, files listed; hashes
-    not checked), newest first.
+    """``(step, folder)`` of the checkpoints under ``root`` whose save completed (a readable manifest; the
+    files are checked when loading), newest first.
 
     Ordered by the ``step`` in the manifest; for equal steps ``step_<n>`` comes before ``step_<n>.old``
     (a complete earlier save of the same step, kept only if a re-save of that step died between its two
@@ -151,8 +161,9 @@ def complete_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
         if not child.is_dir() or child.name.endswith(PARTIAL_SUFFIX):
             continue
         try:
-            step = int(verify_checkpoint(child, check_hashes=False).get("step", -1))
-        except (CheckpointError, TypeError, ValueError):
+            step = int(read_manifest(child).get("step", -1))
+        except (CheckpointError, TypeError, ValueError) as exc:
+            logger.warning("ignoring checkpoint folder %s: %s", child, exc)
             continue
         found.append((step, child.name.endswith(".old"), child))
     return [(step, path) for step, _, path in sorted(found, key=lambda t: (-t[0], t[1], t[2].name))]
