@@ -47,10 +47,11 @@ class Preempted(Exception):
 
 
 class PreemptionGuard:
-    """Signal handlers for :data:`STOP_SIGNALS` while in a ``with`` block (previous handlers restored after).
+    """Signal handlers for :data:`STOP_SIGNALS` while in a ``with`` block.
 
-    Handlers are installed only in the main thread (Python delivers signals there); elsewhere the guard
-    never fires.
+    On leaving the block the previous handlers come back, unless a stop was requested: then the stop
+    signals stay ignored for the rest of the process. Handlers are installed only in the main thread
+    (Python delivers signals there); elsewhere the guard never fires.
     """
 
     def __init__(self) -> None:
@@ -65,8 +66,11 @@ class PreemptionGuard:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        # After a stop the process is on its way out with status 3: further stop signals are ignored, so
+        # that e.g. ``srun --kill-on-bad-exit`` terminating the ranks that exit a moment after the first
+        # one does not turn their status 3 into "killed by SIGTERM".
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            signal.signal(sig, signal.SIG_IGN if self.signal_name is not None else handler)
         self._previous = {}
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:

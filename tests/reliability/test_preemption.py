@@ -25,23 +25,36 @@ from sparrow_nemo.grpo.preemption import REQUEUE_EXIT, PreemptionGuard
 from sparrow_nemo.policy.checkpoint import verify_checkpoint
 
 
-def test_first_signal_stops_second_is_ignored_and_handlers_come_back(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
+@pytest.fixture
+def stop_signal_handlers():
+    """The process's TERM / USR1 handlers as they were before the test (restored after it)."""
     before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
-    with caplog.at_level(logging.WARNING), PreemptionGuard() as guard:
+    yield before
+    for sig, handler in before.items():
+        signal.signal(sig, handler)
+
+
+def test_first_signal_stops_second_is_ignored_and_handlers_come_back(
+    caplog: pytest.LogCaptureFixture, stop_signal_handlers
+) -> None:
+    with PreemptionGuard() as guard:
         assert guard.stop_agreed() is None
+    assert {sig: signal.getsignal(sig) for sig in stop_signal_handlers} == stop_signal_handlers
+    with caplog.at_level(logging.WARNING), PreemptionGuard() as guard:
         os.kill(os.getpid(), signal.SIGUSR1)
         os.kill(os.getpid(), signal.SIGTERM)
         assert guard.stop_agreed() == "SIGUSR1"
-    assert {sig: signal.getsignal(sig) for sig in before} == before
+    # stopping: the process is on its way out with status 3, later stop signals must not kill it
+    assert {sig: signal.getsignal(sig) for sig in stop_signal_handlers} == dict.fromkeys(
+        stop_signal_handlers, signal.SIG_IGN
+    )
     messages = [r.getMessage() for r in caplog.records]
     assert any("SIGUSR1: finishing the current step" in m for m in messages), messages
     assert any("SIGTERM: ignored, already stopping on SIGUSR1" in m for m in messages), messages
 
 
 def test_signals_during_a_checkpoint_write_do_not_break_it(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, stop_signal_handlers
 ) -> None:
     root = tmp_path / "ckpt"
 
