@@ -157,7 +157,7 @@ class GrpoTrainer:
         self._logged: dict[str, float] = {}
         self.preemption = PreemptionGuard()
         self._saved: tuple[int, Path] | None = None  # (step, folder) of the last checkpoint written
-        self.resumed_from = self._resume()
+        self._resume()
 
     # ----- TrainerLike ------------------------------------------------------------------------
     @property
@@ -378,14 +378,14 @@ class GrpoTrainer:
     def _saved_step(self) -> int | None:
         return None if self._saved is None else self._saved[0]
 
-    def _resume(self) -> Path | None:
-        """Restore the checkpoint ``checkpoint.resume`` selects (None: a fresh run); metrics continue after it."""
+    def _resume(self) -> None:
+        """Restore the checkpoint ``checkpoint.resume`` selects, if any; ``metrics.jsonl`` continues after it."""
         candidates = resume_candidates(self.config.checkpoint.resume, self.checkpoint_root)
         loaded = load_run_checkpoint(candidates, self.policy, self.is_main)
         if loaded is None:
             if self.is_main:
                 self.metrics.keep_rows(0)  # rows of an attempt that never checkpointed are redone
-            return None
+            return
         self.state = TrainerState.from_dict(setup.broadcast_from_rank0(loaded.trainer))
         self.prompts.load_state_dict(self.state.prompt_stream)
         self.callbacks.on_load_checkpoint(self, loaded.callbacks)
@@ -395,7 +395,6 @@ class GrpoTrainer:
             self.rollout_engine.update_weights(weights)
             logger.info("resumed from %s: %d steps done", loaded.path, self.state.step)
         self._saved = (self.state.step, loaded.path)
-        return loaded.path
 
     def _stop_if_signalled(self) -> None:
         """Collective, between steps: on an agreed stop signal, checkpoint (unless just saved) and raise."""
