@@ -94,7 +94,9 @@ class PreemptionGuard:
         code = code.to(device)
         dist.all_reduce(code, op=dist.ReduceOp.MAX)
         value = int(code.item())
-        return None if value == 0 else signal.Signals(value).name
+        if value and self.signal_name is None:  # another rank's signal: this rank stops as well
+            self.signal_name = signal.Signals(value).name
+        return self.signal_name
 
     @contextmanager
     def saving(self) -> Iterator[None]:
