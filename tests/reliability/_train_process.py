@@ -19,7 +19,8 @@ import torch
 #: a few-second-per-step version of the smoke recipe
 FAST = (
     "grpo.prompts_per_step=2",
-    "evaluation.num_prompts=4",
+    "grpo.samples_per_prompt=4",
+    "evaluation.num_prompts=2",
     "logging.plots=false",
     "checkpoint.keep_last=2",
 )
