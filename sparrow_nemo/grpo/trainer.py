@@ -231,6 +231,7 @@ class GrpoTrainer:
                 )
             if cfg.checkpoint.enabled and self.state.step % cfg.checkpoint.every_n_steps == 0:
                 self.save_checkpoint()
+        self._stop_if_signalled()  # a stop during the last step: the next attempt only evaluates
         self._evaluate("end", self.schedule)
         self._evaluate("end_dense", BudgetSchedule.dense(self.schedule.bin_tokens, self.schedule.page_size))
         if cfg.checkpoint.enabled and self._saved_step() != self.state.step:
