@@ -23,12 +23,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Exit status: 0 done, 2 bad config or no usable checkpoint, 3 stopped by a signal after a checkpoint."""
+    """Exit status: 0 done, 1 aborted on non-finite updates, 2 bad config, input or no usable checkpoint,
+    3 stopped by a signal after a checkpoint."""
     config = config_from_args(args)
     from sparrow_nemo.grpo.preemption import REQUEUE_EXIT, Preempted
     from sparrow_nemo.grpo.setup import rank
     from sparrow_nemo.grpo.summary import format_summary
-    from sparrow_nemo.grpo.trainer import train
+    from sparrow_nemo.grpo.trainer import NonFiniteTrainingError, train
     from sparrow_nemo.policy.checkpoint import CheckpointError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -41,6 +42,9 @@ def run(args: argparse.Namespace) -> int:
     except CheckpointError as exc:
         print(f"sparrow train: {exc}", file=sys.stderr)
         return 2
+    except NonFiniteTrainingError as exc:
+        print(f"sparrow train: {exc}", file=sys.stderr)
+        return 1
     if rank() == 0:
         print(f"\nrun folder: {run_dir}\n{format_summary(summary)}")
     return 0
