@@ -1,12 +1,15 @@
 """The ``sparrow`` command line: ``sparrow <command> [--config RECIPE] [KEY=VALUE ...]``.
 
-Subcommands live in :mod:`sparrow_nemo.commands` (one module each). A :class:`ConfigError` or a
-missing optional package is reported as one line on stderr with exit status 2, no traceback.
+Subcommands live in :mod:`sparrow_nemo.commands` (one module each). A :class:`ConfigError`, a
+missing optional package, or bad input (``ValueError`` / ``FileNotFoundError`` naming the file, tensor or
+key) is reported as one line on stderr with exit status 2, no traceback; ``SPARROW_DEBUG=1`` shows the
+traceback of bad-input errors.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -40,6 +43,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.run(args)
     except (ConfigError, MissingOptionalDependency) as exc:
         print(str(exc) if isinstance(exc, ConfigError) else f"sparrow {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError) as exc:
+        if os.environ.get("SPARROW_DEBUG"):
+            raise
+        print(f"sparrow {args.command}: {exc} (SPARROW_DEBUG=1 shows the traceback)", file=sys.stderr)
         return 2
 
 

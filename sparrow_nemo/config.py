@@ -554,8 +554,10 @@ class CheckpointConfig:
     every_n_steps: int = _field(10, check=AT_LEAST_ONE, hashed=False)
     #: checkpoints kept on disk
     keep_last: int = _field(2, check=AT_LEAST_ONE, hashed=False)
-    #: auto (latest in dir if any), never, or a checkpoint path
+    #: auto (latest good one in dir if any, else a fresh run), never, or a checkpoint path
     resume: str = _field("auto", hashed=False)
+    #: resume into a run folder whose config_hash.txt differs from this recipe's hash
+    force_resume: bool = _field(False, hashed=False)
 
 
 @dataclass(frozen=True)
@@ -720,9 +722,13 @@ class SparrowConfig:
         """YAML text of :meth:`to_dict` in field order; a valid recipe on its own."""
         return yaml.dump(self.to_dict(), Dumper=_RecipeDumper, sort_keys=False, width=110)
 
+    def hashed_dict(self) -> dict[str, Any]:
+        """Plain nested dict of the fields that change what a run computes (``hashed`` fields)."""
+        return _hashed_view(self)
+
     def hash(self) -> str:
-        """Stable 16-hex-digit SHA-256 of the fields that change what a run computes (``hashed`` fields)."""
-        text = json.dumps(_hashed_view(self), sort_keys=True, separators=(",", ":"))
+        """Stable 16-hex-digit SHA-256 of :meth:`hashed_dict`."""
+        text = json.dumps(self.hashed_dict(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

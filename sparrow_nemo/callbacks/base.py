@@ -134,7 +134,11 @@ class Callback:
         """After an evaluation pass; ``metrics`` are its results."""
 
     def on_save_checkpoint(self, trainer: TrainerLike) -> dict[str, Any]:
-        """Return this callback's state (plain JSON-serialisable types); empty when it has none."""
+        """Return this callback's state; empty when it has none.
+
+        Values are plain JSON types, except that a top-level entry may hold torch tensors (an adapter, an
+        optimizer state dict): the trainer stores such entries in a torch file beside the JSON.
+        """
         return {}
 
     def on_load_checkpoint(self, trainer: TrainerLike, state: Mapping[str, Any]) -> None:

@@ -16,7 +16,7 @@ next rollouts, the trainer's acceptance-rate tail and the ``TailMismatchSchedule
 Every step it logs, on a fixed probe set (``trainer.calibration_prompts``, fixed seeds, the current
 schedule), the per-bin p5 of the acceptance rate and the mean k3 KL before and after the update:
 ``distill/p5_before/bin_{b}``, ``distill/p5_after/bin_{b}``, ``distill/kl_before``, ``distill/kl_after``,
-``distill/loss``. The adapter and its optimizer state are saved with trainer checkpoints.
+``distill/loss``. The adapter and its optimizer state are saved in the trainer's checkpoints (tensors in its torch file).
 
 Process model: the trainer runs callbacks on rank 0 only, while the adapter step is collective over
 the policy's ranks, so this callback needs a single-process policy (it refuses more ranks).
@@ -28,7 +28,6 @@ import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -149,26 +148,6 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def _save_adapter(adapter: LoraAdapter, path: Path) -> None:
-    from safetensors.torch import save_file
-
-    tensors = {}
-    for name, (a, b) in adapter.weights.items():
-        tensors[f"{name}.lora_A.weight"] = a.clone()  # fused modules share one A tensor
-        tensors[f"{name}.lora_B.weight"] = b.clone()
-    save_file(tensors, str(path), metadata={"scaling": repr(adapter.scaling)})
-
-
-def _load_adapter(path: Path) -> LoraAdapter:
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        scaling = float(f.metadata()["scaling"])
-        names = sorted({k.rsplit(".lora_", 1)[0] for k in f.keys()})  # noqa: SIM118 (safe_open is not iterable)
-        weights = {n: (f.get_tensor(f"{n}.lora_A.weight"), f.get_tensor(f"{n}.lora_B.weight")) for n in names}
-    return LoraAdapter(weights=weights, scaling=scaling)
-
-
 class DistillSparse(Callback):
     """The DistillSparse callback. Arguments left None come from the recipe's ``distill`` section.
 
@@ -225,7 +204,8 @@ class DistillSparse(Callback):
         s = self.settings
         adapter = None
         if self._resume is not None:
-            adapter = _load_adapter(Path(self._resume["dir"]) / "adapter.safetensors")
+            saved = self._resume["adapter"]
+            adapter = LoraAdapter(weights=dict(saved["weights"]), scaling=float(saved["scaling"]))
         trainer.policy.enable_lora(s.lora_config(), adapter, seed=s.seed)
         self.optimizer = trainer.policy.lora_optimizer(
             OptimizerSettings(
@@ -233,9 +213,7 @@ class DistillSparse(Callback):
             )
         )
         if self._resume is not None:
-            self.optimizer.load_state_dict(
-                torch.load(Path(self._resume["dir"]) / "optimizer.pt", weights_only=False)
-            )
+            self.optimizer.load_state_dict(self._resume["optimizer"])
             self.step = int(self._resume["step"])
             self.history = list(self._resume["history"])
             self._resume = None
@@ -282,16 +260,21 @@ class DistillSparse(Callback):
         self.step += 1
 
     def on_save_checkpoint(self, trainer: TrainerLike) -> dict[str, Any]:
+        """``step``, ``history`` (JSON) and the tensors: ``adapter`` (HF-named A/B pairs, scaling) and the
+        adapter ``optimizer``'s state dict; the trainer stores tensor entries in a torch file."""
         if trainer.policy.lora is None or self.optimizer is None:
             return {}
-        folder = Path(trainer.run_dir) / "distill" / f"step_{self.step}"
-        folder.mkdir(parents=True, exist_ok=True)
-        _save_adapter(trainer.policy.lora.export_adapter(), folder / "adapter.safetensors")
-        torch.save(self.optimizer.state_dict(), folder / "optimizer.pt")
-        return {"step": self.step, "dir": str(folder), "history": self.history}
+        adapter = trainer.policy.lora.export_adapter()
+        weights = {name: (a.clone(), b.clone()) for name, (a, b) in adapter.weights.items()}
+        return {
+            "step": self.step,
+            "history": self.history,
+            "adapter": {"weights": weights, "scaling": adapter.scaling},
+            "optimizer": self.optimizer.state_dict(),
+        }
 
     def on_load_checkpoint(self, trainer: TrainerLike, state: Mapping[str, Any]) -> None:
-        missing = [k for k in ("step", "dir", "history") if k not in state]
+        missing = [k for k in ("step", "history", "adapter", "optimizer") if k not in state]
         if missing:
             raise ValueError(f"DistillSparse checkpoint state lacks {missing}")
         self._resume = state

@@ -168,6 +168,9 @@ class TailMismatchScheduler(Callback):
     def on_train_start(self, trainer: TrainerLike) -> None:
         if self.calibrate and not self._restored:
             self._run_calibration(trainer)
+        if self.write_files:  # restart the file from the (restored) history: a resumed run redoes later steps
+            lines = "".join(json.dumps(entry) + "\n" for entry in self.history)
+            (self._out_dir(trainer) / "tail_history.jsonl").write_text(lines)
         schedule = trainer.schedule
         if self.bin_tokens is None:
             self.bin_tokens = schedule.bin_tokens

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 
 from sparrow_nemo.commands._common import add_config_arguments, config_from_args
 
@@ -15,19 +16,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--run-dir",
         default=None,
-        help="output folder (default: <logging.run_dir or runs>/<name>-<timestamp>)",
+        help="output folder (default: <logging.run_dir or runs>/<name>-<timestamp>); an existing one is "
+        "resumed from its newest good checkpoint (checkpoint.resume=auto)",
     )
     add_config_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    """Exit status: 0 done, 1 aborted on non-finite updates, 2 bad config, input or no usable checkpoint,
+    3 stopped by a signal after a checkpoint."""
     config = config_from_args(args)
+    from sparrow_nemo.grpo.preemption import REQUEUE_EXIT, Preempted
     from sparrow_nemo.grpo.setup import rank
     from sparrow_nemo.grpo.summary import format_summary
-    from sparrow_nemo.grpo.trainer import train
+    from sparrow_nemo.grpo.trainer import NonFiniteTrainingError, train
+    from sparrow_nemo.policy.checkpoint import CheckpointError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    summary, run_dir = train(config, args.run_dir)
+    try:
+        summary, run_dir = train(config, args.run_dir)
+    except Preempted as stop:
+        if rank() == 0:
+            print(f"sparrow train: {stop}; exit {REQUEUE_EXIT} (requeue to continue)", file=sys.stderr)
+        return REQUEUE_EXIT
+    except CheckpointError as exc:
+        print(f"sparrow train: {exc}", file=sys.stderr)
+        return 2
+    except NonFiniteTrainingError as exc:
+        print(f"sparrow train: {exc}", file=sys.stderr)
+        return 1
     if rank() == 0:
         print(f"\nrun folder: {run_dir}\n{format_summary(summary)}")
     return 0

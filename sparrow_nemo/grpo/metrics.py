@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from sparrow_nemo.policy.checkpoint import atomic_write_bytes
 from sparrow_nemo.rollout.engine import RolloutSample
 from sparrow_nemo.rollout.scoring import TokenMismatch
 from sparrow_nemo.sparse.mismatch import tail_by_bin
@@ -114,6 +115,29 @@ class MetricsWriter:
                 if math.isfinite(float(v)):
                     self._tb.add_scalar(k, float(v), step)
             self._tb.flush()
+
+    def keep_rows(self, count: int) -> int:
+        """Continue the file of an earlier attempt of this run: keep its first ``count`` rows (also as
+        ``history``) and drop the rest, which the resumed run computes again. Returns the rows dropped.
+
+        A last line cut short by a kill is dropped too. Without the JSONL file the history starts empty.
+        """
+        rows: list[dict[str, Any]] = []
+        lines = self.path.read_text().splitlines() if self.path.is_file() else []
+        for number, line in enumerate(lines, 1):
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                if number < len(lines):
+                    raise ValueError(f"{self.path}:{number}: not a JSON line") from None
+        if len(rows) < count:
+            logger.warning("%s has %d rows, the checkpoint counted %d", self.path, len(rows), count)
+        self.history = rows[:count]
+        if len(lines) > len(self.history):
+            text = "".join(json.dumps(row) + "\n" for row in self.history)
+            atomic_write_bytes(self.path, text.encode())
+            logger.info("%s: dropped %d rows after the checkpoint", self.path, len(lines) - len(self.history))
+        return len(lines) - len(self.history)
 
     def close(self) -> None:
         if self._tb is not None:

@@ -95,6 +95,28 @@ class PromptSource:
         self.cursor += count
         return batch
 
+    def state_dict(self) -> dict[str, Any]:
+        """Where the stream stands: ``cursor``, its ``epoch`` (0 for an endless source) and what fixes the
+        order (``seed``, ``size``, ``shuffle``: each epoch's permutation is seeded by seed and epoch)."""
+        epoch = 0 if self.size is None else self.cursor // self.size
+        return {
+            "cursor": self.cursor,
+            "epoch": epoch,
+            "seed": self.seed,
+            "size": self.size,
+            "shuffle": self.shuffle,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue the stream at ``state["cursor"]``; refuses a state of a different prompt set or order."""
+        for key in ("seed", "size", "shuffle"):
+            if state[key] != getattr(self, key):
+                raise ValueError(
+                    f"prompt stream state: {key}={state[key]!r} in the checkpoint but {getattr(self, key)!r} in "
+                    "this run (the prompt set or its order changed); the run cannot continue the same stream"
+                )
+        self.cursor = int(state["cursor"])
+
     def eval_batch(self, count: int) -> list[PromptItem]:
         """The fixed evaluation prompts (synthetic task: held-out problems; a file: its first rows)."""
         return self.peek(count, self.eval_start)

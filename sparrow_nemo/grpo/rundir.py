@@ -1,17 +1,22 @@
-"""The run folder (resolved config + hash) and the trainer-state file saved next to each policy checkpoint."""
+"""The run folder: the resolved config and its hash, and the check that a resumed folder is this recipe's."""
 
 from __future__ import annotations
 
-import json
-import shutil
+import logging
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from sparrow_nemo.config import SparrowConfig
-from sparrow_nemo.policy.checkpoint import atomic_write_bytes
+import yaml
 
-TRAINER_STATE = "trainer_state.json"
+from sparrow_nemo.config import ConfigError, SparrowConfig
+
+logger = logging.getLogger(__name__)
+
+HASH_FILE = "config_hash.txt"
+#: key differences listed in the refusal message at most
+_MAX_DIFFS = 8
 
 
 def make_run_dir(config: SparrowConfig, run_dir: str | Path | None = None) -> Path:
@@ -27,16 +32,55 @@ def make_run_dir(config: SparrowConfig, run_dir: str | Path | None = None) -> Pa
     (path / "config.yaml").write_text(
         f"# sparrow config '{config.name}', hash {config.hash()}\n{config.to_yaml()}"
     )
-    (path / "config_hash.txt").write_text(config.hash() + "\n")
+    (path / HASH_FILE).write_text(config.hash() + "\n")
     return path
 
 
-def save_trainer_checkpoint(
-    step_dir: Path, state: dict[str, Any], callbacks: dict[str, Any], keep_last: int
-) -> None:
-    """Write ``trainer_state.json`` into a finished policy checkpoint folder; drop all but the newest ``keep_last``."""
-    payload = {"trainer": state, "callbacks": callbacks}
-    atomic_write_bytes(step_dir / TRAINER_STATE, (json.dumps(payload, indent=2) + "\n").encode())
-    steps = sorted(p for p in step_dir.parent.glob("step_*") if p.is_dir() and p.name[5:].isdigit())
-    for old in steps[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, Mapping):
+        out: dict[str, Any] = {}
+        for key, value in tree.items():
+            out.update(_flat(value, f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
+def _key_differences(run_dir: Path, config: SparrowConfig) -> list[str]:
+    """``key: folder value -> this value`` for the hashed keys that differ from the folder's config.yaml."""
+    try:
+        old = _flat(yaml.safe_load((run_dir / "config.yaml").read_text()) or {})
+    except (OSError, yaml.YAMLError):
+        return []
+    new = _flat(config.hashed_dict())
+    return [f"{k}: {old.get(k)!r} -> {v!r}" for k, v in sorted(new.items()) if old.get(k, v) != v]
+
+
+def check_run_dir(config: SparrowConfig, run_dir: str | Path) -> None:
+    """Refuse to continue in a run folder made by a different recipe (its ``config_hash.txt`` differs).
+
+    Passes for a new or empty folder, for ``checkpoint.resume=never`` and with ``checkpoint.force_resume``
+    (then with a warning). Reads only, so it can run on every rank before anything is written.
+
+    Raises:
+        ConfigError: naming the folder, both hashes, the differing keys (up to a few) and the way out.
+    """
+    path = Path(run_dir) / HASH_FILE
+    if not path.is_file() or config.checkpoint.resume == "never":
+        return
+    old, new = path.read_text().strip(), config.hash()
+    if old == new:
+        return
+    diffs = _key_differences(Path(run_dir), config)
+    shown = "; ".join(diffs[:_MAX_DIFFS]) + (
+        f"; ... {len(diffs) - _MAX_DIFFS} more" if len(diffs) > _MAX_DIFFS else ""
+    )
+    what = f"run folder {run_dir} belongs to config hash {old}, this recipe's is {new}" + (
+        f" ({shown})" if shown else ""
+    )
+    if config.checkpoint.force_resume:
+        logger.warning("%s: resuming anyway (checkpoint.force_resume=true)", what)
+        return
+    raise ConfigError(
+        f"{what}; refusing to resume into it: use another --run-dir, checkpoint.resume=never, or "
+        "checkpoint.force_resume=true"
+    )

@@ -15,6 +15,10 @@ Boundaries (NeMo-RL): the algorithm lives here; generation goes through a
    (``train/skipped_nonfinite``), and ``trainer.max_consecutive_nonfinite`` of them in a row abort the run;
 5. metrics (JSONL, TensorBoard), checkpoint every ``checkpoint.every_n_steps`` and at the end.
 
+Resume and preemption: the constructor restores the newest usable checkpoint (``checkpoint.resume``;
+:mod:`sparrow_nemo.grpo.checkpointing`); between steps, SIGTERM / SIGUSR1 (:mod:`sparrow_nemo.grpo.preemption`)
+stop the run after a checkpoint with :class:`Preempted`.
+
 Process model: every rank builds the policy and runs logprobs / train_step (collectives); only rank 0
 holds the rollout engine, runs callbacks and writes files. All run state is in :class:`TrainerState`.
 """
@@ -38,9 +42,16 @@ from sparrow_nemo.callbacks.distill_sparse import DistillData
 from sparrow_nemo.config import SparrowConfig
 from sparrow_nemo.grpo import setup
 from sparrow_nemo.grpo.advantages import compute_advantages
+from sparrow_nemo.grpo.checkpointing import (
+    load_run_checkpoint,
+    prune_checkpoints,
+    resume_candidates,
+    write_run_state,
+)
 from sparrow_nemo.grpo.evaluation import EvalResult, evaluate
 from sparrow_nemo.grpo.metrics import MetricsWriter, progress, rollout_metrics, rollout_progress
 from sparrow_nemo.grpo.objective import grpo_loss_fn, policy_loss_config
+from sparrow_nemo.grpo.preemption import Preempted, PreemptionGuard
 from sparrow_nemo.grpo.prompts import build_prompt_source
 from sparrow_nemo.grpo.rollout_step import (
     collate,
@@ -49,7 +60,7 @@ from sparrow_nemo.grpo.rollout_step import (
     reference_logprobs,
     token_mismatch,
 )
-from sparrow_nemo.grpo.rundir import make_run_dir, save_trainer_checkpoint
+from sparrow_nemo.grpo.rundir import check_run_dir, make_run_dir
 from sparrow_nemo.grpo.warmstart import ensure_warm_start
 from sparrow_nemo.rollout.engine import RolloutSample
 from sparrow_nemo.rollout.oom_retry import OomRetryEngine
@@ -66,7 +77,7 @@ class NonFiniteTrainingError(RuntimeError):
 
 @dataclass
 class TrainerState:
-    """Everything a resume needs besides the policy checkpoint (plain data).
+    """Everything a resume needs besides the policy checkpoint and the callbacks' states (plain data).
 
     Attributes:
         step: RL steps completed.
@@ -75,6 +86,8 @@ class TrainerState:
         initial_schedule: the schedule the run started with (for the summary).
         warm_start_dir: the HF checkpoint the policy started from, if any.
         evals: evaluation results by tag ("start", "start_dense", "end", "end_dense").
+        prompt_stream: :meth:`PromptSource.state_dict` (cursor, epoch, seed) as of the last checkpoint.
+        metrics_rows: rows in ``metrics.jsonl`` as of the last checkpoint (a resumed run drops later ones).
     """
 
     step: int
@@ -83,6 +96,8 @@ class TrainerState:
     initial_schedule: BudgetSchedule | None = None
     warm_start_dir: str | None = None
     evals: dict[str, dict[str, float]] = field(default_factory=dict)
+    prompt_stream: dict[str, Any] = field(default_factory=dict)
+    metrics_rows: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -92,7 +107,24 @@ class TrainerState:
             "initial_schedule": None if self.initial_schedule is None else self.initial_schedule.to_dict(),
             "warm_start_dir": self.warm_start_dir,
             "evals": self.evals,
+            "prompt_stream": self.prompt_stream,
+            "metrics_rows": self.metrics_rows,
         }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainerState:
+        """Inverse of :meth:`to_dict`."""
+        initial = data["initial_schedule"]
+        return cls(
+            step=int(data["step"]),
+            schedule=BudgetSchedule.from_dict(data["schedule"]),
+            prompt_cursor=int(data["prompt_cursor"]),
+            initial_schedule=None if initial is None else BudgetSchedule.from_dict(initial),
+            warm_start_dir=data["warm_start_dir"],
+            evals=dict(data["evals"]),
+            prompt_stream=dict(data["prompt_stream"]),
+            metrics_rows=int(data["metrics_rows"]),
+        )
 
 
 class GrpoTrainer:
@@ -100,12 +132,16 @@ class GrpoTrainer:
 
     Args:
         config: the resolved recipe.
-        run_dir: output folder; None = ``logging.run_dir/<name>-<timestamp>`` (``runs/`` when unset).
+        run_dir: output folder; None = ``logging.run_dir/<name>-<timestamp>`` (``runs/`` when unset). An
+            existing folder of another recipe (``config_hash.txt``) is refused unless
+            ``checkpoint.force_resume``; with ``checkpoint.resume=auto`` its newest good checkpoint is resumed.
     """
 
     def __init__(self, config: SparrowConfig, run_dir: str | Path | None = None) -> None:
         self.config = config
         self.is_main = setup.rank() == 0
+        if run_dir is not None:
+            check_run_dir(config, run_dir)  # before anything is built or written
         self.show_progress = config.logging.progress_bar and self.is_main
         self.prompts = build_prompt_source(config)
         hf_dir = config.model.hf_checkpoint
@@ -140,6 +176,9 @@ class GrpoTrainer:
         )
         self._logged: dict[str, float] = {}
         self._nonfinite_streak = 0  # steps in a row whose update was skipped for a NaN/inf loss or gradient
+        self.preemption = PreemptionGuard()
+        self._saved: tuple[int, Path] | None = None  # (step, folder) of the last checkpoint written
+        self._resume()
 
     # ----- TrainerLike ------------------------------------------------------------------------
     @property
@@ -173,16 +212,27 @@ class GrpoTrainer:
         return CallbackList(callbacks)
 
     def fit(self) -> dict[str, Any]:
-        """Run ``trainer.max_steps`` RL steps; returns the summary (see :mod:`sparrow_nemo.grpo.summary`)."""
+        """Run the RL steps up to ``trainer.max_steps``; returns the summary (:mod:`sparrow_nemo.grpo.summary`).
+
+        Raises:
+            Preempted: SIGTERM / SIGUSR1 arrived; the run stopped between steps after a checkpoint.
+        """
+        with self.preemption:
+            return self._fit()
+
+    def _fit(self) -> dict[str, Any]:
         from sparrow_nemo.grpo.plots import write_plots
         from sparrow_nemo.grpo.summary import build_summary, write_summary
 
         cfg = self.config
         self.callbacks.on_train_start(self)
         self._flush_logged(step=-1)
-        self.state.initial_schedule = self.schedule
-        self._evaluate("start", self.schedule)
-        self._evaluate("start_dense", BudgetSchedule.dense(self.schedule.bin_tokens, self.schedule.page_size))
+        if "start" not in self.state.evals:  # a resumed run has both already
+            self.state.initial_schedule = self.schedule
+            self._evaluate("start", self.schedule)
+            self._evaluate(
+                "start_dense", BudgetSchedule.dense(self.schedule.bin_tokens, self.schedule.page_size)
+            )
         bar = progress(
             range(self.state.step, cfg.trainer.max_steps),
             enabled=self.show_progress,
@@ -190,6 +240,7 @@ class GrpoTrainer:
             unit="step",
         )
         for _ in bar:
+            self._stop_if_signalled()
             metrics = self.step()
             bar.set_postfix(
                 reward=f"{metrics['reward/mean']:.3f}", tok_s=f"{metrics['rollout/tokens_per_s']:.0f}"
@@ -204,9 +255,10 @@ class GrpoTrainer:
                 )
             if cfg.checkpoint.enabled and self.state.step % cfg.checkpoint.every_n_steps == 0:
                 self.save_checkpoint()
+        self._stop_if_signalled()  # a stop during the last step: the next attempt only evaluates
         self._evaluate("end", self.schedule)
         self._evaluate("end_dense", BudgetSchedule.dense(self.schedule.bin_tokens, self.schedule.page_size))
-        if cfg.checkpoint.enabled and self.state.step % cfg.checkpoint.every_n_steps != 0:
+        if cfg.checkpoint.enabled and self._saved_step() != self.state.step:
             self.save_checkpoint()
         self.callbacks.on_train_end(self)
         summary = build_summary(self.state, self.metrics.history, cfg)
@@ -346,14 +398,61 @@ class GrpoTrainer:
         if merged:
             self.metrics.write(step, merged)
 
+    # ----- checkpoints, resume, preemption --------------------------------------------------------
+    @property
+    def checkpoint_root(self) -> Path:
+        """Folder of the step checkpoints: ``checkpoint.dir`` or ``<run_dir>/checkpoints``."""
+        return Path(self.config.checkpoint.dir or self.run_dir / "checkpoints")
+
     def save_checkpoint(self) -> Path:
-        """``policy.save`` plus ``trainer_state.json`` (state, callback states) in the same step folder."""
-        root = Path(self.config.checkpoint.dir or self.run_dir / "checkpoints")
-        path = self.policy.save(root, self.state.step)
-        if self.is_main:
-            callbacks = self.callbacks.on_save_checkpoint(self)
-            save_trainer_checkpoint(path, self.state.to_dict(), callbacks, self.config.checkpoint.keep_last)
+        """One atomic checkpoint ``step_<n>``: policy shards, optimizer and RNG of every rank, the trainer
+        state and every callback's state; then keep-last-N retention. Collective."""
+        self.state.prompt_stream = self.prompts.state_dict()
+        self.state.metrics_rows = len(self.metrics.history)
+
+        def write_run_files(staging: Path) -> None:
+            write_run_state(staging, self.state.to_dict(), self.callbacks.on_save_checkpoint(self))
+
+        with self.preemption.saving():
+            path = self.policy.save(self.checkpoint_root, self.state.step, write_run_files)
+            if self.is_main:
+                prune_checkpoints(self.checkpoint_root, path, self.config.checkpoint.keep_last)
+        self._saved = (self.state.step, path)
         return path
+
+    def _saved_step(self) -> int | None:
+        return None if self._saved is None else self._saved[0]
+
+    def _resume(self) -> None:
+        """Restore the checkpoint ``checkpoint.resume`` selects, if any; ``metrics.jsonl`` continues after it."""
+        candidates = resume_candidates(self.config.checkpoint.resume, self.checkpoint_root)
+        loaded = load_run_checkpoint(candidates, self.policy, self.is_main)
+        if loaded is None:
+            if self.is_main:
+                self.metrics.keep_rows(0)  # rows of an attempt that never checkpointed are redone
+            return
+        self.state = TrainerState.from_dict(setup.broadcast_from_rank0(loaded.trainer))
+        self.prompts.load_state_dict(self.state.prompt_stream)
+        self.callbacks.on_load_checkpoint(self, loaded.callbacks)
+        weights = self.policy.export_hf()
+        if self.is_main:
+            self.metrics.keep_rows(self.state.metrics_rows)
+            self.rollout_engine.update_weights(weights)
+            logger.info("resumed from %s: %d steps done", loaded.path, self.state.step)
+        self._saved = (self.state.step, loaded.path)
+
+    def _stop_if_signalled(self) -> None:
+        """Collective, between steps: on an agreed stop signal, checkpoint (unless just saved) and raise."""
+        signal_name = self.preemption.stop_agreed()
+        if signal_name is None:
+            return
+        path = None
+        if self.config.checkpoint.enabled:
+            path = self._saved[1] if self._saved_step() == self.state.step else self.save_checkpoint()
+        else:
+            logger.warning("%s: checkpoint.enabled=false, stopping without a checkpoint", signal_name)
+        self.metrics.close()
+        raise Preempted(self.state.step, signal_name, path)
 
 
 def train(config: SparrowConfig, run_dir: str | Path | None = None) -> tuple[dict[str, Any], Path]:

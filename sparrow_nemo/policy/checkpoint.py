@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -23,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 PARTIAL_SUFFIX = ".partial"
@@ -112,15 +115,27 @@ def finalize(root: str | Path, name: str, meta: dict[str, Any]) -> Path:
     return final
 
 
-def verify_checkpoint(path: str | Path, check_hashes: bool = True) -> dict[str, Any]:
-    """The manifest of a complete checkpoint; :class:`CheckpointError` names what is missing or wrong."""
+def read_manifest(path: str | Path) -> dict[str, Any]:
+    """The manifest of a checkpoint folder whose save completed (its files are not checked)."""
     path = Path(path)
     if path.name.endswith(PARTIAL_SUFFIX):
         raise CheckpointError(f"{path} is an unfinished save (no rename happened)")
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
         raise CheckpointError(f"{path} has no {MANIFEST}: the save did not complete")
-    manifest = json.loads(manifest_path.read_text())
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: {MANIFEST} is not valid JSON ({exc})") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        raise CheckpointError(f"{path}: {MANIFEST} is not a mapping with a 'files' mapping")
+    return manifest
+
+
+def verify_checkpoint(path: str | Path, check_hashes: bool = True) -> dict[str, Any]:
+    """The manifest of a complete checkpoint; :class:`CheckpointError` names what is missing or wrong."""
+    path = Path(path)
+    manifest = read_manifest(path)
     for name, digest in manifest.get("files", {}).items():
         file = path / name
         if not file.is_file():
@@ -130,21 +145,31 @@ def verify_checkpoint(path: str | Path, check_hashes: bool = True) -> dict[str, 
     return manifest
 
 
-def latest_checkpoint(root: str | Path) -> Path | None:
-    """The complete checkpoint under ``root`` with the highest ``step`` in its manifest (or None)."""
-    best: tuple[int, Path] | None = None
+def complete_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
+    """``(step, folder)`` of the checkpoints under ``root`` whose save completed (a readable manifest; the
+    files are checked when loading), newest first.
+
+    Ordered by the ``step`` in the manifest; for equal steps ``step_<n>`` comes before ``step_<n>.old``
+    (a complete earlier save of the same step, kept only if a re-save of that step died between its two
+    renames: still a valid fallback).
+    """
     root = Path(root)
     if not root.is_dir():
-        return None
+        return []
+    found: list[tuple[int, bool, Path]] = []
     for child in root.iterdir():
-        # ``<name>.old`` is a complete earlier save of the same step, kept only if a re-save of that
-        # step died between its two renames: still a valid fallback.
         if not child.is_dir() or child.name.endswith(PARTIAL_SUFFIX):
             continue
         try:
-            step = int(verify_checkpoint(child, check_hashes=False).get("step", -1))
-        except (CheckpointError, ValueError, json.JSONDecodeError):
+            step = int(read_manifest(child).get("step", -1))
+        except (CheckpointError, TypeError, ValueError) as exc:
+            logger.warning("ignoring checkpoint folder %s: %s", child, exc)
             continue
-        if best is None or step > best[0]:
-            best = (step, child)
-    return None if best is None else best[1]
+        found.append((step, child.name.endswith(".old"), child))
+    return [(step, path) for step, _, path in sorted(found, key=lambda t: (-t[0], t[1], t[2].name))]
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The complete checkpoint under ``root`` with the highest ``step`` in its manifest (or None)."""
+    found = complete_checkpoints(root)
+    return found[0][1] if found else None

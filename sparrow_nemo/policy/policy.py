@@ -6,6 +6,7 @@ run (call it on all of them with the same arguments, except ``batches``, which a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -140,9 +141,13 @@ class MegatronPolicy:
         """Full HF-named weights on every rank (for the rollout engine's weight refit)."""
         return export_hf_state_dict(self.model, self.spec)
 
-    def save(self, root: str | Path, step: int) -> Path:
-        """Atomic model + optimizer + RNG checkpoint ``<root>/step_<step>``."""
-        return save_policy_checkpoint(root, step, self.model, self.optimizer, self.spec)
+    def save(self, root: str | Path, step: int, write_extra: Callable[[Path], None] | None = None) -> Path:
+        """Atomic model + optimizer + RNG checkpoint ``<root>/step_<step>``.
+
+        ``write_extra(staging_dir)`` runs on rank 0 before the manifest: files it writes there are part
+        of the same atomic checkpoint.
+        """
+        return save_policy_checkpoint(root, step, self.model, self.optimizer, self.spec, write_extra)
 
     def load(self, path: str | Path) -> int:
         """Resume from a complete checkpoint directory; returns its step."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -77,9 +78,18 @@ def _meta(spec: PolicyModelSpec, step: int) -> dict:
 
 
 def save_policy_checkpoint(
-    root: str | Path, step: int, model: torch.nn.Module, optimizer, spec: PolicyModelSpec
+    root: str | Path,
+    step: int,
+    model: torch.nn.Module,
+    optimizer,
+    spec: PolicyModelSpec,
+    write_extra: Callable[[Path], None] | None = None,
 ) -> Path:
-    """Collective: every rank writes its shard; returns ``<root>/step_<step>`` once complete."""
+    """Collective: every rank writes its shard; returns ``<root>/step_<step>`` once complete.
+
+    ``write_extra(staging_dir)`` (rank 0 only) adds more files to the checkpoint before the manifest is
+    written (the trainer's state): they are hashed and renamed together with the shards.
+    """
     name = f"step_{step:08d}"
     rank0 = dist.get_rank() == 0
     if rank0:
@@ -95,6 +105,8 @@ def save_policy_checkpoint(
 
     atomic_torch_save(payload, staging / _rank_file(spec))
     optimizer.save_param_state(staging / _param_state_file(spec))
+    if rank0 and write_extra is not None:
+        write_extra(staging)
     dist.barrier()
     final = Path(root) / name
     if rank0:
@@ -104,7 +116,11 @@ def save_policy_checkpoint(
 
 
 def load_policy_checkpoint(path: str | Path, model: torch.nn.Module, optimizer, spec: PolicyModelSpec) -> int:
-    """Restore this rank's model, optimizer and RNG from a complete checkpoint; returns its step."""
+    """Restore this rank's model, optimizer and RNG from a complete checkpoint; returns its step.
+
+    Everything this rank reads is checked (manifest, layout, sha256 of its files) before any state is
+    touched, so a :class:`CheckpointError` leaves the model, optimizer and RNG as they were.
+    """
     path = Path(path)
     manifest = verify_checkpoint(path, check_hashes=False)
     expected = _meta(spec, manifest.get("step", -1))
@@ -113,13 +129,15 @@ def load_policy_checkpoint(path: str | Path, model: torch.nn.Module, optimizer, 
             raise CheckpointError(
                 f"{path}: checkpoint {key}={manifest.get(key)} but this run has {expected[key]}"
             )
-    payload = torch.load(
-        _verified_file(path, manifest, _rank_file(spec)), map_location="cpu", weights_only=False
-    )
+    rank_file = _verified_file(path, manifest, _rank_file(spec))
+    param_state = None
+    if _param_state_file(spec) in manifest["files"]:
+        param_state = _verified_file(path, manifest, _param_state_file(spec))
+    payload = torch.load(rank_file, map_location="cpu", weights_only=False)
     unwrap_model(model).load_state_dict(payload["model"], strict=True)
     optimizer.load_state_dict(payload["optimizer"])
-    if _param_state_file(spec) in manifest["files"]:
-        optimizer.load_param_state(_verified_file(path, manifest, _param_state_file(spec)))
+    if param_state is not None:
+        optimizer.load_param_state(param_state)
     set_rng_state(payload["rng"])
     return int(payload["step"])
 

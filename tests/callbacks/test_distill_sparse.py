@@ -21,8 +21,10 @@ from policy._helpers import make_hf_checkpoint, run_distributed, single_rank_env
 
 from sparrow_nemo.callbacks.distill_sparse import DistillSparse, distill_loss_fn, k3
 from sparrow_nemo.config import load_config
+from sparrow_nemo.grpo.checkpointing import read_run_state, write_run_state
 from sparrow_nemo.model_shapes import PRESETS
 from sparrow_nemo.policy.batch import PolicyBatch
+from sparrow_nemo.policy.checkpoint import finalize, partial_dir
 from sparrow_nemo.policy.logprobs import LogprobOutput
 from sparrow_nemo.policy.optim import OptimizerSettings
 from sparrow_nemo.policy.parallel import ParallelLayout
@@ -149,7 +151,10 @@ def test_adapter_and_optimizer_survive_a_checkpoint(checkpoint, tmp_path):
             callback = DistillSparse(lora_rank=4)
             callback.on_train_start(trainer)
             callback.on_train_batch_end(trainer, None, {})
-            state = callback.on_save_checkpoint(trainer)
+            staging = partial_dir(tmp_path / "ckpt", "step_1")  # through the trainer's checkpoint files
+            write_run_state(staging, {}, {"DistillSparse": callback.on_save_checkpoint(trainer)})
+            _, states = read_run_state(finalize(tmp_path / "ckpt", "step_1", {"step": 1}))
+            state = states["DistillSparse"]
             saved = trainer.policy.lora.export_adapter()
             saved_opt = callback.optimizer.state_dict()
         finally:

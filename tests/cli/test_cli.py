@@ -101,3 +101,19 @@ def test_yaml_error_is_one_line_with_file_and_line(
     assert cli.main(["config", "show", "--config", str(recipe)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "bad.yaml line 3" in err
+
+
+def test_bad_input_is_one_line_without_traceback(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("SPARROW_DEBUG", raising=False)
+    argv = ["train", "--run-dir", str(tmp_path / "run"), "++reward.options.mode=all"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(
+        "sparrow train: reward.options ['mode']: the synthetic task's reward takes no options"
+    )
+    assert "Traceback" not in err and len(err.splitlines()) == 1
+    monkeypatch.setenv("SPARROW_DEBUG", "1")
+    with pytest.raises(ValueError, match="takes no options"):
+        cli.main(argv)

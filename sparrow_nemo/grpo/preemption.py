@@ -1,0 +1,108 @@
+"""Preemption: SIGTERM / SIGUSR1 ask the trainer to finish its step, checkpoint and exit with status 3.
+
+Slurm sends USR1 before a time limit (``#SBATCH --signal=B:USR1@...``, forwarded by ``slurm/launch.sh``)
+and TERM on preemption or ``scancel``. :class:`PreemptionGuard` turns either into a flag; the trainer
+asks :meth:`PreemptionGuard.stop_agreed` between steps, which all ranks call together: a signal seen
+by any rank stops every rank after the same step. A signal that arrives while the checkpoint is being
+written (:meth:`PreemptionGuard.saving`) or after the stop was already requested is logged and ignored;
+it does not interrupt the save. The trainer then raises :class:`Preempted`, which the CLI turns into
+exit status :data:`REQUEUE_EXIT` (the launcher's "checkpointed, requeue me").
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+#: exit status meaning "checkpointed, requeue me" (``SPARROW_REQUEUE_EXIT`` in slurm/launch.sh)
+REQUEUE_EXIT = 3
+#: the signals that request a stop
+STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class Preempted(Exception):
+    """The run stopped early on a signal after saving ``checkpoint`` (None: checkpoints disabled) at ``step``."""
+
+    def __init__(self, step: int, signal_name: str, checkpoint: Path | None) -> None:
+        where = (
+            f"checkpoint {checkpoint}"
+            if checkpoint is not None
+            else "no checkpoint (checkpoint.enabled=false)"
+        )
+        super().__init__(f"stopped by {signal_name} after step {step}; {where}")
+        self.step = step
+        self.signal_name = signal_name
+        self.checkpoint = checkpoint
+
+
+class PreemptionGuard:
+    """Signal handlers for :data:`STOP_SIGNALS` while in a ``with`` block.
+
+    On leaving the block the previous handlers come back, unless a stop was requested: then the stop
+    signals stay ignored for the rest of the process. Handlers are installed only in the main thread
+    (Python delivers signals there); elsewhere the guard never fires.
+    """
+
+    def __init__(self) -> None:
+        self.signal_name: str | None = None
+        self._saving = False
+        self._previous: dict[signal.Signals, Any] = {}
+
+    def __enter__(self) -> PreemptionGuard:
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        # After a stop the process is on its way out with status 3: further stop signals are ignored, so
+        # that e.g. ``srun --kill-on-bad-exit`` terminating the ranks that exit a moment after the first
+        # one does not turn their status 3 into "killed by SIGTERM".
+        for sig, handler in self._previous.items():
+            signal.signal(sig, signal.SIG_IGN if self.signal_name is not None else handler)
+        self._previous = {}
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if self.signal_name is not None:
+            during = " (the checkpoint being written is not interrupted)" if self._saving else ""
+            logger.warning("%s: ignored, already stopping on %s%s", name, self.signal_name, during)
+            return
+        self.signal_name = name
+        if self._saving:
+            logger.warning("%s: the checkpoint being written completes, then the run stops", name)
+        else:
+            logger.warning("%s: finishing the current step, then checkpoint and exit", name)
+
+    def stop_agreed(self) -> str | None:
+        """Collective over all ranks: the name of the signal that asked to stop (any rank's), else None."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return self.signal_name
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        code = torch.tensor([0 if self.signal_name is None else signal.Signals[self.signal_name].value])
+        code = code.to(device)
+        dist.all_reduce(code, op=dist.ReduceOp.MAX)
+        value = int(code.item())
+        if value and self.signal_name is None:  # another rank's signal: this rank stops as well
+            self.signal_name = signal.Signals(value).name
+        return self.signal_name
+
+    @contextmanager
+    def saving(self) -> Iterator[None]:
+        """While a checkpoint is written (signals never interrupt it; a repeated one is only logged)."""
+        self._saving = True
+        try:
+            yield
+        finally:
+            self._saving = False

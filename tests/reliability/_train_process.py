@@ -1,0 +1,98 @@
+"""``sparrow train`` as a subprocess (the way Slurm runs it), for the kill / signal / resume tests.
+
+The runs use the smoke recipe cut down to a few seconds per step. Its warm-start is the recipe's own, so
+it comes from the shared cache (``~/.cache/sparrow_nemo/warmstart`` or ``$SPARROW_CACHE``) once trained.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+#: a few-second-per-step version of the smoke recipe
+FAST = (
+    "grpo.prompts_per_step=2",
+    "grpo.samples_per_prompt=4",
+    "evaluation.num_prompts=2",
+    "logging.plots=false",
+    "checkpoint.keep_last=2",
+)
+#: wall-clock bound of one training subprocess, seconds
+TIMEOUT = 600
+
+
+def command(run_dir: Path, *overrides: str) -> list[str]:
+    """``python -m sparrow_nemo.cli train`` on the smoke recipe into ``run_dir``."""
+    return [
+        sys.executable,
+        "-m",
+        "sparrow_nemo.cli",
+        "train",
+        "--config",
+        "tiny_cpu_smoke",
+        "--run-dir",
+        str(run_dir),
+        *FAST,
+        *overrides,
+    ]
+
+
+def _env() -> dict[str, str]:
+    """This environment without a launcher's rank variables (each subprocess is its own 1-rank world)."""
+    drop = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+    return {k: v for k, v in os.environ.items() if k not in drop}
+
+
+def run(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
+    """Run training to its end; returns the finished process (stderr holds the log)."""
+    return subprocess.run(
+        command(run_dir, *overrides), env=_env(), capture_output=True, text=True, timeout=TIMEOUT
+    )
+
+
+def start(run_dir: Path, log: Path, *overrides: str) -> subprocess.Popen:
+    """Start training in the background, stdout and stderr to ``log``."""
+    with log.open("w") as out:
+        return subprocess.Popen(
+            command(run_dir, *overrides), env=_env(), stdout=out, stderr=subprocess.STDOUT
+        )
+
+
+def wait_for(process: subprocess.Popen, condition: Callable[[], bool], what: str, log: Path) -> None:
+    """Poll until ``condition()``; fails (with the log's tail) if the process ends first or time runs out."""
+    deadline = time.monotonic() + TIMEOUT
+    while not condition():
+        if process.poll() is not None:
+            raise AssertionError(
+                f"training ended ({process.returncode}) before {what}:\n{log.read_text()[-3000:]}"
+            )
+        if time.monotonic() > deadline:
+            process.kill()
+            raise AssertionError(f"timed out waiting for {what}:\n{log.read_text()[-3000:]}")
+        time.sleep(0.05)
+
+
+def metric_rows(run_dir: Path) -> list[dict]:
+    """The rows of ``metrics.jsonl`` (complete lines only)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # a line being written
+    return rows
+
+
+def checkpoint_state(folder: Path) -> dict:
+    """The one-rank policy file of a checkpoint folder: ``model``, ``optimizer``, ``rng``, ``step``."""
+    return torch.load(folder / "policy_tp00_pp00_dp000.pt", map_location="cpu", weights_only=False)
