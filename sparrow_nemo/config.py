@@ -223,7 +223,7 @@ class OptimizerConfig:
     """Adam(W) for the policy (field names of sparrow_nemo.policy.optim.OptimizerSettings)."""
 
     #: peak learning rate
-    lr: float = _field(3e-4, check=POSITIVE)
+    lr: float = _field(1e-3, check=POSITIVE)
     #: Adam beta1, beta2
     betas: tuple[float, ...] = _field((0.9, 0.999), check=_interval(0, 1, hi_open=True))
     #: Adam epsilon
@@ -273,7 +273,7 @@ class RolloutConfig:
     #: engine: pure-torch paged KV cache (CPU/one GPU) or TensorRT-LLM (cluster)
     backend: Literal["reference", "trtllm"] = "reference"
     #: response cutoff, tokens
-    max_new_tokens: int = _field(1024, check=AT_LEAST_ONE)
+    max_new_tokens: int = _field(64, check=AT_LEAST_ONE)
     #: sampling temperature (> 0: RL needs sampled log-probabilities)
     temperature: float = _field(1.0, check=POSITIVE)
     #: nucleus sampling mass
@@ -301,38 +301,38 @@ class CalibrationConfig:
     """The offline calibration pass that picks a schedule for ``sparsity.threshold``."""
 
     #: candidate budgets in tokens (reserved pages included), strictly increasing multiples of page_size
-    candidate_budgets: tuple[int, ...] = (64, 96, 128, 160, 192, 256, 320, 384)
+    candidate_budgets: tuple[int, ...] = (16, 24, 32, 48, 64)
     #: calibration prompts (taken from data.train_path, or the synthetic task)
-    num_prompts: int = _field(8, check=AT_LEAST_ONE)
+    num_prompts: int = _field(16, check=AT_LEAST_ONE)
     #: sparse samples per calibration prompt (the paper: 8)
-    samples_per_prompt: int = _field(4, check=AT_LEAST_ONE)
+    samples_per_prompt: int = _field(8, check=AT_LEAST_ONE)
 
 
 @dataclass(frozen=True)
 class SparsityConfig:
     """Sparse decode attention during rollout and its schedule (METHOD.md)."""
 
-    #: preset ('qwen3-1.7b-0.86', 'dense', 'fixed:<tokens>'), a schedule YAML path (relative to the working
-    #: directory), or 'explicit' (= budgets, bin_tokens, page_size below)
+    #: preset ('qwen3-1.7b-0.86', 'dense', 'fixed:<tokens>' in this section's pages and bins), a schedule
+    #: YAML path (relative to the working directory), or 'explicit' (= budgets, bin_tokens, page_size below)
     schedule: str = "explicit"
     #: budgets per bin in tokens (reserved pages included); read only when schedule=explicit
-    budgets: tuple[int, ...] | None = (64, 96, 128, 160, 192, 224, 256)
+    budgets: tuple[int, ...] | None = (16, 24, 48, 64)
     #: acceptance-rate tail to keep in every bin
     threshold: float = _field(0.86, check=OPEN_UNIT)
     #: quantile of the per-token acceptance rate that defines the tail
     quantile: float = _field(0.05, check=OPEN_UNIT)
     #: bin width in tokens of cached length (tail statistics; explicit schedules)
-    bin_tokens: int = _field(128, check=AT_LEAST_ONE)
+    bin_tokens: int = _field(16, check=AT_LEAST_ONE)
     #: tokens per KV page
-    page_size: int = _field(16, check=AT_LEAST_ONE)
+    page_size: int = _field(4, check=AT_LEAST_ONE)
     #: first pages always kept (attention sink)
     sink_pages: int = _field(1, check=NON_NEGATIVE)
     #: most recent pages always kept (local window)
     local_pages: int = _field(2, check=NON_NEGATIVE)
     #: first decoder layers that stay dense
-    dense_layers: int = _field(2, check=NON_NEGATIVE)
+    dense_layers: int = _field(0, check=NON_NEGATIVE)
     #: run the calibration pass before training and use its schedule
-    calibrate: bool = False
+    calibrate: bool = True
     #: calibration pass settings
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
     #: online schedule adaptation from each step's tail: off, raise budgets, or raise and lower
@@ -341,7 +341,7 @@ class SparsityConfig:
     #: of the quantile estimate (binomial confidence bound, TailMismatchScheduler.noise_z)
     noise_z: float = _field(2.0, check=NON_NEGATIVE)
     #: bins with fewer tokens than this in a step get no adapt decision
-    min_bin_tokens: int = _field(200, check=AT_LEAST_ONE)
+    min_bin_tokens: int = _field(100, check=AT_LEAST_ONE)
 
     @property
     def min_budget(self) -> int:
@@ -369,6 +369,8 @@ class SparsityConfig:
             if not path.is_file():
                 raise FileNotFoundError(f"schedule file {path} not found")
             return BudgetSchedule.from_yaml(path)
+        if spec.lower().startswith("fixed:"):  # one constant budget, in this section's pages and bins
+            return BudgetSchedule.from_preset(spec, self.bin_tokens, self.page_size)
         return BudgetSchedule.from_preset(spec)
 
     def check(self) -> None:
@@ -417,7 +419,7 @@ class LossConfig:
     clip_high: float = _field(0.28, check=NON_NEGATIVE)
     #: token_mean (token-level, the paper) or seq_mean_token_mean
     aggregation: str = _field("token_mean", check=_registered(lambda: _grpo_aggregation))
-    #: weight of the k3 KL to the reference policy; 0 = no reference model
+    #: weight of the k3 KL to the frozen reference policy (the initial weights, kept on the host); 0 = none
     kl_coef: float = _field(0.0, check=NON_NEGATIVE)
     #: rollout/train mismatch correction: none, tis, icepop, seq_mask
     correction: str = _field("tis", check=_registered(lambda: _grpo_losses().get_correction))
@@ -446,7 +448,7 @@ class GrpoConfig:
     """The GRPO algorithm."""
 
     #: prompts sampled per RL step
-    prompts_per_step: int = _field(4, check=AT_LEAST_ONE)
+    prompts_per_step: int = _field(16, check=AT_LEAST_ONE)
     #: samples per prompt (the group; the paper: 8)
     samples_per_prompt: int = _field(8, check=_interval(lo=2))
     #: registered advantage estimator (sparrow_nemo.grpo.advantages): grpo, rloo (leave-one-out)
@@ -611,7 +613,7 @@ class WarmstartConfig:
     #: run the warm-start (ignored when model.hf_checkpoint is given)
     enabled: bool = True
     #: optimizer steps
-    steps: int = _field(1500, check=AT_LEAST_ONE)
+    steps: int = _field(1200, check=AT_LEAST_ONE)
     #: (prompt, solution) pairs per step
     batch_size: int = _field(16, check=AT_LEAST_ONE)
     #: learning rate, constant (the other optimizer settings come from policy.optimizer)
@@ -625,7 +627,7 @@ class EvaluationConfig:
     """The held-out evaluation before and after training (the run summary's accuracy and speedup)."""
 
     #: held-out prompts, one sample each (synthetic task: unseen problems; a file: its first rows)
-    num_prompts: int = _field(32, check=AT_LEAST_ONE, hashed=False)
+    num_prompts: int = _field(256, check=AT_LEAST_ONE, hashed=False)
 
 
 @dataclass(frozen=True)
@@ -633,7 +635,7 @@ class TrainerConfig:
     """The RL loop."""
 
     #: RL steps to run (not hashed: a run may be extended)
-    max_steps: int = _field(20, check=AT_LEAST_ONE, hashed=False)
+    max_steps: int = _field(40, check=AT_LEAST_ONE, hashed=False)
     #: global seed (data order, initialisation)
     seed: int = _field(0, check=NON_NEGATIVE)
     #: where to run; auto = cuda when available

@@ -6,6 +6,7 @@ One warm-start per test session (session fixture, in a temporary cache), then:
 - a fixed budget far too small (16 tokens = 1 top-k page, every layer sparse, no adaptation) shows bins
   below the threshold;
 - with the dense schedule the rollout engine and the megatron policy agree token by token (alpha ~ 1);
+- ``grpo.loss.kl_coef > 0`` trains against the frozen initial policy (KL 0 at the first update);
 - two tensor-parallel ranks under torchrun give the one-rank step.
 """
 
@@ -54,6 +55,7 @@ def test_smoke_run_improves_over_warm_start_and_keeps_the_tail(smoke_overrides, 
     summary, rows = _train(config, tmp_path)
     assert len(rows) == config.trainer.max_steps
     assert summary["accuracy_end"] > summary["accuracy_start"], summary
+    assert summary["accuracy_end_dense"] > summary["accuracy_start_dense"], summary
     # the scheduler's decisions hold: in the last step, every bin with enough tokens meets the threshold
     last = rows[-1]
     decided = [
@@ -128,6 +130,25 @@ def test_dense_rollout_matches_the_policy_token_by_token(smoke_overrides, tmp_pa
     for row in rows:  # step 1 runs after a policy update and the engine refit
         assert row["acceptance/p5"] > 0.999, row
         assert row["token_mult_prob_error"] == pytest.approx(1.0, abs=1e-3)
+
+
+def test_kl_penalty_to_the_initial_policy(smoke_overrides, tmp_path: Path) -> None:
+    # the reference is the warm-started policy: the k3 KL is 0 at the first update and grows after it
+    config = load_config(
+        "tiny_cpu_smoke",
+        [
+            *smoke_overrides,
+            "grpo.loss.kl_coef=0.05",
+            "trainer.max_steps=2",
+            "checkpoint.enabled=false",
+            "logging.plots=false",
+            "evaluation.num_prompts=8",
+        ],
+    )
+    _, rows = _train(config, tmp_path)
+    assert [row["step"] for row in rows] == [0, 1]
+    assert rows[0]["train/kl"] == pytest.approx(0.0, abs=1e-7)
+    assert rows[1]["train/kl"] > 1e-6, rows[1]
 
 
 def test_two_tensor_parallel_ranks_match_one_rank(smoke_overrides, tmp_path: Path) -> None:

@@ -155,3 +155,14 @@ def progress(iterable: Iterable | None = None, *, enabled: bool, **kwargs: Any):
     from tqdm.auto import tqdm
 
     return tqdm(iterable, disable=not enabled, dynamic_ncols=True, **kwargs)
+
+
+def rollout_progress(num_samples: int, max_new_tokens: int, enabled: bool):
+    """A tokens bar for one rollout (``update`` is the engine's ``on_tokens``); closes with ``with``.
+
+    Its total is the length cap (``num_samples x max_new_tokens``), so the ETA is an upper bound and
+    the bar ends short of 100 % when responses stop early.
+    """
+    return progress(
+        total=num_samples * max_new_tokens, enabled=enabled, desc="rollout", unit="tok", leave=False
+    )

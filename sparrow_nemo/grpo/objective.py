@@ -2,7 +2,8 @@
 
 Each :class:`~sparrow_nemo.policy.batch.PolicyBatch` carries in ``extras`` (all [b, S-1] unless noted):
 ``mask`` (bool, response tokens), ``old_logprobs`` (dense policy before the update), ``rollout_logprobs``
-(sparse engine) and ``advantages`` ([b]).
+(sparse engine), ``advantages`` ([b]) and, when ``grpo.loss.kl_coef > 0``, ``ref_logprobs`` (the frozen
+reference policy, :meth:`MegatronPolicy.reference_logprobs`).
 """
 
 from __future__ import annotations
@@ -24,13 +25,9 @@ def policy_loss_config(loss: LossConfig) -> PolicyLossConfig:
 def grpo_loss_fn(config: PolicyLossConfig) -> LossFn:
     """``loss_fn`` for :meth:`MegatronPolicy.train_step`: the registered policy loss on the batch's extras.
 
-    Metrics: the loss's own (clip_fraction, ratio_*, token_mult_prob_error, ...) plus ``entropy`` (mean
-    over response tokens, nats).
+    Metrics: the loss's own (clip_fraction, ratio_*, token_mult_prob_error, ``kl`` when ``kl_coef > 0``,
+    ...) plus ``entropy`` (mean over response tokens, nats).
     """
-    if config.kl_coef > 0:
-        raise ValueError(
-            "grpo.loss.kl_coef > 0 needs a reference policy, which the trainer does not keep yet"
-        )
 
     def loss_fn(out: LogprobOutput, batch: PolicyBatch):
         x = batch.extras
@@ -42,6 +39,7 @@ def grpo_loss_fn(config: PolicyLossConfig) -> LossFn:
             x["advantages"].to(out.logprobs.device),
             mask,
             rollout_logprobs=x["rollout_logprobs"].to(out.logprobs.device),
+            ref_logprobs=x["ref_logprobs"].to(out.logprobs.device) if "ref_logprobs" in x else None,
         )
         metrics["entropy"] = masked_mean(out.entropy.detach(), mask.float()).item()
         return loss, metrics

@@ -100,6 +100,13 @@ def concat_outputs(outputs: Sequence[LogprobOutput]) -> LogprobOutput:
     )
 
 
+def reference_logprobs(policy, data: RolloutTensors, micro_batch_size: int) -> torch.Tensor:
+    """[N, S-1] float32 log-probs of ``data``'s tokens under ``policy``'s frozen reference weights
+    (:meth:`~sparrow_nemo.policy.policy.MegatronPolicy.reference_logprobs`; collective over the ranks)."""
+    batches = micro_batches(data.tokens, data.lengths, {}, micro_batch_size)
+    return torch.cat([o.logprobs.detach().float() for o in policy.reference_logprobs(batches)])
+
+
 def token_mismatch(
     samples: Sequence[RolloutSample], dense: LogprobOutput, data: RolloutTensors
 ) -> TokenMismatch:

@@ -44,6 +44,7 @@ def build_summary(state, history: Sequence[dict[str, Any]], config: SparrowConfi
         "accuracy_start": evals.get("start", {}).get("accuracy"),
         "accuracy_end": evals.get("end", {}).get("accuracy"),
         "accuracy_end_dense": evals.get("end_dense", {}).get("accuracy"),
+        "accuracy_start_dense": evals.get("start_dense", {}).get("accuracy"),
         "train_reward_first": steps[0]["reward/mean"] if steps else None,
         "train_reward_last": steps[-1]["reward/mean"] if steps else None,
         "min_bin_tokens": config.sparsity.min_bin_tokens,
@@ -69,7 +70,8 @@ def format_summary(summary: dict[str, Any]) -> str:
     lines = [
         f"steps: {summary['steps']}",
         f"accuracy on held-out prompts: start {_fmt(summary['accuracy_start'])} -> end "
-        f"{_fmt(summary['accuracy_end'])} (sparse schedule), {_fmt(summary['accuracy_end_dense'])} (dense)",
+        f"{_fmt(summary['accuracy_end'])} (sparse schedule), {_fmt(summary.get('accuracy_start_dense'))} -> "
+        f"{_fmt(summary['accuracy_end_dense'])} (dense)",
         f"acceptance-rate tail per bin (threshold {summary['threshold']:g}; last step / worst step):",
     ]
     for b, t in summary["tail_per_bin"].items():

@@ -49,11 +49,17 @@ from sparrow_nemo.grpo.checkpointing import (
     write_run_state,
 )
 from sparrow_nemo.grpo.evaluation import EvalResult, evaluate
-from sparrow_nemo.grpo.metrics import MetricsWriter, progress, rollout_metrics
+from sparrow_nemo.grpo.metrics import MetricsWriter, progress, rollout_metrics, rollout_progress
 from sparrow_nemo.grpo.objective import grpo_loss_fn, policy_loss_config
 from sparrow_nemo.grpo.preemption import Preempted, PreemptionGuard
 from sparrow_nemo.grpo.prompts import build_prompt_source
-from sparrow_nemo.grpo.rollout_step import collate, concat_outputs, micro_batches, token_mismatch
+from sparrow_nemo.grpo.rollout_step import (
+    collate,
+    concat_outputs,
+    micro_batches,
+    reference_logprobs,
+    token_mismatch,
+)
 from sparrow_nemo.grpo.rundir import check_run_dir, make_run_dir
 from sparrow_nemo.grpo.warmstart import ensure_warm_start
 from sparrow_nemo.rollout.engine import RolloutSample
@@ -79,7 +85,7 @@ class TrainerState:
         prompt_cursor: position in the prompt stream.
         initial_schedule: the schedule the run started with (for the summary).
         warm_start_dir: the HF checkpoint the policy started from, if any.
-        evals: evaluation results by tag ("start", "end", "end_dense").
+        evals: evaluation results by tag ("start", "start_dense", "end", "end_dense").
         prompt_stream: :meth:`PromptSource.state_dict` (cursor, epoch, seed) as of the last checkpoint.
         metrics_rows: rows in ``metrics.jsonl`` as of the last checkpoint (a resumed run drops later ones).
     """
@@ -143,6 +149,8 @@ class GrpoTrainer:
             hf_dir = str(ensure_warm_start(config, self.prompts, self.show_progress))
         torch.manual_seed(config.trainer.seed)  # the same start whether or not the warm-start was cached
         self.policy = setup.build_policy(config, hf_dir)
+        if config.grpo.loss.kl_coef > 0:  # the KL penalty's reference: the initial weights (NeMo-RL style)
+            self.policy.keep_reference()
         self.run_dir = Path(
             setup.broadcast_from_rank0(str(make_run_dir(config, run_dir)) if self.is_main else None)
         )
@@ -222,6 +230,9 @@ class GrpoTrainer:
         if "start" not in self.state.evals:  # a resumed run has both already
             self.state.initial_schedule = self.schedule
             self._evaluate("start", self.schedule)
+            self._evaluate(
+                "start_dense", BudgetSchedule.dense(self.schedule.bin_tokens, self.schedule.page_size)
+            )
         bar = progress(
             range(self.state.step, cfg.trainer.max_steps),
             enabled=self.show_progress,
@@ -315,9 +326,10 @@ class GrpoTrainer:
         if self.is_main:
             n = self.config.grpo.samples_per_prompt
             sampling = setup.sampling_params(self.config, seed=sample_seed(self.config.rollout.seed, step))
-            batch = self.rollout_engine.generate(
-                [p for p in prompts for _ in range(n)], sampling, self.schedule
-            )
+            with rollout_progress(len(prompts) * n, sampling.max_new_tokens, self.show_progress) as bar:
+                batch = self.rollout_engine.generate(
+                    [p for p in prompts for _ in range(n)], sampling, self.schedule, on_tokens=bar.update
+                )
             expanded = [a for a in answers for _ in range(n)]
             rewards = [
                 self.prompts.reward(s.response_ids.tolist(), a) for s, a in zip(batch.samples, expanded)
@@ -335,6 +347,10 @@ class GrpoTrainer:
             "rollout_logprobs": data.rollout_logprobs,
             "advantages": advantages.float(),
         }
+        if self.config.grpo.loss.kl_coef > 0:
+            extras["ref_logprobs"] = reference_logprobs(
+                self.policy, data, self.config.policy.micro_batch_size
+            )
         batches = micro_batches(data.tokens, data.lengths, extras, self.config.policy.micro_batch_size)
         dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         if len(batches) % dp:

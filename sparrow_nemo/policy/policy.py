@@ -19,6 +19,7 @@ from sparrow_nemo.policy.lora import LoraConfig, MegatronLora, frozen
 from sparrow_nemo.policy.model import build_model, resolve_dtype
 from sparrow_nemo.policy.optim import OptimizerSettings, TorchPolicyOptimizer, wrap_for_training
 from sparrow_nemo.policy.parallel import ParallelLayout, destroy_parallel, initialize_parallel
+from sparrow_nemo.policy.reference import ReferenceWeights
 from sparrow_nemo.policy.resume import load_policy_checkpoint, save_policy_checkpoint
 from sparrow_nemo.policy.schedule import LossFn, compute_logprobs
 from sparrow_nemo.policy.sparse_forward import (
@@ -64,10 +65,23 @@ class MegatronPolicy:
             model, settings, shape.tie_word_embeddings, resolve_dtype(dtype)
         )
         self.lora: MegatronLora | None = None
+        self.reference: ReferenceWeights | None = None
 
     def logprobs(self, batches: list[PolicyBatch], top_k: int = TOP_K) -> list[LogprobOutput]:
         """Dense log-probs, entropy and top-k per micro-batch (CPU tensors [B, S-1], on every rank)."""
         return compute_logprobs(self.model, self.spec, batches, top_k)
+
+    def keep_reference(self) -> None:
+        """Take the current weights as the frozen reference policy (the KL penalty's; see
+        :mod:`sparrow_nemo.policy.reference`). Call before any training step."""
+        self.reference = ReferenceWeights(self.model)
+
+    def reference_logprobs(self, batches: list[PolicyBatch], top_k: int = TOP_K) -> list[LogprobOutput]:
+        """:meth:`logprobs` of the reference weights; the policy's own weights are back afterwards."""
+        if self.reference is None:
+            raise RuntimeError("no reference policy: call MegatronPolicy.keep_reference() first")
+        with self.reference.swapped_in(self.model):
+            return self.logprobs(batches, top_k)
 
     def enable_lora(
         self, config: LoraConfig, adapter: LoraAdapter | None = None, seed: int = 0

@@ -13,7 +13,7 @@ Conventions:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
@@ -23,6 +23,9 @@ from sparrow_nemo.rollout.lora import LoraAdapter
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 FinishReason = Literal["stop_token", "stop_string", "length"]
+
+#: ``on_tokens(n)``: ``n`` more response tokens were generated since the previous call (progress bars).
+TokenProgress = Callable[[int], None]
 
 
 @dataclass(frozen=True)
@@ -127,6 +130,38 @@ class ScoredSequence:
     top_logprobs: torch.Tensor
 
 
+class TokenTally:
+    """Reports generated tokens to an optional :data:`TokenProgress` callback, off the decode hot path.
+
+    ``add(n)`` once per decode step (or block of steps) with that step's new tokens; the callback runs
+    at most once every ``every`` calls and on :meth:`flush`, so a progress bar costs nothing per token.
+    Without a callback every method is a no-op.
+    """
+
+    def __init__(self, on_tokens: TokenProgress | None, every: int = 16) -> None:
+        if every <= 0:
+            raise ValueError(f"TokenTally.every must be > 0 steps, got {every}")
+        self.on_tokens = on_tokens
+        self.every = every
+        self._pending = 0
+        self._calls = 0
+
+    def add(self, n: int) -> None:
+        """Count ``n`` new tokens; report the pending count every ``every`` calls."""
+        if self.on_tokens is None:
+            return
+        self._pending += n
+        self._calls += 1
+        if self._calls % self.every == 0:
+            self.flush()
+
+    def flush(self) -> None:
+        """Report what is pending (call at the end of a generate)."""
+        if self.on_tokens is not None and self._pending:
+            self.on_tokens(self._pending)
+            self._pending = 0
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     """A generator the RL loop drives; see the module docstring for conventions."""
@@ -138,11 +173,14 @@ class RolloutEngine(Protocol):
         schedule: BudgetSchedule,
         *,
         sample_seeds: Sequence[int] | None = None,
+        on_tokens: TokenProgress | None = None,
     ) -> RolloutBatch:
         """Sample one response per prompt with the sparse layers following ``schedule``.
 
         Sample i draws from seed ``sample_seeds[i]`` (default ``sample_seed(sampling.seed, i)``), so a part
-        of a batch reproduces its samples in the whole batch.
+        of a batch reproduces its samples in the whole batch. ``on_tokens`` (optional) is told how many
+        tokens were generated, as the engine can see them: every few decode steps for the reference
+        engine, once at the end for TensorRT-LLM.
         """
         ...
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from sparrow_nemo.rollout.engine import RolloutBatch, RolloutEngine, SamplingParams
+from sparrow_nemo.rollout.engine import RolloutBatch, RolloutEngine, SamplingParams, TokenProgress
 from sparrow_nemo.rollout.sampling import batch_seeds
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
@@ -50,16 +50,25 @@ class OomRetryEngine:
         schedule: BudgetSchedule,
         *,
         sample_seeds: Sequence[int] | None = None,
+        on_tokens: TokenProgress | None = None,
     ) -> RolloutBatch:
-        """``engine.generate`` of the whole batch, or of its halves (recursively) when that runs out of memory."""
+        """``engine.generate`` of the whole batch, or of its halves (recursively) when that runs out of memory.
+
+        ``on_tokens`` goes to every attempt (a failed attempt's tokens stay counted: it is a progress bar).
+        """
         seeds = batch_seeds(sampling.seed, len(prompts), sample_seeds)
-        return self._generate(list(prompts), seeds, sampling, schedule)
+        return self._generate(list(prompts), seeds, sampling, schedule, on_tokens)
 
     def _generate(
-        self, prompts: list, seeds: list[int], sampling: SamplingParams, schedule: BudgetSchedule
+        self,
+        prompts: list,
+        seeds: list[int],
+        sampling: SamplingParams,
+        schedule: BudgetSchedule,
+        on_tokens: TokenProgress | None,
     ) -> RolloutBatch:
         try:
-            return self.engine.generate(prompts, sampling, schedule, sample_seeds=seeds)
+            return self.engine.generate(prompts, sampling, schedule, sample_seeds=seeds, on_tokens=on_tokens)
         except torch.OutOfMemoryError:
             if len(prompts) == 1:
                 raise
@@ -73,8 +82,8 @@ class OomRetryEngine:
             half,
             len(prompts) - half,
         )
-        first = self._generate(prompts[:half], seeds[:half], sampling, schedule)
-        second = self._generate(prompts[half:], seeds[half:], sampling, schedule)
+        first = self._generate(prompts[:half], seeds[:half], sampling, schedule, on_tokens)
+        second = self._generate(prompts[half:], seeds[half:], sampling, schedule, on_tokens)
         return RolloutBatch(
             samples=first.samples + second.samples,
             schedule_name=first.schedule_name,

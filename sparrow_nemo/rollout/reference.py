@@ -23,7 +23,14 @@ from pathlib import Path
 import torch
 
 from sparrow_nemo.model_shapes import Qwen3Shape
-from sparrow_nemo.rollout.engine import RolloutBatch, RolloutSample, SamplingParams, ScoredSequence
+from sparrow_nemo.rollout.engine import (
+    RolloutBatch,
+    RolloutSample,
+    SamplingParams,
+    ScoredSequence,
+    TokenProgress,
+    TokenTally,
+)
 from sparrow_nemo.rollout.lora import LoraAdapter
 from sparrow_nemo.rollout.paged_attention import (
     KernelDecode,
@@ -43,6 +50,9 @@ from sparrow_nemo.rollout.sampling import (
 from sparrow_nemo.rollout.static_decode import StaticDecoder, decode_static
 from sparrow_nemo.rollout.stopping import Detokenizer, StopRule
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET, BudgetSchedule
+
+#: decode steps between two ``on_tokens`` reports (a progress bar stays off the per-token path)
+PROGRESS_EVERY = 8
 
 
 class ReferenceRolloutEngine:
@@ -236,12 +246,14 @@ class ReferenceRolloutEngine:
         schedule: BudgetSchedule,
         *,
         sample_seeds: Sequence[int] | None = None,
+        on_tokens: TokenProgress | None = None,
     ) -> RolloutBatch:
         """Sample one response per prompt; see :class:`~sparrow_nemo.rollout.engine.RolloutSample`.
 
         ``sample_seeds`` overrides the per-sample seeds (default ``sample_seed(sampling.seed, i)``), so a
         prompt run alone can reproduce its draws from inside a larger batch. Prompts are decoded in waves
-        of at most ``max_batch_size``; results do not depend on the wave size.
+        of at most ``max_batch_size``; results do not depend on the wave size. ``on_tokens`` is told the
+        new tokens every ``PROGRESS_EVERY`` decode steps (or static-loop blocks) and at the end.
         """
         self._check_awake()
         prompt_ids, seeds, max_new = self._check_request(prompts, sampling, schedule, sample_seeds)
@@ -249,12 +261,16 @@ class ReferenceRolloutEngine:
         stop = StopRule(frozenset(stop_ids), sampling.stop_strings, self.tokenizer)
         out = RolloutBatch(samples=[], schedule_name=schedule.name, prefill_s=0.0, decode_s=0.0)
         step = self.max_batch_size or max(len(prompt_ids), 1)
+        tally = TokenTally(on_tokens, PROGRESS_EVERY)
         for lo in range(0, len(prompt_ids), step):
             wave = slice(lo, lo + step)
-            part = self._generate_wave(prompt_ids[wave], seeds[wave], max_new[wave], sampling, schedule, stop)
+            part = self._generate_wave(
+                prompt_ids[wave], seeds[wave], max_new[wave], sampling, schedule, stop, tally
+            )
             out.samples += part.samples
             out.prefill_s += part.prefill_s
             out.decode_s += part.decode_s
+        tally.flush()
         return out
 
     def _generate_wave(
@@ -265,6 +281,7 @@ class ReferenceRolloutEngine:
         sampling: SamplingParams,
         schedule: BudgetSchedule,
         stop: StopRule,
+        tally: TokenTally,
     ) -> RolloutBatch:
         """Generate for prompts decoded together (at most ``max_batch_size``); inputs already validated."""
         batch = len(prompt_ids)
@@ -292,7 +309,18 @@ class ReferenceRolloutEngine:
         logits = self.model.logits(last)
         if static:
             return self._decode_static(
-                prompt_ids, cache, block_table, seq_len, logits, gens, max_new, sampling, schedule, stop, t0
+                prompt_ids,
+                cache,
+                block_table,
+                seq_len,
+                logits,
+                gens,
+                max_new,
+                sampling,
+                schedule,
+                stop,
+                t0,
+                tally,
             )
         active = torch.arange(batch, device=self.device)  # sample index of each live row
         tokens = self._sample_and_record(rec, logits, sampling, gens, active, seq_len, None)
@@ -301,6 +329,7 @@ class ReferenceRolloutEngine:
         finished: dict[int, tuple[str, int | str | None]] = {}
         responses: list[list[int]] = [[] for _ in range(batch)]
         while True:
+            tally.add(active.numel())
             keep = []  # live rows that continue
             for row, (s, t) in enumerate(zip(active.tolist(), tokens.tolist())):
                 responses[s].append(t)
@@ -347,6 +376,7 @@ class ReferenceRolloutEngine:
         schedule: BudgetSchedule,
         stop: StopRule,
         t0: float,
+        tally: TokenTally,
     ) -> RolloutBatch:
         """The static decode loop of one wave after its prefill (``logits [B, V]`` of the last prompt
         tokens); pages for prompt + max(max_new) tokens are reserved here and freed at the end."""
@@ -360,7 +390,7 @@ class ReferenceRolloutEngine:
         dec.record_first(logits, first)
         t1 = self._now()
         try:
-            fields, finished = decode_static(dec, gens, max_new, stop, self.cuda_graph)
+            fields, finished = decode_static(dec, gens, max_new, stop, self.cuda_graph, tally)
         finally:
             cache.release(block_table)
         t2 = self._now()

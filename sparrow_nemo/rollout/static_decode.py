@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from sparrow_nemo.rollout.engine import FinishReason, SamplingParams
+from sparrow_nemo.rollout.engine import FinishReason, SamplingParams, TokenTally
 from sparrow_nemo.rollout.paged_cache import PagedKVCache
 from sparrow_nemo.rollout.sampling import sample_tokens, token_logprobs
 from sparrow_nemo.rollout.stopping import StopRule
@@ -215,6 +215,7 @@ def decode_static(
     max_new: Sequence[int],
     stop: StopRule,
     use_graph: bool,
+    tally: TokenTally | None = None,
 ) -> tuple[list[dict[str, torch.Tensor]], list[tuple[FinishReason, int | str | None]]]:
     """Drive ``dec`` (row 0 already recorded) until every sample has stopped.
 
@@ -222,7 +223,8 @@ def decode_static(
     the steps (with ``use_graph``, the wave's first step runs eagerly inside ``capture``, then replays),
     and, when ``stop`` has stop tokens or strings, copy the block's tokens to the host and check them
     token by token exactly as the compact loop does. Without them only the length cap applies and the
-    loop never waits for the device until the records are read.
+    loop never waits for the device until the records are read. ``tally`` (optional) counts each
+    block's new tokens: those of the rows still live when stops are watched, else batch x steps.
 
     Returns per-sample record slices (``StaticDecoder.records`` names, rows up to its stop) and finish
     reasons, both in sample order.
@@ -248,6 +250,8 @@ def decode_static(
         dec.retire(done)
 
     scan(0, 1)
+    if tally is not None:
+        tally.add(batch)
     total = dec.steps
     i = 1
     while i < total and (not watch or any(f is None for f in finished)):
@@ -259,7 +263,10 @@ def decode_static(
             dec.run(n - 1)
         else:
             dec.run(n)
+        before = sum(map(len, responses))
         scan(i, i + n)
+        if tally is not None:
+            tally.add(sum(map(len, responses)) - before if watch else batch * n)
         i += n
     if watch:
         lengths, reasons = [len(r) for r in responses], [f for f in finished if f is not None]

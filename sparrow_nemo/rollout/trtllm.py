@@ -35,7 +35,13 @@ import torch
 
 from sparrow_nemo._optional import require
 from sparrow_nemo.model_shapes import Qwen3Shape
-from sparrow_nemo.rollout.engine import RolloutBatch, RolloutSample, SamplingParams, ScoredSequence
+from sparrow_nemo.rollout.engine import (
+    RolloutBatch,
+    RolloutSample,
+    SamplingParams,
+    ScoredSequence,
+    TokenProgress,
+)
 from sparrow_nemo.rollout.lora import LoraAdapter
 from sparrow_nemo.rollout.sampling import batch_seeds
 from sparrow_nemo.rollout.trtllm_sparse import SparrowSparseSpec
@@ -262,9 +268,11 @@ class TrtllmRolloutEngine:
         schedule: BudgetSchedule,
         *,
         sample_seeds: Sequence[int] | None = None,
+        on_tokens: TokenProgress | None = None,
     ) -> RolloutBatch:
         """Sample one response per prompt; sample i uses seed ``sample_seeds[i]`` (default
-        ``sample_seed(sampling.seed, i)``)."""
+        ``sample_seed(sampling.seed, i)``). ``on_tokens`` hears the total once, when ``LLM.generate``
+        returns (it runs the batch as one call)."""
         seeds = batch_seeds(sampling.seed, len(prompts), sample_seeds)
         self._check_awake()
         if sampling.temperature not in (0.0, 1.0) or sampling.top_k or sampling.top_p < 1.0:
@@ -287,7 +295,10 @@ class TrtllmRolloutEngine:
             for p, out in zip(prompts, outputs)
         ]
         # TensorRT-LLM overlaps prefill and decode across requests: the wall time is reported as decode.
-        return RolloutBatch(samples=samples, schedule_name=schedule.name, prefill_s=0.0, decode_s=elapsed)
+        batch = RolloutBatch(samples=samples, schedule_name=schedule.name, prefill_s=0.0, decode_s=elapsed)
+        if on_tokens is not None:
+            on_tokens(batch.num_response_tokens)
+        return batch
 
     def score(self, sequences: Sequence[Sequence[int]], topk: int = 20) -> list[ScoredSequence]:
         """Dense teacher-forced scores (prompt logprobs of a 1-token request), without the LoRA adapter."""

@@ -147,18 +147,24 @@ class BudgetSchedule:
         return [*PAPER_SCHEDULES, _DENSE_WORD, "fixed:<tokens>"]
 
     @classmethod
-    def from_preset(cls, name: str) -> BudgetSchedule:
-        """A published schedule (e.g. ``qwen3-1.7b-0.86``), ``dense`` or ``fixed:<tokens>``."""
+    def from_preset(
+        cls, name: str, bin_tokens: int = PAPER_BIN_TOKENS, page_size: int = 16
+    ) -> BudgetSchedule:
+        """A published schedule (e.g. ``qwen3-1.7b-0.86``), ``dense`` or ``fixed:<tokens>``.
+
+        ``bin_tokens`` and ``page_size`` apply to ``dense`` and ``fixed:<tokens>`` (any scale); the
+        published schedules are in the paper's 16-token pages and 2,000-token bins.
+        """
         key = name.strip().lower()
         if key == _DENSE_WORD:
-            return cls.dense()
+            return cls.dense(bin_tokens, page_size)
         if key.startswith("fixed:"):
             value = key.removeprefix("fixed:")
             if not value.isdigit():
                 raise ValueError(
                     f"schedule preset '{name}': expected fixed:<tokens> with an integer, got '{value}'"
                 )
-            return cls(bin_tokens=PAPER_BIN_TOKENS, budgets=(int(value),), name=key)
+            return cls(bin_tokens=bin_tokens, budgets=(int(value),), page_size=page_size, name=key)
         if key in PAPER_SCHEDULES:
             return cls.from_pages(PAPER_SCHEDULES[key], name=key)
         raise ValueError(f"unknown schedule preset '{name}'; known presets: {', '.join(cls.preset_names())}")

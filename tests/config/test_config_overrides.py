@@ -105,7 +105,7 @@ def test_plusplus_on_a_fixed_section_behaves_like_set() -> None:
 def test_mapping_value_merges_into_a_section() -> None:
     config = load_config(None, ["sparsity={threshold: 0.9, quantile: 0.1}"])
     assert (config.sparsity.threshold, config.sparsity.quantile) == (0.9, 0.1)
-    assert config.sparsity.bin_tokens == 128  # untouched keys stay
+    assert config.sparsity.bin_tokens == 16  # untouched keys stay
     with pytest.raises(ConfigError, match=r"unknown key 'sparsity\.treshold' \(from command line\)"):
         load_config(None, ["sparsity={treshold: 0.9}"])
 
@@ -127,9 +127,9 @@ def test_callbacks_list_and_their_free_form_kwargs() -> None:
 def test_list_index_out_of_range_is_an_error() -> None:
     with pytest.raises(ConfigError, match=r"'callbacks' is an empty list"):
         load_config(None, ["callbacks.0.window=2"])
-    with pytest.raises(ConfigError, match=r"'sparsity\.budgets' is a list of 7 \(indices 0\.\.6\)"):
+    with pytest.raises(ConfigError, match=r"'sparsity\.budgets' is a list of 4 \(indices 0\.\.3\)"):
         load_config(None, ["sparsity.budgets.9=64"])
-    assert load_config(None, ["sparsity.budgets.6=512"]).sparsity.budgets[-1] == 512
+    assert load_config(None, ["sparsity.budgets.3=512"]).sparsity.budgets[-1] == 512
 
 
 def test_descending_into_a_scalar_is_an_error() -> None:

@@ -48,10 +48,12 @@ def test_default_recipe_is_tiny_cpu_by_name_and_by_path() -> None:
 def test_tiny_schedule_is_the_explicit_scaled_one() -> None:
     config = load_config()
     schedule = config.sparsity.build_schedule()
-    assert schedule == BudgetSchedule(128, (64, 96, 128, 160, 192, 224, 256), page_size=16, name="explicit")
+    assert schedule == BudgetSchedule(16, (16, 24, 48, 64), page_size=4, name="explicit")
     # flat after the last bin, and every budget holds the 3 reserved pages plus at least one top-k page
-    assert schedule.budget(10_000) == 256
-    assert min(schedule.budgets) >= 4 * 16
+    assert schedule.budget(10_000) == 64
+    assert min(schedule.budgets) >= 4 * 4
+    # the cluster recipes keep the paper's geometry from base.yaml
+    assert (load_config("base").sparsity.page_size, load_config("base").sparsity.dense_layers) == (16, 2)
 
 
 @pytest.mark.parametrize(

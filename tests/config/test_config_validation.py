@@ -149,7 +149,7 @@ def test_optimizer_section_constructs_the_policy_optimizer_settings() -> None:
         None, ["policy.optimizer.betas=[0.8, 0.95]", "policy.optimizer.grad_clip=0"]
     ).policy.optimizer
     settings = OptimizerSettings(**dataclasses.asdict(optimizer))
-    assert (settings.betas, settings.grad_clip, settings.lr) == ((0.8, 0.95), 0.0, 3e-4)
+    assert (settings.betas, settings.grad_clip, settings.lr) == ((0.8, 0.95), 0.0, 1e-3)
     assert error_of("policy.optimizer.betas=[0.9]").endswith("expected two numbers [beta1, beta2]")
 
 
@@ -161,7 +161,7 @@ def test_rollout_section_constructs_sampling_params() -> None:
     params = SamplingParams(**{k: v for k, v in dataclasses.asdict(rollout).items() if k in names})
     assert names <= {f.name for f in dataclasses.fields(rollout)}  # every sampling field has a recipe key
     assert (params.top_k, params.stop_token_ids, params.stop_strings) == (5, (2,), ("END",))
-    assert (params.max_new_tokens, params.logprobs_topk) == (1024, 20)
+    assert (params.max_new_tokens, params.logprobs_topk) == (64, 20)
 
 
 def test_distill_targets_are_hf_linear_names() -> None:
@@ -286,14 +286,17 @@ def test_preset_null_with_a_full_shape() -> None:
 
 # ----- schedule --------------------------------------------------------------------------
 def test_schedule_specs_go_through_budget_schedule(tmp_path: Path) -> None:
-    paper = load_config(None, ["sparsity.schedule=qwen3-4b-0.86"]).sparsity.build_schedule()
+    paper = load_config("base", ["sparsity.schedule=qwen3-4b-0.86"]).sparsity.build_schedule()
     assert paper == BudgetSchedule.from_preset("qwen3-4b-0.86")
-    assert load_config(None, ["sparsity.schedule=fixed:512"]).sparsity.build_schedule().budget(10**6) == 512
+    fixed = load_config(
+        None, ["sparsity.schedule=fixed:512"]
+    ).sparsity.build_schedule()  # in the recipe's pages
+    assert (fixed.budget(10**6), fixed.page_size, fixed.bin_tokens) == (512, 4, 16)
     assert load_config(None, ["sparsity.schedule=dense"]).sparsity.build_schedule().is_dense
     path = tmp_path / "sched.yaml"
-    BudgetSchedule(bin_tokens=100, budgets=(64, 128), page_size=16, name="mine").to_yaml(path)
+    BudgetSchedule(bin_tokens=100, budgets=(64, 128), page_size=4, name="mine").to_yaml(path)
     from_file = load_config(None, [f"sparsity.schedule={path}"]).sparsity.build_schedule()
-    assert from_file == BudgetSchedule(bin_tokens=100, budgets=(64, 128), page_size=16, name="mine")
+    assert from_file == BudgetSchedule(bin_tokens=100, budgets=(64, 128), page_size=4, name="mine")
 
 
 def test_bad_schedule_specs() -> None:
@@ -303,20 +306,21 @@ def test_bad_schedule_specs() -> None:
         "valid schedule (unknown schedule preset 'qwen3-1.7b-0.87'; known presets: "
     )
     assert "schedule file nowhere.yaml not found" in error_of("sparsity.schedule=nowhere.yaml")
-    assert "must be a positive multiple of page_size=16" in error_of("sparsity.budgets=[64, 100]")
+    assert "must be a positive multiple of page_size=4" in error_of("sparsity.budgets=[64, 102]")
     assert "non-decreasing" in error_of("sparsity.budgets=[128, 64]")
     assert "a non-empty list of budgets" in error_of("sparsity.budgets=null")
     assert error_of("sparsity.page_size=32", "sparsity.schedule=qwen3-1.7b-0.86").startswith(
         "config error: sparsity.page_size=32 (from command line) - expected the page size of schedule"
     )
-    assert "expected budgets >= 64 tokens" in error_of("sparsity.schedule=fixed:48")
+    assert "expected budgets >= 16 tokens" in error_of("sparsity.schedule=fixed:12")
 
 
 def test_calibration_candidates_rules() -> None:
     assert "strictly increasing" in error_of("sparsity.calibration.candidate_budgets=[64, 64]")
-    assert "multiples of page_size=16 that are >= 64 tokens, but got 72" in error_of(
-        "sparsity.calibration.candidate_budgets=[64, 72]"
+    assert "multiples of page_size=4 that are >= 16 tokens, but got 18" in error_of(
+        "sparsity.calibration.candidate_budgets=[16, 18]"
     )
+    assert "but got 12" in error_of("sparsity.calibration.candidate_budgets=[12, 16]")
     assert "at least one candidate" in error_of("sparsity.calibration.candidate_budgets=[]")
 
 

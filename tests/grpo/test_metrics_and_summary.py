@@ -8,10 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from sparrow_nemo.grpo.metrics import MetricsWriter, read_metrics, rollout_metrics
+from sparrow_nemo.grpo.metrics import MetricsWriter, read_metrics, rollout_metrics, rollout_progress
 from sparrow_nemo.grpo.plots import write_plots
 from sparrow_nemo.grpo.summary import format_summary, tail_per_bin
-from sparrow_nemo.rollout.engine import RolloutSample
+from sparrow_nemo.model_shapes import PRESETS
+from sparrow_nemo.rollout.engine import RolloutSample, SamplingParams
+from sparrow_nemo.rollout.reference import ReferenceRolloutEngine
 from sparrow_nemo.rollout.scoring import TokenMismatch
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
@@ -103,7 +105,10 @@ def test_tail_per_bin_summary_and_plots(tmp_path: Path) -> None:
         "measured_rollout_speedup": 1.1,
     }
     text = format_summary(summary)
-    assert "start 0.250 -> end 0.500" in text and "bin   1: 0.900 / 0.700  ok  [0 tokens]" in text
+    assert (
+        "start 0.250 -> end 0.500 (sparse schedule), n/a -> n/a (dense)" in text
+        and "bin   1: 0.900 / 0.700  ok  [0 tokens]" in text
+    )
     assert "1.50x" in text
     paths = write_plots(history, 0.86, tmp_path / "plots")
     assert sorted(p.name for p in paths) == [
@@ -113,3 +118,14 @@ def test_tail_per_bin_summary_and_plots(tmp_path: Path) -> None:
         "tail_per_bin.png",
     ]
     assert all(p.stat().st_size > 1000 for p in paths)
+
+
+def test_rollout_progress_bar_counts_the_engines_tokens(capsys: pytest.CaptureFixture[str]) -> None:
+    engine = ReferenceRolloutEngine.from_shape(PRESETS["tiny-test"], seed=0)
+    sampling = SamplingParams(max_new_tokens=30, seed=1, stop_token_ids=(5, 6, 7))
+    with rollout_progress(4, sampling.max_new_tokens, enabled=True) as bar:
+        batch = engine.generate([[3, 4] * 5] * 4, sampling, BudgetSchedule.dense(), on_tokens=bar.update)
+        assert (bar.n, bar.total) == (batch.num_response_tokens, 120)
+    assert "rollout" in capsys.readouterr().err
+    with rollout_progress(4, 30, enabled=False) as silent:
+        silent.update(7)  # a disabled bar takes the same calls

@@ -29,13 +29,13 @@ class SmallMemoryEngine(ReferenceRolloutEngine):
         super().__init__(*args, **kwargs)
         self.asked: list[int] = []
 
-    def generate(self, prompts, sampling, schedule, *, sample_seeds=None):
+    def generate(self, prompts, sampling, schedule, *, sample_seeds=None, on_tokens=None):
         self.asked.append(len(prompts))
         if len(prompts) > self.limit:
             raise torch.OutOfMemoryError(
                 f"CUDA out of memory (test: {len(prompts)} > {self.limit} sequences)"
             )
-        return super().generate(prompts, sampling, schedule, sample_seeds=sample_seeds)
+        return super().generate(prompts, sampling, schedule, sample_seeds=sample_seeds, on_tokens=on_tokens)
 
 
 SAMPLING = SamplingParams(max_new_tokens=24, temperature=1.0, seed=3, stop_token_ids=())

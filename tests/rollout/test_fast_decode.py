@@ -185,3 +185,23 @@ def test_retired_rows_decode_at_position_zero(model: Qwen3Decoder) -> None:
     assert dec.seq_len.tolist() == [23, 1]
     assert dec.rec_cached[1:4].tolist() == [[21, 21], [22, 1], [23, 1]]
     assert dec.live.tolist() == [True, False]
+
+
+@torch.no_grad()
+def test_on_tokens_hears_every_generated_token_a_few_times(model: Qwen3Decoder) -> None:
+    """The progress callback: both loops report the exact token total, in a few calls (not one per token),
+    with waves, stop tokens and the length cap; results are the same with and without it."""
+    compact, static = engines(model, "torch", max_batch_size=3)
+    prompts = make_prompts((30, 12, 50, 5, 9), seed=1)
+    free = SamplingParams(max_new_tokens=40, temperature=1.0, seed=11, stop_token_ids=())
+    stop_id = int(compact.generate(prompts, free, SCHEDULE).samples[0].response_ids[20])
+    for params in (
+        free,
+        SamplingParams(max_new_tokens=40, temperature=1.0, seed=11, stop_token_ids=(stop_id,)),
+    ):
+        for engine in (compact, static):
+            heard: list[int] = []
+            batch = engine.generate(prompts, params, SCHEDULE, on_tokens=heard.append)
+            assert sum(heard) == batch.num_response_tokens, (engine.decode_loop, heard)
+            assert 2 <= len(heard) <= 12 and min(heard) > 0, heard
+            assert_same(batch, engine.generate(prompts, params, SCHEDULE))
