@@ -242,8 +242,9 @@ class DistillSparse(Callback):
             "loss_first": results[0].loss,
             "loss": results[-1].loss,
             "grad_norm": results[0].grad_norm,
-            "pg": results[-1].metrics.get("pg", math.nan),
         }
+        if "pg" in results[-1].metrics:  # the sparse PG term ran (pg_coef > 0 and the step's rollouts given)
+            entry["pg"] = results[-1].metrics["pg"]
         self.history.append(entry)
         logged = {
             "distill/kl_before": entry["kl_before"],
@@ -252,7 +253,7 @@ class DistillSparse(Callback):
             "distill/grad_norm": entry["grad_norm"],
             "distill/skipped_nonfinite": float(sum(r.skipped is not None for r in results)),
         }
-        if "pg" in results[-1].metrics:
+        if "pg" in entry:
             logged["distill/pg"] = entry["pg"]
         logged.update({f"distill/p5_before/bin_{b}": v for b, v in tail_before.items()})
         logged.update({f"distill/p5_after/bin_{b}": v for b, v in tail_after.items()})
