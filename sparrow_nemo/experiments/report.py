@@ -61,7 +61,7 @@ def _setup(spec: ArmsSpec, ctx: ReportContext, results: Sequence[ArmResult]) -> 
         f"- base recipe `{ctx.recipe}`, arms file `{spec.path.as_posix()}`{' (smoke subset)' if ctx.smoke else ''}; "
         f"common overrides: `{' '.join(spec.common) or 'none'}`"
         + (f"; smoke overrides: `{' '.join(spec.smoke_overrides)}`" if ctx.smoke else ""),
-        f"- {len(results)} arms x {len(ctx.seeds)} seeds (rollout.seed = {', '.join(map(str, ctx.seeds))}; the "
+        f"- {len(results)} arms x {len(ctx.seeds)} seed(s) (rollout.seed = {', '.join(map(str, ctx.seeds))}; the "
         f"warm-start policy and the prompt stream are shared) = {runs} runs of {ctx.steps} RL steps each",
         f"- tail threshold {spec.threshold:g} (p5 per bin of cached length); bins with < {spec.min_bin_tokens} "
         f"tokens (all steps and seeds) are left out of the tail verdicts; outcome = `{spec.outcome}` on "
@@ -102,7 +102,8 @@ def _results_table(results: Sequence[ArmResult], spec: ArmsSpec) -> list[str]:
             _f(r.min_p5(spec.min_bin_tokens)),
             _f(r.tokens_per_s, ".0f"),
             _f(r.measured_speedup, ".2f"),
-            _f(r.predicted_speedup, ".2f"),
+            _f(r.predicted_speedup, ".3f"),
+            f"{_f(r.wall_s, '.0f')} / {_f(r.cpu_s, '.0f')}",
         ]
         for r in results
     ]
@@ -119,6 +120,7 @@ def _results_table(results: Sequence[ArmResult], spec: ArmsSpec) -> list[str]:
         "rollout tok/s",
         "measured speedup",
         "predicted speedup",
+        "s per run: wall / CPU",
     ]
     return _table(header, rows)
 
@@ -178,7 +180,8 @@ def render_report(
         "per response token, union-of-top-20 lower bound; p5 (all tokens) is the mean over steps of each "
         "step's p5, lowest bin p5 the pooled per-bin tail below. Tokens/s: rollout generation on this machine "
         "(shared CPU: noisy); measured speedup = held-out decode tokens/s with the arm's schedule / dense; "
-        "predicted speedup = the H200 decode cost model for this tiny model at these lengths.",
+        "predicted speedup = the H200 decode cost model for this tiny model at these lengths (weights and "
+        "per-step overhead dominate a 30-token cache, so it stays near 1). CPU = process time of the run.",
         "",
         "## Acceptance per bin of cached length (pooled over steps and seeds)",
         "",

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from sparrow_nemo import cli
 from sparrow_nemo.experiments.arms import ArmsError, arm_config, load_arms
 
 SHIPPED = Path(__file__).resolve().parents[2] / "experiments" / "tiny_arms.yaml"
@@ -63,3 +64,10 @@ def test_bad_override_names_the_arm_and_the_key(tmp_path: Path) -> None:
         ArmsError, match=r"arm a: config error: unknown key 'sparsity.treshold'.*sparsity.threshold"
     ):
         arm_config("tiny_cpu_smoke", spec, spec.arm("a"), seed=0)
+
+
+def test_cli_reports_a_bad_arms_file_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["experiment", "--arms", str(tmp_path / "none.yaml"), "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("sparrow experiment: cannot read arms file") and err.count("\n") == 1
+    assert not list(tmp_path.iterdir())  # nothing written
