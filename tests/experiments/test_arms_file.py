@@ -8,6 +8,7 @@ import pytest
 
 from sparrow_nemo import cli
 from sparrow_nemo.experiments.arms import ArmsError, arm_config, load_arms
+from sparrow_nemo.experiments.runner import plan_runs, run_folder
 
 SHIPPED = Path(__file__).resolve().parents[2] / "experiments" / "tiny_arms.yaml"
 
@@ -71,3 +72,14 @@ def test_cli_reports_a_bad_arms_file_in_one_line(tmp_path: Path, capsys: pytest.
     err = capsys.readouterr().err
     assert err.startswith("sparrow experiment: cannot read arms file") and err.count("\n") == 1
     assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_a_finished_run_made_with_another_config_is_refused(tmp_path: Path) -> None:
+    spec = load_arms(SHIPPED)
+    (plan,) = plan_runs("tiny_cpu_smoke", spec, [0], tmp_path, smoke=True)[:1]
+    assert not plan.done and plan.folder == run_folder(tmp_path, "dense", 0)
+    plan.folder.mkdir(parents=True)
+    (plan.folder / "summary.json").write_text("{}")
+    (plan.folder / "config.yaml").write_text("# sparrow config 'dense', hash 0\n")
+    with pytest.raises(ArmsError, match=r"seed_0 was made with another config than arm dense now gives"):
+        plan_runs("tiny_cpu_smoke", spec, [0], tmp_path, smoke=True)
