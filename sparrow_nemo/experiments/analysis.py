@@ -20,12 +20,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sparrow_nemo.experiments.arms import Arm
+import yaml
+
+from sparrow_nemo.experiments.arms import OUTCOMES, Arm
 from sparrow_nemo.experiments.runner import RUN_RECORD, run_folder
 from sparrow_nemo.grpo.metrics import read_metrics
 
-__all__ = ["ArmResult", "RunData", "aggregate", "load_run", "load_runs", "slope"]
+__all__ = ["LAST_STEPS", "ArmResult", "RunData", "aggregate", "load_run", "load_runs", "slope"]
 
+#: Steps at the end of a run over which the train accuracy and response length are averaged.
+LAST_STEPS = 5
 _BIN_KEY = re.compile(r"^acceptance/(p5|mean|tokens)/bin_(\d+)$")
 
 
@@ -36,6 +40,7 @@ class RunData:
     Attributes:
         arm, seed: which run. summary: its ``summary.json``. rows: its metrics rows of RL steps (step >= 0).
         record: the runner's ``experiment_run.json`` (wall_s, cpu_s), empty when absent.
+        samples_per_step: rollouts per RL step (grpo.prompts_per_step x grpo.samples_per_prompt).
     """
 
     arm: Arm
@@ -43,6 +48,7 @@ class RunData:
     summary: dict[str, Any]
     rows: list[dict[str, Any]]
     record: dict[str, Any]
+    samples_per_step: int
 
     @property
     def bin_tokens(self) -> int:
@@ -77,18 +83,20 @@ def _row_bins(row: dict[str, Any]) -> dict[int, dict[str, float]]:
 def load_run(folder: Path, arm: Arm, seed: int) -> RunData:
     """Read one finished run folder (FileNotFoundError naming the file when a piece is missing)."""
     summary_path, metrics_path = folder / "summary.json", folder / "metrics.jsonl"
-    for path in (summary_path, metrics_path):
+    for path in (summary_path, metrics_path, folder / "config.yaml"):
         if not path.is_file():
             raise FileNotFoundError(
                 f"run of arm {arm.name} seed {seed}: {path} is missing (run not finished?)"
             )
     record_path = folder / RUN_RECORD
+    grpo = yaml.safe_load((folder / "config.yaml").read_text())["grpo"]
     return RunData(
         arm=arm,
         seed=seed,
         summary=json.loads(summary_path.read_text()),
         rows=[row for row in read_metrics(metrics_path) if row["step"] >= 0],
         record=json.loads(record_path.read_text()) if record_path.is_file() else {},
+        samples_per_step=int(grpo["prompts_per_step"]) * int(grpo["samples_per_prompt"]),
     )
 
 
@@ -141,6 +149,7 @@ class ArmResult:
     seeds: list[int]
     bin_tokens: int
     eval_prompts: int
+    train_samples: int
     accuracy_start: float
     accuracy_end: float
     accuracy_end_dense: float
@@ -172,9 +181,12 @@ class ArmResult:
         decided = self.decided_bins(min_tokens)
         return slope(list(decided), [v["p5"] for v in decided.values()])
 
-    def outcome(self, name: str) -> float:
-        """The summary accuracy named ``name`` (accuracy_end or accuracy_end_dense)."""
-        return float(getattr(self, name))
+    def outcome(self, name: str) -> tuple[float, int]:
+        """Outcome ``name`` (see :data:`sparrow_nemo.experiments.arms.OUTCOMES`) and its sample count (all seeds)."""
+        if name not in OUTCOMES:
+            raise ValueError(f"unknown outcome '{name}'; known: {', '.join(OUTCOMES)}")
+        samples = self.train_samples if name == "train_accuracy_last" else self.eval_prompts
+        return float(getattr(self, name)), samples
 
 
 def _pool_bins(runs: Sequence[RunData]) -> dict[int, dict[str, float]]:
@@ -239,9 +251,14 @@ def aggregate(runs: Sequence[RunData], min_bin_tokens: int) -> list[ArmResult]:
                 accuracy_start=summary("accuracy_start"),
                 accuracy_end=summary("accuracy_end"),
                 accuracy_end_dense=summary("accuracy_end_dense"),
-                train_accuracy_last=_mean([_mean(run.series("reward/accuracy")[-5:]) for run in group]),
+                train_samples=sum(run.samples_per_step * min(LAST_STEPS, len(run.rows)) for run in group),
+                train_accuracy_last=_mean(
+                    [_mean(run.series("reward/accuracy")[-LAST_STEPS:]) for run in group]
+                ),
                 train_accuracy_best=_mean([_running_best(run.series("reward/accuracy")) for run in group]),
-                response_length=_mean([_mean(run.series("response_length/mean")[-5:]) for run in group]),
+                response_length=_mean(
+                    [_mean(run.series("response_length/mean")[-LAST_STEPS:]) for run in group]
+                ),
                 acceptance_mean=_mean([_mean(run.series("acceptance/mean")) for run in group]),
                 acceptance_p5=_mean([_mean(run.series("acceptance/p5")) for run in group]),
                 tokens_per_s=_mean([_mean(run.series("rollout/tokens_per_s")) for run in group]),

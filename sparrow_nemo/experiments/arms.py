@@ -3,7 +3,7 @@
 An arms file (``experiments/tiny_arms.yaml``) is YAML with these keys::
 
     threshold: 0.86            # the tail every claim is judged against (the paper's)
-    outcome: accuracy_end      # summary key that says whether a run "trains like dense"
+    outcome: train_accuracy_last   # the accuracy that says whether a run "trains like dense" (analysis.OUTCOMES)
     degrade_margin: 0.05       # accuracy below dense by more than this (or 2 standard errors) = degraded
     min_bin_tokens: 100        # bins with fewer tokens (all steps, all seeds) are left out of the tail tables
     common: [KEY=VALUE, ...]   # overrides for every arm
@@ -35,15 +35,18 @@ import yaml
 
 from sparrow_nemo.config import ConfigError, SparrowConfig, load_config
 
-__all__ = ["ROLES", "Arm", "ArmsError", "ArmsSpec", "arm_config", "load_arms"]
+__all__ = ["OUTCOMES", "ROLES", "Arm", "ArmsError", "ArmsSpec", "arm_config", "load_arms"]
 
 #: What an arm stands for in the claims: the dense reference, a constant budget, a length-dependent
 #: (calibrated) schedule, or a schedule with the DistillSparse adapter.
 ROLES: tuple[str, ...] = ("dense", "fixed", "schedule", "distill")
 #: Keys an arm may not override: they must be equal in every arm (the runner sets the seed).
 _SHARED_KEYS: tuple[str, ...] = ("trainer.max_steps", "trainer.seed", "rollout.seed")
+#: Accuracies that can decide "trains like dense": the training rollouts' accuracy over the last 5 steps
+#: (sparse rollouts, the same prompts in every arm: the most samples), or the held-out accuracy at the end
+#: with the arm's own rollout schedule or decoded dense.
+OUTCOMES: tuple[str, ...] = ("train_accuracy_last", "accuracy_end", "accuracy_end_dense")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-_OUTCOMES: tuple[str, ...] = ("accuracy_end", "accuracy_end_dense")
 
 
 class ArmsError(ValueError):
@@ -174,9 +177,9 @@ def load_arms(path: str | Path) -> ArmsSpec:
     for arm in arms:
         if arm.baseline is not None and arm.baseline not in names:
             raise ArmsError(f"{path}: arm {arm.name}: baseline '{arm.baseline}' is not an arm")
-    outcome = data.get("outcome", "accuracy_end")
-    if outcome not in _OUTCOMES:
-        raise ArmsError(f"{path}: outcome={outcome!r} - expected one of {', '.join(_OUTCOMES)}")
+    outcome = data.get("outcome", "train_accuracy_last")
+    if outcome not in OUTCOMES:
+        raise ArmsError(f"{path}: outcome={outcome!r} - expected one of {', '.join(OUTCOMES)}")
     smoke = data.get("smoke") or {}
     if not isinstance(smoke, dict) or set(smoke) - {"arms", "overrides"}:
         raise ArmsError(f"{path}: 'smoke' must be a mapping with 'arms' (names) and 'overrides'")

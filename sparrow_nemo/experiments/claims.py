@@ -7,7 +7,7 @@ verdict is computed here; nothing in the report is hand-written about a particul
 "Degraded" (the training outcome) is decided against the dense arm: an arm degraded when its outcome
 accuracy (``outcome`` in the arms file) is below the dense arm's by more than ``max(degrade_margin,
 2 standard errors of the difference)``, the standard error from the binomial variance of both accuracies
-over their held-out prompts x seeds. "Passes the tail" means every decided bin's pooled p5 >= threshold.
+over their samples (held-out prompts, or training rollouts of the last steps) x seeds. "Passes the tail" means every decided bin's pooled p5 >= threshold.
 """
 
 from __future__ import annotations
@@ -42,13 +42,13 @@ class Claim:
 
 def degradation_tolerance(dense: ArmResult, arm: ArmResult, outcome: str, margin: float) -> float:
     """Accuracy drop below dense that counts as degraded: max(margin, 2 SE of the difference)."""
-    p, q = dense.outcome(outcome), arm.outcome(outcome)
-    se = math.sqrt(p * (1 - p) / dense.eval_prompts + q * (1 - q) / arm.eval_prompts)
+    (p, n), (q, m) = dense.outcome(outcome), arm.outcome(outcome)
+    se = math.sqrt(p * (1 - p) / n + q * (1 - q) / m)
     return max(margin, 2.0 * se)
 
 
 def _degraded(dense: ArmResult, arm: ArmResult, spec: ArmsSpec) -> bool:
-    drop = dense.outcome(spec.outcome) - arm.outcome(spec.outcome)
+    drop = dense.outcome(spec.outcome)[0] - arm.outcome(spec.outcome)[0]
     return drop > degradation_tolerance(dense, arm, spec.outcome, spec.degrade_margin)
 
 
@@ -204,10 +204,10 @@ def claim_c(results: Sequence[ArmResult], spec: ArmsSpec) -> Claim:
         agree += ok != degraded
         rows.append(
             f"{r.arm.name}: p5 {_fmt(r.min_p5(spec.min_bin_tokens))} ({'pass' if ok else 'below'}), "
-            f"{spec.outcome} {_fmt(r.outcome(spec.outcome))} ({'degraded' if degraded else 'like dense'})"
+            f"{spec.outcome} {_fmt(r.outcome(spec.outcome)[0])} ({'degraded' if degraded else 'like dense'})"
         )
     sparse = _sparse(results)
-    numbers = f"dense {spec.outcome} {_fmt(dense.outcome(spec.outcome))}; " + "; ".join(rows)
+    numbers = f"dense {spec.outcome} {_fmt(dense.outcome(spec.outcome)[0])}; " + "; ".join(rows)
     numbers += f"; agreement {agree}/{len(sparse)}"
     passing = [r for r in sparse if _passes(r, spec)]
     if not sparse or not passing or len(passing) == len(sparse):
@@ -215,23 +215,32 @@ def claim_c(results: Sequence[ArmResult], spec: ArmsSpec) -> Claim:
         return Claim("c", statement, numbers, rule, INCONCLUSIVE, f"no sparse arm is {which}")
     if agree == len(sparse):
         return Claim("c", statement, numbers, rule, REPRODUCED)
+    why = _exceptions(dense, sparse, spec)
     if agree <= len(sparse) / 2:
-        return Claim(
-            "c",
-            statement,
-            numbers,
-            rule,
-            NOT_REPRODUCED,
-            "a short run may not be long enough for the off-policy error to compound into a collapse, and "
-            "held-out accuracy on a few hundred prompts has a standard error of several points",
-        )
-    return Claim(
-        "c",
-        statement,
-        numbers,
-        rule,
-        INCONCLUSIVE,
-        "most arms agree; the exceptions sit near the threshold or within the accuracy noise",
+        return Claim("c", statement, numbers, rule, NOT_REPRODUCED, why)
+    return Claim("c", statement, numbers, rule, INCONCLUSIVE, why)
+
+
+def _exceptions(dense: ArmResult, sparse: Sequence[ArmResult], spec: ArmsSpec) -> str:
+    """Why the tail mispredicted: for each such arm, the share of its tokens in the failing bins."""
+    parts = []
+    for r in sparse:
+        if _passes(r, spec) != _degraded(dense, r, spec):
+            continue
+        decided = r.decided_bins(spec.min_bin_tokens)
+        failing = {b: v for b, v in decided.items() if v["p5"] < spec.threshold}
+        share = sum(v["tokens"] for v in failing.values()) / max(sum(v["tokens"] for v in r.bins.values()), 1)
+        if failing:
+            parts.append(
+                f"{r.arm.name} is below the threshold in bins {', '.join(map(str, failing))} holding "
+                f"{100 * share:.0f}% of its tokens, yet trains like dense"
+            )
+        else:
+            parts.append(f"{r.arm.name} passes the tail yet its {spec.outcome} is below dense")
+    return (
+        "; ".join(parts) + ". A short run may not let the off-policy error compound into a collapse, a tail "
+        "that fails only in the rare long responses touches few tokens, and the accuracies carry binomial "
+        "noise of several points"
     )
 
 

@@ -1,7 +1,8 @@
 """PNG figures of an experiment from its :class:`~sparrow_nemo.experiments.analysis.ArmResult` list.
 
 - ``p5_vs_length.png``: pooled p5 per bin against cached length (tokens), fixed budgets solid, schedules
-  dashed, distilled dotted, the threshold as a red line (claim b);
+  dashed, distilled dotted, the threshold as a red line (claim b); hollow markers: bins with too few
+  tokens for a verdict;
 - ``training_curves.png``: mean reward, train accuracy and response length per RL step, one line per arm;
 - ``acceptance_over_steps.png``: mean acceptance and the lowest per-bin p5 per RL step (claim a).
 """
@@ -42,11 +43,20 @@ def write_plots(
             continue
         decided = r.decided_bins(min_bin_tokens)
         x = [b * r.bin_tokens for b in decided]
-        ax.plot(x, [v["p5"] for v in decided.values()], _STYLE[r.arm.role], marker="o", label=r.arm.title)
+        (line,) = ax.plot(
+            x, [v["p5"] for v in decided.values()], _STYLE[r.arm.role], marker="o", label=r.arm.title
+        )
+        sparse = {b: v for b, v in r.bins.items() if b not in decided}
+        ax.scatter(
+            [b * r.bin_tokens for b in sparse],
+            [v["p5"] for v in sparse.values()],
+            facecolors="none",
+            edgecolors=line.get_color(),
+        )
     ax.axhline(threshold, color="red", linestyle="--", linewidth=1, label=f"threshold {threshold:g}")
     ax.set_xlabel("cached length (tokens, start of bin)")
     ax.set_ylabel("p5 of acceptance rate (pooled over steps, seeds)")
-    ax.set_title("tail per bin: fixed budgets (solid) vs schedules (dashed)")
+    ax.set_title("tail per bin: fixed budgets (solid) vs schedules (dashed); hollow: few tokens")
     ax.legend(fontsize="small")
     fig.tight_layout()
     paths.append(out_dir / PLOT_NAMES[0])

@@ -64,9 +64,9 @@ def _setup(spec: ArmsSpec, ctx: ReportContext, results: Sequence[ArmResult]) -> 
         f"- {len(results)} arms x {len(ctx.seeds)} seed(s) (rollout.seed = {', '.join(map(str, ctx.seeds))}; the "
         f"warm-start policy and the prompt stream are shared) = {runs} runs of {ctx.steps} RL steps each",
         f"- tail threshold {spec.threshold:g} (p5 per bin of cached length); bins with < {spec.min_bin_tokens} "
-        f"tokens (all steps and seeds) are left out of the tail verdicts; outcome = `{spec.outcome}` on "
-        f"{results[0].eval_prompts // max(len(results[0].seeds), 1) if results else 0} held-out prompts per run, "
-        f"degraded = below dense by more than max({spec.degrade_margin:g}, 2 SE)",
+        f"tokens (all steps and seeds) are left out of the tail verdicts; outcome = `{spec.outcome}` "
+        f"({results[0].outcome(spec.outcome)[1] if results else 0} samples per arm), degraded = below dense by "
+        f"more than max({spec.degrade_margin:g}, 2 SE)",
         f"- time on this machine: {wall / 60:.1f} min wall, {cpu / 60:.1f} min CPU (process time) for the "
         f"{runs} runs; one run: {wall / max(runs, 1):.0f} s wall, {cpu / max(runs, 1):.0f} s CPU on average",
         f"- made {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",

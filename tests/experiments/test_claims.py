@@ -49,6 +49,7 @@ def _arm(
         seeds=[0],
         bin_tokens=16,
         eval_prompts=400,
+        train_samples=400,
         accuracy_start=0.5,
         accuracy_end=accuracy,
         accuracy_end_dense=accuracy,
