@@ -107,13 +107,20 @@ def claim_a(results: Sequence[ArmResult], spec: ArmsSpec) -> Claim:
     split = min(r.min_p5(spec.min_bin_tokens) for r in stable) > max(
         r.min_p5(spec.min_bin_tokens) for r in degrading
     )
+    mean_split = min(r.acceptance_mean for r in stable) > max(r.acceptance_mean for r in degrading)
     numbers = (
         f"stable ({_names(stable)}): mean {_fmt(mean_s)}, p5 {_fmt(p5_s)}; degrading ({_names(degrading)}): "
         f"mean {_fmt(mean_d)}, p5 {_fmt(p5_d)}; gap mean {_fmt(gap_mean)} vs gap p5 {_fmt(gap_p5)}; "
-        f"p5 splits the groups: {'yes' if split else 'no'}"
+        f"p5 splits the groups: {'yes' if split else 'no'}, the mean: {'yes' if mean_split else 'no'}"
     )
     if split and gap_p5 >= SEPARATION_RATIO * gap_mean:
-        return Claim("a", statement, numbers, rule, REPRODUCED)
+        caveat = (
+            f"the mean splits the groups too (gap {_fmt(gap_mean)} vs the paper's 0.009): the degrading budgets "
+            "here disturb many tokens, not only a tail, so only the relative claim (p5 separates more) holds"
+            if mean_split
+            else ""
+        )
+        return Claim("a", statement, numbers, rule, REPRODUCED, caveat)
     if gap_p5 <= gap_mean:
         return Claim(
             "a",

@@ -38,20 +38,19 @@ def write_plots(
     paths = []
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in results:
+    for i, r in enumerate(results):
         if r.arm.role == "dense":
             continue
         decided = r.decided_bins(min_bin_tokens)
         x = [b * r.bin_tokens for b in decided]
-        (line,) = ax.plot(
-            x, [v["p5"] for v in decided.values()], _STYLE[r.arm.role], marker="o", label=r.arm.title
-        )
+        y = [v["p5"] for v in decided.values()]
+        ax.plot(x, y, _STYLE[r.arm.role], color=f"C{i}", marker="o", label=r.arm.title)
         sparse = {b: v for b, v in r.bins.items() if b not in decided}
         ax.scatter(
             [b * r.bin_tokens for b in sparse],
             [v["p5"] for v in sparse.values()],
             facecolors="none",
-            edgecolors=line.get_color(),
+            edgecolors=f"C{i}",
         )
     ax.axhline(threshold, color="red", linestyle="--", linewidth=1, label=f"threshold {threshold:g}")
     ax.set_xlabel("cached length (tokens, start of bin)")
@@ -70,8 +69,8 @@ def write_plots(
     )
     fig, axes = plt.subplots(1, len(panels), figsize=(15, 4))
     for ax, (key, title) in zip(axes, panels):
-        for r in results:
-            ax.plot(_clean(r.curves[key]), _STYLE[r.arm.role], marker=".", label=r.arm.title)
+        for i, r in enumerate(results):
+            ax.plot(_clean(r.curves[key]), _STYLE[r.arm.role], color=f"C{i}", marker=".", label=r.arm.title)
         ax.set_xlabel("RL step")
         ax.set_title(title)
     axes[0].legend(fontsize="small")
@@ -83,9 +82,10 @@ def write_plots(
     panels = (("acceptance_mean", "mean acceptance"), ("min_bin_p5", "lowest per-bin p5"))
     fig, axes = plt.subplots(1, len(panels), figsize=(11, 4))
     for ax, (key, title) in zip(axes, panels):
-        for r in results:
-            ax.plot(_clean(r.curves[key]), _STYLE[r.arm.role], marker=".", label=r.arm.title)
-        ax.axhline(threshold, color="red", linestyle="--", linewidth=1)
+        for i, r in enumerate(results):
+            ax.plot(_clean(r.curves[key]), _STYLE[r.arm.role], color=f"C{i}", marker=".", label=r.arm.title)
+        if key == "min_bin_p5":
+            ax.axhline(threshold, color="red", linestyle="--", linewidth=1, label=f"threshold {threshold:g}")
         ax.set_xlabel("RL step")
         ax.set_title(title)
     axes[0].legend(fontsize="small")

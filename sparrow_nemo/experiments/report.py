@@ -149,7 +149,7 @@ def _claims(claims: Sequence[Claim]) -> list[str]:
     lines += ["", "Rules:", ""]
     lines += [f"- ({c.letter}) {c.rule}." for c in claims]
     disagree = [c for c in claims if c.why]
-    lines += ["", "## Where the toy disagrees, and why that may be", ""]
+    lines += ["", "## Where the toy disagrees (or agrees only in part), and why that may be", ""]
     if not disagree:
         lines.append("Every claim is reproduced at this scale.")
     lines += [f"- ({c.letter}) {c.verdict}: {c.why}." for c in disagree]

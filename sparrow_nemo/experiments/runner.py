@@ -15,7 +15,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -86,12 +85,11 @@ def plan_runs(
 @contextlib.contextmanager
 def _one_rank_world() -> Iterator[None]:
     """A fresh one-process gloo world per run (a new port: the previous run closed its process group)."""
+    from sparrow_nemo.grpo.setup import single_process_defaults
+
     keys = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    saved = {k: os.environ.get(k) for k in keys}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    saved = {k: os.environ.pop(k, None) for k in keys}
+    single_process_defaults()
     try:
         yield
     finally:
