@@ -342,6 +342,9 @@ class SparsityConfig:
     noise_z: float = _field(2.0, check=NON_NEGATIVE)
     #: bins with fewer tokens than this in a step get no adapt decision
     min_bin_tokens: int = _field(100, check=AT_LEAST_ONE)
+    #: switch to the dense schedule when reward or response length collapses with bins below threshold
+    #: (TailMismatchScheduler.collapse_guard; experiments turn it off to watch a collapse happen)
+    collapse_guard: bool = True
 
     @property
     def min_budget(self) -> int:

@@ -139,7 +139,7 @@ class TailMismatchScheduler(Callback):
         """Scheduler configured from the recipe's ``sparsity`` section (``sparrow_nemo.config.SparsityConfig``).
 
         Maps threshold, quantile, adapt -> mode, calibration.candidate_budgets -> candidates, bin_tokens,
-        noise_z, min_bin_tokens and calibrate; ``overrides`` (any constructor argument) win.
+        noise_z, min_bin_tokens, calibrate and collapse_guard; ``overrides`` (any constructor argument) win.
         """
         kwargs = {
             "threshold": sparsity.threshold,
@@ -150,6 +150,7 @@ class TailMismatchScheduler(Callback):
             "noise_z": sparsity.noise_z,
             "min_bin_tokens": sparsity.min_bin_tokens,
             "calibrate": sparsity.calibrate,
+            "collapse_guard": sparsity.collapse_guard,
         }
         return cls(**{**kwargs, **overrides})
 

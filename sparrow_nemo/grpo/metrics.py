@@ -68,9 +68,12 @@ def rollout_metrics(
         m["acceptance/mean"] = float(mismatch.alpha.double().mean())
         m[f"acceptance/{stat}"] = float(torch.quantile(mismatch.alpha.double(), quantile))
         bins = tail_by_bin(mismatch.alpha, mismatch.cached_len, schedule.bin_tokens, quantile)
-        counts = torch.bincount(mismatch.cached_len // schedule.bin_tokens)
+        index = mismatch.cached_len // schedule.bin_tokens
+        counts = torch.bincount(index)
+        sums = torch.bincount(index, weights=mismatch.alpha.double())
         for b, value in bins.items():
             m[f"acceptance/{stat}/bin_{b}"] = float(value)
+            m[f"acceptance/mean/bin_{b}"] = float(sums[b] / counts[b])
             m[f"acceptance/tokens/bin_{b}"] = float(counts[b])
         diff = (mismatch.train_logprobs - mismatch.gen_logprobs).double()
         m["token_mult_prob_error"] = float(torch.exp(diff.abs()).mean())

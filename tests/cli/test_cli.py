@@ -37,12 +37,20 @@ def test_misspelled_key_exits_2_with_one_line_suggestion() -> None:
 def test_top_level_help_lists_every_command() -> None:
     done = run_sparrow("--help")
     assert done.returncode == 0
-    for name in ("train", "calibrate", "bench", "plan", "eval", "config"):
+    for name in ("train", "calibrate", "bench", "plan", "eval", "config", "experiment"):
         assert f"\n    {name}" in done.stdout
 
 
 def test_commands_are_discovered_from_their_modules() -> None:
-    assert [m.NAME for m in commands.discover()] == ["bench", "calibrate", "config", "eval", "plan", "train"]
+    assert [m.NAME for m in commands.discover()] == [
+        "bench",
+        "calibrate",
+        "config",
+        "eval",
+        "experiment",
+        "plan",
+        "train",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -56,6 +64,7 @@ def test_commands_are_discovered_from_their_modules() -> None:
         ["eval"],
         ["config"],
         ["config", "show"],
+        ["experiment"],
     ],
 )
 def test_every_command_has_help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:

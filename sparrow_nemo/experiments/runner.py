@@ -1,0 +1,143 @@
+"""Run every arm x seed of an experiment as a normal GRPO run, each in its own folder; resumable.
+
+Layout under the runs folder: ``<arm>/seed_<s>/`` holds the trainer's own files (``config.yaml``,
+``metrics.jsonl``, ``summary.json`` ...) plus ``experiment_run.json`` (arm, seed, wall and CPU seconds).
+A run is done when its folder has ``summary.json``: a second invocation skips it. A run is made in
+``seed_<s>.partial/`` and renamed when it finishes, so an interrupted run leaves no folder that looks done
+(a stale ``.partial`` is removed and the run starts over). A done folder whose ``config.yaml`` differs from
+the config the arms file now gives is an error, not silently reused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from sparrow_nemo.config import SparrowConfig
+from sparrow_nemo.experiments.arms import Arm, ArmsError, ArmsSpec, arm_config
+
+__all__ = ["RUN_RECORD", "RunPlan", "execute", "plan_runs", "run_folder"]
+
+logger = logging.getLogger(__name__)
+
+#: Written into each finished run folder by the runner.
+RUN_RECORD = "experiment_run.json"
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """One arm/seed run: its resolved config and its folder."""
+
+    arm: Arm
+    seed: int
+    config: SparrowConfig
+    folder: Path
+
+    @property
+    def done(self) -> bool:
+        """True when the folder holds a finished run (its summary)."""
+        return (self.folder / "summary.json").is_file()
+
+
+def run_folder(root: Path, arm: str, seed: int) -> Path:
+    """The folder of arm ``arm`` with seed ``seed`` under the experiment's runs folder ``root``."""
+    return Path(root) / arm / f"seed_{seed}"
+
+
+def _config_text(config: SparrowConfig) -> str:
+    """``config.yaml`` as the trainer writes it (sparrow_nemo.grpo.rundir.make_run_dir)."""
+    return f"# sparrow config '{config.name}', hash {config.hash()}\n{config.to_yaml()}"
+
+
+def plan_runs(
+    recipe: str | Path | None,
+    spec: ArmsSpec,
+    seeds: Sequence[int],
+    root: Path,
+    extra: Sequence[str] = (),
+    smoke: bool = False,
+) -> list[RunPlan]:
+    """Every arm x seed of the experiment with its config (all resolved before any run starts).
+
+    Raises ArmsError for an invalid override, or for a finished folder made with another config.
+    """
+    plans = []
+    for arm in spec.selected(smoke):
+        for seed in seeds:
+            config = arm_config(recipe, spec, arm, seed, extra, smoke)
+            plan = RunPlan(arm, seed, config, run_folder(root, arm.name, seed))
+            if plan.done and (plan.folder / "config.yaml").read_text() != _config_text(config):
+                raise ArmsError(
+                    f"run folder {plan.folder} was made with another config than arm {arm.name} now gives; "
+                    "delete it (or use another --out) to rerun it"
+                )
+            plans.append(plan)
+    return plans
+
+
+@contextlib.contextmanager
+def _one_rank_world() -> Iterator[None]:
+    """A fresh one-process gloo world per run (a new port: the previous run closed its process group)."""
+    from sparrow_nemo.grpo.setup import single_process_defaults
+
+    keys = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    saved = {k: os.environ.pop(k, None) for k in keys}
+    single_process_defaults()
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _run_one(plan: RunPlan) -> None:
+    """Train one run into ``<folder>.partial`` and rename it to ``<folder>`` when it finishes."""
+    from sparrow_nemo.grpo.trainer import train
+
+    partial = plan.folder.with_name(plan.folder.name + ".partial")
+    if partial.exists():
+        shutil.rmtree(partial)
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    wall0, cpu0 = time.perf_counter(), time.process_time()
+    with _one_rank_world():
+        train(plan.config, partial)
+    record = {
+        "arm": plan.arm.name,
+        "role": plan.arm.role,
+        "seed": plan.seed,
+        "wall_s": time.perf_counter() - wall0,
+        "cpu_s": time.process_time() - cpu0,
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    (partial / RUN_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+    partial.rename(plan.folder)
+
+
+def execute(plans: Sequence[RunPlan], show_progress: bool = True) -> int:
+    """Run every plan that is not done (in order), with a bar over all of them; returns how many ran.
+
+    Runs one process (rank 0 of a one-rank world per run); under torchrun/srun with more ranks: ValueError.
+    """
+    from sparrow_nemo.grpo.metrics import progress
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError("sparrow experiment runs in one process; start it without torchrun/srun")
+
+    todo = [p for p in plans if not p.done]
+    if len(todo) < len(plans):
+        logger.info("experiment: %d of %d runs already done, skipped", len(plans) - len(todo), len(plans))
+    bar = progress(todo, enabled=show_progress, desc="experiment", unit="run")
+    for plan in bar:
+        bar.set_postfix_str(f"{plan.arm.name} seed {plan.seed}")
+        _run_one(plan)
+    return len(todo)

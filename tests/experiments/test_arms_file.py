@@ -1,0 +1,85 @@
+"""The arms file: the shipped one resolves for every arm; bad files are one-line errors naming the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from sparrow_nemo import cli
+from sparrow_nemo.experiments.arms import ArmsError, arm_config, load_arms
+from sparrow_nemo.experiments.runner import plan_runs, run_folder
+
+SHIPPED = Path(__file__).resolve().parents[2] / "experiments" / "tiny_arms.yaml"
+
+
+def test_shipped_arms_resolve_with_the_same_seed_and_steps() -> None:
+    spec = load_arms(SHIPPED)
+    assert spec.prefix == "tiny" and {a.role for a in spec.arms} == {"dense", "fixed", "schedule", "distill"}
+    configs = {a.name: arm_config("tiny_cpu_smoke", spec, a, seed=3) for a in spec.arms}
+    assert {c.rollout.seed for c in configs.values()} == {3}
+    assert len({c.trainer.max_steps for c in configs.values()}) == 1
+    assert configs["dense"].sparsity.build_schedule().is_dense
+    assert configs["fixed_16"].sparsity.build_schedule().budgets == (16,)
+    assert configs["distill_16"].distill.enabled and not configs["fixed_16"].distill.enabled
+    assert configs["calib_0.70"].sparsity.calibrate and configs["calib_0.70"].sparsity.threshold == 0.7
+    assert all(c.sparsity.page_size == 4 and not c.sparsity.collapse_guard for c in configs.values())
+    smoke = arm_config("tiny_cpu_smoke", spec, spec.arm("dense"), seed=0, smoke=True)
+    assert smoke.trainer.max_steps == 2
+    assert [a.name for a in spec.selected(smoke=True)] == list(spec.smoke_arms)
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "x_arms.yaml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("arms: []", r"'arms' must be a non-empty list"),
+        ("arms: [{name: a, role: sparse}]", r"arms\[0\] \(a\): role='sparse' - expected one of dense, fixed"),
+        (
+            "arms: [{name: a, role: fixed, overrides: [rollout.seed=3]}]",
+            r"overrides rollout.seed, which must be equal",
+        ),
+        ("arms: [{name: a, role: distill}]", r"'baseline' \(an arm name\) is required for role distill"),
+        ("arms: [{name: a, role: distill, baseline: b}]", r"baseline 'b' is not an arm"),
+        ("arms: [{name: a, role: dense}, {name: a, role: dense}]", r"repeated: a"),
+        ("arms: [{name: a, role: dense, budget: 3}]", r"unknown keys \['budget'\]"),
+        ("threshold: 2\narms: [{name: a, role: dense}]", r"threshold=2 - expected a number in \[0, 1\]"),
+        ("arms: [{name: a, role: dense}]\nsmoke: {arms: [b]}", r"smoke.arms names unknown arms: b"),
+        ("arms: [\n", r"invalid YAML in arms file .*x_arms.yaml line"),
+    ],
+)
+def test_bad_arms_file_is_a_one_line_error(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(ArmsError, match=message) as info:
+        load_arms(_write(tmp_path, text))
+    assert "\n" not in str(info.value)
+
+
+def test_bad_override_names_the_arm_and_the_key(tmp_path: Path) -> None:
+    spec = load_arms(_write(tmp_path, "arms: [{name: a, role: fixed, overrides: [sparsity.treshold=0.9]}]"))
+    with pytest.raises(
+        ArmsError, match=r"arm a: config error: unknown key 'sparsity.treshold'.*sparsity.threshold"
+    ):
+        arm_config("tiny_cpu_smoke", spec, spec.arm("a"), seed=0)
+
+
+def test_cli_reports_a_bad_arms_file_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["experiment", "--arms", str(tmp_path / "none.yaml"), "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("sparrow experiment: cannot read arms file") and err.count("\n") == 1
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_a_finished_run_made_with_another_config_is_refused(tmp_path: Path) -> None:
+    spec = load_arms(SHIPPED)
+    (plan,) = plan_runs("tiny_cpu_smoke", spec, [0], tmp_path, smoke=True)[:1]
+    assert not plan.done and plan.folder == run_folder(tmp_path, "dense", 0)
+    plan.folder.mkdir(parents=True)
+    (plan.folder / "summary.json").write_text("{}")
+    (plan.folder / "config.yaml").write_text("# sparrow config 'dense', hash 0\n")
+    with pytest.raises(ArmsError, match=r"seed_0 was made with another config than arm dense now gives"):
+        plan_runs("tiny_cpu_smoke", spec, [0], tmp_path, smoke=True)
