@@ -1,7 +1,8 @@
 """A run SIGKILLed at a random point and resumed equals the uninterrupted run (CPU, fp32, one rank).
 
 Both runs are ``sparrow train`` subprocesses with the same seed into their own folders. The interrupted
-one is killed at a random moment after a randomly chosen checkpoint, then started again with the same
+one is killed at a random moment within the step after a randomly chosen checkpoint (the delay is drawn
+from the step time measured between the two checkpoints before it), then started again with the same
 command (``checkpoint.resume=auto``). From the resumed step on, every metric except wall-clock speeds
 and the final weights and optimizer moments must be bit-identical; ``metrics.jsonl`` holds each step once.
 """
@@ -20,7 +21,7 @@ from reliability import _train_process as tp
 
 pytestmark = pytest.mark.slow
 
-STEPS = 4
+STEPS = 6
 #: metrics that measure this machine's speed, not the computation
 WALL_CLOCK = ("time", "rollout/tokens_per_s")
 
@@ -32,13 +33,17 @@ def _computed(row: dict) -> dict:
 def test_sigkill_at_a_random_point_then_resume_equals_the_uninterrupted_run(tmp_path: Path) -> None:
     overrides = (f"trainer.max_steps={STEPS}", "checkpoint.every_n_steps=1")
     rng = random.Random()
-    after_checkpoint, delay = rng.choice((1, 2)), rng.uniform(0.0, 1.0)
-    where = f"killed {delay:.2f} s after checkpoint {after_checkpoint}"
+    after_checkpoint = rng.choice((2, 3))
 
     killed_dir, log = tmp_path / "killed", tmp_path / "killed.log"
     process = tp.start(killed_dir, log, *overrides)
-    marker = killed_dir / "checkpoints" / f"step_{after_checkpoint:08d}"
-    tp.wait_for(process, marker.is_dir, f"checkpoint {after_checkpoint}", log)
+    seen = []
+    for step in (after_checkpoint - 1, after_checkpoint):
+        marker = killed_dir / "checkpoints" / f"step_{step:08d}"
+        tp.wait_for(process, marker.is_dir, f"checkpoint {step}", log)
+        seen.append(time.monotonic())
+    delay = rng.uniform(0.0, 0.9 * (seen[1] - seen[0]))
+    where = f"killed {delay:.2f} s after checkpoint {after_checkpoint}"
     time.sleep(delay)
     process.send_signal(signal.SIGKILL)
     assert process.wait(timeout=60) == -signal.SIGKILL
