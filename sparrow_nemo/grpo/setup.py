@@ -67,6 +67,12 @@ def device(config: SparrowConfig) -> torch.device:
     return torch.device("cpu")
 
 
+def apply_cpu_threads(config: SparrowConfig) -> None:
+    """``torch.set_num_threads(trainer.cpu_threads)`` when the run is on the CPU and the key is not 0."""
+    if config.trainer.cpu_threads and device(config).type == "cpu":
+        torch.set_num_threads(config.trainer.cpu_threads)
+
+
 def build_policy(config: SparrowConfig, hf_dir: str | Path | None, lr: float | None = None):
     """A :class:`~sparrow_nemo.policy.policy.MegatronPolicy` for the recipe, from ``hf_dir`` or random init.
 

@@ -458,6 +458,7 @@ class GrpoTrainer:
 def train(config: SparrowConfig, run_dir: str | Path | None = None) -> tuple[dict[str, Any], Path]:
     """Build the trainer, run it, close the workers; returns (summary, run folder)."""
     setup.start_processes()
+    setup.apply_cpu_threads(config)
     trainer = GrpoTrainer(config, run_dir)
     try:
         summary = trainer.fit()
