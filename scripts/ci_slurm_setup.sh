@@ -73,7 +73,7 @@ start() {
     chmod 700 "$STATE/munge"
     local host cpus ctld_port slurmd_port
     host=$(hostname -s)
-    cpus=$(nproc)
+    cpus=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # nproc obeys OMP_NUM_THREADS; the node has them all
     ctld_port=$(free_port)
     slurmd_port=$(free_port)
 

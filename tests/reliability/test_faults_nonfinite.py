@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -116,8 +115,10 @@ def _dp2_poison_rank1(rank: int, out_dir: str) -> None:
 
 @pytest.mark.multiproc
 @pytest.mark.slow
-def test_nonfinite_loss_on_one_data_parallel_rank_skips_on_every_rank(tmp_path: Path) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+def test_nonfinite_loss_on_one_data_parallel_rank_skips_on_every_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the spawned ranks; not left behind for later tests
     run_distributed(_dp2_poison_rank1, 2, str(tmp_path))
     for rank in (0, 1):
         saved = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
