@@ -11,7 +11,7 @@ An arms file (``experiments/tiny_arms.yaml``) is YAML with these keys::
       - name: dense            # folder name: letters, digits, . _ -
         role: dense            # dense | fixed | schedule | distill
         label: dense rollout   # free text for the report (default: the name)
-        baseline: fixed_16     # distill arms only: the same schedule without the adapter
+        baseline: fixed_24     # distill arms only: the same schedule without the adapter
         overrides: [sparsity.schedule=dense]
     smoke:                     # the cut-down pipeline check (`--smoke`)
       arms: [dense, fixed_16]

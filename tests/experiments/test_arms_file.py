@@ -21,7 +21,8 @@ def test_shipped_arms_resolve_with_the_same_seed_and_steps() -> None:
     assert len({c.trainer.max_steps for c in configs.values()}) == 1
     assert configs["dense"].sparsity.build_schedule().is_dense
     assert configs["fixed_16"].sparsity.build_schedule().budgets == (16,)
-    assert configs["distill_16"].distill.enabled and not configs["fixed_16"].distill.enabled
+    assert configs["distill_24"].distill.enabled and not configs["fixed_24"].distill.enabled
+    assert configs["distill_24"].sparsity.build_schedule().budgets == (24,)
     assert configs["calib_0.70"].sparsity.calibrate and configs["calib_0.70"].sparsity.threshold == 0.7
     assert all(c.sparsity.page_size == 4 and not c.sparsity.collapse_guard for c in configs.values())
     smoke = arm_config("tiny_cpu_smoke", spec, spec.arm("dense"), seed=0, smoke=True)
