@@ -113,29 +113,39 @@ def test_trainer_step_feeds_the_sparse_pg_term(warm_cache, tmp_path: Path) -> No
 
 
 def _distill_checkpoint(run_dir: Path) -> dict:
-    (step_dir,) = sorted((run_dir / "checkpoints").glob("step_*"))
+    step_dir = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
     _, callbacks = read_run_state(step_dir)
     return callbacks["DistillSparse"]
 
 
 def test_two_tensor_parallel_ranks_distill_as_one_rank(warm_cache, tmp_path: Path) -> None:
-    overrides = [*QUICK, "trainer.max_steps=2", "distill.steps=2", "checkpoint.enabled=true"]
+    # TP=2 runs step 0, checkpoints, and resumes for step 1 (the adapter and each rank's optimizer state come
+    # back); TP=1 runs both steps straight
+    overrides = [*QUICK, "distill.steps=2", "sparsity.calibration.num_prompts=4", "checkpoint.enabled=true"]
     env = {
         k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     }
     torchrun = Path(sys.executable).parent / "torchrun"
-    command = [str(torchrun), "--nproc_per_node=2", f"--master_port={free_port()}", "-m", "sparrow_nemo.cli"]
-    args = ["train", "--config", "tiny_cpu_distill", "--run-dir", str(tmp_path / "tp2")]
-    done = subprocess.run(
-        [*command, *args, *overrides, "policy.tensor_model_parallel_size=2"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    args = ["train", "--config", "tiny_cpu_distill", "--run-dir", str(tmp_path / "tp2"), *overrides]
+    for steps in (1, 2):
+        launch = [
+            str(torchrun),
+            "--nproc_per_node=2",
+            f"--master_port={free_port()}",
+            "-m",
+            "sparrow_nemo.cli",
+        ]
+        done = subprocess.run(
+            [*launch, *args, f"trainer.max_steps={steps}", "policy.tensor_model_parallel_size=2"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert "resumed from" in done.stderr, done.stderr[-3000:]
     with single_rank_env():
-        train(load_config("tiny_cpu_distill", overrides), tmp_path / "tp1")
+        train(load_config("tiny_cpu_distill", [*overrides, "trainer.max_steps=2"]), tmp_path / "tp1")
     rows = {name: read_metrics(tmp_path / name / "metrics.jsonl") for name in ("tp1", "tp2")}
     one = {r["step"]: r for r in rows["tp1"] if r["step"] >= 0}
     two = {r["step"]: r for r in rows["tp2"] if r["step"] >= 0}
@@ -148,6 +158,7 @@ def test_two_tensor_parallel_ranks_distill_as_one_rank(warm_cache, tmp_path: Pat
             assert two[step][key] == pytest.approx(row[key], rel=1e-4, abs=1e-6), (step, key)
     saved_one, saved_two = (_distill_checkpoint(tmp_path / name) for name in ("tp1", "tp2"))
     assert len(saved_one["optimizer"]) == 1 and len(saved_two["optimizer"]) == 2  # one state per rank
+    assert [h["step"] for h in saved_two["history"]] == [0, 1]  # the resumed run kept step 0's entry
     weights = saved_one["adapter"]["weights"]
     assert set(saved_two["adapter"]["weights"]) == set(weights)
     # Adam divides by the gradient's RMS: an element whose gradient is ~0 moves by ~lr x its rounding noise, so
