@@ -10,7 +10,8 @@ The warm-start is the smoke recipe's (same cache key; trained once into the shar
   the same lengths).
 - A real trainer step hands the adapter the step's rollouts and advantages: the sparse PG term is logged.
 - Two tensor-parallel ranks (torchrun, gloo) run DistillSparse as one rank does: the same distill metrics
-  every step and the same adapter in the checkpoint, with each rank's adapter optimizer state saved.
+  every step, also across a checkpoint and resume, and the same adapter in the checkpoint, with each rank's
+  adapter optimizer state saved; two data-parallel ranks log the same distill metrics too.
 """
 
 from __future__ import annotations
@@ -118,44 +119,42 @@ def _distill_checkpoint(run_dir: Path) -> dict:
     return callbacks["DistillSparse"]
 
 
-def test_two_tensor_parallel_ranks_distill_as_one_rank(warm_cache, tmp_path: Path) -> None:
-    # TP=2 runs step 0, checkpoints, and resumes for step 1 (the adapter and each rank's optimizer state come
-    # back); TP=1 runs both steps straight
-    overrides = [*QUICK, "distill.steps=2", "sparsity.calibration.num_prompts=4", "checkpoint.enabled=true"]
+def _torchrun_train(run_dir: Path, overrides: list[str]) -> str:
+    """``sparrow train`` of ``tiny_cpu_distill`` on 2 gloo ranks (torchrun); returns its stderr."""
     env = {
         k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     }
-    torchrun = Path(sys.executable).parent / "torchrun"
-    args = ["train", "--config", "tiny_cpu_distill", "--run-dir", str(tmp_path / "tp2"), *overrides]
-    for steps in (1, 2):
-        launch = [
-            str(torchrun),
-            "--nproc_per_node=2",
-            f"--master_port={free_port()}",
-            "-m",
-            "sparrow_nemo.cli",
-        ]
-        done = subprocess.run(
-            [*launch, *args, f"trainer.max_steps={steps}", "policy.tensor_model_parallel_size=2"],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
-    assert "resumed from" in done.stderr, done.stderr[-3000:]
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    launch = [torchrun, "--nproc_per_node=2", f"--master_port={free_port()}", "-m", "sparrow_nemo.cli"]
+    args = ["train", "--config", "tiny_cpu_distill", "--run-dir", str(run_dir), *overrides]
+    done = subprocess.run([*launch, *args], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stderr
+
+
+def test_two_tensor_parallel_ranks_distill_as_one_rank(warm_cache, tmp_path: Path) -> None:
+    # TP=2 runs step 0, checkpoints, and resumes for step 1 (the adapter and each rank's optimizer state come
+    # back); DP=2 runs step 0; TP=1 runs both steps straight
+    overrides = [*QUICK, "distill.steps=2", "sparsity.calibration.num_prompts=4", "checkpoint.enabled=true"]
+    tp2 = [*overrides, "policy.tensor_model_parallel_size=2"]
+    assert "resumed from" not in _torchrun_train(tmp_path / "tp2", [*tp2, "trainer.max_steps=1"])
+    assert "resumed from" in _torchrun_train(tmp_path / "tp2", [*tp2, "trainer.max_steps=2"])
+    _torchrun_train(tmp_path / "dp2", [*overrides, "trainer.max_steps=1"])
     with single_rank_env():
         train(load_config("tiny_cpu_distill", [*overrides, "trainer.max_steps=2"]), tmp_path / "tp1")
-    rows = {name: read_metrics(tmp_path / name / "metrics.jsonl") for name in ("tp1", "tp2")}
-    one = {r["step"]: r for r in rows["tp1"] if r["step"] >= 0}
-    two = {r["step"]: r for r in rows["tp2"] if r["step"] >= 0}
-    assert sorted(one) == sorted(two) == [0, 1]
-    for step, row in one.items():
-        keys = sorted(k for k in row if k.startswith("distill/"))
-        assert "distill/kl_after" in keys and "distill/pg" in keys and "distill/p5_after/bin_1" in keys, keys
-        assert sorted(k for k in two[step] if k.startswith("distill/")) == keys
-        for key in keys:
-            assert two[step][key] == pytest.approx(row[key], rel=1e-4, abs=1e-6), (step, key)
+    rows = {
+        name: {r["step"]: r for r in read_metrics(tmp_path / name / "metrics.jsonl") if r["step"] >= 0}
+        for name in ("tp1", "tp2", "dp2")
+    }
+    one = rows["tp1"]
+    assert sorted(one) == sorted(rows["tp2"]) == [0, 1] and sorted(rows["dp2"]) == [0]
+    for name in ("tp2", "dp2"):
+        for step, row in rows[name].items():
+            keys = sorted(k for k in one[step] if k.startswith("distill/"))
+            assert {"distill/kl_after", "distill/pg", "distill/p5_after/bin_1"} <= set(keys), keys
+            assert sorted(k for k in row if k.startswith("distill/")) == keys
+            for key in keys:
+                assert row[key] == pytest.approx(one[step][key], rel=1e-4, abs=1e-6), (name, step, key)
     saved_one, saved_two = (_distill_checkpoint(tmp_path / name) for name in ("tp1", "tp2"))
     assert len(saved_one["optimizer"]) == 1 and len(saved_two["optimizer"]) == 2  # one state per rank
     assert [h["step"] for h in saved_two["history"]] == [0, 1]  # the resumed run kept step 0's entry
