@@ -9,18 +9,26 @@ The warm-start is the smoke recipe's (same cache key; trained once into the shar
   is tighter than the one calibrated without it, so the cost model predicts more speedup for it (priced on
   the same lengths).
 - A real trainer step hands the adapter the step's rollouts and advantages: the sparse PG term is logged.
+- Two tensor-parallel ranks (torchrun, gloo) run DistillSparse as one rank does: the same distill metrics
+  every step, also across a checkpoint and resume, and the same adapter in the checkpoint, with each rank's
+  adapter optimizer state saved; two data-parallel ranks log the same distill metrics too.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from policy._helpers import single_rank_env
+import torch
+from policy._helpers import free_port, single_rank_env
 
 from sparrow_nemo.callbacks.distill_report import adapter_effect, calibrated_speedups, distill_rounds
 from sparrow_nemo.callbacks.distill_sparse import DistillSparse
 from sparrow_nemo.config import load_config
+from sparrow_nemo.grpo.checkpointing import read_run_state
 from sparrow_nemo.grpo.metrics import read_metrics
 from sparrow_nemo.grpo.prompts import build_prompt_source
 from sparrow_nemo.grpo.trainer import GrpoTrainer, train
@@ -103,3 +111,58 @@ def test_trainer_step_feeds_the_sparse_pg_term(warm_cache, tmp_path: Path) -> No
         train(config, tmp_path)
     (row,) = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r["step"] == 0]
     assert "distill/pg" in row and "distill/kl_before" in row and "distill/p5_after/bin_1" in row, row
+
+
+def _distill_checkpoint(run_dir: Path) -> dict:
+    step_dir = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+    _, callbacks = read_run_state(step_dir)
+    return callbacks["DistillSparse"]
+
+
+def _torchrun_train(run_dir: Path, overrides: list[str]) -> str:
+    """``sparrow train`` of ``tiny_cpu_distill`` on 2 gloo ranks (torchrun); returns its stderr."""
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    launch = [torchrun, "--nproc_per_node=2", f"--master_port={free_port()}", "-m", "sparrow_nemo.cli"]
+    args = ["train", "--config", "tiny_cpu_distill", "--run-dir", str(run_dir), *overrides]
+    done = subprocess.run([*launch, *args], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stderr
+
+
+def test_two_tensor_parallel_ranks_distill_as_one_rank(warm_cache, tmp_path: Path) -> None:
+    # TP=2 runs step 0, checkpoints, and resumes for step 1 (the adapter and each rank's optimizer state come
+    # back); DP=2 runs step 0; TP=1 runs both steps straight
+    overrides = [*QUICK, "distill.steps=2", "sparsity.calibration.num_prompts=4", "checkpoint.enabled=true"]
+    tp2 = [*overrides, "policy.tensor_model_parallel_size=2"]
+    assert "resumed from" not in _torchrun_train(tmp_path / "tp2", [*tp2, "trainer.max_steps=1"])
+    assert "resumed from" in _torchrun_train(tmp_path / "tp2", [*tp2, "trainer.max_steps=2"])
+    _torchrun_train(tmp_path / "dp2", [*overrides, "trainer.max_steps=1"])
+    with single_rank_env():
+        train(load_config("tiny_cpu_distill", [*overrides, "trainer.max_steps=2"]), tmp_path / "tp1")
+    rows = {
+        name: {r["step"]: r for r in read_metrics(tmp_path / name / "metrics.jsonl") if r["step"] >= 0}
+        for name in ("tp1", "tp2", "dp2")
+    }
+    one = rows["tp1"]
+    assert sorted(one) == sorted(rows["tp2"]) == [0, 1] and sorted(rows["dp2"]) == [0]
+    for name in ("tp2", "dp2"):
+        for step, row in rows[name].items():
+            keys = sorted(k for k in one[step] if k.startswith("distill/"))
+            assert {"distill/kl_after", "distill/pg", "distill/p5_after/bin_1"} <= set(keys), keys
+            assert sorted(k for k in row if k.startswith("distill/")) == keys
+            for key in keys:
+                assert row[key] == pytest.approx(one[step][key], rel=1e-4, abs=1e-6), (name, step, key)
+    saved_one, saved_two = (_distill_checkpoint(tmp_path / name) for name in ("tp1", "tp2"))
+    assert len(saved_one["optimizer"]) == 1 and len(saved_two["optimizer"]) == 2  # one state per rank
+    assert [h["step"] for h in saved_two["history"]] == [0, 1]  # the resumed run kept step 0's entry
+    weights = saved_one["adapter"]["weights"]
+    assert set(saved_two["adapter"]["weights"]) == set(weights)
+    # Adam divides by the gradient's RMS: an element whose gradient is ~0 moves by ~lr x its rounding noise, so
+    # the tolerance is absolute, 1% of one step (lr 1e-3)
+    for name, (a, b) in weights.items():
+        a2, b2 = saved_two["adapter"]["weights"][name]
+        torch.testing.assert_close(a2, a, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(b2, b, rtol=1e-4, atol=1e-5)

@@ -9,6 +9,12 @@ The trainer calls, once per run / step, in this order::
 
 and, when it resumes, ``on_load_checkpoint(trainer, state)`` before ``on_train_start``. A callback changes the sparsity of the
 next rollout by assigning ``trainer.schedule``; it reports numbers with ``trainer.log(metrics)``.
+
+Processes: the trainer runs callbacks on rank 0 only, except those whose class sets ``collective = True``
+(e.g. ``DistillSparse``, which trains on the policy's ranks): these run on every rank, all hooks in the
+same order, and ``on_save_checkpoint`` / ``on_load_checkpoint`` too (rank 0's returned state is the one
+saved; the loaded state reaches every rank). Rank 0 alone holds the rollout engine
+(``trainer.rollout_engine`` is None elsewhere).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
@@ -117,7 +123,14 @@ class CalibratingTrainer(TrainerLike, Protocol):
 
 
 class Callback:
-    """Base class: every hook is a no-op; subclasses override the ones they need."""
+    """Base class: every hook is a no-op; subclasses override the ones they need.
+
+    Attributes:
+        collective: True = the trainer runs this callback on every rank (its hooks call the policy's
+            collectives); False = rank 0 only.
+    """
+
+    collective: ClassVar[bool] = False
 
     def on_train_start(self, trainer: TrainerLike) -> None:
         """Before the first step (after a resume has loaded its state)."""

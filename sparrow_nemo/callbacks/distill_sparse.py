@@ -18,8 +18,13 @@ schedule), the per-bin p5 of the acceptance rate and the mean k3 KL before and a
 ``distill/p5_before/bin_{b}``, ``distill/p5_after/bin_{b}``, ``distill/kl_before``, ``distill/kl_after``,
 ``distill/loss``. The adapter and its optimizer state are saved in the trainer's checkpoints (tensors in its torch file).
 
-Process model: the trainer runs callbacks on rank 0 only, while the adapter step is collective over
-the policy's ranks, so this callback needs a single-process policy (it refuses more ranks).
+Process model: a ``collective`` callback, run on every rank of the policy. Each rank holds the step's
+rollouts, advantages and dense log-probs (rank 0 broadcasts the rollouts, the dense pass is collective),
+so every rank takes the same adapter steps (collective over TP/PP; each DP rank trains on the whole batch,
+the DP gradient mean of equal gradients changes nothing) and the adapter export gathers its TP shards. The
+rank holding the rollout engine (rank 0) alone probes, logs and sends the adapter to the engine. Checkpoint
+state: the whole adapter in HF names (loaded into every rank's shards) and every rank's optimizer state (TP
+shards differ), gathered to rank 0; a resume needs the same layout, as the policy's own checkpoint does.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import torch.distributed as dist
 
 from sparrow_nemo.callbacks.base import Callback, StepReport, TrainerLike
 from sparrow_nemo.grpo.rollout_step import collate, concat_outputs, micro_batches
+from sparrow_nemo.grpo.setup import broadcast_from_rank0
 from sparrow_nemo.policy.batch import PolicyBatch
 from sparrow_nemo.policy.logprobs import LogprobOutput
 from sparrow_nemo.policy.lora import LoraConfig
@@ -144,8 +150,37 @@ def distill_loss_fn(kl_coef: float, pg_coef: float):
     return loss_fn
 
 
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+def _world() -> tuple[int, int]:
+    """(this process's global rank, world size); (0, 1) without a process group."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _gather_to_rank0(state: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's ``state`` on rank 0, by global rank (other ranks get only their own). Collective."""
+    rank, world = _world()
+    if world == 1:
+        return [state]
+    parts: list[Any] | None = [None] * world if rank == 0 else None
+    dist.gather_object(state, parts, dst=0)
+    return parts if rank == 0 else [state]
+
+
+def _rank_entry(states: Sequence[Mapping[str, Any]] | Mapping[str, Any]) -> Mapping[str, Any]:
+    """This rank's entry of a by-rank list saved by :func:`_gather_to_rank0` (the run's world size must match).
+
+    A single state dict (the format of single-process checkpoints before the by-rank list) is rank 0's.
+    """
+    if isinstance(states, Mapping):
+        states = [states]
+    rank, world = _world()
+    if len(states) != world:
+        raise ValueError(
+            f"DistillSparse checkpoint: adapter optimizer states of {len(states)} ranks, this run has {world} "
+            "(resume with the layout that saved it)"
+        )
+    return states[rank]
 
 
 class DistillSparse(Callback):
@@ -153,6 +188,8 @@ class DistillSparse(Callback):
 
     Args: see :class:`DistillSettings`.
     """
+
+    collective = True
 
     def __init__(
         self,
@@ -187,19 +224,15 @@ class DistillSparse(Callback):
 
     # ----------------------------------------------------------------- hooks
     def on_train_start(self, trainer: TrainerLike) -> None:
-        if _world_size() > 1:
-            raise ValueError(
-                f"DistillSparse: the trainer runs callbacks on rank 0 only but the policy spans {_world_size()} "
-                "ranks; the adapter step is collective over them, so multi-rank DistillSparse is not implemented yet "
-                "(run with one process)"
-            )
         config = trainer.config
         d = config.distill
         recipe = {f.name: getattr(d, f.name) for f in fields(DistillSettings) if hasattr(d, f.name)}
         self.settings = replace(DistillSettings(**recipe), **self.overrides)
         engine = trainer.rollout_engine
-        self.pattern = SparsePattern(
-            engine.page_size, engine.sink_pages, engine.local_pages, engine.dense_layers
+        self.pattern = broadcast_from_rank0(
+            None
+            if engine is None
+            else SparsePattern(engine.page_size, engine.sink_pages, engine.local_pages, engine.dense_layers)
         )
         s = self.settings
         adapter = None
@@ -217,18 +250,24 @@ class DistillSparse(Callback):
             self.step = int(self._resume["step"])
             self.history = list(self._resume["history"])
             self._resume = None
-        engine.set_lora(trainer.policy.lora.export_adapter())
+        adapter = trainer.policy.lora.export_adapter()
+        if engine is not None:
+            engine.set_lora(adapter)
 
     def on_train_batch_end(
         self, trainer: TrainerLike, report: StepReport, metrics: Mapping[str, float]
     ) -> None:
         if self.optimizer is None:
             raise RuntimeError("DistillSparse: on_train_start was not called")
-        probe_samples, before = self._probe(trainer)
+        main = trainer.rollout_engine is not None  # rank 0: probes with the engine, logs
+        probe_samples, before = self._probe(trainer) if main else (None, None)
         data: DistillData | None = getattr(trainer, "distill_data", None)
         if data is None:
-            data = DistillData(samples=probe_samples, advantages=None)
+            data = DistillData(samples=broadcast_from_rank0(probe_samples), advantages=None)
         results = self.train_adapter(trainer, data)
+        if not main:
+            self.step += 1
+            return
         _, after = self._probe(trainer)
         q = trainer.config.sparsity.quantile
         tail_before = tail_by_bin(before.alpha, before.cached_len, trainer.schedule.bin_tokens, q)
@@ -261,8 +300,9 @@ class DistillSparse(Callback):
         self.step += 1
 
     def on_save_checkpoint(self, trainer: TrainerLike) -> dict[str, Any]:
-        """``step``, ``history`` (JSON) and the tensors: ``adapter`` (HF-named A/B pairs, scaling) and the
-        adapter ``optimizer``'s state dict; the trainer stores tensor entries in a torch file."""
+        """``step``, ``history`` (JSON) and the tensors: ``adapter`` (HF-named A/B pairs, scaling) and
+        ``optimizer``, the adapter optimizer's state dict of every rank (a list by global rank); the trainer
+        stores tensor entries in a torch file. Collective (every rank calls it; rank 0's return is complete)."""
         if trainer.policy.lora is None or self.optimizer is None:
             return {}
         adapter = trainer.policy.lora.export_adapter()
@@ -271,14 +311,14 @@ class DistillSparse(Callback):
             "step": self.step,
             "history": self.history,
             "adapter": {"weights": weights, "scaling": adapter.scaling},
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": _gather_to_rank0(self.optimizer.state_dict()),
         }
 
     def on_load_checkpoint(self, trainer: TrainerLike, state: Mapping[str, Any]) -> None:
         missing = [k for k in ("step", "history", "adapter", "optimizer") if k not in state]
         if missing:
             raise ValueError(f"DistillSparse checkpoint state lacks {missing}")
-        self._resume = state
+        self._resume = {**state, "optimizer": _rank_entry(state["optimizer"])}  # this rank's optimizer state
 
     def train_adapter(self, trainer: TrainerLike, data: DistillData) -> list[StepResult]:
         """``settings.steps`` adapter updates on ``data`` (policy frozen), then the adapter goes to the engine.
@@ -294,7 +334,9 @@ class DistillSparse(Callback):
             policy.lora_train_step(batches, plans, self.pattern, loss_fn, self.optimizer)
             for _ in range(s.steps)
         ]
-        trainer.rollout_engine.set_lora(policy.lora.export_adapter())
+        adapter = policy.lora.export_adapter()  # collective: gathers the TP / PP shards
+        if trainer.rollout_engine is not None:
+            trainer.rollout_engine.set_lora(adapter)
         return results
 
     # ----------------------------------------------------------------- pieces

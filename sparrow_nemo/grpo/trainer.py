@@ -20,7 +20,8 @@ Resume and preemption: the constructor restores the newest usable checkpoint (``
 stop the run after a checkpoint with :class:`Preempted`.
 
 Process model: every rank builds the policy and runs logprobs / train_step (collectives); only rank 0
-holds the rollout engine, runs callbacks and writes files. All run state is in :class:`TrainerState`.
+holds the rollout engine, runs callbacks and writes files, except that callbacks marked ``collective``
+(DistillSparse) run on every rank. All run state is in :class:`TrainerState`.
 """
 
 from __future__ import annotations
@@ -202,9 +203,11 @@ class GrpoTrainer:
 
     # ----- the run ------------------------------------------------------------------------------
     def _callbacks(self) -> CallbackList:
-        if not self.is_main:
-            return CallbackList()
+        """The recipe's callbacks (+ the tail scheduler when the sparsity settings need one) on rank 0; the
+        ``collective`` ones alone on the other ranks."""
         callbacks = list(instantiate_callbacks(self.config.callbacks))
+        if not self.is_main:
+            return CallbackList([c for c in callbacks if c.collective])
         s = self.config.sparsity
         wants_scheduler = s.adapt != "off" or s.calibrate or not self.schedule.is_dense
         if wants_scheduler and not any(isinstance(c, TailMismatchScheduler) for c in callbacks):
@@ -410,10 +413,14 @@ class GrpoTrainer:
         self.state.prompt_stream = self.prompts.state_dict()
         self.state.metrics_rows = len(self.metrics.history)
 
-        def write_run_files(staging: Path) -> None:
-            write_run_state(staging, self.state.to_dict(), self.callbacks.on_save_checkpoint(self))
-
         with self.preemption.saving():
+            callback_states = self.callbacks.on_save_checkpoint(
+                self
+            )  # every rank: collective callbacks gather
+
+            def write_run_files(staging: Path) -> None:
+                write_run_state(staging, self.state.to_dict(), callback_states)
+
             path = self.policy.save(self.checkpoint_root, self.state.step, write_run_files)
             if self.is_main:
                 prune_checkpoints(self.checkpoint_root, path, self.config.checkpoint.keep_last)
@@ -433,7 +440,13 @@ class GrpoTrainer:
             return
         self.state = TrainerState.from_dict(setup.broadcast_from_rank0(loaded.trainer))
         self.prompts.load_state_dict(self.state.prompt_stream)
-        self.callbacks.on_load_checkpoint(self, loaded.callbacks)
+        states = setup.broadcast_from_rank0(
+            loaded.callbacks
+        )  # read on rank 0; collective callbacks run everywhere
+        if not self.is_main:  # this rank's callbacks are the collective ones
+            keys = set(self.callbacks.state_keys())
+            states = {k: v for k, v in states.items() if k in keys}
+        self.callbacks.on_load_checkpoint(self, states)
         weights = self.policy.export_hf()
         if self.is_main:
             self.metrics.keep_rows(self.state.metrics_rows)
