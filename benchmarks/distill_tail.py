@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from sparrow_nemo.callbacks.distill_report import adapter_effect, calibrated_speedups, distill_rounds
+from sparrow_nemo.callbacks.distill_report import distill_rounds, measure_adapter
 from sparrow_nemo.callbacks.distill_sparse import DistillSparse
 from sparrow_nemo.config import load_config
 from sparrow_nemo.grpo import setup
@@ -68,26 +68,7 @@ def run(args: argparse.Namespace, run_dir: Path) -> dict:
         held_out = [
             i.prompt_ids for i in trainer.prompts.eval_batch(args.eval_prompts) for _ in range(args.samples)
         ]
-        s = config.sparsity
-        effect = adapter_effect(
-            trainer.rollout_engine, adapter, held_out, trainer.sampling, schedule, EVAL_SEED, s.quantile
-        )
-        undistilled = effect["without"]  # the cost model prices both schedules on these lengths
-        calibrated = calibrated_speedups(
-            trainer.rollout_engine,
-            adapter,
-            held_out,
-            trainer.sampling,
-            s.calibration.candidate_budgets,
-            s.bin_tokens,
-            s.page_size,
-            trainer.cost_model,
-            undistilled.response_lengths,
-            undistilled.prompt_lengths,
-            threshold=s.threshold,
-            quantile=s.quantile,
-            min_tokens=s.min_bin_tokens,
-        )
+        effect, calibrated = measure_adapter(trainer, adapter, held_out, schedule, EVAL_SEED)
     finally:
         trainer.policy.close()
     return {

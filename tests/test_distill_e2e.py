@@ -25,7 +25,7 @@ import pytest
 import torch
 from policy._helpers import free_port, single_rank_env
 
-from sparrow_nemo.callbacks.distill_report import adapter_effect, calibrated_speedups, distill_rounds
+from sparrow_nemo.callbacks.distill_report import distill_rounds, measure_adapter
 from sparrow_nemo.callbacks.distill_sparse import DistillSparse
 from sparrow_nemo.config import load_config
 from sparrow_nemo.grpo.checkpointing import read_run_state
@@ -66,31 +66,10 @@ def test_adapter_brings_the_failing_bin_to_the_threshold_and_a_tighter_schedule(
             distill_rounds(trainer, callback, schedule, rounds=40)
             adapter = trainer.policy.lora.export_adapter()
             held_out = [i.prompt_ids for i in trainer.prompts.eval_batch(32) for _ in range(2)]
-            effect = adapter_effect(
-                trainer.rollout_engine,
-                adapter,
-                held_out,
-                trainer.sampling,
-                schedule,
-                seed=12_345,
-                min_tokens=s.min_bin_tokens,
+            effect, calibrated = measure_adapter(
+                trainer, adapter, held_out, schedule, seed=12_345, min_tokens=s.min_bin_tokens
             )
             undistilled = effect["without"]
-            calibrated = calibrated_speedups(
-                trainer.rollout_engine,
-                adapter,
-                held_out,
-                trainer.sampling,
-                s.calibration.candidate_budgets,
-                s.bin_tokens,
-                s.page_size,
-                trainer.cost_model,
-                undistilled.response_lengths,
-                undistilled.prompt_lengths,
-                threshold=s.threshold,
-                quantile=s.quantile,
-                min_tokens=s.min_bin_tokens,
-            )
         finally:
             trainer.policy.close()
     without, with_ = undistilled.tail, effect["with"].tail

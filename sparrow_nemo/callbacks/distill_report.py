@@ -200,3 +200,41 @@ def calibrated_speedups(
         out[tag] = CalibratedSpeedup(result, speedup)
     engine.set_lora(adapter)
     return out
+
+
+def measure_adapter(
+    trainer: Any,
+    adapter: LoraAdapter,
+    prompts: Sequence[Sequence[int]],
+    schedule: BudgetSchedule,
+    seed: int,
+    min_tokens: int = 1,
+) -> tuple[dict[str, SparseTail], dict[str, CalibratedSpeedup]]:
+    """:func:`adapter_effect` and :func:`calibrated_speedups` on ``prompts`` with the trainer's engine and recipe.
+
+    ``min_tokens`` applies to the tails under ``schedule``; the calibration uses ``sparsity.min_bin_tokens``.
+    The calibrated schedules are priced on the undistilled rollouts' lengths (the same for both), so only the
+    budgets differ. Returns ``(effect, calibrated)``, each keyed ``"without"`` / ``"with"``.
+    """
+    s = trainer.config.sparsity
+    engine = trainer.rollout_engine
+    effect = adapter_effect(
+        engine, adapter, prompts, trainer.sampling, schedule, seed, s.quantile, min_tokens
+    )
+    undistilled = effect["without"]
+    calibrated = calibrated_speedups(
+        engine,
+        adapter,
+        prompts,
+        trainer.sampling,
+        s.calibration.candidate_budgets,
+        s.bin_tokens,
+        s.page_size,
+        trainer.cost_model,
+        undistilled.response_lengths,
+        undistilled.prompt_lengths,
+        threshold=s.threshold,
+        quantile=s.quantile,
+        min_tokens=s.min_bin_tokens,
+    )
+    return effect, calibrated
