@@ -10,18 +10,18 @@ the config the arms file now gives is an error, not silently reused.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import shutil
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from sparrow_nemo.config import SparrowConfig
 from sparrow_nemo.experiments.arms import Arm, ArmsError, ArmsSpec, arm_config
+from sparrow_nemo.grpo.setup import one_rank_world
 
 __all__ = ["RUN_RECORD", "RunPlan", "execute", "plan_runs", "run_folder"]
 
@@ -82,24 +82,6 @@ def plan_runs(
     return plans
 
 
-@contextlib.contextmanager
-def _one_rank_world() -> Iterator[None]:
-    """A fresh one-process gloo world per run (a new port: the previous run closed its process group)."""
-    from sparrow_nemo.grpo.setup import single_process_defaults
-
-    keys = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    saved = {k: os.environ.pop(k, None) for k in keys}
-    single_process_defaults()
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
 def _run_one(plan: RunPlan) -> None:
     """Train one run into ``<folder>.partial`` and rename it to ``<folder>`` when it finishes."""
     from sparrow_nemo.grpo.trainer import train
@@ -109,7 +91,7 @@ def _run_one(plan: RunPlan) -> None:
         shutil.rmtree(partial)
     partial.parent.mkdir(parents=True, exist_ok=True)
     wall0, cpu0 = time.perf_counter(), time.process_time()
-    with _one_rank_world():
+    with one_rank_world():
         train(plan.config, partial)
     record = {
         "arm": plan.arm.name,

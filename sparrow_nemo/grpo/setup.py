@@ -5,9 +5,10 @@ Shared by ``sparrow train`` (the trainer) and ``sparrow calibrate`` so both read
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,26 @@ def single_process_defaults() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+@contextlib.contextmanager
+def one_rank_world() -> Iterator[None]:
+    """A fresh one-process world (RANK/WORLD_SIZE/MASTER_* on a free port) inside; the env restored after.
+
+    For running several trainers one after another in one process (experiments, tests): each gets a new
+    port, since the previous one closed its process group.
+    """
+    keys = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    saved = {k: os.environ.pop(k, None) for k in keys}
+    single_process_defaults()
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def start_processes() -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 import traceback
@@ -11,6 +10,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
+from sparrow_nemo.grpo.setup import one_rank_world
 from sparrow_nemo.model_shapes import Qwen3Shape
 from sparrow_nemo.policy.hf_import import hf_config_dict
 
@@ -39,20 +39,8 @@ def make_hf_checkpoint(
     return Path(out_dir)
 
 
-@contextlib.contextmanager
-def single_rank_env():
-    """RANK/WORLD_SIZE/MASTER_* for a one-process gloo world (restored afterwards)."""
-    keys = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    saved = {k: os.environ.get(k) for k in keys}
-    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+#: RANK/WORLD_SIZE/MASTER_* for a one-process gloo world, restored afterwards
+single_rank_env = one_rank_world
 
 
 def _entry(rank: int, world: int, port: int, fn, args, errors) -> None:
