@@ -67,30 +67,38 @@ def write_plots(
         ("accuracy", "train accuracy"),
         ("response_length", "response length"),
     )
-    fig, axes = plt.subplots(1, len(panels), figsize=(15, 4))
-    for ax, (key, title) in zip(axes, panels):
-        for i, r in enumerate(results):
-            ax.plot(_clean(r.curves[key]), _STYLE[r.arm.role], color=f"C{i}", marker=".", label=r.arm.title)
-        ax.set_xlabel("RL step")
-        ax.set_title(title)
-    axes[0].legend(fontsize="small")
-    fig.tight_layout()
-    paths.append(out_dir / PLOT_NAMES[1])
-    fig.savefig(paths[-1], dpi=100)
-    plt.close(fig)
-
+    paths.append(_curves_over_steps(results, panels, out_dir / PLOT_NAMES[1], width=15))
     panels = (("acceptance_mean", "mean acceptance"), ("min_bin_p5", "lowest per-bin p5"))
-    fig, axes = plt.subplots(1, len(panels), figsize=(11, 4))
+    paths.append(
+        _curves_over_steps(
+            results, panels, out_dir / PLOT_NAMES[2], width=11, threshold=("min_bin_p5", threshold)
+        )
+    )
+    return paths
+
+
+def _curves_over_steps(
+    results: Sequence[ArmResult],
+    panels: Sequence[tuple[str, str]],
+    path: Path,
+    width: float,
+    threshold: tuple[str, float] | None = None,
+) -> Path:
+    """One PNG, a panel per ``(curve key, title)``: each arm's curve over RL steps; ``threshold`` = (key, value)
+    draws the tail threshold on that panel."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(width, 4))
     for ax, (key, title) in zip(axes, panels):
         for i, r in enumerate(results):
             ax.plot(_clean(r.curves[key]), _STYLE[r.arm.role], color=f"C{i}", marker=".", label=r.arm.title)
-        if key == "min_bin_p5":
-            ax.axhline(threshold, color="red", linestyle="--", linewidth=1, label=f"threshold {threshold:g}")
+        if threshold is not None and key == threshold[0]:
+            value = threshold[1]
+            ax.axhline(value, color="red", linestyle="--", linewidth=1, label=f"threshold {value:g}")
         ax.set_xlabel("RL step")
         ax.set_title(title)
     axes[0].legend(fontsize="small")
     fig.tight_layout()
-    paths.append(out_dir / PLOT_NAMES[2])
-    fig.savefig(paths[-1], dpi=100)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
-    return paths
+    return path
