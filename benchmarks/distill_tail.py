@@ -30,8 +30,8 @@ import torch
 
 from sparrow_nemo.callbacks.distill_report import distill_rounds, measure_adapter
 from sparrow_nemo.callbacks.distill_sparse import DistillSparse
-from sparrow_nemo.config import load_config
-from sparrow_nemo.grpo import setup
+from sparrow_nemo.grpo import world
+from sparrow_nemo.grpo.recipe import load_config
 from sparrow_nemo.grpo.trainer import GrpoTrainer
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET
 
@@ -56,11 +56,11 @@ def run(args: argparse.Namespace, run_dir: Path) -> dict:
         args.config, [*args.overrides, "logging.tensorboard=false", "checkpoint.enabled=false"]
     )
     torch.set_num_threads(1)
-    setup.start_processes()
+    world.start_processes()
     start = time.time()
     trainer = GrpoTrainer(config, run_dir)
     try:
-        callback = DistillSparse()
+        callback = DistillSparse(trainer.config.distill)
         callback.on_train_start(trainer)
         schedule = trainer.schedule
         losses = distill_rounds(trainer, callback, schedule, args.rounds)

@@ -27,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-from sparrow_nemo.config import SparrowConfig, load_config, recipes_dir
+from sparrow_nemo.config import recipes_dir
+from sparrow_nemo.grpo.recipe import SparrowConfig, load_config
 from sparrow_nemo.sparse.cost_model import HARDWARE, DecodeCostModel, Hardware
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 

@@ -27,10 +27,10 @@ from policy._helpers import free_port, single_rank_env
 
 from sparrow_nemo.callbacks.distill_report import distill_rounds, measure_adapter
 from sparrow_nemo.callbacks.distill_sparse import DistillSparse
-from sparrow_nemo.config import load_config
 from sparrow_nemo.grpo.checkpointing import read_run_state
 from sparrow_nemo.grpo.metrics import read_metrics
 from sparrow_nemo.grpo.prompts import build_prompt_source
+from sparrow_nemo.grpo.recipe import load_config
 from sparrow_nemo.grpo.trainer import GrpoTrainer, train
 from sparrow_nemo.grpo.warmstart import ensure_warm_start
 
@@ -60,7 +60,7 @@ def test_adapter_brings_the_failing_bin_to_the_threshold_and_a_tighter_schedule(
     with single_rank_env():
         trainer = GrpoTrainer(config, tmp_path)
         try:
-            callback = DistillSparse()
+            callback = DistillSparse(trainer.config.distill)
             callback.on_train_start(trainer)
             schedule = trainer.schedule
             distill_rounds(trainer, callback, schedule, rounds=40)

@@ -22,9 +22,9 @@ import pytest
 from policy._helpers import free_port, single_rank_env
 
 from sparrow_nemo import cli
-from sparrow_nemo.config import SparrowConfig, load_config
 from sparrow_nemo.grpo.metrics import read_metrics
 from sparrow_nemo.grpo.prompts import build_prompt_source
+from sparrow_nemo.grpo.recipe import SparrowConfig, load_config
 from sparrow_nemo.grpo.summary import tail_per_bin
 from sparrow_nemo.grpo.trainer import train
 from sparrow_nemo.grpo.warmstart import ensure_warm_start

@@ -32,69 +32,70 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from sparrow_nemo.callbacks.base import Callback, StepReport, TrainerLike
+from sparrow_nemo.config.schema import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Section, choices, knob, suggest
 from sparrow_nemo.grpo.rollout_step import collate, concat_outputs, micro_batches
-from sparrow_nemo.grpo.setup import broadcast_from_rank0
+from sparrow_nemo.grpo.world import broadcast_from_rank0
+from sparrow_nemo.hf_qwen3 import LINEARS, LoraAdapter
 from sparrow_nemo.policy.batch import PolicyBatch
 from sparrow_nemo.policy.logprobs import LogprobOutput
 from sparrow_nemo.policy.lora import LoraConfig
 from sparrow_nemo.policy.optim import OptimizerSettings
-from sparrow_nemo.policy.sparse_forward import SparsePattern, SparsePlan
+from sparrow_nemo.policy.sparse_forward import SparsePlan
 from sparrow_nemo.policy.train_step import StepResult
 from sparrow_nemo.rollout.engine import RolloutSample
-from sparrow_nemo.rollout.lora import LoraAdapter
 from sparrow_nemo.rollout.sampling import sample_seed
 from sparrow_nemo.rollout.scoring import TokenMismatch, measure_mismatch
 from sparrow_nemo.sparse.mismatch import tail_by_bin
+from sparrow_nemo.sparse.pattern import SparsePattern
 
 logger = logging.getLogger(__name__)
 
-ALL_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
 
 @dataclass(frozen=True)
-class DistillSettings:
-    """DistillSparse hyper-parameters (the recipe's ``distill`` section; defaults as in METHOD.md).
+class DistillConfig(Section):
+    """DistillSparse: the recipe's ``distill`` section (defaults as in docs/METHOD.md).
 
-    Attributes:
-        steps: adapter updates per RL step.
-        lr_multiplier: adapter learning rate = policy learning rate x this.
-        kl_coef, pg_coef: weights of the k3 KL and of the sparse PG loss.
-        lora_rank, lora_alpha: adapter rank and alpha (scaling alpha / rank).
-        target_modules: HF linear names that get an adapter.
-        grad_clip: adapter gradient L2-norm clip (0 = off).
-        seed: adapter initialisation and probe sampling seed.
+    ``enabled`` means the trainer builds :class:`DistillSparse` (it is not listed under ``callbacks``).
     """
 
-    steps: int = 1
-    lr_multiplier: float = 5.0
-    kl_coef: float = 1.0
-    pg_coef: float = 1.0
-    lora_rank: int = 8
-    lora_alpha: float = 16.0
-    target_modules: tuple[str, ...] = ALL_LINEARS
-    grad_clip: float = 1.0
-    seed: int = 0
+    enabled: bool = knob(False, "train the rollout-only LoRA each step (the trainer builds DistillSparse)")
+    lora_rank: int = knob(8, "LoRA rank", check=AT_LEAST_ONE)
+    lora_alpha: float = knob(16.0, "LoRA alpha (scaling = alpha / rank)", check=POSITIVE)
+    target_modules: tuple[str, ...] = knob(
+        LINEARS, "HF Qwen3 linear names that get an adapter (default: all of them, as in the paper)"
+    )
+    lr_multiplier: float = knob(5.0, "adapter learning rate = policy.optimizer.lr x this", check=POSITIVE)
+    steps: int = knob(1, "adapter updates per RL step", check=AT_LEAST_ONE)
+    kl_coef: float = knob(
+        1.0, "weight of KL(sparse || dense) (k3 estimator on the sampled tokens)", check=NON_NEGATIVE
+    )
+    pg_coef: float = knob(
+        1.0,
+        "weight of the sparse policy-gradient loss (same advantages as the policy step)",
+        check=NON_NEGATIVE,
+    )
+    grad_clip: float = knob(1.0, "adapter gradient L2-norm clip; 0 = off", check=NON_NEGATIVE)
+    seed: int = knob(0, "adapter initialisation and probe sampling seed", check=NON_NEGATIVE)
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "target_modules", tuple(self.target_modules))
-        for name in ("steps", "lora_rank"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"DistillSparse: {name} must be >= 1, got {getattr(self, name)}")
-        for name in ("lr_multiplier", "lora_alpha"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"DistillSparse: {name} must be > 0, got {getattr(self, name)}")
-        for name in ("kl_coef", "pg_coef", "grad_clip"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"DistillSparse: {name} must be >= 0, got {getattr(self, name)}")
+    def check(self) -> None:
+        if not self.target_modules:
+            raise self.invalid("target_modules", f"at least one of {choices(LINEARS)}")
+        for i, name in enumerate(self.target_modules):
+            if name not in LINEARS:
+                raise self.invalid(
+                    f"target_modules.{i}", f"one of {choices(LINEARS)}{suggest(name, LINEARS)}"
+                )
+        if len(set(self.target_modules)) != len(self.target_modules):
+            raise self.invalid("target_modules", "each module named once")
         if self.kl_coef == 0 and self.pg_coef == 0:
-            raise ValueError("DistillSparse: kl_coef and pg_coef are both 0, the adapter would never learn")
+            raise self.invalid("kl_coef", "> 0 or pg_coef > 0 (with both 0 the adapter never learns)")
 
     def lora_config(self) -> LoraConfig:
         return LoraConfig.from_hf_targets(self.lora_rank, self.lora_alpha, self.target_modules)
@@ -184,38 +185,16 @@ def _rank_entry(states: Sequence[Mapping[str, Any]] | Mapping[str, Any]) -> Mapp
 
 
 class DistillSparse(Callback):
-    """The DistillSparse callback. Arguments left None come from the recipe's ``distill`` section.
+    """The DistillSparse callback, built by the trainer when ``distill.enabled``.
 
-    Args: see :class:`DistillSettings`.
+    Args:
+        settings: the recipe's ``distill`` section.
     """
 
     collective = True
 
-    def __init__(
-        self,
-        steps: int | None = None,
-        lr_multiplier: float | None = None,
-        kl_coef: float | None = None,
-        pg_coef: float | None = None,
-        lora_rank: int | None = None,
-        lora_alpha: float | None = None,
-        target_modules: Sequence[str] | None = None,
-        grad_clip: float | None = None,
-        seed: int | None = None,
-    ) -> None:
-        given = {
-            "steps": steps,
-            "lr_multiplier": lr_multiplier,
-            "kl_coef": kl_coef,
-            "pg_coef": pg_coef,
-            "lora_rank": lora_rank,
-            "lora_alpha": lora_alpha,
-            "target_modules": target_modules,
-            "grad_clip": grad_clip,
-            "seed": seed,
-        }
-        self.overrides = {k: v for k, v in given.items() if v is not None}
-        self.settings = DistillSettings(**self.overrides)  # validates the overrides early
+    def __init__(self, settings: DistillConfig) -> None:
+        self.settings = settings
         self.optimizer = None
         self.pattern: SparsePattern | None = None
         self.step = 0
@@ -225,9 +204,6 @@ class DistillSparse(Callback):
     # ----------------------------------------------------------------- hooks
     def on_train_start(self, trainer: TrainerLike) -> None:
         config = trainer.config
-        d = config.distill
-        recipe = {f.name: getattr(d, f.name) for f in fields(DistillSettings) if hasattr(d, f.name)}
-        self.settings = replace(DistillSettings(**recipe), **self.overrides)
         engine = trainer.rollout_engine
         self.pattern = broadcast_from_rank0(
             None

@@ -27,9 +27,9 @@ def run(args: argparse.Namespace) -> int:
     3 stopped by a signal after a checkpoint."""
     config = config_from_args(args)
     from sparrow_nemo.grpo.preemption import REQUEUE_EXIT, Preempted
-    from sparrow_nemo.grpo.setup import rank
     from sparrow_nemo.grpo.summary import format_summary
     from sparrow_nemo.grpo.trainer import NonFiniteTrainingError, train
+    from sparrow_nemo.grpo.world import rank
     from sparrow_nemo.policy.checkpoint import CheckpointError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")

@@ -8,18 +8,10 @@ reference policy, :meth:`MegatronPolicy.reference_logprobs`).
 
 from __future__ import annotations
 
-import dataclasses
-
-from sparrow_nemo.config import LossConfig
 from sparrow_nemo.grpo.losses import PolicyLossConfig, compute_policy_loss, masked_mean
 from sparrow_nemo.policy.batch import PolicyBatch
 from sparrow_nemo.policy.logprobs import LogprobOutput
 from sparrow_nemo.policy.schedule import LossFn
-
-
-def policy_loss_config(loss: LossConfig) -> PolicyLossConfig:
-    """The recipe's ``grpo.loss`` section as the loss registry's :class:`PolicyLossConfig` (same field names)."""
-    return PolicyLossConfig(**dataclasses.asdict(loss))
 
 
 def grpo_loss_fn(config: PolicyLossConfig) -> LossFn:

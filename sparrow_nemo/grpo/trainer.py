@@ -39,9 +39,8 @@ from sparrow_nemo.callbacks import (
     build_step_report,
     instantiate_callbacks,
 )
-from sparrow_nemo.callbacks.distill_sparse import DistillData
-from sparrow_nemo.config import SparrowConfig
-from sparrow_nemo.grpo import setup
+from sparrow_nemo.callbacks.distill_sparse import DistillData, DistillSparse
+from sparrow_nemo.grpo import setup, world
 from sparrow_nemo.grpo.advantages import compute_advantages
 from sparrow_nemo.grpo.checkpointing import (
     load_run_checkpoint,
@@ -51,9 +50,10 @@ from sparrow_nemo.grpo.checkpointing import (
 )
 from sparrow_nemo.grpo.evaluation import EvalResult, evaluate
 from sparrow_nemo.grpo.metrics import MetricsWriter, progress, rollout_metrics, rollout_progress
-from sparrow_nemo.grpo.objective import grpo_loss_fn, policy_loss_config
+from sparrow_nemo.grpo.objective import grpo_loss_fn
 from sparrow_nemo.grpo.preemption import Preempted, PreemptionGuard
 from sparrow_nemo.grpo.prompts import build_prompt_source
+from sparrow_nemo.grpo.recipe import SparrowConfig
 from sparrow_nemo.grpo.rollout_step import (
     collate,
     concat_outputs,
@@ -62,6 +62,7 @@ from sparrow_nemo.grpo.rollout_step import (
     token_mismatch,
 )
 from sparrow_nemo.grpo.rundir import check_run_dir, make_run_dir
+from sparrow_nemo.grpo.wandb_logger import open_wandb
 from sparrow_nemo.grpo.warmstart import ensure_warm_start
 from sparrow_nemo.rollout.engine import RolloutSample
 from sparrow_nemo.rollout.oom_retry import OomRetryEngine
@@ -140,7 +141,7 @@ class GrpoTrainer:
 
     def __init__(self, config: SparrowConfig, run_dir: str | Path | None = None) -> None:
         self.config = config
-        self.is_main = setup.rank() == 0
+        self.is_main = world.rank() == 0
         if run_dir is not None:
             check_run_dir(config, run_dir)  # before anything is built or written
         self.show_progress = config.logging.progress_bar and self.is_main
@@ -153,7 +154,7 @@ class GrpoTrainer:
         if config.grpo.loss.kl_coef > 0:  # the KL penalty's reference: the initial weights (NeMo-RL style)
             self.policy.keep_reference()
         self.run_dir = Path(
-            setup.broadcast_from_rank0(str(make_run_dir(config, run_dir)) if self.is_main else None)
+            world.broadcast_from_rank0(str(make_run_dir(config, run_dir)) if self.is_main else None)
         )
         weights = self.policy.export_hf()
         self.rollout_engine = (
@@ -168,9 +169,12 @@ class GrpoTrainer:
         self.state = TrainerState(step=0, schedule=schedule, initial_schedule=schedule, warm_start_dir=hf_dir)
         self.callbacks = self._callbacks()
         self.metrics = MetricsWriter(
-            self.run_dir, config.logging.jsonl, config.logging.tensorboard and self.is_main
+            self.run_dir,
+            config.logging.jsonl,
+            config.logging.tensorboard and self.is_main,
+            open_wandb(config.logging.wandb, self.run_dir, config.to_dict()) if self.is_main else None,
         )
-        self.loss_fn = grpo_loss_fn(policy_loss_config(config.grpo.loss))
+        self.loss_fn = grpo_loss_fn(config.grpo.loss)
         self.distill_data: DistillData | None = None  # the last step's rollouts (see step)
         self.cost_model = DecodeCostModel(
             config.model.shape(), HARDWARE["h200"], dense_layers=config.sparsity.dense_layers
@@ -203,15 +207,17 @@ class GrpoTrainer:
 
     # ----- the run ------------------------------------------------------------------------------
     def _callbacks(self) -> CallbackList:
-        """The recipe's callbacks (+ the tail scheduler when the sparsity settings need one) on rank 0; the
-        ``collective`` ones alone on the other ranks."""
-        callbacks = list(instantiate_callbacks(self.config.callbacks))
+        """The built-in callbacks their sections ask for (tail scheduler, DistillSparse), then the recipe's
+        ``callbacks`` (user extras), on rank 0; the ``collective`` ones alone on the other ranks."""
+        s, cfg = self.config.sparsity, self.config
+        callbacks = []
+        if cfg.tail_scheduler.adapt != "off" or s.calibrate or not self.schedule.is_dense:
+            callbacks.append(TailMismatchScheduler(s, cfg.tail_scheduler))
+        if cfg.distill.enabled:
+            callbacks.append(DistillSparse(cfg.distill))
+        callbacks.extend(instantiate_callbacks(cfg.callbacks))
         if not self.is_main:
             return CallbackList([c for c in callbacks if c.collective])
-        s = self.config.sparsity
-        wants_scheduler = s.adapt != "off" or s.calibrate or not self.schedule.is_dense
-        if wants_scheduler and not any(isinstance(c, TailMismatchScheduler) for c in callbacks):
-            callbacks.insert(0, TailMismatchScheduler.from_sparsity(s))
         return CallbackList(callbacks)
 
     def fit(self) -> dict[str, Any]:
@@ -338,7 +344,7 @@ class GrpoTrainer:
                 self.prompts.reward(s.response_ids.tolist(), a) for s, a in zip(batch.samples, expanded)
             ]
             payload = (batch.samples, torch.tensor(rewards, dtype=torch.float32), batch.tokens_per_second())
-        return setup.broadcast_from_rank0(payload)
+        return world.broadcast_from_rank0(payload)
 
     def _update(self, data, dense, advantages: torch.Tensor) -> dict[str, float]:
         """One optimizer step of the policy loss on this DP rank's micro-batches; engine refit."""
@@ -378,9 +384,11 @@ class GrpoTrainer:
         return out
 
     def _evaluate(self, tag: str, schedule: BudgetSchedule) -> None:
-        """Sample the held-out prompts once each under ``schedule`` (rank 0); stored in the state."""
-        if self.is_main:
-            items = self.prompts.eval_batch(self.config.evaluation.num_prompts)
+        """Sample the held-out prompts once each under ``schedule`` (rank 0); stored in the state.
+
+        Skipped when the prompt source has no held-out set (file data without ``data.val_path``)."""
+        items = self.prompts.eval_batch(self.config.evaluation.num_prompts) if self.is_main else None
+        if self.is_main and items:
             result: EvalResult = evaluate(self.rollout_engine, self.prompts, items, self.sampling, schedule)
             self.state.evals[tag] = result.to_dict()
             logger.info(
@@ -390,7 +398,7 @@ class GrpoTrainer:
                 result.accuracy,
                 result.tokens_per_s,
             )
-        self.state.evals = setup.broadcast_from_rank0(self.state.evals)
+        self.state.evals = world.broadcast_from_rank0(self.state.evals)
 
     def _flush_logged(self, step: int, metrics: dict[str, float] | None = None) -> None:
         """Write the step's metrics: callback values first, the trainer's own (rollout-time) values win."""
@@ -438,9 +446,9 @@ class GrpoTrainer:
             if self.is_main:
                 self.metrics.keep_rows(0)  # rows of an attempt that never checkpointed are redone
             return
-        self.state = TrainerState.from_dict(setup.broadcast_from_rank0(loaded.trainer))
+        self.state = TrainerState.from_dict(world.broadcast_from_rank0(loaded.trainer))
         self.prompts.load_state_dict(self.state.prompt_stream)
-        states = setup.broadcast_from_rank0(
+        states = world.broadcast_from_rank0(
             loaded.callbacks
         )  # read on rank 0; collective callbacks run everywhere
         if not self.is_main:  # this rank's callbacks are the collective ones
@@ -470,7 +478,7 @@ class GrpoTrainer:
 
 def train(config: SparrowConfig, run_dir: str | Path | None = None) -> tuple[dict[str, Any], Path]:
     """Build the trainer, run it, close the workers; returns (summary, run folder)."""
-    setup.start_processes()
+    world.start_processes()
     setup.apply_cpu_threads(config)
     trainer = GrpoTrainer(config, run_dir)
     try:

@@ -3,27 +3,29 @@
 RL needs a policy that already solves part of the task. For the synthetic task a short SFT on generated
 (prompt, solution) pairs gives one: the loss is the mean NLL of the solution tokens (eos included) given
 the prompt. The result is written once, atomically (staging folder + rename), to
-``<cache>/<key>/`` where ``key`` hashes everything that determines it (model shape, task, warm-start
-settings, seed, precision, tokenizer), and later runs load it without training.
+``<cache>/<key>/`` where ``key`` hashes everything that determines it (:func:`cache_key`), and later runs
+load it without training.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import shutil
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from sparrow_nemo.config import SparrowConfig
 from sparrow_nemo.grpo.metrics import progress
 from sparrow_nemo.grpo.objective import sft_loss_fn
-from sparrow_nemo.grpo.prompts import PromptSource
+from sparrow_nemo.grpo.prompt_source import PromptSource
+from sparrow_nemo.grpo.recipe import SparrowConfig
 from sparrow_nemo.grpo.rollout_step import micro_batches, pad_pairs
 
 logger = logging.getLogger(__name__)
@@ -41,20 +43,46 @@ def cache_root(config: SparrowConfig) -> Path:
 
 
 def cache_key(config: SparrowConfig, tokenizer_name: str) -> str:
-    """16 hex digits identifying the warm-start result (see the module docstring)."""
-    w = config.warmstart
+    """16 hex digits identifying the warm-start result: every input that changes the weights.
+
+    Besides the recipe's model, task and warm-start settings that is the optimizer (only ``lr`` is the
+    warm-start's own), the parallel layout and world size (sharded matmuls, the DP gradient mean), the
+    device type and the torch version (kernels). The CPU thread count is not an input: the warm-start
+    always trains with one intra-op thread (:func:`_one_cpu_thread`), so it cannot change the sums.
+    """
+    from sparrow_nemo.grpo.setup import device
+    from sparrow_nemo.grpo.world import world_size
+
+    w, p = config.warmstart, config.policy
+    optimizer = {k: v for k, v in asdict(p.optimizer).items() if k != "lr"}
     spec = {
         "version": WARMSTART_VERSION,
         "shape": asdict(config.model.shape()),
         "task": asdict(config.task),
         "warmstart": {"steps": w.steps, "batch_size": w.batch_size, "lr": w.lr},
-        "micro_batch_size": config.policy.micro_batch_size,
-        "precision": config.policy.precision,
+        "optimizer": optimizer,
+        "micro_batch_size": p.micro_batch_size,
+        "precision": p.precision,
+        "layout": [p.tensor_model_parallel_size, p.pipeline_model_parallel_size, world_size()],
+        "device": device(config).type,
+        "torch": torch.__version__,
         "seed": config.trainer.seed,
         "tokenizer": tokenizer_name,
     }
     text = json.dumps(spec, sort_keys=True, default=list)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def _one_cpu_thread() -> Iterator[None]:
+    """One torch intra-op thread inside (the caller's count restored after): CPU reductions then add in
+    one order whatever ``trainer.cpu_threads`` or torch's default (one per core) would have been."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def warm_start_dir(config: SparrowConfig, source: PromptSource) -> Path:
@@ -110,18 +138,20 @@ def ensure_warm_start(config: SparrowConfig, source: PromptSource, show_progress
     Collective: every rank calls it; rank 0 writes the cache. Builds (and discards) its own policy with
     the warm-start learning rate, so the RL policy starts with fresh optimizer state.
     """
-    from sparrow_nemo.grpo.setup import broadcast_from_rank0, build_policy, rank
-    from sparrow_nemo.policy.hf_import import save_hf_checkpoint
+    from sparrow_nemo.grpo.setup import build_policy
+    from sparrow_nemo.grpo.world import broadcast_from_rank0, rank
+    from sparrow_nemo.hf_qwen3 import save_hf_checkpoint
 
     target = warm_start_dir(config, source)
     if broadcast_from_rank0((target / "config.json").is_file()):
         logger.info("warm-start: using the cached checkpoint %s", target)
         return target
     logger.info("warm-start: %d SFT steps (cached afterwards in %s)", config.warmstart.steps, target)
-    torch.manual_seed(config.trainer.seed)
-    policy = build_policy(config, hf_dir=None, lr=config.warmstart.lr)
-    losses = run_warm_start(config, source, policy, show_progress)
-    weights = policy.export_hf()
+    with _one_cpu_thread():
+        torch.manual_seed(config.trainer.seed)
+        policy = build_policy(config, hf_dir=None, lr=config.warmstart.lr)
+        losses = run_warm_start(config, source, policy, show_progress)
+        weights = policy.export_hf()
     if rank() == 0:
         staging = target.parent / f".{target.name}.partial-{os.getpid()}"
         shutil.rmtree(staging, ignore_errors=True)

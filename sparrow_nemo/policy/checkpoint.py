@@ -19,11 +19,12 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from sparrow_nemo.atomic_io import atomic_write, atomic_write_bytes, fsync_dir
 
 logger = logging.getLogger(__name__)
 
@@ -35,43 +36,9 @@ class CheckpointError(RuntimeError):
     """A checkpoint directory that is incomplete, corrupted or for another layout."""
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that a reader sees either the old file or the complete new one."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-
-
 def atomic_torch_save(obj: Any, path: str | Path) -> None:
     """``torch.save(obj)`` to ``path`` atomically (temp file in the same directory, then rename)."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, lambda f: torch.save(obj, f))
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
@@ -111,7 +78,7 @@ def finalize(root: str | Path, name: str, meta: dict[str, Any]) -> Path:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(staging, final)
-    _fsync_dir(Path(root))
+    fsync_dir(Path(root))
     return final
 
 

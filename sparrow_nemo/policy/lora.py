@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from sparrow_nemo.hf_qwen3 import LoraAdapter
 from sparrow_nemo.model_shapes import Qwen3Shape
 from sparrow_nemo.policy.model import PolicyModelSpec, unwrap_model
 from sparrow_nemo.policy.parallel import stage_layer_range
@@ -44,7 +45,6 @@ from sparrow_nemo.policy.tp_layout import (
     merge_shards,
     split_shard,
 )
-from sparrow_nemo.rollout.lora import LoraAdapter
 
 #: megatron module (under ``decoder.layers.{i}.``) -> (HF modules, column-parallel?, row layout of B / A)
 TARGETS: dict[str, tuple[tuple[str, ...], bool, str]] = {

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from sparrow_nemo.hf_qwen3 import LoraAdapter, linear_in_out
 from sparrow_nemo.model_shapes import Qwen3Shape
 from sparrow_nemo.rollout.engine import (
     RolloutBatch,
@@ -31,7 +32,6 @@ from sparrow_nemo.rollout.engine import (
     TokenProgress,
     TokenTally,
 )
-from sparrow_nemo.rollout.lora import LoraAdapter
 from sparrow_nemo.rollout.paged_attention import (
     KernelDecode,
     causal_attention,
@@ -39,7 +39,7 @@ from sparrow_nemo.rollout.paged_attention import (
     decode_attention_torch,
 )
 from sparrow_nemo.rollout.paged_cache import PagedKVCache
-from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder, linear_in_out
+from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder
 from sparrow_nemo.rollout.sampling import (
     batch_seeds,
     draw_uniforms,
@@ -49,6 +49,7 @@ from sparrow_nemo.rollout.sampling import (
 )
 from sparrow_nemo.rollout.static_decode import StaticDecoder, decode_static
 from sparrow_nemo.rollout.stopping import Detokenizer, StopRule
+from sparrow_nemo.sparse.pattern import PAGE_SIZE
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET, BudgetSchedule
 
 #: decode steps between two ``on_tokens`` reports (a progress bar stays off the per-token path)
@@ -77,7 +78,7 @@ class ReferenceRolloutEngine:
         model: Qwen3Decoder,
         *,
         dense_layers: int = 2,
-        page_size: int = 16,
+        page_size: int = PAGE_SIZE,
         sink_pages: int = 1,
         local_pages: int = 2,
         attention_backend: str = "auto",

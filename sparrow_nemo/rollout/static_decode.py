@@ -26,18 +26,37 @@ Graph capture needs an attention backend without host syncs: the fused ``triton`
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
+from sparrow_nemo.model_shapes import Qwen3Shape
 from sparrow_nemo.rollout.engine import FinishReason, SamplingParams, TokenTally
 from sparrow_nemo.rollout.paged_cache import PagedKVCache
 from sparrow_nemo.rollout.sampling import sample_tokens, token_logprobs
 from sparrow_nemo.rollout.stopping import StopRule
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET, BudgetSchedule
 
-if TYPE_CHECKING:
-    from sparrow_nemo.rollout.reference import ReferenceRolloutEngine
+
+class DecodeStepEngine(Protocol):
+    """What :class:`StaticDecoder` needs from the engine that owns the model and the paged cache (the
+    reference engine, :mod:`sparrow_nemo.rollout.reference`, which imports this module)."""
+
+    device: torch.device
+    shape: Qwen3Shape
+    dense_layers: int
+    backend: str
+
+    def _decode_step(
+        self,
+        cache: PagedKVCache,
+        block_table: torch.Tensor,
+        tokens: torch.Tensor,
+        seq_len: torch.Tensor,
+        budgets: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The new tokens ``[B]`` through all layers -> logits ``[B, V]`` fp32."""
+        ...
 
 
 class DeviceBudgets:
@@ -87,7 +106,7 @@ class StaticDecoder:
 
     def __init__(
         self,
-        engine: ReferenceRolloutEngine,
+        engine: DecodeStepEngine,
         cache: PagedKVCache,
         block_table: torch.Tensor,
         seq_len: torch.Tensor,

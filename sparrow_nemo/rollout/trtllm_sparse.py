@@ -33,7 +33,7 @@ ALGORITHM = "sparrow"
 
 @dataclass(frozen=True)
 class SparrowSparseSpec:
-    """Settings of the "sparrow" algorithm (METHOD.md: page 16, 1 sink page, 2 local pages, 2 dense layers).
+    """Settings of the "sparrow" algorithm (docs/METHOD.md: page 16, 1 sink page, 2 local pages, 2 dense layers).
 
     Attributes:
         schedule: KV budget (tokens, reserved pages included) per bin of cached length.

@@ -61,3 +61,43 @@ class OpenKwargsCallback(Callback):
 
     def __init__(self, **options: object) -> None:
         self.options = options
+
+
+class KnobCallback(Callback):
+    """A user callback with checked keyword arguments (for the ``callbacks:`` instantiation tests)."""
+
+    def __init__(self, threshold: float = 0.86, mode: str = "raise") -> None:
+        if not 0.0 < threshold < 1.0:
+            raise ValueError(f"KnobCallback: invalid threshold={threshold!r}")
+        if mode not in ("off", "raise", "raise_and_lower"):
+            raise ValueError(f"KnobCallback: mode={mode!r}, expected one of off, raise, raise_and_lower")
+        self.threshold = threshold
+        self.mode = mode
+
+
+def make_scheduler(
+    *,
+    candidates=None,
+    bin_tokens: int = 100,
+    page_size: int = 16,
+    write_files: bool = True,
+    **knobs,
+):
+    """A TailMismatchScheduler from the two config sections, given their knobs by name (``mode`` = ``adapt``).
+
+    Sparsity knobs: threshold, quantile, noise_z, min_bin_tokens, calibrate; ``candidates`` is
+    ``sparsity.calibration.candidate_budgets``. The rest go to the ``tail_scheduler`` section.
+    """
+    from sparrow_nemo.callbacks.tail_scheduler import TailMismatchScheduler, TailSchedulerConfig
+    from sparrow_nemo.sparse.calibration import CalibrationConfig
+    from sparrow_nemo.sparse.config import SparsityConfig
+
+    sparsity_keys = {"threshold", "quantile", "noise_z", "min_bin_tokens", "calibrate"}
+    sparsity = {k: knobs.pop(k) for k in list(knobs) if k in sparsity_keys}
+    if "mode" in knobs:
+        knobs["adapt"] = knobs.pop("mode")
+    calibration = (
+        CalibrationConfig() if candidates is None else CalibrationConfig(candidate_budgets=tuple(candidates))
+    )
+    config = SparsityConfig(page_size=page_size, bin_tokens=bin_tokens, calibration=calibration, **sparsity)
+    return TailMismatchScheduler(config, TailSchedulerConfig(**knobs), write_files=write_files)

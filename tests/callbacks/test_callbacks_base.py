@@ -6,7 +6,7 @@ import logging
 
 import pytest
 import torch
-from callback_fakes import FakeTrainer, RecordingCallback
+from callback_fakes import FakeTrainer, KnobCallback, RecordingCallback
 
 from sparrow_nemo.callbacks import (
     HOOKS,
@@ -14,7 +14,6 @@ from sparrow_nemo.callbacks import (
     CallbackConfigError,
     CallbackList,
     StepReport,
-    TailMismatchScheduler,
     TrainerLike,
     instantiate_callbacks,
 )
@@ -108,20 +107,12 @@ def test_step_report_rejects_bad_fields(field, kwargs, match) -> None:
 def test_instantiate_builds_in_order_with_kwargs() -> None:
     cbs = instantiate_callbacks(
         [
-            {
-                "_target_": "sparrow_nemo.callbacks.TailMismatchScheduler",
-                "threshold": 0.9,
-                "mode": "raise_and_lower",
-            },
+            {"_target_": "callback_fakes.KnobCallback", "threshold": 0.9, "mode": "raise_and_lower"},
             {"_target_": "callback_fakes.RecordingCallback", "name": "r"},
         ]
     )
     first, second = list(cbs)
-    assert (
-        isinstance(first, TailMismatchScheduler)
-        and first.threshold == 0.9
-        and first.mode == "raise_and_lower"
-    )
+    assert isinstance(first, KnobCallback) and first.threshold == 0.9 and first.mode == "raise_and_lower"
     assert isinstance(second, RecordingCallback) and second.name == "r"
     assert len(instantiate_callbacks(None)) == 0
     (open_cb,) = instantiate_callbacks([{"_target_": "callback_fakes.OpenKwargsCallback", "anything": 1}])
@@ -132,7 +123,7 @@ def test_instantiate_builds_in_order_with_kwargs() -> None:
     ("entries", "expected"),
     [
         (
-            [{"_target_": "sparrow_nemo.callbacks.TailMismatchScheduler", "treshold": 0.9}],
+            [{"_target_": "callback_fakes.KnobCallback", "treshold": 0.9}],
             ["callbacks[0]", "unknown argument 'treshold'", "did you mean 'threshold'"],
         ),
         (
@@ -153,11 +144,11 @@ def test_instantiate_builds_in_order_with_kwargs() -> None:
         (["sparrow_nemo.callbacks.TailMismatchScheduler"], ["callbacks[0]", "expected a mapping"]),
         ([{"_target_": "callback_fakes.RecordingCallback"}], ["callbacks[0]", "needs argument(s) name"]),
         (
-            [{"_target_": "sparrow_nemo.callbacks.TailMismatchScheduler", "threshold": 1.5}],
-            ["callbacks[0] (sparrow_nemo.callbacks.TailMismatchScheduler)", "threshold=1.5"],
+            [{"_target_": "callback_fakes.KnobCallback", "threshold": 1.5}],
+            ["callbacks[0] (callback_fakes.KnobCallback)", "threshold=1.5"],
         ),
         (
-            [{"_target_": "sparrow_nemo.callbacks.TailMismatchScheduler", "mode": "sometimes"}],
+            [{"_target_": "callback_fakes.KnobCallback", "mode": "sometimes"}],
             ["callbacks[0]", "mode='sometimes'", "raise_and_lower"],
         ),
     ],

@@ -19,9 +19,9 @@ import pytest
 import torch
 from policy._helpers import make_hf_checkpoint, single_rank_env
 
-from sparrow_nemo.callbacks.distill_sparse import DistillSparse, distill_loss_fn, k3
-from sparrow_nemo.config import load_config
+from sparrow_nemo.callbacks.distill_sparse import DistillConfig, DistillSparse, distill_loss_fn, k3
 from sparrow_nemo.grpo.checkpointing import read_run_state, write_run_state
+from sparrow_nemo.grpo.recipe import load_config
 from sparrow_nemo.model_shapes import PRESETS
 from sparrow_nemo.policy.batch import PolicyBatch
 from sparrow_nemo.policy.checkpoint import finalize, partial_dir
@@ -80,7 +80,7 @@ def test_distill_steps_train_the_adapter_the_engine_uses(checkpoint, tmp_path):
         trainer = _Trainer(checkpoint, tmp_path, overrides)
         try:
             weights = trainer.policy.export_hf()
-            callback = DistillSparse()
+            callback = DistillSparse(trainer.config.distill)
             callback.on_train_start(trainer)
             assert (
                 max(b.abs().max().item() for _, b in trainer.rollout_engine.model.lora.weights.values()) == 0
@@ -137,18 +137,18 @@ def test_loss_gradients_are_k3_and_sparse_pg():
 
 
 def test_settings_refuse_bad_values():
-    with pytest.raises(ValueError, match="both 0"):
-        DistillSparse(kl_coef=0.0, pg_coef=0.0)
+    with pytest.raises(ValueError, match="pg_coef > 0"):
+        DistillConfig(kl_coef=0.0, pg_coef=0.0)
     with pytest.raises(ValueError, match="steps"):
-        DistillSparse(steps=0)
+        DistillConfig(steps=0)
 
 
 def test_adapter_and_optimizer_survive_a_checkpoint(checkpoint, tmp_path):
-    overrides = ["distill.steps=1", "distill.pg_coef=0", "policy.micro_batch_size=4"]
+    overrides = ["distill.steps=1", "distill.pg_coef=0", "policy.micro_batch_size=4", "distill.lora_rank=4"]
     with single_rank_env():
         trainer = _Trainer(checkpoint, tmp_path, overrides, num_prompts=4)
         try:
-            callback = DistillSparse(lora_rank=4)
+            callback = DistillSparse(trainer.config.distill)
             callback.on_train_start(trainer)
             callback.on_train_batch_end(trainer, None, {})
             staging = partial_dir(tmp_path / "ckpt", "step_1")  # through the trainer's checkpoint files
@@ -163,10 +163,10 @@ def test_adapter_and_optimizer_survive_a_checkpoint(checkpoint, tmp_path):
         trainer = _Trainer(checkpoint, tmp_path, overrides, num_prompts=4)
         try:
             with pytest.raises(ValueError, match="optimizer states of 2 ranks, this run has 1"):
-                DistillSparse(lora_rank=4).on_load_checkpoint(
+                DistillSparse(trainer.config.distill).on_load_checkpoint(
                     trainer, {**state, "optimizer": state["optimizer"] * 2}
                 )
-            resumed = DistillSparse(lora_rank=4)
+            resumed = DistillSparse(trainer.config.distill)
             resumed.on_load_checkpoint(trainer, state)
             resumed.on_train_start(trainer)
             loaded = trainer.policy.lora.export_adapter()

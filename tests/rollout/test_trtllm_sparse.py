@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from sparrow_nemo.config import load_config
+from sparrow_nemo.grpo.recipe import load_config
 from sparrow_nemo.rollout.paged_cache import PagedKVCache
 from sparrow_nemo.rollout.trtllm_sparse import (
     ALGORITHM,
