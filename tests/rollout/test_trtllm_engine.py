@@ -266,7 +266,7 @@ def _runtime(**changes: object) -> TrtllmRuntime:
 def test_startup_check_of_the_installed_build() -> None:
     check_runtime(_runtime())  # the sources read: passes
     with pytest.raises(
-        TrtllmVersionError, match="version 1.3.0rc7 is installed, the adapter was written for 1.2.0"
+        TrtllmVersionError, match=r"version 1\.3\.0rc7 is installed, the adapter was written for 1\.2\.0"
     ):
         check_runtime(_runtime(version="1.3.0rc7"))
     with pytest.raises(TrtllmVersionError, match="does not return the sampled token's logprob"):
