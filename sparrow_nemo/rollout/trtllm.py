@@ -141,7 +141,7 @@ def to_rollout_sample(
     schedule: BudgetSchedule,
     stop_token_ids: Sequence[int],
 ) -> RolloutSample:
-    """One TensorRT-LLM completion -> :class:`RolloutSample` (same fields as the reference engine's).
+    """One TensorRT-LLM completion -> :class:`RolloutSample` (same fields as the torch rollout engine's).
 
     ``cached_len`` of response token i is ``len(prompt) + i``; its KV budget is the schedule's at that
     length, except the first token, which comes from the dense prefill (``DENSE_BUDGET``).

@@ -242,7 +242,7 @@ def predict_pages(
     """Pages each KV head of each generation request attends to at this decode step.
 
     The budget of each request is ``spec.schedule`` at its cached length ``seq_len`` (the current token
-    included), exactly as the reference engine computes it.
+    included), exactly as the torch rollout engine computes it.
 
     Args:
         q: [B, Hq, D] queries of the current tokens (after q norm and rotary).

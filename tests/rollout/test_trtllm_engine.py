@@ -1,6 +1,6 @@
 """The TensorRT-LLM engine without TensorRT-LLM: lazy import, LLM kwargs, sampling translation, output mapping.
 
-The output mapping is checked against the reference engine: its samples / scores are written out as
+The output mapping is checked against the torch rollout engine: its samples / scores are written out as
 TensorRT-LLM-shaped completions (plain dataclasses, the only test double, at the TensorRT-LLM boundary)
 and mapped back; every field must come back equal. The engine itself runs only where TensorRT-LLM and
 a GPU are present (the last test skips otherwise).
@@ -17,7 +17,7 @@ import torch
 from sparrow_nemo._optional import MissingOptionalDependency, is_available
 from sparrow_nemo.config import load_config
 from sparrow_nemo.rollout.engine import RolloutSample, SamplingParams
-from sparrow_nemo.rollout.reference import ReferenceRolloutEngine
+from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
 from sparrow_nemo.rollout.trtllm import (
     TRTLLM_VERSION,
     TrtllmRolloutEngine,
@@ -73,7 +73,7 @@ def test_import_without_trtllm_and_clear_error() -> None:
 
 
 def test_llm_kwargs_from_recipe() -> None:
-    config = load_config("qwen3_1p7b_math", ["rollout.backend=reference", "trainer.device=cpu"])
+    config = load_config("qwen3_1p7b_math", ["rollout.backend=torch", "trainer.device=cpu"])
     spec = SparrowSparseSpec.from_recipe(config)
     kw = llm_kwargs(config, "/ckpt", spec)
     assert kw["model"] == "/ckpt" and kw["backend"] == "pytorch"
@@ -111,11 +111,11 @@ def test_sampling_kwargs() -> None:
 
 
 @pytest.fixture(scope="module")
-def reference() -> ReferenceRolloutEngine:
-    return ReferenceRolloutEngine.from_shape(SHAPE, seed=4, dense_layers=2)
+def reference() -> TorchRolloutEngine:
+    return TorchRolloutEngine.from_shape(SHAPE, seed=4, dense_layers=2)
 
 
-def test_output_mapping_matches_reference_samples(reference: ReferenceRolloutEngine) -> None:
+def test_output_mapping_matches_reference_samples(reference: TorchRolloutEngine) -> None:
     schedule = BudgetSchedule(bin_tokens=16, budgets=(64, 80), page_size=16, name="t")
     prompts = [[1, 2, 3, 4, 5] * 4, [7, 8, 9]]
     eos = SHAPE.eos_token_id
@@ -161,7 +161,7 @@ def test_output_mapping_stop_string_and_errors() -> None:
         to_rollout_sample([1], Completion([5], None, "length"), 1, schedule, (9,))
 
 
-def test_score_mapping_matches_reference_scores(reference: ReferenceRolloutEngine) -> None:
+def test_score_mapping_matches_reference_scores(reference: TorchRolloutEngine) -> None:
     seqs = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7]]
     k = 4
     for seq, scored in zip(seqs, reference.score(seqs, topk=k)):

@@ -1,6 +1,6 @@
 """The "sparrow" TensorRT-LLM algorithm's torch side: config translation, centroid pool, page prediction.
 
-The prediction the TensorRT-LLM attention subclass makes must equal the reference engine's selection
+The prediction the TensorRT-LLM attention subclass makes must equal the torch rollout engine's selection
 (``select_pages_from_centroids`` on ``PagedKVCache`` centroids) and the method layer's specification
 (``select_pages`` on the contiguous keys) for the same cache contents.
 """
