@@ -188,7 +188,7 @@ def to_rollout_sample(
     schedule: BudgetSchedule,
     stop_token_ids: Sequence[int],
 ) -> RolloutSample:
-    """One TensorRT-LLM completion -> :class:`RolloutSample` (same fields as the reference engine's).
+    """One TensorRT-LLM completion -> :class:`RolloutSample` (same fields as the torch rollout engine's).
 
     Position i's dict holds the top-K and, when outside them, the sampled token (its rank > K): the
     sampled logprob comes from its entry either way, the top-K lists never include the extra one.

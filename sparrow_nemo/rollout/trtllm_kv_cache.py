@@ -68,7 +68,7 @@ class CentroidPool:
     """Page centroids per sparse layer, float32 [num_blocks, Hkv, D], indexed by physical KV block.
 
     A centroid is the mean of the keys stored in its block, after the keys are rounded to the KV-cache
-    dtype (what attention reads), as the reference engine's paged cache keeps it.
+    dtype (what attention reads), as the torch rollout engine's paged cache keeps it.
 
     Args:
         num_blocks: physical KV blocks (``KVCacheManager.blocks_in_primary_pool``).

@@ -71,7 +71,7 @@ def check_runtime(runtime: TrtllmRuntime, expected_version: str = TRTLLM_VERSION
         raise TrtllmVersionError(
             "rollout.backend=trtllm: the installed TensorRT-LLM does not match this adapter: "
             + "; ".join(problems)
-            + f". Use the image of docker/Dockerfile (tensorrt-llm=={expected_version}) or rollout.backend=reference."
+            + f". Use the image of docker/Dockerfile (tensorrt-llm=={expected_version}) or rollout.backend=torch."
         )
 
 

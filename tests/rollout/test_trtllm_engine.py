@@ -2,7 +2,7 @@
 mapping, the size guard of score(), and the start-up check of the installed build.
 
 Kwargs are checked against the TorchLlmArgs / KvCacheConfig / SamplingParams fields read in the sources
-(``trtllm_sources``). The output mapping is checked against the reference engine: its samples and scores
+(``trtllm_sources``). The output mapping is checked against the torch rollout engine: its samples and scores
 are written out the way TensorRT-LLM returns them (top-K with ranks 1..K, plus the sampled or target token
 as an extra entry of rank > K when it is outside; plain dataclasses, the only test double, at the
 TensorRT-LLM boundary) and mapped back; every field must come back equal. The engine itself runs only
@@ -20,7 +20,7 @@ import torch
 from sparrow_nemo._optional import MissingOptionalDependency, is_available
 from sparrow_nemo.config import load_config
 from sparrow_nemo.rollout.engine import RolloutSample, SamplingParams
-from sparrow_nemo.rollout.reference import ReferenceRolloutEngine
+from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
 from sparrow_nemo.rollout.trtllm import (
     SCORE_LOGITS_LIMIT_BYTES,
     TRTLLM_VERSION,
@@ -86,7 +86,7 @@ def test_import_without_trtllm_and_clear_error() -> None:
 
 
 def test_llm_kwargs_are_torch_llm_args_fields() -> None:
-    config = load_config("qwen3_1p7b_math", ["rollout.backend=reference", "trainer.device=cpu"])
+    config = load_config("qwen3_1p7b_math", ["rollout.backend=torch", "trainer.device=cpu"])
     spec = SparrowSparseSpec.from_recipe(config)
     kw = llm_kwargs(config, "/ckpt", spec)
     # BaseLlmArgs forbids extra fields: every key must be a TorchLlmArgs field of the sources
@@ -132,11 +132,11 @@ def test_sampling_kwargs() -> None:
 
 
 @pytest.fixture(scope="module")
-def reference() -> ReferenceRolloutEngine:
-    return ReferenceRolloutEngine.from_shape(SHAPE, seed=4, dense_layers=2)
+def reference() -> TorchRolloutEngine:
+    return TorchRolloutEngine.from_shape(SHAPE, seed=4, dense_layers=2)
 
 
-def test_output_mapping_matches_reference_samples(reference: ReferenceRolloutEngine) -> None:
+def test_output_mapping_matches_reference_samples(reference: TorchRolloutEngine) -> None:
     schedule = BudgetSchedule(bin_tokens=16, budgets=(64, 80), page_size=16, name="t")
     prompts = [[1, 2, 3, 4, 5] * 4, [7, 8, 9]]
     eos = SHAPE.eos_token_id
@@ -200,7 +200,7 @@ def test_output_mapping_stop_string_and_errors() -> None:
         to_rollout_sample([1], Completion([5], None, "length"), 1, schedule, (9,))
 
 
-def test_score_mapping_matches_reference_scores(reference: ReferenceRolloutEngine) -> None:
+def test_score_mapping_matches_reference_scores(reference: TorchRolloutEngine) -> None:
     seqs = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7]]
     k = 2
     outside = 0

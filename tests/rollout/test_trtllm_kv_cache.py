@@ -1,4 +1,4 @@
-"""Page-centroid memory of the TensorRT-LLM engine: contents equal the reference engine's paged cache, the
+"""Page-centroid memory of the TensorRT-LLM engine: contents equal the torch rollout engine's paged cache, the
 per-token budget counts it, and the context-token mapping matches a packed prompt batch."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def test_context_token_positions_of_a_packed_batch() -> None:
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 def test_centroids_equal_the_reference_paged_cache(kv_dtype: torch.dtype) -> None:
-    """Prefill (packed, vectorised) then decode steps into a CentroidPool and into the reference engine's
+    """Prefill (packed, vectorised) then decode steps into a CentroidPool and into the torch rollout engine's
     PagedKVCache with the same shuffled blocks: the centroids must agree (fp32 reassociation tolerance)."""
     gen = torch.Generator().manual_seed(0)
     prompt_lens = [9, 30, 17]

@@ -1,7 +1,7 @@
 """Weight mapping for the TensorRT-LLM engine: HF-named export checks, LoRA merge, IPC buckets, and what
 each GPU's policy rank sends to its engine's workers (keyed by its own device UUID).
 
-The merged-LoRA weights are checked against the reference engine running the same adapter unmerged
+The merged-LoRA weights are checked against the torch rollout engine running the same adapter unmerged
 (its logits with the adapter == its logits without an adapter on the merged weights).
 """
 
