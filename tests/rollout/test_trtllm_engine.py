@@ -132,22 +132,24 @@ def test_sampling_kwargs() -> None:
 
 
 @pytest.fixture(scope="module")
-def reference() -> TorchRolloutEngine:
+def torch_engine() -> TorchRolloutEngine:
     return TorchRolloutEngine.from_shape(SHAPE, seed=4, dense_layers=2)
 
 
-def test_output_mapping_matches_reference_samples(reference: TorchRolloutEngine) -> None:
+def test_output_mapping_matches_torch_engine_samples(torch_engine: TorchRolloutEngine) -> None:
     schedule = BudgetSchedule(bin_tokens=16, budgets=(64, 80), page_size=16, name="t")
     prompts = [[1, 2, 3, 4, 5] * 4, [7, 8, 9]]
     eos = SHAPE.eos_token_id
-    free = reference.generate(prompts, SamplingParams(max_new_tokens=40, seed=1, stop_token_ids=()), schedule)
+    free = torch_engine.generate(
+        prompts, SamplingParams(max_new_tokens=40, seed=1, stop_token_ids=()), schedule
+    )
     stop_at = int(free.samples[0].response_ids[30])  # same seed: sample 0 stops on this token, by position 30
     reasons, outside = set(), 0
     for sampling in (
         SamplingParams(max_new_tokens=40, seed=1, logprobs_topk=5, stop_token_ids=(stop_at,)),
         SamplingParams(max_new_tokens=6, seed=2, logprobs_topk=3),
     ):
-        batch = reference.generate(prompts, sampling, schedule)
+        batch = torch_engine.generate(prompts, sampling, schedule)
         stop_ids = (eos,) if sampling.stop_token_ids is None else sampling.stop_token_ids
         for prompt, sample in zip(prompts, batch.samples):
             outside += int((sample.top_ids != sample.response_ids[:, None]).all(dim=1).sum())
@@ -200,11 +202,11 @@ def test_output_mapping_stop_string_and_errors() -> None:
         to_rollout_sample([1], Completion([5], None, "length"), 1, schedule, (9,))
 
 
-def test_score_mapping_matches_reference_scores(reference: TorchRolloutEngine) -> None:
+def test_score_mapping_matches_torch_engine_scores(torch_engine: TorchRolloutEngine) -> None:
     seqs = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7]]
     k = 2
     outside = 0
-    for seq, scored in zip(seqs, reference.score(seqs, topk=k)):
+    for seq, scored in zip(seqs, torch_engine.score(seqs, topk=k)):
         # TensorRT-LLM: one entry per prompt token, row t predicting token t + 1; the last row predicts the
         # first generated token (here 0, not part of the sequence) and must be dropped
         prompt_lp = [

@@ -27,9 +27,9 @@ def test_context_token_positions_of_a_packed_batch() -> None:
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
-def test_centroids_equal_the_reference_paged_cache(kv_dtype: torch.dtype) -> None:
+def test_centroids_equal_the_torch_engines_paged_cache(kv_dtype: torch.dtype) -> None:
     """Prefill (packed, vectorised) then decode steps into a CentroidPool and into the torch rollout engine's
-    PagedKVCache with the same shuffled blocks: the centroids must agree (fp32 reassociation tolerance)."""
+    PagedKVCache (the torch rollout engine's) with the same shuffled blocks: the centroids must agree (fp32 reassociation tolerance)."""
     gen = torch.Generator().manual_seed(0)
     prompt_lens = [9, 30, 17]
     steps = 12
