@@ -330,7 +330,11 @@ class TrtllmRolloutEngine:
         self._device = torch.device("cuda", device)
         self._device_uuid = get_device_uuid(device)
         self._worker_uuids = list(self._llm._collective_rpc("sparrow_device_uuid"))
-        check_handles({self._device_uuid: []}, self._worker_uuids)  # colocated: the worker is on our GPU
+        if self._worker_uuids != [self._device_uuid]:
+            raise RuntimeError(
+                f"the TensorRT-LLM engine's worker runs on {self._worker_uuids}, this rank on "
+                f"{self._device_uuid}: the engine is not colocated with its policy rank"
+            )
         self._base: dict[str, torch.Tensor] = {}
         self._lora: LoraAdapter | None = None
         self._asleep = False
