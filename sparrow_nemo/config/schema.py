@@ -43,6 +43,7 @@ __all__ = [
     "interval",
     "knob",
     "matching",
+    "one_of",
     "one_of_names",
     "suggest",
 ]
@@ -103,6 +104,19 @@ def one_of_names(names: Callable[[], Iterable[str]], what: str = "a registered n
         if value in known:
             return None
         return f"{what} ({', '.join(known)}){suggest(value, known)}"
+
+    return check
+
+
+def one_of(options: tuple[str, ...], renamed: dict[str, str] | None = None) -> Check:
+    """One of ``options``; an old name in ``renamed`` (old -> new) gets an error naming its new name."""
+    renamed = renamed or {}
+
+    def check(value: Any, type_words: str) -> str | None:
+        if value in options:
+            return None
+        hint = f" ('{value}' was renamed '{renamed[value]}')" if value in renamed else suggest(value, options)
+        return f"one of {choices(options)}{hint}"
 
     return check
 

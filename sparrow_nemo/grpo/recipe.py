@@ -221,9 +221,7 @@ class SparrowConfig(Section):
                 "rollout.prefill_chunk_tokens", f"a multiple of sparsity.page_size={self.sparsity.page_size}"
             )
         if self.rollout.backend == "trtllm" and self.trainer.device == "cpu":
-            raise self.invalid(
-                "rollout.backend", "reference when trainer.device=cpu (TensorRT-LLM needs CUDA)"
-            )
+            raise self.invalid("rollout.backend", "torch when trainer.device=cpu (TensorRT-LLM needs CUDA)")
         if self.distill.enabled and self.sparsity.build_schedule().is_dense:
             raise self.invalid(
                 "distill.enabled", "false when the rollout schedule is dense (nothing to distill)"

@@ -75,12 +75,12 @@ def build_engine(config: SparrowConfig, weights: Mapping[str, torch.Tensor], tok
         return engine
     from sparrow_nemo.hf_qwen3 import resolve_dtype
     from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder
-    from sparrow_nemo.rollout.reference import ReferenceRolloutEngine
+    from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
 
     dtype, dev = resolve_dtype(config.model.dtype), device(config)
     params = {name: t.to(device=dev, dtype=dtype) for name, t in weights.items()}
     s, r = config.sparsity, config.rollout
-    return ReferenceRolloutEngine(
+    return TorchRolloutEngine(
         Qwen3Decoder(config.model.shape(), params),
         dense_layers=s.dense_layers,
         page_size=s.page_size,
@@ -89,19 +89,10 @@ def build_engine(config: SparrowConfig, weights: Mapping[str, torch.Tensor], tok
         attention_backend=r.attention_impl,
         tokenizer=tokenizer,
         max_batch_size=r.max_batch_size,
+        prefill_chunk_tokens=r.prefill_chunk_tokens,
     )
 
 
 def sampling_params(config: SparrowConfig, seed: int | None = None) -> SamplingParams:
     """The recipe's :class:`SamplingParams`; ``seed`` replaces ``rollout.seed`` (one per RL step)."""
-    r = config.rollout
-    return SamplingParams(
-        max_new_tokens=r.max_new_tokens,
-        temperature=r.temperature,
-        top_p=r.top_p,
-        top_k=r.top_k,
-        seed=r.seed if seed is None else seed,
-        stop_token_ids=r.stop_token_ids,
-        stop_strings=r.stop_strings,
-        logprobs_topk=r.logprobs_topk,
-    )
+    return config.rollout.sampling(seed)

@@ -19,7 +19,7 @@ from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
-from sparrow_nemo.config.schema import AT_LEAST_ONE, NON_NEGATIVE, Section, interval, knob
+from sparrow_nemo.config.schema import AT_LEAST_ONE, NON_NEGATIVE, Section, interval, knob, one_of
 from sparrow_nemo.hf_qwen3 import LoraAdapter
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
@@ -67,8 +67,10 @@ class SamplingParams(Section):
 class RolloutConfig(SamplingParams):
     """The recipe's ``rollout`` section: the sampling settings plus the engine's own."""
 
-    backend: Literal["reference", "trtllm"] = knob(
-        "reference", "engine: pure-torch paged KV cache (CPU / one GPU) or TensorRT-LLM (cluster)"
+    backend: str = knob(
+        "torch",
+        "engine: torch (sparrow_nemo.rollout.torch_engine: paged KV cache, CPU or one GPU) or trtllm (cluster)",
+        check=one_of(("torch", "trtllm"), renamed={"reference": "torch"}),
     )
     max_batch_size: int = knob(
         64, "sequences decoded together (the KV page pool is sized for it)", check=AT_LEAST_ONE
