@@ -1,4 +1,4 @@
-"""The import graph of ``sparrow_nemo`` has no cycle: between packages, and between modules.
+"""The shape of ``sparrow_nemo``: no import cycle between packages or between modules, no overlong module.
 
 Every import statement counts, wherever it is: at the top, inside a function (a lazy import) or under
 ``if TYPE_CHECKING:`` (a type-only import is still a dependency). A package is a direct subpackage of
@@ -147,3 +147,13 @@ def test_the_graph_sees_lazy_and_type_only_imports(tmp_path: Path) -> None:
     known = {"sparrow_nemo.a", "sparrow_nemo.b", "sparrow_nemo.b.c"}
     assert _imports(source, "sparrow_nemo.z", known) == {"sparrow_nemo.a", "sparrow_nemo.b.c"}
     assert _cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
+
+
+#: the longest a module may grow (one concept per file; issue 22)
+MAX_MODULE_LINES = 600
+
+
+def test_no_module_over_the_line_limit() -> None:
+    long = {n: len(p.read_text().splitlines()) for n, p in _modules().items()}
+    over = {n: lines for n, lines in long.items() if lines > MAX_MODULE_LINES}
+    assert not over, f"modules over {MAX_MODULE_LINES} lines (split them): {over}"

@@ -1,31 +1,29 @@
 """The recipe: :class:`SparrowConfig` composes the components' config classes, one section each.
 
-Every knob is declared once, in the component that reads it (the module in the table), with its doc
+Every knob is declared once, in the component that reads it (listed below), with its doc
 string (``sparrow config show --doc``) and its check; this module adds the GRPO loop's own sections and the
 rules that span sections. Defaults are each component's own (mostly the paper's settings; docs/METHOD.md);
 ``recipes/tiny_cpu.yaml`` states the tiny CPU run in full.
 
-=============== ===================================================== ==============================
-section         class                                                  module
-=============== ===================================================== ==============================
-model           :class:`~sparrow_nemo.model_shapes.ModelConfig`         ``model_shapes``
-policy          :class:`~sparrow_nemo.policy.policy.PolicyConfig`       ``policy/policy.py``
-policy.optimizer :class:`~sparrow_nemo.policy.optim.OptimizerSettings`  ``policy/optim.py``
-rollout         :class:`~sparrow_nemo.rollout.engine.RolloutConfig`     ``rollout/engine.py``
-sparsity        :class:`~sparrow_nemo.sparse.config.SparsityConfig`     ``sparse/config.py``
-tail_scheduler  :class:`~sparrow_nemo.callbacks.tail_scheduler.TailSchedulerConfig` ``callbacks/tail_scheduler.py``
-grpo            :class:`GrpoConfig` (``grpo.loss``: ``grpo/losses.py``) here
-distill         :class:`~sparrow_nemo.callbacks.distill_sparse.DistillConfig` ``callbacks/distill_sparse.py``
-data            :class:`~sparrow_nemo.grpo.data.PromptDataConfig`       ``grpo/data.py``
-reward          :class:`~sparrow_nemo.rewards.registry.RewardConfig`    ``rewards/registry.py``
-task            :class:`~sparrow_nemo.tasks.chain.ChainTaskConfig`      ``tasks/chain.py``
-checkpoint      :class:`~sparrow_nemo.grpo.checkpointing.CheckpointConfig` ``grpo/checkpointing.py``
-logging         :class:`~sparrow_nemo.grpo.metrics.LoggingConfig`       ``grpo/metrics.py``
-warmstart       :class:`WarmstartConfig`                               here
-evaluation      :class:`~sparrow_nemo.grpo.evaluation.EvaluationConfig` ``grpo/evaluation.py``
-trainer         :class:`TrainerConfig`                                 here
-callbacks       user extras only (the trainer builds the built-ins)     ``callbacks/base.py``
-=============== ===================================================== ==============================
+- ``model``: :class:`~sparrow_nemo.model_shapes.ModelConfig` (``model_shapes.py``)
+- ``policy``: :class:`~sparrow_nemo.policy.policy.PolicyConfig` (``policy/policy.py``); its ``optimizer``:
+  :class:`~sparrow_nemo.policy.optim.OptimizerSettings` (``policy/optim.py``)
+- ``rollout``: :class:`~sparrow_nemo.rollout.engine.RolloutConfig`, the sampling keys from
+  :class:`~sparrow_nemo.rollout.engine.SamplingParams` (``rollout/engine.py``)
+- ``sparsity``: :class:`~sparrow_nemo.sparse.config.SparsityConfig` (``sparse/config.py``; the pattern keys from
+  ``sparse/pattern.py``, ``calibration`` from ``sparse/calibration.py``)
+- ``tail_scheduler``: :class:`~sparrow_nemo.callbacks.tail_scheduler.TailSchedulerConfig`
+- ``grpo``: :class:`GrpoConfig` (here); its ``loss``: :class:`~sparrow_nemo.grpo.losses.PolicyLossConfig`
+- ``distill``: :class:`~sparrow_nemo.callbacks.distill_sparse.DistillConfig`
+- ``data``: :class:`~sparrow_nemo.grpo.data.PromptDataConfig`
+- ``reward``: :class:`~sparrow_nemo.rewards.registry.RewardConfig`
+- ``task``: :class:`~sparrow_nemo.tasks.chain.ChainTaskConfig`
+- ``checkpoint``: :class:`~sparrow_nemo.grpo.checkpointing.CheckpointConfig`
+- ``logging``: :class:`~sparrow_nemo.grpo.metrics.LoggingConfig`; its ``wandb``:
+  :class:`~sparrow_nemo.grpo.wandb_logger.WandbConfig`
+- ``evaluation``: :class:`~sparrow_nemo.grpo.evaluation.EvaluationConfig`
+- ``warmstart``, ``trainer``: :class:`WarmstartConfig`, :class:`TrainerConfig` (here)
+- ``callbacks``: user extras only (the trainer builds the tail scheduler and DistillSparse itself)
 
 (The trainer's, the warm-start's and the GRPO loop's own sections live here because the modules that
 read them, ``grpo/trainer.py`` and ``grpo/warmstart.py``, read the whole recipe.)
