@@ -76,7 +76,7 @@ def test_adapter_brings_the_failing_bin_to_the_threshold_and_a_tighter_schedule(
             trainer.policy.close()
     without, with_ = undistilled.tail, effect["with"].tail
     # The adapter learned its objective on prompts it never saw: the sparse-vs-dense KL of the held-out
-    # rollouts falls by far more than run-to-run noise (measured: -60 % here).
+    # rollouts falls by far more than run-to-run noise (measured: 0.153 -> 0.032, -79 %).
     assert effect["with"].mean_k3 < 0.7 * undistilled.mean_k3, (undistilled.mean_k3, effect["with"].mean_k3)
     # With it the aggressive schedule is usable: every decided bin meets the threshold (measured: worst
     # 0.945 vs 0.86), whatever it was without the adapter on this machine's warm-start.
