@@ -43,6 +43,7 @@ from typing import Any
 
 from sparrow_nemo.rewards.code_checker import run_tests
 from sparrow_nemo.rewards.code_sandbox import SandboxLimits, run_python
+from sparrow_nemo.rewards.sandbox_os import require
 
 _FENCE_RE = re.compile(r"```([A-Za-z0-9_+-]*)[ \t]*\n(.*?)```", re.DOTALL)
 _MODES = ("fraction", "all")
@@ -165,6 +166,20 @@ def _job(code: str, spec: dict, stop: bool) -> tuple[str, dict]:
     setup = spec.get("setup", "")
     job = {"kind": "asserts", "setup": setup, "tests": spec["tests"], "cases": len(spec["tests"])}
     return f"{code}\n\n{setup}\n", job | {"stop_on_failure": stop}
+
+
+def check_sandbox(options: dict[str, Any]) -> None:
+    """Start-up check of ``reward.options`` (:func:`~sparrow_nemo.rewards.registry.bind_reward` calls it):
+    a known ``sandbox`` mode, and for "os" a sandbox that really starts here.
+
+    Raises:
+        ValueError: an unknown mode; SandboxUnavailable (a ValueError): no OS sandbox, naming what is missing.
+    """
+    sandbox = options.get("sandbox", "os")
+    if sandbox not in SANDBOX_MODES:
+        raise ValueError(f"reward.options.sandbox must be one of {SANDBOX_MODES}, got {sandbox!r}")
+    if sandbox == "os":
+        require()
 
 
 def code_reward(completion: str, spec: Any, mode: str | None = None, sandbox: str = "os") -> float:

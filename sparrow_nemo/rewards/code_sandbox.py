@@ -23,6 +23,7 @@ rlimits and a process-group kill: no isolation at all.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import select
@@ -36,17 +37,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from sparrow_nemo.rewards import sandbox_wire as wire
-from sparrow_nemo.rewards.sandbox_os import (
-    SANDBOX_DIR,
-    SandboxUnavailable,
-    bwrap_command,
-    popen_user_args,
-    probe,
-)
+from sparrow_nemo.rewards.sandbox_os import SANDBOX_DIR, bwrap_command, popen_user_args, require
 
 _HERE = Path(__file__).parent
-#: files of this package every harness needs next to it
-_HARNESS_FILES = ("sandbox_wire.py", "_sandbox_program.py", "_sandbox_checker.py")
 #: how often the trainer sums the sandbox's memory
 _MEMORY_POLL_S = 0.01
 #: stderr kept for diagnostics (the rest is read and dropped)
@@ -116,7 +109,7 @@ class SandboxProcess:
         self._tmp: Path | None = None
         self._init_pidfd: int | None = None
         self._next_memory_check = 0.0
-        contents = {name: (_HERE / name).read_bytes() for name in _HARNESS_FILES} | files
+        contents = _harness_files() | files
         stdin_fd = _memfd("stdin", stdin) if stdin is not None else subprocess.PIPE
         keep: list[int] = []
         try:
@@ -128,12 +121,7 @@ class SandboxProcess:
                 cmd = [sys.executable, "-I", "-S", str(self._tmp / harness), *args]
                 popen = {"cwd": self._tmp / "work", "env": {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}}
             else:
-                iso = probe()
-                if not iso.available:
-                    raise SandboxUnavailable(
-                        f"code reward: {iso.missing}; the reward runs model code only in the OS sandbox "
-                        "(set reward.options.sandbox=unsafe_local to run it without any isolation)"
-                    )
+                iso = require()
                 fds = {name: _memfd(name, data) for name, data in contents.items()}
                 keep += fds.values()
                 info_r, info_w = os.pipe()
@@ -141,7 +129,9 @@ class SandboxProcess:
                 argv = [iso.python, "-I", "-S", f"{SANDBOX_DIR}/{harness}", *args]
                 disk = limits.disk_mb << 20
                 cmd = bwrap_command(iso, argv, disk, fds, info_fd=info_w)
-                popen = {"cwd": "/", **popen_user_args(iso.run_as)}
+                # bwrap's own environment is the PID-namespace init's, which the program can read in /proc/1:
+                # it gets none of the trainer's (tokens, paths)
+                popen = {"cwd": "/", "env": {"PATH": "/usr/bin:/bin"}, **popen_user_args(iso.run_as)}
             self.proc = subprocess.Popen(
                 cmd,
                 stdin=stdin_fd,
@@ -289,6 +279,13 @@ class SandboxProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@functools.cache
+def _harness_files() -> dict[str, bytes]:
+    """The files of this package every harness needs next to it (read once)."""
+    names = ("sandbox_wire.py", "_sandbox_program.py", "_sandbox_checker.py")
+    return {name: (_HERE / name).read_bytes() for name in names}
 
 
 def _memfd(name: str, data: bytes) -> int:

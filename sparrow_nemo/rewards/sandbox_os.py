@@ -30,7 +30,6 @@ import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 #: where the harness files and the program appear inside the sandbox
 SANDBOX_DIR = "/sandbox"
@@ -39,8 +38,9 @@ WORK_DIR = "/work"
 _HOST_TOP_DIRS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 
 
-class SandboxUnavailable(RuntimeError):
-    """OS isolation cannot be had on this machine (the message says what is missing)."""
+class SandboxUnavailable(ValueError):
+    """OS isolation cannot be had on this machine (the message says what is missing). A ValueError: like a
+    bad recipe value, the CLI reports it as one line with exit status 2."""
 
 
 @dataclass(frozen=True)
@@ -218,6 +218,12 @@ def probe() -> Isolation:
     return _probe(os.geteuid())
 
 
-def harness_dir() -> Path:
-    """The folder holding the harness files (run inside the sandbox)."""
-    return Path(__file__).parent
+def require() -> Isolation:
+    """:func:`probe`, or :class:`SandboxUnavailable` saying what is missing and how to opt out."""
+    iso = probe()
+    if not iso.available:
+        raise SandboxUnavailable(
+            f"code reward: {iso.missing}; the reward runs model code only in the OS sandbox "
+            "(set reward.options.sandbox=unsafe_local to run it without any isolation)"
+        )
+    return iso

@@ -118,7 +118,7 @@ def decode(obj: Any, from_handle: Callable[[int], Any] = Handle, depth: int = 0)
             return float(body)
         if tag == "h" and type(body) is int:
             return from_handle(body)
-    except TypeError as exc:  # an unhashable set element or dict key
+    except (TypeError, ValueError) as exc:  # an unhashable set element or dict key, bad hex
         raise WireError(f"bad '{tag}' value: {exc}") from None
     raise WireError(f"not a wire value: tag {tag!r}")
 

@@ -90,6 +90,36 @@ def test_asserts_fraction() -> None:
     assert code_reward("def sq(x):\n    return x * x\nimport sys\nsys.exit(0)\n", spec) == 0.0
 
 
+def test_tests_reach_program_objects_only_as_plain_values_and_handles() -> None:
+    """Classes and instances stay in the program's sandbox (handles), in-place changes of list arguments
+    come back, exceptions arrive by builtin name, standard modules are the checker's own."""
+    program = (
+        "class Pair:\n"
+        "    def __init__(self, a, b):\n"
+        "        self.a, self.b = a, b\n"
+        "    def total(self):\n"
+        "        return self.a + self.b\n"
+        "def longest(pairs):\n"
+        "    return max(p.total() for p in pairs)\n"
+        "def sort_in_place(xs):\n"
+        "    xs.sort()\n"
+        "def check_positive(x):\n"
+        "    if x <= 0:\n"
+        "        raise ValueError('not positive')\n"
+        "    return math.sqrt(x)\n"
+        "import math\n"
+    )
+    tests = [
+        "assert Pair(2, 3).total() == 5 and Pair(2, 3).a == 2",
+        "assert longest([Pair(1, 2), Pair(5, 5)]) == 10",
+        "xs = [3, 1, 2]\nsort_in_place(xs)\nassert xs == [1, 2, 3]",
+        "try:\n    check_positive(-1)\n    raise AssertionError('no error')\nexcept ValueError:\n    pass",
+        "assert math.isclose(check_positive(2.0), math.sqrt(2))",
+        "assert Pair(1, 1) != Pair(1, 1)",  # identities of two remote objects: never equal here
+    ]
+    assert code_reward(program, {"format": "asserts", "tests": tests}) == 1.0
+
+
 def test_extract_code_and_output_matching() -> None:
     text = "```js\nlet a\n```\n```python\nx = 1\n```\ntext\n```py\ny = 2\n```"
     assert extract_code(text) == "y = 2\n"
