@@ -30,7 +30,7 @@ def _spec(row: dict, **extra: object) -> dict:
 GENEROUS = {"wall_s": 60.0, "cpu_s": 30}
 
 
-def test_every_canonical_humaneval_solution_passes(shared_data: Path) -> None:
+def test_every_canonical_humaneval_solution_passes(sandbox: None, shared_data: Path) -> None:
     rows = _humaneval(shared_data)
     assert len(rows) == 164
     specs = [_spec(r, limits=GENEROUS) for r in rows]
@@ -38,14 +38,14 @@ def test_every_canonical_humaneval_solution_passes(shared_data: Path) -> None:
     assert [r["task_id"] for r, x in zip(rows, rewards) if x != 1.0] == []
 
 
-def test_a_solution_to_another_task_fails(shared_data: Path) -> None:
+def test_a_solution_to_another_task_fails(sandbox: None, shared_data: Path) -> None:
     rows = _humaneval(shared_data)
     wrong = [rows[(i + 1) % len(rows)]["canonical_solution"] for i in range(len(rows))]
     rewards = code_rewards(wrong, [_spec(r, limits=GENEROUS) for r in rows], workers=2)
     assert [r["task_id"] for r, x in zip(rows, rewards) if x != 0.0] == []
 
 
-def test_whole_function_in_a_fence_and_hostile_completions(shared_data: Path) -> None:
+def test_whole_function_in_a_fence_and_hostile_completions(sandbox: None, shared_data: Path) -> None:
     row = _humaneval(shared_data)[2]  # truncate_number(number) -> number % 1.0
     spec = _spec(row, limits={"wall_s": 3.0, "cpu_s": 2, "output_bytes": 65536})
     fenced = "Here:\n```python\ndef truncate_number(number: float) -> float:\n    return number % 1.0\n```\n"
@@ -66,7 +66,7 @@ SUM_SPEC = {"format": "stdio", "inputs": ["1 2\n", "3 4\n", "10 -5\n"], "outputs
 SUM = "a, b = map(int, input().split())\nprint(a + b)\n"
 
 
-def test_stdio_fraction_and_all_modes() -> None:
+def test_stdio_fraction_and_all_modes(sandbox: None) -> None:
     assert code_reward(SUM, SUM_SPEC) == pytest.approx(2 / 3)  # the third expected output is wrong
     assert code_reward(SUM, SUM_SPEC | {"mode": "all"}) == 0.0
     good = SUM_SPEC | {"outputs": ["3", "7", "5"], "mode": "all"}
@@ -75,7 +75,7 @@ def test_stdio_fraction_and_all_modes() -> None:
     assert code_reward("print(", good) == 0.0
 
 
-def test_asserts_fraction() -> None:
+def test_asserts_fraction(sandbox: None) -> None:
     spec = {
         "format": "asserts",
         "setup": "import math",
@@ -90,7 +90,7 @@ def test_asserts_fraction() -> None:
     assert code_reward("def sq(x):\n    return x * x\nimport sys\nsys.exit(0)\n", spec) == 0.0
 
 
-def test_tests_reach_program_objects_only_as_plain_values_and_handles() -> None:
+def test_tests_reach_program_objects_only_as_plain_values_and_handles(sandbox: None) -> None:
     """Classes and instances stay in the program's sandbox (handles), in-place changes of list arguments
     come back, exceptions arrive by builtin name, standard modules are the checker's own."""
     program = (

@@ -9,19 +9,11 @@ import time
 import pytest
 
 from sparrow_nemo.rewards.code_sandbox import SandboxLimits, run_python
-from sparrow_nemo.rewards.sandbox_os import probe
 
 FAST = SandboxLimits(wall_s=4.0, cpu_s=2, memory_mb=256, disk_mb=8, output_bytes=64 * 1024, max_processes=16)
 
 
-@pytest.fixture(autouse=True)
-def _sandbox() -> None:
-    iso = probe()
-    if not iso.available:
-        pytest.skip(f"no OS sandbox on this machine: {iso.missing}")
-
-
-def test_plain_program_with_stdin_and_files() -> None:
+def test_plain_program_with_stdin_and_files(sandbox: None) -> None:
     src = "n = int(input())\nopen('scratch.txt', 'w').write(str(n * 2))\nprint(open('scratch.txt').read())\n"
     r = run_python(src, "21\n", FAST)
     assert r.ok and r.returncode == 0 and r.stdout == "42\n" and r.failure is None
@@ -39,31 +31,31 @@ def test_plain_program_with_stdin_and_files() -> None:
         ("print(", False),
     ],
 )
-def test_exit_status(src: str, ok: bool) -> None:
+def test_exit_status(sandbox: None, src: str, ok: bool) -> None:
     assert run_python(src, "", FAST).ok is ok
 
 
-def test_infinite_sleep_hits_the_wall_clock() -> None:
+def test_infinite_sleep_hits_the_wall_clock(sandbox: None) -> None:
     t0 = time.monotonic()
     r = run_python("import time\ntime.sleep(100)\n", "", SandboxLimits(wall_s=1.5, cpu_s=30))
     assert not r.ok and r.failure == "timed out" and r.returncode is None
     assert time.monotonic() - t0 < 15.0  # 1.5 s limit plus start-up on a loaded CPU
 
 
-def test_cpu_limit_kills_a_busy_loop() -> None:
+def test_cpu_limit_kills_a_busy_loop(sandbox: None) -> None:
     r = run_python("while True:\n    pass\n", "", SandboxLimits(wall_s=60, cpu_s=1))
     assert not r.ok and r.failure is None
     assert r.returncode in (-signal.SIGXCPU, -signal.SIGKILL, 128 + signal.SIGXCPU, 128 + signal.SIGKILL)
     assert r.wall_s < 30.0
 
 
-def test_huge_output_is_capped() -> None:
+def test_huge_output_is_capped(sandbox: None) -> None:
     r = run_python("while True:\n    print('x' * 10000)\n", "", FAST)
     assert not r.ok and r.failure == "output limit"
     assert len(r.stdout.encode()) <= FAST.output_bytes
 
 
-def test_memory_of_one_process_and_of_all_together() -> None:
+def test_memory_of_one_process_and_of_all_together(sandbox: None) -> None:
     r = run_python("x = bytearray(2 * 1024 ** 3)\nprint('allocated')\n", "", FAST)
     assert not r.ok and "MemoryError" in r.stderr and "allocated" not in r.stdout
     forks = (
@@ -78,7 +70,7 @@ def test_memory_of_one_process_and_of_all_together() -> None:
     assert r.failure == "memory limit"
 
 
-def test_work_folder_is_a_capped_tmpfs() -> None:
+def test_work_folder_is_a_capped_tmpfs(sandbox: None) -> None:
     src = (
         "n = 0\n"
         "try:\n"

@@ -10,7 +10,6 @@ import pwd
 import pytest
 
 from sparrow_nemo.rewards.code import code_reward
-from sparrow_nemo.rewards.sandbox_os import probe
 
 from ._hostile import ADD_SPECS, HONEST, HONEST_STDIO, STDIO_SPEC, Targets, UserTrainer, attack, attack_names
 
@@ -29,12 +28,6 @@ VERDICT_ATTACKS = [
 CASES = [(n, "humaneval") for n in attack_names()] + [(n, "asserts") for n in VERDICT_ATTACKS]
 
 
-def _require_sandbox() -> None:
-    iso = probe()
-    if not iso.available:
-        pytest.skip(f"no OS sandbox on this machine: {iso.missing}")
-
-
 @pytest.fixture(scope="module")
 def targets() -> Targets:
     t = Targets(os.geteuid())
@@ -42,8 +35,7 @@ def targets() -> Targets:
     t.close()
 
 
-def test_honest_programs_pass_so_a_zero_means_something(targets: Targets) -> None:
-    _require_sandbox()
+def test_honest_programs_pass_so_a_zero_means_something(sandbox: None, targets: Targets) -> None:
     for spec in ADD_SPECS.values():
         assert code_reward(HONEST, spec) == 1.0
     assert code_reward(HONEST_STDIO, STDIO_SPEC) == 1.0
@@ -52,9 +44,8 @@ def test_honest_programs_pass_so_a_zero_means_something(targets: Targets) -> Non
 
 @pytest.mark.parametrize(("name", "fmt"), CASES, ids=[f"{n}-{f}" for n, f in CASES])
 def test_attack_as_the_trainer_user(
-    targets: Targets, monkeypatch: pytest.MonkeyPatch, name: str, fmt: str
+    sandbox: None, targets: Targets, monkeypatch: pytest.MonkeyPatch, name: str, fmt: str
 ) -> None:
-    _require_sandbox()
     monkeypatch.setenv("SPARROW_TEST_SECRET", targets.secret)
     result = attack(targets, name, fmt)
     assert result["reward"] == 0.0 and result["damage"] == [], result

@@ -14,7 +14,7 @@ import pytest
 from sparrow_nemo.rewards import sandbox_os
 from sparrow_nemo.rewards.code import code_reward
 from sparrow_nemo.rewards.code_sandbox import SandboxLimits, run_python
-from sparrow_nemo.rewards.sandbox_os import SandboxUnavailable, probe
+from sparrow_nemo.rewards.sandbox_os import SandboxUnavailable
 
 from ._hostile import REPO, Targets, attack
 
@@ -32,13 +32,6 @@ print(json.dumps({
     "new_userns": ctypes.CDLL(None).unshare(0x10000000),  # CLONE_NEWUSER
 }))
 """
-
-
-@pytest.fixture
-def sandbox() -> None:
-    iso = probe()
-    if not iso.available:
-        pytest.skip(f"no OS sandbox on this machine: {iso.missing}")
 
 
 def test_what_the_program_sees(sandbox: None) -> None:
