@@ -1,5 +1,12 @@
 """Save and resume the policy: model shard + optimizer state + RNG states, one torch file per rank.
 
+The files hold tensors and plain containers only and are read with ``torch.load(weights_only=True)``: a
+tampered checkpoint (even one whose manifest hashes were recomputed) cannot run code when loaded. The RNG
+states are torch's (CPU, CUDA, megatron's tracker), all seeded from ``trainer.seed``; Python's and numpy's
+global generators are not stored: nothing on the training path draws from them (every random choice goes
+through a seeded ``torch.Generator`` or ``random.Random``), and storing their unseeded states made the
+files of two identical runs differ.
+
 Written through :mod:`sparrow_nemo.policy.checkpoint` (atomic directory + sha256 manifest), so an
 interrupted save never loads. On GPU the distributed optimizer's DP-sharded moments go in one extra
 file per TP x PP shard (megatron's ``save_parameter_state``; not exercised on the CPU test machine).
@@ -11,12 +18,11 @@ a message naming both); re-sharding on resume goes through the HF export/import 
 from __future__ import annotations
 
 import dataclasses
-import random
+import pickle
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -30,7 +36,8 @@ from sparrow_nemo.policy.checkpoint import (
 )
 from sparrow_nemo.policy.model import PolicyModelSpec, unwrap_model
 
-FORMAT_VERSION = 1
+#: 2: weights_only-loadable files, no python/numpy RNG states
+FORMAT_VERSION = 2
 
 
 def _rank_file(spec: PolicyModelSpec) -> str:
@@ -45,8 +52,8 @@ def _param_state_file(spec: PolicyModelSpec) -> str:
 
 
 def rng_state() -> dict:
-    """Every RNG this process draws from (python, numpy, torch CPU, CUDA, megatron's tracker)."""
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """The RNGs the training draws from (torch CPU, CUDA, megatron's tracker); tensors only."""
+    state = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
@@ -57,8 +64,6 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     """Restore :func:`rng_state`."""
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if torch.cuda.is_available() and "cuda" in state:
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
@@ -133,7 +138,11 @@ def load_policy_checkpoint(path: str | Path, model: torch.nn.Module, optimizer, 
     param_state = None
     if _param_state_file(spec) in manifest["files"]:
         param_state = _verified_file(path, manifest, _param_state_file(spec))
-    payload = torch.load(rank_file, map_location="cpu", weights_only=False)
+    try:
+        payload = torch.load(rank_file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:  # an object other than tensors and plain containers
+        first = str(exc).strip().splitlines()[0]
+        raise CheckpointError(f"{rank_file}: refused, it holds more than tensors and plain data ({first})") from None
     unwrap_model(model).load_state_dict(payload["model"], strict=True)
     optimizer.load_state_dict(payload["optimizer"])
     if param_state is not None:
