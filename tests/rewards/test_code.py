@@ -137,6 +137,24 @@ def test_extract_code_and_output_matching() -> None:
         ({"format": "asserts", "tests": "assert 1"}, "must be list"),
         ({"format": "java"}, "unknown code test format"),
         ({"format": "asserts", "tests": ["assert 1"], "mode": "best"}, "mode"),
+        (
+            {"format": "asserts", "tests": ["assert 1"], "limits": {"memory_mb": 512.5}},
+            "'memory_mb' must be a pos",
+        ),
+        (
+            {"format": "asserts", "tests": ["assert 1"], "limits": {"output_bytes": 1e6}},
+            "'output_bytes' must be",
+        ),
+        (
+            {"format": "asserts", "tests": ["assert 1"], "limits": {"wall_s": float("nan")}},
+            "'wall_s' must be a fin",
+        ),
+        (
+            {"format": "asserts", "tests": ["assert 1"], "limits": {"wall_s": float("inf")}},
+            "'wall_s' must be a fin",
+        ),
+        ({"format": "asserts", "tests": ["assert 1"], "limits": {"swap_mb": 1}}, "unexpected keyword"),
+        ({"format": "stdio", "inputs": [1], "outputs": ["1"]}, "list of strings"),
     ],
 )
 def test_bad_specs(spec: dict, match: str) -> None:
