@@ -92,6 +92,8 @@ def save_policy_checkpoint(
 ) -> Path:
     """Collective: every rank writes its shard; returns ``<root>/step_<step>`` once complete.
 
+    A full disk on any rank is a :class:`CheckpointError` on every rank, and the partial folder is removed.
+
     ``write_extra(staging_dir)`` (rank 0 only) adds more files to the checkpoint before the manifest is
     written (the trainer's state): they are hashed and renamed together with the shards.
     """
@@ -108,16 +110,38 @@ def save_policy_checkpoint(
         "step": step,
     }
 
-    atomic_torch_save(payload, staging / _rank_file(spec))
-    optimizer.save_param_state(staging / _param_state_file(spec))
-    if rank0 and write_extra is not None:
-        write_extra(staging)
-    dist.barrier()
+    error = None
+    try:
+        atomic_torch_save(payload, staging / _rank_file(spec))
+        optimizer.save_param_state(staging / _param_state_file(spec))
+        if rank0 and write_extra is not None:
+            write_extra(staging)
+    except CheckpointError as exc:  # the disk is full
+        error = str(exc)
     final = Path(root) / name
-    if rank0:
-        final = finalize(root, name, _meta(spec, step))
-    dist.barrier()
+    error = _first_error(error)
+    if error is None and rank0:
+        try:
+            final = finalize(root, name, _meta(spec, step))
+        except CheckpointError as exc:
+            error = str(exc)
+    error = _first_error(error)
+    if error is not None:  # every rank hears of it, and nothing half-written stays
+        if rank0:
+            shutil.rmtree(staging, ignore_errors=True)
+        dist.barrier()
+        raise CheckpointError(error)
     return final
+
+
+def _first_error(error: str | None) -> str | None:
+    """Collective: the first rank's error, if any rank has one (a barrier when none has)."""
+    errors = [error] * dist.get_world_size()
+    if dist.get_world_size() > 1:
+        dist.all_gather_object(errors, error)
+    else:
+        dist.barrier()
+    return next((e for e in errors if e is not None), None)
 
 
 def load_policy_checkpoint(path: str | Path, model: torch.nn.Module, optimizer, spec: PolicyModelSpec) -> int:
@@ -142,7 +166,9 @@ def load_policy_checkpoint(path: str | Path, model: torch.nn.Module, optimizer, 
         payload = torch.load(rank_file, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:  # an object other than tensors and plain containers
         first = str(exc).strip().splitlines()[0]
-        raise CheckpointError(f"{rank_file}: refused, it holds more than tensors and plain data ({first})") from None
+        raise CheckpointError(
+            f"{rank_file}: refused, it holds more than tensors and plain data ({first})"
+        ) from None
     unwrap_model(model).load_state_dict(payload["model"], strict=True)
     optimizer.load_state_dict(payload["optimizer"])
     if param_state is not None:
