@@ -25,8 +25,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Exit status: 0 done, 1 aborted on non-finite updates, 2 bad config, input or no usable checkpoint,
     3 stopped by a signal after a checkpoint."""
-    config = config_from_args(args)
-    from sparrow_nemo.grpo.preemption import REQUEUE_EXIT, Preempted
+    from sparrow_nemo.grpo.preemption import REQUEUE_EXIT, Preempted, StoppedDuringStartup, whole_run
+    from sparrow_nemo.grpo.setup import rank
+
+    try:
+        with whole_run() as stop_signals:  # from start-up on: no stop signal takes its default action
+            status = _train(config_from_args(args), args)
+    except (Preempted, StoppedDuringStartup) as stop:
+        if rank() == 0:
+            print(f"sparrow train: {stop}; exit {REQUEUE_EXIT} (requeue to continue)", file=sys.stderr)
+        return REQUEUE_EXIT
+    if status == 0 and stop_signals.signal_name is not None:  # it came during the final evaluation
+        print(
+            f"sparrow train: stopped by {stop_signals.signal_name} at the end of the run, which completed; "
+            f"exit {REQUEUE_EXIT}",
+            file=sys.stderr,
+        )
+        return REQUEUE_EXIT
+    return status
+
+
+def _train(config, args: argparse.Namespace) -> int:
+    """Exit status of the training itself (a stop signal propagates as Preempted)."""
     from sparrow_nemo.grpo.setup import rank
     from sparrow_nemo.grpo.summary import format_summary
     from sparrow_nemo.grpo.trainer import NonFiniteTrainingError, train
@@ -35,10 +55,6 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
         summary, run_dir = train(config, args.run_dir)
-    except Preempted as stop:
-        if rank() == 0:
-            print(f"sparrow train: {stop}; exit {REQUEUE_EXIT} (requeue to continue)", file=sys.stderr)
-        return REQUEUE_EXIT
     except CheckpointError as exc:
         print(f"sparrow train: {exc}", file=sys.stderr)
         return 2
