@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from sparrow_nemo.commands._common import add_config_arguments, config_from_args
 
@@ -45,6 +46,17 @@ def run(args: argparse.Namespace) -> int:
     return status
 
 
+def _check_resume(config, run_dir: str | None) -> None:
+    """A resume whose checkpoints hold another model shape fails here, before the run folder is written."""
+    from sparrow_nemo.grpo.checkpointing import resume_candidates
+    from sparrow_nemo.policy.resume import check_resume_shape
+
+    if config.checkpoint.resume == "auto" and run_dir is None and config.checkpoint.dir is None:
+        return  # a new run folder: nothing to resume
+    root = Path(config.checkpoint.dir or Path(run_dir or ".") / "checkpoints")
+    check_resume_shape(resume_candidates(config.checkpoint.resume, root), config.model.shape())
+
+
 def _train(config, args: argparse.Namespace) -> int:
     """Exit status of the training itself (a stop signal propagates as Preempted)."""
     from sparrow_nemo.grpo.setup import rank
@@ -54,6 +66,7 @@ def _train(config, args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
+        _check_resume(config, args.run_dir)
         summary, run_dir = train(config, args.run_dir)
     except CheckpointError as exc:
         print(f"sparrow train: {exc}", file=sys.stderr)

@@ -26,11 +26,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from sparrow_nemo.model_shapes import Qwen3Shape
 from sparrow_nemo.policy.checkpoint import (
     CheckpointError,
     atomic_torch_save,
     finalize,
     partial_dir,
+    read_manifest,
     sha256_file,
     verify_checkpoint,
 )
@@ -142,6 +144,35 @@ def _first_error(error: str | None) -> str | None:
     else:
         dist.barrier()
     return next((e for e in errors if e is not None), None)
+
+
+def check_resume_shape(candidates: list[Path], shape: Qwen3Shape) -> None:
+    """Before a run writes anything: refuse when no candidate checkpoint holds a model of ``shape`` (read
+    from the manifests only; unreadable candidates are the loader's business).
+
+    Raises:
+        CheckpointError: one line naming the checkpoint(s) and both shapes' differing fields.
+    """
+    expected = dataclasses.asdict(shape)
+    mismatched = []
+    for path in candidates:
+        try:
+            found = read_manifest(path).get("shape")
+        except CheckpointError:
+            return  # not a complete checkpoint: the loader reports or skips it
+        if found == expected:
+            return
+        diff = {
+            k: (found.get(k), v)
+            for k, v in expected.items()
+            if not isinstance(found, dict) or found.get(k) != v
+        }
+        mismatched.append(f"{path}: {diff}")
+    if mismatched:
+        raise CheckpointError(
+            f"no checkpoint to resume from has this run's model shape ((checkpoint, run) per differing field): "
+            f"{'; '.join(mismatched)}"
+        )
 
 
 def load_policy_checkpoint(path: str | Path, model: torch.nn.Module, optimizer, spec: PolicyModelSpec) -> int:
