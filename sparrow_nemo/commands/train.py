@@ -63,6 +63,7 @@ def _train(config, args: argparse.Namespace) -> int:
     from sparrow_nemo.grpo.summary import format_summary
     from sparrow_nemo.grpo.trainer import NonFiniteTrainingError, train
     from sparrow_nemo.policy.checkpoint import CheckpointError
+    from sparrow_nemo.policy.train_step import NonFiniteWeightsError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
@@ -71,7 +72,7 @@ def _train(config, args: argparse.Namespace) -> int:
     except CheckpointError as exc:
         print(f"sparrow train: {exc}", file=sys.stderr)
         return 2
-    except NonFiniteTrainingError as exc:
+    except (NonFiniteTrainingError, NonFiniteWeightsError) as exc:
         print(f"sparrow train: {exc}", file=sys.stderr)
         return 1
     if rank() == 0:
