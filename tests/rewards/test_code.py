@@ -47,7 +47,7 @@ def test_a_solution_to_another_task_fails(sandbox: None, shared_data: Path) -> N
 
 def test_whole_function_in_a_fence_and_hostile_completions(sandbox: None, shared_data: Path) -> None:
     row = _humaneval(shared_data)[2]  # truncate_number(number) -> number % 1.0
-    spec = _spec(row, limits={"wall_s": 3.0, "cpu_s": 2, "output_bytes": 65536})
+    spec = _spec(row, limits={"wall_s": 30.0, "cpu_s": 2, "output_bytes": 65536})  # the CPU limit ends loops
     fenced = "Here:\n```python\ndef truncate_number(number: float) -> float:\n    return number % 1.0\n```\n"
     assert code_reward(fenced, spec) == 1.0
     for hostile in (

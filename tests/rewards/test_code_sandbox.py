@@ -10,7 +10,8 @@ import pytest
 
 from sparrow_nemo.rewards.code_sandbox import SandboxLimits, run_python
 
-FAST = SandboxLimits(wall_s=4.0, cpu_s=2, memory_mb=256, disk_mb=8, output_bytes=64 * 1024, max_processes=16)
+#: wall clock wide enough for a sandbox start on a loaded machine; the other limits end hostile programs
+FAST = SandboxLimits(wall_s=30.0, cpu_s=2, memory_mb=256, disk_mb=8, output_bytes=64 * 1024, max_processes=16)
 
 
 def test_plain_program_with_stdin_and_files(sandbox: None) -> None:

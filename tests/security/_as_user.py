@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-from _hostile import ADD_SPECS, HONEST
+from _hostile import ADD_SPECS, HONEST, honest
 
 from sparrow_nemo.rewards.code import code_reward
 from sparrow_nemo.rewards.sandbox_os import probe
@@ -21,7 +21,7 @@ from sparrow_nemo.rewards.sandbox_os import probe
 
 def main() -> None:
     uid = int(sys.argv[1])
-    assert code_reward(HONEST, ADD_SPECS["humaneval"]) == 1.0
+    assert code_reward(HONEST, honest(ADD_SPECS["humaneval"])) == 1.0
     os.setgroups([])
     os.setgid(uid)
     os.setuid(uid)

@@ -53,6 +53,8 @@ ADD_SPECS = {
 }
 STDIO_SPEC = {"format": "stdio", "inputs": ["2 3\n"], "outputs": ["5"], "limits": LIMITS}
 HONEST = "def add(a, b):\n    return a + b\n"
+#: the honest controls' limits: the attacks' but a wall clock no machine load reaches
+HONEST_LIMITS = {**LIMITS, "wall_s": 60.0}
 HONEST_STDIO = "print(sum(map(int, input().split())))\n"
 #: host folders anyone may write to: an escaped program's first choice
 WORLD_WRITABLE = ("/tmp", "/var/tmp", "/dev/shm")
@@ -60,6 +62,11 @@ WORLD_WRITABLE = ("/tmp", "/var/tmp", "/dev/shm")
 
 def attack_names() -> list[str]:
     return sorted(p.stem for p in ATTACKS.glob("*.py"))
+
+
+def honest(spec: dict) -> dict:
+    """``spec`` with :data:`HONEST_LIMITS`."""
+    return {**spec, "limits": HONEST_LIMITS}
 
 
 def spec_for(name: str, fmt: str) -> dict:

@@ -11,7 +11,17 @@ import pytest
 
 from sparrow_nemo.rewards.code import code_reward
 
-from ._hostile import ADD_SPECS, HONEST, HONEST_STDIO, STDIO_SPEC, Targets, UserTrainer, attack, attack_names
+from ._hostile import (
+    ADD_SPECS,
+    HONEST,
+    HONEST_STDIO,
+    STDIO_SPEC,
+    Targets,
+    UserTrainer,
+    attack,
+    attack_names,
+    honest,
+)
 
 #: the attacks whose point is the verdict: they also run against the assert-list format
 VERDICT_ATTACKS = [
@@ -37,8 +47,8 @@ def targets() -> Targets:
 
 def test_honest_programs_pass_so_a_zero_means_something(sandbox: None, targets: Targets) -> None:
     for spec in ADD_SPECS.values():
-        assert code_reward(HONEST, spec) == 1.0
-    assert code_reward(HONEST_STDIO, STDIO_SPEC) == 1.0
+        assert code_reward(HONEST, honest(spec)) == 1.0
+    assert code_reward(HONEST_STDIO, honest(STDIO_SPEC)) == 1.0
     assert targets.damage() == []
 
 

@@ -16,7 +16,7 @@ from sparrow_nemo.rewards.code import code_reward
 from sparrow_nemo.rewards.code_sandbox import SandboxLimits, run_python
 from sparrow_nemo.rewards.sandbox_os import SandboxUnavailable
 
-from ._hostile import REPO, Targets, attack
+from ._hostile import ADD_SPECS, REPO, Targets, honest
 
 INSIDE = """
 import ctypes, json, os, socket
@@ -91,11 +91,12 @@ def test_without_user_namespaces_the_reward_refuses(sandbox: None) -> None:
 
 
 @pytest.mark.parametrize("name", ["write_outside", "setsid_survivor", "network"])
-def test_the_checks_catch_an_unsandboxed_attack(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_checks_catch_an_unsandboxed_attack(name: str) -> None:
     """Control: without isolation these attacks work, and the red-team checks see it."""
     targets = Targets(os.geteuid())
     try:
-        result = attack(targets, name, "humaneval", sandbox="unsafe_local")
-        assert result["damage"], result
+        program = targets.program(name, os.getpid())
+        code_reward(program, honest(ADD_SPECS["humaneval"]), sandbox="unsafe_local")
+        assert targets.damage()
     finally:
         targets.close()
