@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
-__all__ = ["atomic_write", "atomic_write_bytes", "fsync_dir"]
+__all__ = ["atomic_write", "fsync_dir"]
 
 
 def fsync_dir(path: str | Path) -> None:
@@ -24,8 +24,16 @@ def fsync_dir(path: str | Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
-    """``write(f)`` into a temp file next to ``path`` (fsynced), then rename it over ``path``."""
+def atomic_write(
+    path: str | Path,
+    write: Callable[[BinaryIO], object],
+    translate: Callable[[BaseException], BaseException | None] | None = None,
+) -> None:
+    """``write(f)`` into a temp file next to ``path`` (fsynced), then rename it over ``path``.
+
+    On failure the temp file is removed and the error re-raised; ``translate(error)``, called while the
+    temp file still exists, may return a clearer error to raise instead (e.g. "the disk is full").
+    """
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -34,12 +42,10 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
+        clearer = translate(exc) if translate is not None else None
         Path(tmp).unlink(missing_ok=True)
+        if clearer is not None:
+            raise clearer from None
         raise
     fsync_dir(path.parent)
-
-
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically (:func:`atomic_write`)."""
-    atomic_write(path, lambda f: f.write(data))

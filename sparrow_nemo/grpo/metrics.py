@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from sparrow_nemo.atomic_io import atomic_write_bytes
+from sparrow_nemo.atomic_io import atomic_write
 from sparrow_nemo.config.schema import Section, knob
 from sparrow_nemo.grpo.wandb_logger import WandbConfig, WandbSink
 from sparrow_nemo.rollout.engine import RolloutSample
@@ -165,7 +165,7 @@ class MetricsWriter:
         self.history = rows[:count]
         if len(lines) > len(self.history):
             text = "".join(json.dumps(row) + "\n" for row in self.history)
-            atomic_write_bytes(self.path, text.encode())
+            atomic_write(self.path, lambda f: f.write(text.encode()))
             logger.info("%s: dropped %d rows after the checkpoint", self.path, len(lines) - len(self.history))
         return len(lines) - len(self.history)
 
