@@ -43,13 +43,18 @@ def cache_root(config: SparrowConfig) -> Path:
     return (Path(base) if base else Path.home() / ".cache" / "sparrow_nemo") / "warmstart"
 
 
-def cache_key(config: SparrowConfig, tokenizer_name: str) -> str:
+#: (tensor parallel, pipeline parallel, world size) of a warm-start trained in one process
+SINGLE_RANK = (1, 1, 1)
+
+
+def cache_key(config: SparrowConfig, tokenizer_name: str, layout: tuple[int, int, int] | None = None) -> str:
     """16 hex digits identifying the warm-start result: every input that changes the weights.
 
     Besides the recipe's model, task and warm-start settings that is the optimizer (only ``lr`` is the
-    warm-start's own), the parallel layout and world size (sharded matmuls, the DP gradient mean), the
-    device type and the torch version (kernels). The CPU thread count is not an input: the warm-start
-    always trains with one intra-op thread (:func:`_one_cpu_thread`), so it cannot change the sums.
+    warm-start's own), the parallel layout and world size (sharded matmuls, the DP gradient mean; ``layout``
+    = (tp, pp, world size), default this run's), the device type and the torch version (kernels). The CPU
+    thread count is not an input: the warm-start always trains with one intra-op thread
+    (:func:`_one_cpu_thread`), so it cannot change the sums.
     """
     from sparrow_nemo.grpo.setup import device
     from sparrow_nemo.grpo.world import world_size
@@ -64,7 +69,9 @@ def cache_key(config: SparrowConfig, tokenizer_name: str) -> str:
         "optimizer": optimizer,
         "micro_batch_size": p.micro_batch_size,
         "precision": p.precision,
-        "layout": [p.tensor_model_parallel_size, p.pipeline_model_parallel_size, world_size()],
+        "layout": list(
+            layout or (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, world_size())
+        ),
         "device": device(config).type,
         "torch": torch.__version__,
         "seed": config.trainer.seed,
@@ -86,9 +93,21 @@ def _one_cpu_thread() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def warm_start_dir(config: SparrowConfig, source: PromptSource) -> Path:
-    """Where the warm-start checkpoint of this recipe lives (it may not exist yet)."""
-    return cache_root(config) / cache_key(config, type(source.tokenizer).__name__)
+def warm_start_dir(
+    config: SparrowConfig, source: PromptSource, layout: tuple[int, int, int] | None = None
+) -> Path:
+    """Where the warm-start checkpoint of this recipe (trained in ``layout``, default this run's) lives; it
+    may not exist yet."""
+    return cache_root(config) / cache_key(config, type(source.tokenizer).__name__, layout)
+
+
+def cached_warm_start(config: SparrowConfig, source: PromptSource) -> Path | None:
+    """The cached warm-start this run starts from: the one of its own layout, else the single-rank one (an
+    HF checkpoint serves any layout; the multi-rank tests compare against it); None when neither exists."""
+    for path in (warm_start_dir(config, source), warm_start_dir(config, source, SINGLE_RANK)):
+        if (path / "config.json").is_file():
+            return path
+    return None
 
 
 def _sft_batch(
@@ -175,9 +194,10 @@ def ensure_warm_start(config: SparrowConfig, source: PromptSource, show_progress
     target = warm_start_dir(config, source)
     if rank() == 0:
         remove_stale_staging(target)
-    if broadcast_from_rank0((target / "config.json").is_file()):
-        logger.info("warm-start: using the cached checkpoint %s", target)
-        return target
+    cached = broadcast_from_rank0(str(cached_warm_start(config, source) or "") if rank() == 0 else None)
+    if cached:
+        logger.info("warm-start: using the cached checkpoint %s", cached)
+        return Path(cached)
     logger.info("warm-start: %d SFT steps (cached afterwards in %s)", config.warmstart.steps, target)
     with _one_cpu_thread():
         torch.manual_seed(config.trainer.seed)

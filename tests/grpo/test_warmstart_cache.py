@@ -2,7 +2,8 @@
 
 Two warm-starts with the same key give byte-identical checkpoints whatever the caller's torch thread count
 and global RNG state (measured before the fix: 1 and 2 intra-op threads gave different weights under one
-key), and every recipe input that changes the weights changes the key.
+key), and every recipe input that changes the weights changes the key. A multi-rank run starts from its own
+layout's warm-start, or from the single-rank one when only that is cached.
 """
 
 from __future__ import annotations
@@ -15,7 +16,13 @@ import torch
 
 from sparrow_nemo.grpo.prompts import build_prompt_source
 from sparrow_nemo.grpo.recipe import load_config
-from sparrow_nemo.grpo.warmstart import cache_key, ensure_warm_start
+from sparrow_nemo.grpo.warmstart import (
+    SINGLE_RANK,
+    cache_key,
+    cached_warm_start,
+    ensure_warm_start,
+    warm_start_dir,
+)
 from sparrow_nemo.grpo.world import one_rank_world
 
 SHORT = ["warmstart.steps=6", "warmstart.batch_size=4"]
@@ -61,3 +68,21 @@ def test_every_input_of_the_weights_is_in_the_key(tmp_path: Path) -> None:
     # what does not change the weights does not change the key (the RL learning rate, the cache folder)
     for same in (["policy.optimizer.lr=0.5"], ["warmstart.cache_dir=/elsewhere"], ["trainer.cpu_threads=4"]):
         assert cache_key(load_config("tiny_cpu_smoke", [*base, *same]), "CharTokenizer") == key, same
+
+
+def test_a_multi_rank_run_uses_its_own_warm_start_or_the_single_rank_one(tmp_path: Path, monkeypatch) -> None:
+    config = load_config(
+        "tiny_cpu_smoke", [f"warmstart.cache_dir={tmp_path}", "policy.tensor_model_parallel_size=2"]
+    )
+    source = build_prompt_source(config)
+    single = warm_start_dir(config, source, SINGLE_RANK)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    own = warm_start_dir(config, source)
+    assert own != single  # trained on 2 ranks the weights differ: another key
+    assert cached_warm_start(config, source) is None
+    single.mkdir()
+    (single / "config.json").write_text("{}")
+    assert cached_warm_start(config, source) == single  # the reference warm-start serves any layout
+    own.mkdir()
+    (own / "config.json").write_text("{}")
+    assert cached_warm_start(config, source) == own
