@@ -102,9 +102,10 @@ def warm_start_dir(
 
 
 def cached_warm_start(config: SparrowConfig, source: PromptSource) -> Path | None:
-    """The cached warm-start this run starts from: the one of its own layout, else the single-rank one (an
-    HF checkpoint serves any layout; the multi-rank tests compare against it); None when neither exists."""
-    for path in (warm_start_dir(config, source), warm_start_dir(config, source, SINGLE_RANK)):
+    """The cached warm-start this run starts from: the single-rank one when it exists (an HF checkpoint serves
+    any layout, so runs of every layout start from the same weights), else this run's own layout's; None
+    when neither exists (then this run trains it, under its own layout's key)."""
+    for path in (warm_start_dir(config, source, SINGLE_RANK), warm_start_dir(config, source)):
         if (path / "config.json").is_file():
             return path
     return None

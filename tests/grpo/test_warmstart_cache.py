@@ -3,7 +3,7 @@
 Two warm-starts with the same key give byte-identical checkpoints whatever the caller's torch thread count
 and global RNG state (measured before the fix: 1 and 2 intra-op threads gave different weights under one
 key), and every recipe input that changes the weights changes the key. A multi-rank run starts from its own
-layout's warm-start, or from the single-rank one when only that is cached.
+layout's warm-start only when no single-rank one is cached (then every layout starts from that one).
 """
 
 from __future__ import annotations
@@ -70,7 +70,9 @@ def test_every_input_of_the_weights_is_in_the_key(tmp_path: Path) -> None:
         assert cache_key(load_config("tiny_cpu_smoke", [*base, *same]), "CharTokenizer") == key, same
 
 
-def test_a_multi_rank_run_uses_its_own_warm_start_or_the_single_rank_one(tmp_path: Path, monkeypatch) -> None:
+def test_every_layout_starts_from_the_single_rank_warm_start_when_it_is_cached(
+    tmp_path: Path, monkeypatch
+) -> None:
     config = load_config(
         "tiny_cpu_smoke", [f"warmstart.cache_dir={tmp_path}", "policy.tensor_model_parallel_size=2"]
     )
@@ -80,9 +82,9 @@ def test_a_multi_rank_run_uses_its_own_warm_start_or_the_single_rank_one(tmp_pat
     own = warm_start_dir(config, source)
     assert own != single  # trained on 2 ranks the weights differ: another key
     assert cached_warm_start(config, source) is None
-    single.mkdir()
-    (single / "config.json").write_text("{}")
-    assert cached_warm_start(config, source) == single  # the reference warm-start serves any layout
     own.mkdir()
     (own / "config.json").write_text("{}")
-    assert cached_warm_start(config, source) == own
+    assert cached_warm_start(config, source) == own  # what this layout trained, without a single-rank one
+    single.mkdir()
+    (single / "config.json").write_text("{}")
+    assert cached_warm_start(config, source) == single  # the reference: every layout starts from it
