@@ -89,7 +89,7 @@ def check_block_table(block_table: torch.Tensor, batch: int | None = None) -> in
     wrong_batch = batch is not None and block_table.dim() == 2 and block_table.shape[0] != batch
     if block_table.dim() != 2 or wrong_batch or not _is_int(block_table):
         raise ValueError(
-            f"block_table must be an int32/int64 [B={batch if batch is not None else 'B'}, max_pages_per_seq] tensor, "
+            f"block_table must be an int32/int64 [{'B' if batch is None else f'B={batch}'}, max_pages_per_seq] tensor, "
             f"got {block_table.dtype} {tuple(block_table.shape)}"
         )
     return block_table.shape[1]

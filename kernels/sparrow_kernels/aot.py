@@ -148,7 +148,7 @@ def compile_all(arch: int = 90) -> list[dict[str, Any]]:
             "arch": arch,
             "num_warps": num_warps,
             "num_stages": compiled.metadata.num_stages,
-            "grid_per_batch_row": launch.grid[1:] if len(launch.grid) > 1 else None,
+            "grid": list(launch.grid),
             **usage,
             "shared": compiled.metadata.shared,
             "blocks_per_sm": blocks_per_sm(usage.get("reg", 0), compiled.metadata.shared, num_warps),

@@ -42,6 +42,7 @@ LIST_CHUNK = 512
 NUM_STAGES = 3
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 32
+_STREAMING_PROGRAMS_PER_SM = 3
 _SHARED_BYTES_PER_SM = 227 * 1024  # H100/H200
 
 
@@ -194,15 +195,17 @@ def shared_bytes(num_stages: int, pages_per_iter: int, page_size: int, head_dim:
 def default_num_splits(rows: int, max_list_pages: int, device: torch.device, programs_per_sm: int) -> int:
     """Splits per (sequence, KV head) row, from host-side sizes only (no device sync).
 
-    One split when the rows alone fill every SM's resident program slots (``programs_per_sm`` from
-    the shared-memory estimate): batch 64 x 8 KV heads on an H200. Otherwise enough splits to fill
-    them, at most one split per 4 loop iterations of the longest possible list, and at most 32.
+    One split when the rows alone give every SM ``min(programs_per_sm, 3)`` programs (each keeps a
+    K/V tile pair in flight, so 3 per SM stream at the HBM limit): batch 64 x 8 KV heads on an
+    H200 (132 SMs). Otherwise enough splits to fill every resident program slot
+    (``programs_per_sm`` from the shared-memory estimate), at most one split per 4 loop iterations
+    of the longest possible list, and at most 32.
     """
-    slots = num_sms(device) * programs_per_sm
-    if rows >= slots:
+    sms = num_sms(device)
+    if rows >= min(programs_per_sm, _STREAMING_PROGRAMS_PER_SM) * sms:
         return 1
     cap = max(1, max_list_pages // (4 * PAGES_PER_ITER))
-    return max(1, min(triton.cdiv(slots, max(rows, 1)), cap, _MAX_SPLITS))
+    return max(1, min(triton.cdiv(sms * programs_per_sm, max(rows, 1)), cap, _MAX_SPLITS))
 
 
 def paged_attention(
