@@ -71,7 +71,11 @@ def check_pages(k_pages: torch.Tensor, v_pages: torch.Tensor) -> tuple[int, int,
 
 
 def check_centroids(
-    centroids: torch.Tensor, num_pages: int, num_kv_heads: int, head_dim: int, key_dtype: torch.dtype | None = None
+    centroids: torch.Tensor,
+    num_pages: int,
+    num_kv_heads: int,
+    head_dim: int,
+    key_dtype: torch.dtype | None = None,
 ) -> None:
     """centroids [num_pages, Hkv, D] in float32 or the key cache's dtype (any of the three when
     key_dtype is None)."""
@@ -98,7 +102,9 @@ def check_block_table(block_table: torch.Tensor, batch: int | None = None) -> in
 def check_per_seq(name: str, t: torch.Tensor, batch: int) -> None:
     """An integer [B] tensor (seq_len, positions, budget_tokens); int32 or int64 are read as they are."""
     if t.shape != (batch,) or not _is_int(t):
-        raise ValueError(f"{name} must be an int32/int64 [B]=[{batch}] tensor, got {t.dtype} {tuple(t.shape)}")
+        raise ValueError(
+            f"{name} must be an int32/int64 [B]=[{batch}] tensor, got {t.dtype} {tuple(t.shape)}"
+        )
 
 
 def check_query(q: torch.Tensor, num_kv_heads: int, head_dim: int) -> int:

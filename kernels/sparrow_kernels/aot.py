@@ -62,7 +62,11 @@ def qwen3_8b_launches() -> Iterator[tuple[str, Any]]:
     seq_len = torch.zeros(batch, dtype=torch.int32)
     budget = torch.zeros(batch, dtype=torch.int64)  # the schedule's int64 budgets, read as they are
     with sk.recorded_launches() as launches:
-        k, v, cent = pages(torch.bfloat16, hkv, page, d), pages(torch.bfloat16, hkv, page, d), pages(torch.bfloat16, hkv, d)
+        k, v, cent = (
+            pages(torch.bfloat16, hkv, page, d),
+            pages(torch.bfloat16, hkv, page, d),
+            pages(torch.bfloat16, hkv, d),
+        )
         kv_new = torch.zeros(batch, hkv, d, dtype=torch.bfloat16)
         q = torch.zeros(batch, hq, d, dtype=torch.bfloat16)
         sk.append_kv(k, v, cent, block_table, seq_len, kv_new, kv_new)
@@ -127,7 +131,9 @@ def compile_launch(launch: Any, arch: int) -> Any:
     bound_args, specialization, options = binder(*launch.args, **launch.kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, launch.kwargs, bound_args, specialization,
                                                           options)  # fmt: skip
-    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+    return triton.compile(
+        ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__
+    )
 
 
 def compile_all(arch: int = 90) -> list[dict[str, Any]]:

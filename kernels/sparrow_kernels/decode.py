@@ -166,7 +166,9 @@ def _paged_attention_kernel(
             for other in range(0, num_splits):
                 base = pid * num_splits + other
                 # .cg: read the other programs' partials from L2, never from a stale L1 line.
-                lse_s = tl.load(lse_part + base * M_PAD + r, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+                lse_s = tl.load(
+                    lse_part + base * M_PAD + r, mask=row_ok, other=float("-inf"), cache_modifier=".cg"
+                )
                 o_s = tl.load(o_part + (base * M_PAD + r[:, None]) * D + d[None, :], mask=row_ok[:, None], other=0.0,
                               cache_modifier=".cg")  # fmt: skip
                 m_new = tl.maximum(tl.maximum(m, lse_s), -1e30)
@@ -241,7 +243,9 @@ def paged_attention(
     group = num_q_heads // num_kv_heads
     max_pages = _checks.check_block_table(block_table, batch)
     _checks.check_per_seq("seq_len", seq_len, batch)
-    device = _checks.check_device(q=q, k_pages=k_pages, v_pages=v_pages, block_table=block_table, seq_len=seq_len)
+    device = _checks.check_device(
+        q=q, k_pages=k_pages, v_pages=v_pages, block_table=block_table, seq_len=seq_len
+    )
     _checks.check_last_dim_contiguous(q=q, k_pages=k_pages, v_pages=v_pages, block_table=block_table)
     _checks.check_last_dim_contiguous(seq_len=seq_len)
     dense = selection is None
@@ -313,7 +317,9 @@ def _check_selection(selection: PageSelection, batch: int, num_kv_heads: int, de
                 f"got {t.dtype} {tuple(t.shape)}"
             )
     if physical.stride(2) != 1 or physical.stride(0) != num_kv_heads * physical.stride(1):
-        raise ValueError(f"selection.physical must be [B * Hkv] rows of stride 1, got strides {physical.stride()}")
+        raise ValueError(
+            f"selection.physical must be [B * Hkv] rows of stride 1, got strides {physical.stride()}"
+        )
     _checks.check_device(physical=physical, counts=counts, tickets=tickets)
     if physical.device != device:
         raise ValueError(f"selection is on {physical.device} but q is on {device}")

@@ -108,7 +108,9 @@ def _select_pages_kernel(
     mid_hi = n_pages - local_pages
     n_middle = tl.maximum(mid_hi - mid_lo, 0)
     keep_all = n_pages <= budget_pages
-    top_k = tl.where(keep_all, 0, tl.minimum(tl.maximum(budget_pages - sink_pages - local_pages, 0), n_middle))
+    top_k = tl.where(
+        keep_all, 0, tl.minimum(tl.maximum(budget_pages - sink_pages - local_pages, 0), n_middle)
+    )
     bt_row = block_table + b * stride_bt
     keys_row = keys + pid * stride_kb
 
@@ -124,7 +126,9 @@ def _select_pages_kernel(
             c1 = tl.minimum(c0 + CHUNK, mid_hi)
             cp = c0 + tl.arange(0, CHUNK)
             bt_chunk = tl.load(bt_row + cp, mask=cp < c1, other=0)
-            for p0 in tl.range(c0, c1, SCORE_TILE, num_stages=SCORE_STAGES):  # centroid tiles: async-copy ring
+            for p0 in tl.range(
+                c0, c1, SCORE_TILE, num_stages=SCORE_STAGES
+            ):  # centroid tiles: async-copy ring
                 live = p0 + t < c1
                 phys = tl.gather(bt_chunk, p0 - c0 + t, 0).to(tl.int64)
                 c = tl.load(centroids + phys[:, None] * stride_cp + h * stride_ch + d[None, :],

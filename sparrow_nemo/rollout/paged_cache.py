@@ -138,7 +138,9 @@ class PagedKVCache:
         self.k_pages[layer][page, :, slot] = k_new.to(self.k_pages[layer].dtype)
         self.v_pages[layer][page, :, slot] = v_new.to(self.v_pages[layer].dtype)
         upto = torch.arange(self.page_size, device=slot.device)[None, :] <= slot[:, None]  # [B, ps]
-        stored = torch.where(upto[:, None, :, None], self.k_pages[layer][page].float(), 0.0)  # [B, Hkv, ps, D]
+        stored = torch.where(
+            upto[:, None, :, None], self.k_pages[layer][page].float(), 0.0
+        )  # [B, Hkv, ps, D]
         mean = stored.sum(dim=2) / (slot + 1).to(torch.float32)[:, None, None]
         self.centroids[layer][page] = mean.to(self.centroids[layer].dtype)
 

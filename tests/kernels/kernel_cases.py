@@ -48,7 +48,9 @@ def empty_paged_cache(
     return PagedCache(
         k_pages=torch.full(shape, math.nan, dtype=dtype, device=device),
         v_pages=torch.full(shape, math.nan, dtype=dtype, device=device),
-        centroids=torch.full((num_pages, num_kv_heads, head_dim), math.nan, dtype=centroid_dtype, device=device),
+        centroids=torch.full(
+            (num_pages, num_kv_heads, head_dim), math.nan, dtype=centroid_dtype, device=device
+        ),
         block_table=order.view(batch, max_pages).to(device=device, dtype=torch.int32),
         seq_len=torch.zeros(batch, dtype=torch.int32, device=device),
     )

@@ -40,6 +40,10 @@ def test_kernels_compile_for_sm90_and_stream() -> None:
         # K and V tiles ([32 tokens, 128] bf16): async copies (prologue + loop), a double buffer, and
         # the loop's wait leaves the next K and V copies in flight.
         assert row["async_tile_copies"] >= 4 and row["ring_depth"] >= 2 and row["wait_depth"] >= 2, row
-    assert rows["decode_sparse"]["blocks_per_sm"] >= 3  # default_num_splits assumes 3 streaming programs per SM
+    assert (
+        rows["decode_sparse"]["blocks_per_sm"] >= 3
+    )  # default_num_splits assumes 3 streaming programs per SM
     select = rows["select"]
-    assert select["async_tile_copies"] >= 2 and select["ring_depth"] >= 2 and select["wait_depth"] >= 1, select
+    assert select["async_tile_copies"] >= 2 and select["ring_depth"] >= 2 and select["wait_depth"] >= 1, (
+        select
+    )

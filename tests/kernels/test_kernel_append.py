@@ -57,7 +57,9 @@ def test_append_then_attend(device: torch.device, dtype: torch.dtype) -> None:
             phys = int(cache.block_table[b, p])
             assert cache.centroids[phys].dtype == dtype
             torch.testing.assert_close(cache.centroids[phys], stored_centroids[b, :, p], rtol=ulp, atol=1e-5)
-            torch.testing.assert_close(cache.centroids[phys], torch_cache.centroids[0][phys], rtol=ulp, atol=1e-5)
+            torch.testing.assert_close(
+                cache.centroids[phys], torch_cache.centroids[0][phys], rtol=ulp, atol=1e-5
+            )
 
     q = torch.randn(batch, num_kv_heads * 4, head_dim, generator=gen).to(device=device, dtype=dtype)
     seq_len = lengths.to(torch.int32)

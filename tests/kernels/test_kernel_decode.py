@@ -104,7 +104,9 @@ def _hand_selection(lists: list[list[list[int]]], block_table: torch.Tensor, wid
             page_idx[b, h, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
     page_idx = page_idx.to(block_table.device)
     physical = torch.gather(block_table, 1, page_idx.clamp(min=0).flatten(1)).view_as(page_idx).contiguous()
-    counts = torch.tensor([[len(p) for p in row] for row in lists], dtype=torch.int32, device=block_table.device)
+    counts = torch.tensor(
+        [[len(p) for p in row] for row in lists], dtype=torch.int32, device=block_table.device
+    )
     return PageSelection(page_idx, counts, physical, torch.zeros_like(counts))
 
 
@@ -146,7 +148,9 @@ def test_split_count_does_not_change_the_result(device: torch.device) -> None:
 def test_dense_attention_without_selection(device: torch.device) -> None:
     """selection=None reads every page straight from the block table (no selection launch), split
     or not, and equals the reference with a budget covering every sequence."""
-    case = random_case(SEQ_LENS, BUDGETS, num_kv_heads=2, group=4, dtype=torch.bfloat16, device=device, seed=13)
+    case = random_case(
+        SEQ_LENS, BUDGETS, num_kv_heads=2, group=4, dtype=torch.bfloat16, device=device, seed=13
+    )
     c = case.paged
     ref = sparse_decode_attention(case.q, case.k, case.v, case.seq_len, 10**6)
     for splits in (1, 3):

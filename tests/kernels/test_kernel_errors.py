@@ -39,7 +39,9 @@ def test_bad_inputs_name_the_tensor(device: torch.device) -> None:
     with pytest.raises(ValueError, match=r"centroids must be float32/float16/bfloat16 \[num_pages, Hkv, D\]"):
         sparse_decode_attention_paged(case.q, c.k_pages, c.v_pages, c.centroids.double(), *args[3:])
     with pytest.raises(ValueError, match=r"centroids must be float32 \[num_pages, Hkv, D\]"):  # fp32 cache
-        append_kv(c.k_pages, c.v_pages, c.centroids.half(), c.block_table, c.seq_len, case.q[:, :2], case.q[:, :2])
+        append_kv(
+            c.k_pages, c.v_pages, c.centroids.half(), c.block_table, c.seq_len, case.q[:, :2], case.q[:, :2]
+        )
     with pytest.raises(ValueError, match=r"block_table must be an int32/int64 \[B, max_pages_per_seq\]"):
         select_pages_paged(case.q, c.centroids, c.block_table.float(), c.seq_len, 32)
     with pytest.raises(ValueError, match=r"seq_len must be an int32/int64 \[B\]=\[2\]"):

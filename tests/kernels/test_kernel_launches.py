@@ -29,7 +29,7 @@ class _AtenLog(TorchDispatchMode):
         super().__init__()
         self.launching: list[str] = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         if name not in _NO_LAUNCH:
             self.launching.append(name)

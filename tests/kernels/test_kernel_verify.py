@@ -52,7 +52,9 @@ def test_verify_matches_float64_loop_and_method_layer(
     case = random_case(SEQ_LENS, [0] * 4, num_kv_heads=2, group=group, dtype=dtype, device=device, seed=group)
     c = case.paged
     gen = torch.Generator().manual_seed(100 + group)
-    q = torch.randn(len(SEQ_LENS), num_q, 2 * group, case.q.shape[-1], generator=gen).to(device=device, dtype=dtype)
+    q = torch.randn(len(SEQ_LENS), num_q, 2 * group, case.q.shape[-1], generator=gen).to(
+        device=device, dtype=dtype
+    )
     out = verify_attention_paged(q, c.k_pages, c.v_pages, c.block_table, c.seq_len, num_splits=num_splits)
     assert out.shape == q.shape and out.dtype == dtype
     loop = _loop_reference(q.cpu(), case.k.cpu(), case.v.cpu(), SEQ_LENS)

@@ -82,7 +82,8 @@ def _run_both(kv_dtype: torch.dtype, use_kernel: bool) -> None:
     perm = torch.randperm(num_blocks, generator=gen)[: batch * pages_per_seq]
     block_table = perm.view(batch, pages_per_seq).to(torch.int32)
 
-    ref = PagedKVCache(1, num_blocks, HKV, D, PS, dtype=kv_dtype)
+    # CentroidPool keeps float32 centroids: so does this reference cache
+    ref = PagedKVCache(1, num_blocks, HKV, D, PS, dtype=kv_dtype, centroid_dtype=torch.float32)
     pool = CentroidPool(num_blocks, HKV, D, PS, kv_dtype=kv_dtype)
     keys = torch.randn(batch, max_len, HKV, D, generator=gen)
     lengths = torch.tensor(prompt_lens)
