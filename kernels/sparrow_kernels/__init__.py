@@ -8,6 +8,7 @@ Public API (reference semantics in ``sparrow_nemo.sparse.attention``; cache layo
 - ``decode_attention_paged``: one query token per sequence over a selection's pages (or every
   page), split-K flash-decoding with the merge fused, one launch.
 - ``sparse_decode_attention_paged``: selection and attention in one call (two launches).
+- ``sparse_decode_paged``: attention over given logical page lists (translated with one gather).
 - ``verify_attention_paged``: causal dense attention of the k + 1 newest tokens per sequence
   (speculative decoding's verify pass), one launch.
 - ``available(device)``: whether the kernels can run there (CUDA, or CPU under TRITON_INTERPRET=1).
@@ -44,6 +45,7 @@ _LAZY = {
     "default_num_splits": "sparrow_kernels.decode",
     "decode_attention_paged": "sparrow_kernels.decode",
     "sparse_decode_attention_paged": "sparrow_kernels.decode",
+    "sparse_decode_paged": "sparrow_kernels.decode",
     "verify_attention_paged": "sparrow_kernels.verify",
 }
 

@@ -4,7 +4,7 @@ multi-query verify pass, with the split-K merge fused into the last split's prog
 One program per (sequence b, KV head h, split s). It holds the query rows of KV head h as one
 [M_PAD, D] tile: the G query heads of the GQA group for each of the NUM_Q query tokens (row
 r = token i * G + head g, padded to >= 16 rows for tl.dot), so every K/V tile is loaded once for
-all of them. Its share of the row's page list is walked PAGES_PER_ITER pages at a time:
+all of them. Its share of the row's page list is walked PAGES_PER_ITER pages (a TILE_TOKENS tile) at a time:
 
 - the page list holds physical page ids (the selection's ``physical``, or the block table row
   itself for dense attention): one indirection from list to K/V;
@@ -33,9 +33,9 @@ from sparrow_kernels import _checks
 from sparrow_kernels._runtime import INTERPRETED, launch, next_pow2, num_sms
 from sparrow_kernels.selection import PageSelection, page_selection
 
-#: Pages per loop iteration of the attention kernel (2 pages = a 32-token K/V tile: 39 KB of
-#: shared memory with the double-buffered ring, 5 programs per H200 SM, so batch 64 x 8 KV heads is one wave).
-PAGES_PER_ITER = 2
+#: Tokens per K/V tile of the attention kernel's loop (2 pages of 16: 39 KB of shared memory with the
+#: double-buffered ring at D = 128, 5 programs per H200 SM, so batch 64 x 8 KV heads is one wave).
+TILE_TOKENS = 32
 #: Page-list entries preloaded at once.
 LIST_CHUNK = 512
 #: Software-pipeline stages (3 = K and V double-buffered).
@@ -194,7 +194,14 @@ def shared_bytes(num_stages: int, pages_per_iter: int, page_size: int, head_dim:
     return max(num_stages - 1, 1) * 2 * tile + m_pad * head_dim * elem_bytes + 4096
 
 
-def default_num_splits(rows: int, max_list_pages: int, device: torch.device, programs_per_sm: int) -> int:
+def default_pages_per_iter(page_size: int) -> int:
+    """Pages per loop iteration: TILE_TOKENS tokens (at least one page)."""
+    return max(1, TILE_TOKENS // page_size)
+
+
+def default_num_splits(
+    rows: int, max_list_pages: int, page_size: int, device: torch.device, programs_per_sm: int
+) -> int:
     """Splits per (sequence, KV head) row, from host-side sizes only (no device sync).
 
     One split when the rows alone give every SM ``min(programs_per_sm, 3)`` programs (each keeps a
@@ -206,7 +213,7 @@ def default_num_splits(rows: int, max_list_pages: int, device: torch.device, pro
     sms = num_sms(device)
     if rows >= min(programs_per_sm, _STREAMING_PROGRAMS_PER_SM) * sms:
         return 1
-    cap = max(1, max_list_pages // (4 * PAGES_PER_ITER))
+    cap = max(1, max_list_pages * page_size // (4 * TILE_TOKENS))
     return max(1, min(triton.cdiv(sms * programs_per_sm, max(rows, 1)), cap, _MAX_SPLITS))
 
 
@@ -219,7 +226,7 @@ def paged_attention(
     selection: PageSelection | None,
     scale: float | None = None,
     num_splits: int | None = None,
-    pages_per_iter: int = PAGES_PER_ITER,
+    pages_per_iter: int | None = None,
     num_warps: int | None = None,
     num_stages: int = NUM_STAGES,
 ) -> torch.Tensor:
@@ -231,6 +238,7 @@ def paged_attention(
     :func:`decode_attention_paged`.
     """
     _, num_kv_heads, page_size, head_dim = _checks.check_pages(k_pages, v_pages)
+    _checks.check_page_args(page_size)
     if q.dim() != 4 or q.shape[3] != head_dim:
         raise ValueError(f"q must be [B, T, Hq, D={head_dim}], got shape {tuple(q.shape)}")
     batch, num_q, num_q_heads, _ = q.shape
@@ -253,6 +261,7 @@ def paged_attention(
         _check_selection(selection, batch, num_kv_heads, device)
         if num_q != 1:
             raise ValueError(f"a page selection serves one query token per sequence, got T={num_q}")
+    pages_per_iter = default_pages_per_iter(page_size) if pages_per_iter is None else pages_per_iter
     if pages_per_iter < 1 or pages_per_iter & (pages_per_iter - 1) or pages_per_iter * page_size < 16:
         raise ValueError(
             f"pages_per_iter must be a power of two with pages_per_iter * page_size >= 16, got {pages_per_iter}"
@@ -266,7 +275,9 @@ def paged_attention(
     list_pages = max_pages if dense else selection.physical.shape[2]
     if num_splits is None:
         smem = shared_bytes(num_stages, pages_per_iter, page_size, head_dim, m_pad, k_pages.element_size())
-        num_splits = default_num_splits(rows, list_pages, device, max(1, _SHARED_BYTES_PER_SM // smem))
+        num_splits = default_num_splits(
+            rows, list_pages, page_size, device, max(1, _SHARED_BYTES_PER_SM // smem)
+        )
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
@@ -334,7 +345,7 @@ def decode_attention_paged(
     selection: PageSelection | None = None,
     scale: float | None = None,
     num_splits: int | None = None,
-    pages_per_iter: int = PAGES_PER_ITER,
+    pages_per_iter: int | None = None,
     num_warps: int | None = None,
     num_stages: int = NUM_STAGES,
 ) -> torch.Tensor:
@@ -350,8 +361,9 @@ def decode_attention_paged(
             by hand: ascending pages, zeroed tickets), or None for every page (dense decode).
         scale: softmax scale, default 1/sqrt(D).
         num_splits: splits per (sequence, KV head); default :func:`default_num_splits`.
-        pages_per_iter (power of two), num_warps (default 4, 8 for >= 64 query rows), num_stages
-            (pipeline depth; 3 double-buffers K and V): launch knobs the benchmark sweeps.
+        pages_per_iter (power of two, default :func:`default_pages_per_iter`), num_warps (default 4,
+            8 for >= 64 query rows), num_stages (pipeline depth; 3 double-buffers K and V): launch
+            knobs the benchmark sweeps.
 
     Returns:
         [B, Hq, D] in q.dtype; float32 softmax and accumulation (the probabilities are rounded to
@@ -362,6 +374,41 @@ def decode_attention_paged(
     out = paged_attention(q[:, None], k_pages, v_pages, block_table, seq_len, selection, scale, num_splits,
                           pages_per_iter, num_warps, num_stages)  # fmt: skip
     return out[:, 0]
+
+
+def sparse_decode_paged(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_len: torch.Tensor,
+    page_idx: torch.Tensor,
+    counts: torch.Tensor,
+    scale: float | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """:func:`decode_attention_paged` over given *logical* page lists (e.g. ``select_pages_paged``'s).
+
+    For callers that hold logical lists: translates them to physical ids with one gather through the
+    block table and zeroes the merge tickets (a few small torch ops); :func:`page_selection` already
+    returns both, so the fused path skips this.
+
+    Args:
+        page_idx: int32/int64 [B, Hkv, n] logical pages, ascending, the first counts[b, h] valid;
+        counts: integer [B, Hkv]; the rest as :func:`decode_attention_paged`.
+    """
+    if (
+        page_idx.dim() != 3
+        or page_idx.shape[0] != block_table.shape[0]
+        or page_idx.dtype not in (torch.int32, torch.int64)
+    ):
+        raise ValueError(
+            f"page_idx must be an int32/int64 [B, Hkv, n] tensor, got {page_idx.dtype} {tuple(page_idx.shape)}"
+        )
+    physical = torch.gather(block_table, 1, page_idx.long().clamp(min=0).flatten(1)).view(page_idx.shape)
+    counts = counts.to(torch.int32).contiguous()
+    selection = PageSelection(page_idx, counts, physical.to(torch.int32), torch.zeros_like(counts))
+    return decode_attention_paged(q, k_pages, v_pages, block_table, seq_len, selection, scale, num_splits)
 
 
 def sparse_decode_attention_paged(

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from sparrow_kernels.decode import NUM_STAGES, PAGES_PER_ITER, paged_attention
+from sparrow_kernels.decode import NUM_STAGES, paged_attention
 
 
 def verify_attention_paged(
@@ -25,7 +25,7 @@ def verify_attention_paged(
     seq_len: torch.Tensor,
     scale: float | None = None,
     num_splits: int | None = None,
-    pages_per_iter: int = PAGES_PER_ITER,
+    pages_per_iter: int | None = None,
     num_warps: int | None = None,
     num_stages: int = NUM_STAGES,
 ) -> torch.Tensor:

@@ -19,6 +19,7 @@ from sparrow_kernels import (
     decode_attention_paged,
     page_selection,
     sparse_decode_attention_paged,
+    sparse_decode_paged,
 )
 
 from sparrow_nemo.sparse.attention import (
@@ -126,6 +127,10 @@ def test_attention_on_given_pages(device: torch.device) -> None:
         # decode_attention uses 1/sqrt(D): fold the custom scale into q.
         ref = decode_attention(case.q * (scale * math.sqrt(case.q.shape[-1])), case.k, case.v, mask)
         _assert_close(out, ref)
+    # The same lists given as logical pages (the adapter translates them through the block table).
+    logical = sparse_decode_paged(case.q, c.k_pages, c.v_pages, c.block_table, c.seq_len, selection.page_idx.long(),
+                                  selection.counts, scale, num_splits=2)  # fmt: skip
+    torch.testing.assert_close(logical, out, rtol=0, atol=1e-6)
 
 
 def test_split_count_does_not_change_the_result(device: torch.device) -> None:
