@@ -21,7 +21,7 @@ H100/H200). Per kernel it reports:
 It needs triton's bundled ptxas/cuobjdump, not a GPU or a driver. Triton internals used (Triton
 3.9): ``triton.runtime.jit.create_function_from_signature`` and ``JITFunction._pack_args``.
 
-    python -m sparrow_kernels.aot [--arch 90]     (TRITON_INTERPRET must be unset)
+    python -m sparrow_kernels.aot [--arch 90] > benchmarks/results/aot_sm90.jsonl   (TRITON_INTERPRET unset)
 """
 
 from __future__ import annotations
@@ -152,6 +152,7 @@ def compile_all(arch: int = 90) -> list[dict[str, Any]]:
             "variant": label,
             "kernel": launch.kernel.__name__,
             "arch": arch,
+            "triton": triton.__version__,
             "num_warps": num_warps,
             "num_stages": compiled.metadata.num_stages,
             "grid": list(launch.grid),
