@@ -2,12 +2,13 @@
 # One prepared check of sparrow_kernels on a GPU machine, sized for ONE device call of under 6 minutes on
 # an H200 with a cold Triton cache (stage limits sum to 340 s; run it with a call timeout of ~420 s):
 #   1. imports (20 s): the kernels and their test reference import neither megatron nor transformers;
-#   2. tests (120 s): tests/kernels natively on the GPU (incl. a CUDA-graph capture of a decode layer);
-#   3. compile (90 s): every kernel variant of the issue's target rows and of the launch-knob sweep is run
-#      once (Triton JIT-compiles on first use); compile seconds go to sparse_attention_warmup.jsonl;
-#   4. benchmark (110 s): the target rows (8B, batch 64, 32K/4K, 10%/25%, with the verify case and the
+#   2. tests (150 s): tests/kernels natively on the GPU (incl. a CUDA-graph capture of a decode layer); about
+#      55 JIT specialisations (~1-1.5 s of compile each) with a cold Triton cache;
+#   3. compile (70 s): every kernel variant of the issue's target rows and of the launch-knob sweep (about
+#      25) is run once (Triton JIT-compiles on first use); compile seconds go to sparse_attention_warmup.jsonl;
+#   4. benchmark (100 s): the target rows (8B, batch 64, 32K/4K, 10%/25%, with the verify case and the
 #      sweep on 32K/10%) first, then the Qwen3 1.7B/8B/14B x batch 64/256 x 4K/16K/32K grid while the
-#      75-s row budget lasts. Each row and its PASS/FAIL lines are written the moment it finishes.
+#      65-s row budget lasts. Each row and its PASS/FAIL lines are written the moment it finishes.
 # Output: benchmarks/results/ (or $RESULTS_DIR): gpu_check_<mode>.log, gpu_check_<mode>_stages.jsonl (exit
 # status and seconds per stage), gpu_check_<mode>_tests.xml, sparse_attention_warmup.jsonl,
 # sparse_attention.jsonl; everything is also copied to $OUT when set.
@@ -55,9 +56,9 @@ PYTEST=("$PY" -m pytest -q -p no:cacheprovider tests/kernels --junitxml "$RESULT
 BENCH=("$PY" benchmarks/sparse_attention.py)
 case "$MODE" in
   gpu)
-    step tests 120 "${PYTEST[@]}"
-    step compile 90 "${BENCH[@]}" --only-targets --sweep --warmup-only --out "$RESULTS/sparse_attention_warmup.jsonl"
-    step benchmark 110 "${BENCH[@]}" --sweep --reps 30 --time-budget-s 75 --out "$RESULTS/sparse_attention.jsonl"
+    step tests 150 "${PYTEST[@]}"
+    step compile 70 "${BENCH[@]}" --only-targets --sweep --warmup-only --out "$RESULTS/sparse_attention_warmup.jsonl"
+    step benchmark 100 "${BENCH[@]}" --sweep --reps 30 --time-budget-s 65 --out "$RESULTS/sparse_attention.jsonl"
     ;;
   tiny)
     step tests 900 "${PYTEST[@]}"

@@ -59,7 +59,8 @@ def _mma(a, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     return out
 
 
-@triton.jit
+# num_splits stays specialised: with 1 split the merge code compiles away.
+@triton.jit(do_not_specialize=["num_kv_heads", "max_pages"])
 def _paged_attention_kernel(
     q, k_pages, v_pages, block_table, seq_len, pages, counts, tickets, o_part, lse_part, out,
     scale_log2,

@@ -84,7 +84,8 @@ def _radix_digit(keys_row, lo, hi, k, prefix, PREFIX_SHIFT: tl.constexpr, SHIFT:
     return digit.to(tl.uint32), k - above
 
 
-@triton.jit
+# Sizes and the scalar budget vary per call and their divisibility buys nothing: one compile for all.
+@triton.jit(do_not_specialize=["budget_scalar", "num_kv_heads", "max_pages", "sink_pages", "local_pages"])
 def _select_pages_kernel(
     q, centroids, block_table, seq_len, budget, keys, page_idx, physical, counts, tickets,
     budget_scalar,

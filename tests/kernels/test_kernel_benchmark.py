@@ -53,6 +53,7 @@ def test_target_points_come_first_and_targets_are_judged_per_row() -> None:
 
 
 @cpu_only
+@pytest.mark.slow  # ~30 s of interpreter work; CI runs it (the rehearsal of the GPU script)
 def test_gpu_check_dry_run(tmp_path: Path) -> None:
     env = {**os.environ, "RESULTS_DIR": str(tmp_path / "results"), "OUT": str(tmp_path / "out"),
            "PYTHON": sys.executable}  # fmt: skip
