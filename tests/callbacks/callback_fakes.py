@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sparrow_nemo.callbacks.base import Callback
+from sparrow_nemo.sparse.pattern import PAGE_SIZE
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 
@@ -79,7 +80,7 @@ def make_scheduler(
     *,
     candidates=None,
     bin_tokens: int = 100,
-    page_size: int = 16,
+    page_size: int = PAGE_SIZE,
     write_files: bool = True,
     **knobs,
 ):
