@@ -20,7 +20,7 @@ or command line) and what is allowed::
 
 Everything here runs before a run folder exists: a recipe that loads is one the run can start with.
 (Decision: no OmegaConf. Its structured configs have no Literal, no per-field checks and multi-line
-errors; this layer is ~450 lines and keeps one-line errors with suggestions.)
+errors; this module is ~500 lines and keeps one-line errors with suggestions.)
 """
 
 from __future__ import annotations
