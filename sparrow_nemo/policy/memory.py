@@ -107,3 +107,7 @@ class MemorySettings:
         elif self.recompute_granularity == "selective":
             kwargs.update(recompute_granularity="selective", recompute_modules=list(SELECTIVE_MODULES))
         return kwargs
+
+
+#: no recompute, no sequence parallelism, the default chunk: what a model built without settings uses
+DEFAULT_MEMORY = MemorySettings()

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from sparrow_nemo._optional import is_available
 from sparrow_nemo.model_shapes import Qwen3Shape
-from sparrow_nemo.policy.memory import MemorySettings
+from sparrow_nemo.policy.memory import DEFAULT_MEMORY, MemorySettings
 from sparrow_nemo.policy.parallel import ParallelLayout
 
 #: megatron's default ``make_vocab_size_divisible_by``: the padded vocab is a multiple of this times tp.
@@ -78,7 +78,7 @@ class PolicyModelSpec:
     use_te: bool
     pp_rank: int
     tp_rank: int
-    memory: MemorySettings = MemorySettings()
+    memory: MemorySettings = DEFAULT_MEMORY
 
     @property
     def sequence_multiple(self) -> int:
@@ -113,7 +113,7 @@ def build_transformer_config(
     layout: ParallelLayout,
     dtype: str | torch.dtype = "float32",
     fp8: str | None = None,
-    memory: MemorySettings = MemorySettings(),
+    memory: MemorySettings = DEFAULT_MEMORY,
 ):
     """megatron-core ``TransformerConfig`` equal to Hugging Face's Qwen3 architecture.
 
@@ -186,7 +186,7 @@ def build_model(
     dtype: str | torch.dtype = "float32",
     use_te: bool | None = None,
     fp8: str | None = None,
-    memory: MemorySettings = MemorySettings(),
+    memory: MemorySettings = DEFAULT_MEMORY,
 ):
     """This rank's ``GPTModel`` shard (parallel_state must be initialized; see ``initialize_parallel``).
 
