@@ -1,8 +1,9 @@
 """Build the Qwen3 decoder as a megatron-core ``GPTModel`` for this rank's tensor/pipeline shard.
 
 Layer spec: megatron-core's Transformer Engine spec (fused kernels, bf16, optional FP8) when a GPU
-and Transformer Engine are present, else its local spec with :class:`CausalSDPAttention` as the core
-attention (megatron's local ``DotProductAttention`` would build ``[S, S]`` scores). The two specs name
+and Transformer Engine are present, else its local spec with causal SDPA core attention and
+SP-capable norms (:mod:`sparrow_nemo.policy.local_spec`; megatron's local ``DotProductAttention``
+would build ``[S, S]`` scores). The two specs name
 two parameters differently (TE fuses the pre-attention / pre-MLP RMSNorm into the following linear);
 :mod:`sparrow_nemo.policy.hf_import` maps both to the same Hugging Face names, so checkpoints are
 interchangeable.
@@ -169,17 +170,6 @@ def build_transformer_config(
     )
 
 
-def _local_layer_spec():
-    """megatron's local GPT layer spec (RMSNorm, qk-norm) with :class:`CausalSDPAttention` as core attention."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    from sparrow_nemo.policy.core_attention import CausalSDPAttention
-
-    spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
-    spec.submodules.self_attention.submodules.core_attention = CausalSDPAttention
-    return spec
-
-
 def build_model(
     shape: Qwen3Shape,
     layout: ParallelLayout,
@@ -202,16 +192,22 @@ def build_model(
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
     from sparrow_nemo.policy.hidden_model import HiddenStateGPTModel
+    from sparrow_nemo.policy.local_spec import local_block_spec
 
     if use_te is None:
         use_te = transformer_engine_usable()
     elif use_te and not transformer_engine_usable():
         raise ValueError("use_te=True needs a GPU with Transformer Engine installed")
+    if memory.sequence_parallel and not torch.cuda.is_available():
+        raise ValueError(
+            "policy.sequence_parallel needs a GPU: megatron-core allocates its sequence-parallel "
+            "all-gather / reduce-scatter buffers on CUDA"
+        )
     config = build_transformer_config(shape, layout, dtype, fp8, memory)
     if use_te:
         layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=True)
     else:
-        layer_spec = _local_layer_spec()
+        layer_spec = local_block_spec(config, parallel_state.get_pipeline_model_parallel_rank())
     spec = PolicyModelSpec(
         shape=shape,
         layout=layout,
