@@ -213,6 +213,8 @@ class MegatronLora(torch.nn.Module):
                 self.params[key + "__a"], self.params[key + "__b"] = a, b
                 module = getattr(getattr(block, _PARENT[target]), target)
                 self._hooks.append(module.register_forward_hook(self._hook(key, column), with_kwargs=True))
+        if spec.pre_process:
+            self._hooks.append(inner.embedding.register_forward_hook(self._embedding_hook))
         self.load_adapter(adapter if adapter is not None else init_adapter(spec.shape, config, seed))
 
     @staticmethod
@@ -230,6 +232,14 @@ class MegatronLora(torch.nn.Module):
             return out + self._delta(x, key, column).to(out.dtype), bias
 
         return hook
+
+    def _embedding_hook(self, _module, _args, output):
+        """While the adapter trains, the (frozen) embedding output requires grad: megatron's activation
+        recompute only back-propagates through a recomputed block whose inputs require grad, and the
+        adapter's parameters are not among them."""
+        if self.enabled and torch.is_grad_enabled() and not output.requires_grad:
+            return output.detach().requires_grad_(True)
+        return output
 
     def _delta(self, x: torch.Tensor, key: str, column: bool) -> torch.Tensor:
         """``scaling * (x @ A.T) @ B.T`` with the TP collectives of the module doc."""
