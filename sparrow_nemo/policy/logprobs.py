@@ -265,7 +265,7 @@ class _ChunkedHead(torch.autograd.Function):
                 else:  # dL/dz = -p * (g_lp + g_H * (log p + H))
                     gh = g_entropy[lo:hi, None].float()
                     logp.add_(entropy[lo:hi, None]).mul_(gh).add_(glp).mul_(p).neg_()
-                del p
+                del p, logp  # the view would keep the chunk alive into the next one
             local_t = targets[lo:hi] - start
             owned = (local_t >= 0) & (local_t < n_valid)
             rows = owned.nonzero().squeeze(1)

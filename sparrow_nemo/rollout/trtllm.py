@@ -73,6 +73,11 @@ class CompletionLike(Protocol):
     stop_reason: int | str | None
 
 
+#: share of the GPU memory free after loading the engine that TensorRT-LLM takes for its KV cache pool
+#: (``kv_cache_config.free_gpu_memory_fraction``; ``sparrow plan`` sizes the rollout KV cache with it)
+KV_FREE_GPU_MEMORY_FRACTION = 0.85
+
+
 def llm_kwargs(config: Any, model_dir: str | Path, spec: SparrowSparseSpec) -> dict[str, Any]:
     """Keyword arguments of ``tensorrt_llm.LLM`` for a recipe (``SparrowConfig``) and its sparse spec.
 
@@ -90,7 +95,7 @@ def llm_kwargs(config: Any, model_dir: str | Path, spec: SparrowSparseSpec) -> d
         "kv_cache_config": {
             "enable_block_reuse": False,  # a reused block would carry no centroid
             "tokens_per_block": spec.page_size,  # one centroid per KV block
-            "free_gpu_memory_fraction": 0.85,
+            "free_gpu_memory_fraction": KV_FREE_GPU_MEMORY_FRACTION,
         },
         "enable_chunked_prefill": False,  # prompts' centroids are written in one prefill
         "attn_backend": "TRTLLM",
