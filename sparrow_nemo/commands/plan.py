@@ -81,9 +81,9 @@ def recipes_table() -> str:
     from sparrow_nemo.policy.plan import GIB
 
     rows = [
-        "| recipe | nodes x GPUs | layout | weights | grads | optimizer | activations | logits | distill "
-        "| total GiB/GPU | rollout KV GiB (sequences) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| recipe | nodes x GPUs | layout | weights | grads | optimizer | activations | recompute | logits "
+        "| distill | total GiB/GPU | rollout KV GiB (sequences) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for path in sorted(recipes_dir().glob("qwen3_*.yaml")):
         if not CLUSTER_LINE.search(path.read_text()):
@@ -96,7 +96,7 @@ def recipes_table() -> str:
         rows.append(
             f"| `{path.stem}` | {nodes} x {gpus} | TP{lay.tp} PP{lay.pp} DP{lay.dp} | {m.weights / GIB:.1f} | "
             f"{m.gradients / GIB:.1f} | {m.optimizer / GIB:.1f} | {m.activations / GIB:.1f} | "
-            f"{m.logits / GIB:.1f} | {distill} | {r.peak.total / GIB:.1f} | {kv} |"
+            f"{m.recompute / GIB:.1f} | {m.logits / GIB:.1f} | {distill} | {r.peak.total / GIB:.1f} | {kv} |"
         )
     return "\n".join(rows)
 
