@@ -6,7 +6,7 @@ weights. The plan predicts the same quantity as ``total - weights - optimizer`` 
 activations, the larger of the logits buffers and one recomputed layer group): it must lie within 25 %
 of the measurement at every size, with and without recompute, for a small and the real Qwen3 vocabulary,
 so its extrapolation to 40K tokens and 14B is the same formula checked here. Errors measured on this
-machine (the profiler's allocation counts do not depend on load): -11 % .. +16 %.
+machine (the profiler's allocation counts do not depend on load): -7 % .. +16 % (docs/memory.md).
 """
 
 from __future__ import annotations
