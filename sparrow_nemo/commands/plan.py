@@ -50,7 +50,7 @@ def plan_config(config, nodes: int, gpus_per_node: int, gpu_memory_gb: float):
     """:class:`~sparrow_nemo.policy.plan.PlanReport` of a resolved recipe (LayoutError when it cannot run)."""
     from sparrow_nemo.policy.lora import LoraConfig
     from sparrow_nemo.policy.memory import MemorySettings
-    from sparrow_nemo.policy.plan import DistillSpec, plan
+    from sparrow_nemo.policy.plan import DistillSpec, RolloutSpec, plan
 
     policy, d = config.policy, config.distill
     distill = None
@@ -71,7 +71,12 @@ def plan_config(config, nodes: int, gpus_per_node: int, gpu_memory_gb: float):
         shape_name=config.model.preset or "custom",
         memory=MemorySettings.from_policy_config(policy),
         distill=distill,
-        rollout_batch=config.rollout.max_batch_size if config.rollout.backend == "trtllm" else None,
+        rollout=RolloutSpec(
+            config.rollout.backend,
+            config.rollout.max_batch_size,
+            config.model.dtype,
+            config.sparsity.page_size,
+        ),
     )
 
 

@@ -26,10 +26,12 @@ training dtype, ``T`` the tokens of a micro-batch (``max_tokens_per_micro_batch`
   the larger of this and the recompute line;
 - DistillSparse (when enabled): the adapter's parameters, gradients and AdamW moments, and in its
   sparse forward the fp32 keys/values each sparse layer keeps plus one query block's scores;
-- rollout (colocated engine, asleep while the policy trains): the engine's bf16 weights on the GPU and
-  its KV cache pool, which TensorRT-LLM sizes as a fraction of the memory left free
-  (:data:`~sparrow_nemo.rollout.trtllm.KV_FREE_GPU_MEMORY_FRACTION`), and how many full-length
-  sequences that pool holds.
+- rollout (the colocated engine, :class:`RolloutSpec`): its weights (the whole model: engine TP is 1)
+  and KV cache (keys, values, fp32 page centroids), and how many full-length sequences fit. TensorRT-LLM
+  runs one engine per GPU, asleep while the policy trains, whose pool takes
+  :data:`~sparrow_nemo.rollout.trtllm.KV_CACHE_FREE_FRACTION` of the memory the policy's weights, grads
+  and optimizer leave; the torch engine runs on rank 0 and stays awake through the training step, so its
+  KV cache gets what the training peak leaves.
 
 ``tests/policy/test_plan_measured.py`` measures a CPU training step's peak at several sizes against
 these formulas.
@@ -111,17 +113,38 @@ class MemoryEstimate:
 
 
 @dataclass(frozen=True)
-class RolloutMemory:
-    """The colocated rollout engine while it generates (the policy's weights, grads and optimizer stay).
+class RolloutSpec:
+    """The colocated rollout engine the plan sizes (recipe ``rollout`` and ``model.dtype``).
 
     Attributes:
-        engine_weights: bytes of the engine's bf16 weights on one GPU (the model / tp).
-        kv_per_sequence: KV-cache bytes of one ``seq_len``-token sequence on one GPU.
-        kv_pool: the engine's KV-cache pool on one GPU (a fraction of the memory left free).
-        sequences: full-length sequences the pool holds at once.
+        backend: ``"trtllm"`` (one engine per GPU, asleep while the policy trains, KV pool a fraction of the
+            free memory) or ``"torch"`` (one engine on rank 0, KV cache for the sequences it decodes together;
+            the trainer does not put it to sleep, so it stays during training).
+        max_batch_size: ``rollout.max_batch_size``.
+        dtype: the engine's weight and KV dtype (``model.dtype``).
+        page_size: KV page tokens (one fp32 centroid per page, layer and KV head).
+    """
+
+    backend: str
+    max_batch_size: int
+    dtype: str
+    page_size: int
+
+
+@dataclass(frozen=True)
+class RolloutMemory:
+    """The colocated rollout engine on the GPU that holds it.
+
+    Attributes:
+        backend: as :class:`RolloutSpec`.
+        engine_weights: bytes of the engine's weights on that GPU (the whole model: engine TP is 1).
+        kv_per_sequence: KV-cache bytes (keys, values, page centroids) of one ``seq_len``-token sequence.
+        kv_pool: the KV cache the engine holds (trtllm: its pool; torch: ``sequences`` sequences).
+        sequences: full-length sequences the KV cache holds at once.
         max_batch_size: sequences the engine is configured to decode together.
     """
 
+    backend: str
     engine_weights: int
     kv_per_sequence: int
     kv_pool: int
@@ -350,26 +373,26 @@ def estimate_memory(
 
 
 def rollout_memory(
-    shape: Qwen3Shape,
-    layout: ParallelLayout,
-    seq_len: int,
-    max_batch_size: int,
-    resident: int,
-    gpu_bytes: int,
+    shape: Qwen3Shape, seq_len: int, spec: RolloutSpec, resident: int, gpu_bytes: int
 ) -> RolloutMemory:
-    """The engine's footprint next to the policy's ``resident`` bytes (weights, grads, optimizer).
+    """The engine's footprint next to the policy's ``resident`` bytes (trtllm: weights, grads, optimizer;
+    torch: the whole training peak, since its engine stays awake on rank 0)."""
+    from sparrow_nemo.rollout.trtllm import KV_CACHE_FREE_FRACTION
 
-    One engine per tensor-parallel group (engine TP = policy TP), bf16 weights and KV cache.
-    """
-    from sparrow_nemo.rollout.trtllm import KV_FREE_GPU_MEMORY_FRACTION
-
-    tp = layout.tp
-    engine_weights = shape.num_parameters() * 2 // tp
-    kv_per_token = shape.num_layers * 2 * (shape.num_key_value_heads // tp) * shape.head_dim * KV_BYTES
-    kv_per_sequence = kv_per_token * seq_len
+    nbytes = _DTYPE_BYTES[spec.dtype]
+    engine_weights = shape.num_parameters() * nbytes
+    per_token = (
+        shape.num_layers * shape.num_key_value_heads * shape.head_dim * (2 * nbytes + 4 / spec.page_size)
+    )
+    kv_per_sequence = int(per_token * seq_len)
     free = max(gpu_bytes - resident - engine_weights, 0)
-    pool = int(KV_FREE_GPU_MEMORY_FRACTION * free)
-    return RolloutMemory(engine_weights, kv_per_sequence, pool, pool // kv_per_sequence, max_batch_size)
+    if spec.backend == "trtllm":
+        pool = int(KV_CACHE_FREE_FRACTION * free)
+        sequences = pool // kv_per_sequence
+    else:
+        sequences = min(free // kv_per_sequence, spec.max_batch_size)
+        pool = sequences * kv_per_sequence
+    return RolloutMemory(spec.backend, engine_weights, kv_per_sequence, pool, sequences, spec.max_batch_size)
 
 
 def plan(
@@ -386,14 +409,14 @@ def plan(
     shape_name: str = "",
     memory: MemorySettings = DEFAULT_MEMORY,
     distill: DistillSpec | None = None,
-    rollout_batch: int | None = None,
+    rollout: RolloutSpec | None = None,
 ) -> PlanReport:
     """Lay out ``nodes x gpus_per_node`` GPUs as tp x pp x dp and estimate per-GPU memory.
 
     Args:
         memory: the recipe's recompute / sequence-parallel / chunk / token-budget settings.
         distill: count DistillSparse's adapter phase (None: off).
-        rollout_batch: ``rollout.max_batch_size`` of a colocated engine to size (None: no engine).
+        rollout: the colocated rollout engine to size (None: no engine).
 
     Raises:
         LayoutError: sizes that do not divide (world, layers, heads, MLP width, recompute groups), an
@@ -453,20 +476,24 @@ def plan(
                 f"{phase} phase ({_terms(est)}) > {gpu_memory_gb:g} GiB per GPU: raise tp or pp, use "
                 "distributed_adam, recompute, or lower micro_batch/seq_len"
             )
-    rollout = None
-    if rollout_batch is not None:
+    engine = None
+    if rollout is not None:
         resident = train.weights + train.gradients + train.optimizer
-        rollout = rollout_memory(shape, layout, seq_len, rollout_batch, resident, gpu_bytes)
-        if rollout.sequences < 1:
+        if rollout.backend == "torch":  # awake on rank 0 through the training step
+            resident = max(train.total, distilled.total if distilled is not None else 0)
+        engine = rollout_memory(shape, seq_len, rollout, resident, gpu_bytes)
+        where = "each GPU's engine" if rollout.backend == "trtllm" else "the torch engine on rank 0"
+        if engine.sequences < 1:
             raise LayoutError(
-                f"tp={tp}: the rollout engine's KV pool ({rollout.kv_pool / GIB:.1f} GiB next to "
-                f"{resident / GIB:.1f} GiB of policy state and {rollout.engine_weights / GIB:.1f} GiB of engine "
-                f"weights) holds no {seq_len}-token sequence ({rollout.kv_per_sequence / GIB:.2f} GiB): raise tp"
+                f"{where} has {engine.kv_pool / GIB:.1f} GiB of KV cache next to {resident / GIB:.1f} GiB of "
+                f"policy memory and {engine.engine_weights / GIB:.1f} GiB of engine weights: no room for one "
+                f"{seq_len}-token sequence ({engine.kv_per_sequence / GIB:.2f} GiB); raise tp or pp"
             )
-        if rollout.sequences < rollout_batch:
+        if engine.sequences < rollout.max_batch_size:
+            retry = " (the OOM retry halves the batch until it fits)" if rollout.backend == "torch" else ""
             notes.append(
-                f"the rollout KV pool holds {rollout.sequences} full-length sequences at once, fewer than "
-                f"rollout.max_batch_size={rollout_batch} (the engine queues the rest)"
+                f"{where} holds {engine.sequences} full-length sequences at once, fewer than "
+                f"rollout.max_batch_size={rollout.max_batch_size}{retry}"
             )
     placements = []
     for rank in range(world):
@@ -501,7 +528,7 @@ def plan(
         placements=tuple(placements),
         settings=memory,
         distill=distilled,
-        rollout=rollout,
+        rollout=engine,
         notes=tuple(notes),
     )
 
@@ -561,9 +588,12 @@ def format_plan(report: PlanReport) -> str:
     lines.append(f"  total        {report.peak.total / GIB:8.2f} GiB of {report.gpu_memory_gb:g} GiB")
     if report.rollout is not None:
         r = report.rollout
+        where = (
+            "one engine per GPU, asleep while training" if r.backend == "trtllm" else "torch engine on rank 0"
+        )
         lines.append(
-            f"rollout (engine colocated, asleep while training): engine weights {r.engine_weights / GIB:.2f} GiB, "
-            f"KV cache {r.kv_pool / GIB:.2f} GiB = {r.sequences} sequences of {report.seq_len} tokens "
+            f"rollout ({where}): engine weights {r.engine_weights / GIB:.2f} GiB, KV cache "
+            f"{r.kv_pool / GIB:.2f} GiB = {r.sequences} sequences of {report.seq_len} tokens "
             f"({r.kv_per_sequence / GIB:.2f} GiB each; rollout.max_batch_size {r.max_batch_size})"
         )
     lines += ["ranks:", "  rank  node  gpu  tp  pp  dp  layers"]

@@ -134,7 +134,7 @@ def _selection_margins(policy, batch, plan, pattern, prompt_len: int, kv_budget:
 
 
 def measure_sparse(case: dict) -> dict:
-    """DistillSparse's sparse forward on one long rollout of the reference engine.
+    """DistillSparse's sparse forward on one long rollout of the torch rollout engine.
 
     ``case``: ``hf_dir`` (a tiny HF checkpoint), ``prompt_len``, ``new_tokens``, ``budget`` (tokens of a
     fixed schedule, 16-token pages), ``dense_layers``. Returns the peak of the sparse scoring pass and of one
@@ -150,11 +150,11 @@ def measure_sparse(case: dict) -> dict:
     from sparrow_nemo.policy.policy import MegatronPolicy
     from sparrow_nemo.policy.sparse_forward import SparsePattern, SparsePlan
     from sparrow_nemo.rollout.engine import SamplingParams
-    from sparrow_nemo.rollout.reference import ReferenceRolloutEngine
+    from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
     from sparrow_nemo.sparse.schedule import BudgetSchedule
 
     ps, dense = 16, case["dense_layers"]
-    engine = ReferenceRolloutEngine.from_hf_dir(
+    engine = TorchRolloutEngine.from_hf_dir(
         case["hf_dir"],
         dense_layers=dense,
         page_size=ps,

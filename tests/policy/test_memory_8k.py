@@ -5,7 +5,7 @@
   most 1.5 x one chunk's fp32 logits plus the activations autograd saved (both measured). The unchunked
   path (logits materialised, :func:`vocab_parallel_logprobs`) would need ~5 x 4.6 GiB at 8K, so the two
   are compared for equality (values and every parameter gradient) at S = 256 with several chunks.
-- DistillSparse's sparse forward of one 8,192-token rollout of the reference engine (8,150 prompt + 42
+- DistillSparse's sparse forward of one 8,192-token rollout of the torch rollout engine (8,150 prompt + 42
   response tokens, a 256-token budget): equal to the engine's sparse logprobs (to 1e-4; a token whose page
   choice is a near-tie in fp32, relative score gap < 1e-5, may pick the other page, as the old mask-based
   forward did too), and the scoring pass and a LoRA step through it stay far below one layer's

@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 
 from sparrow_nemo.model_shapes import PRESETS
+from sparrow_nemo.policy.memory import MemorySettings
 from sparrow_nemo.policy.model import padded_vocab_size
 from sparrow_nemo.policy.parallel import LayoutError, ParallelLayout, stage_layer_range
-from sparrow_nemo.policy.memory import MemorySettings
 from sparrow_nemo.policy.plan import (
     GIB,
     DistillSpec,
+    RolloutSpec,
     estimate_memory,
     format_plan,
     head_bytes,
@@ -144,17 +145,33 @@ def test_distill_and_rollout_terms():
         sparse_layers_from=2,
         page_size=16,
     )
-    common = dict(nodes=1, gpus_per_node=8, tp=2, pp=1, micro_batch=1, seq_len=39_936, rollout_batch=256)
+    common = dict(nodes=1, gpus_per_node=8, tp=2, pp=1, micro_batch=1, seq_len=39_936)
     memory = MemorySettings(recompute_granularity="full")
-    r = plan(shape, memory=memory, distill=distill, **common)
+    trtllm = RolloutSpec("trtllm", 256, "bf16", 16)
+    r = plan(shape, memory=memory, distill=distill, rollout=trtllm, **common)
     assert r.distill is not None and r.distill.lora > 0 and r.distill.sparse_attention > 0
     assert r.distill.total > r.memory.total and r.peak is r.distill
-    kv_token = 28 * 2 * 4 * 128 * 2  # layers x (K, V) x this rank's KV heads x head_dim x bf16
-    assert r.rollout.kv_per_sequence == kv_token * 39_936
-    assert r.rollout.engine_weights == shape.num_parameters() * 2 // 2
+    kv_token = (
+        28 * 8 * 128 * (2 * 2 + 4 / 16)
+    )  # layers x KV heads x head_dim x (bf16 K and V + fp32 centroid / page)
+    assert r.rollout.kv_per_sequence == int(kv_token * 39_936)
+    assert r.rollout.engine_weights == shape.num_parameters() * 2  # one whole engine per GPU
     assert r.rollout.sequences == r.rollout.kv_pool // r.rollout.kv_per_sequence > 0
     text = format_plan(r)
     assert "distill" in text and "KV cache" in text and "sequences of 39936 tokens" in text
+    # the torch engine stays awake on rank 0: its KV cache gets what the training peak leaves
+    torch_engine = plan(shape, memory=memory, rollout=RolloutSpec("torch", 256, "bf16", 16), **common).rollout
+    free = 80 * GIB - r.memory.total - torch_engine.engine_weights
+    assert torch_engine.sequences == free // torch_engine.kv_per_sequence <= r.rollout.sequences
+    small = plan(shape, memory=memory, rollout=RolloutSpec("torch", 4, "bf16", 16), **common).rollout
+    assert small.sequences == 4 and small.kv_pool == 4 * small.kv_per_sequence
+    with pytest.raises(LayoutError, match="no room for one 39936-token sequence"):
+        plan(
+            shape,
+            memory=memory,
+            rollout=RolloutSpec("torch", 4, "bf16", 16),
+            **{**common, "gpu_memory_gb": 20},
+        )
     assert plan(shape, memory=memory, **common).distill is None
     with pytest.raises(LayoutError, match="below the longest sequence"):
         plan(shape, memory=MemorySettings(max_tokens_per_micro_batch=4096), **common)
