@@ -40,8 +40,8 @@ def row_groups(
             rows keep their order, in contiguous groups).
         max_tokens: token budget of a micro-batch: rows sorted by length (longest first), a micro-batch
             takes rows while rows x its longest row <= max_tokens. A row longer than the budget is an error.
-        multiple_of: the number of micro-batches is made a multiple of this (data-parallel ranks) by
-            splitting the micro-batches with the most rows.
+        multiple_of: with ``max_tokens``, the number of micro-batches is made a multiple of this
+            (data-parallel ranks) by splitting the micro-batches with the most rows.
 
     Returns:
         One int64 tensor of row indices per micro-batch.
@@ -71,7 +71,7 @@ def row_groups(
             current.append(row)
         if current:
             groups.append(torch.tensor(current))
-    while len(groups) % multiple_of:
+    while max_tokens is not None and len(groups) % multiple_of:
         widest = max(range(len(groups)), key=lambda i: groups[i].numel())
         if groups[widest].numel() < 2:
             raise ValueError(
