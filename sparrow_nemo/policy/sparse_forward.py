@@ -250,13 +250,10 @@ def _block_attention(
     group = num_q_heads // num_kv_heads
     with torch.no_grad():
         keep = query_block_pages(q, k, centroids, plan, pattern, lo, hi).transpose(1, 2)  # [B, Hkv, n, P]
-        union = _sorted_true(keep.any(dim=2))  # [B, Hkv, U]
-        tok = (union.clamp(min=0)[..., None] * ps + torch.arange(ps, device=q.device)).flatten(
-            2
-        )  # [B, Hkv, U*ps]
-        member = (
-            keep.gather(3, union.clamp(min=0)[:, :, None, :].expand(-1, -1, n, -1)) & (union >= 0)[:, :, None]
-        )
+        union = _sorted_true(keep.any(dim=2))  # [B, Hkv, U] pages any query of the block attends to
+        page = union.clamp(min=0)
+        tok = (page[..., None] * ps + torch.arange(ps, device=q.device)).flatten(2)  # [B, Hkv, U*ps]
+        member = keep.gather(3, page[:, :, None, :].expand(-1, -1, n, -1)) & (union >= 0)[:, :, None]
         t = torch.arange(lo, hi, device=q.device)
         allowed = member.repeat_interleave(ps, dim=3) & (tok[:, :, None, :] <= t[None, None, :, None])
         flat = (
