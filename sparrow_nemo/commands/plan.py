@@ -76,6 +76,7 @@ def plan_config(config, nodes: int, gpus_per_node: int, gpu_memory_gb: float):
             config.rollout.max_batch_size,
             config.model.dtype,
             config.sparsity.page_size,
+            config.sparsity.dense_layers,
         ),
     )
 

@@ -27,7 +27,7 @@ training dtype, ``T`` the tokens of a micro-batch (``max_tokens_per_micro_batch`
 - DistillSparse (when enabled): the adapter's parameters, gradients and AdamW moments, and in its
   sparse forward the fp32 keys/values each sparse layer keeps plus one query block's scores;
 - rollout (the colocated engine, :class:`RolloutSpec`): its weights (the whole model: engine TP is 1)
-  and KV cache (keys, values, fp32 page centroids), and how many full-length sequences fit. TensorRT-LLM
+  and KV cache (keys, values, page centroids), and how many full-length sequences fit. TensorRT-LLM
   runs one engine per GPU, asleep while the policy trains, whose pool takes
   :data:`~sparrow_nemo.rollout.trtllm.KV_CACHE_FREE_FRACTION` of the memory the policy's weights, grads
   and optimizer leave; the torch engine runs on rank 0 and stays awake through the training step, so its
@@ -122,13 +122,16 @@ class RolloutSpec:
             the trainer does not put it to sleep, so it stays during training).
         max_batch_size: ``rollout.max_batch_size``.
         dtype: the engine's weight and KV dtype (``model.dtype``).
-        page_size: KV page tokens (one fp32 centroid per page, layer and KV head).
+        page_size: KV page tokens (one centroid per page, layer and KV head: the torch engine's in the KV
+            dtype in every layer, TensorRT-LLM's in fp32 in the sparse layers).
+        dense_layers: leading layers without page selection (``sparsity.dense_layers``).
     """
 
     backend: str
     max_batch_size: int
     dtype: str
     page_size: int
+    dense_layers: int = 0
 
 
 @dataclass(frozen=True)
@@ -381,9 +384,17 @@ def rollout_memory(
 
     nbytes = _DTYPE_BYTES[spec.dtype]
     engine_weights = shape.num_parameters() * nbytes
-    per_token = (
-        shape.num_layers * shape.num_key_value_heads * shape.head_dim * (2 * nbytes + 4 / spec.page_size)
-    )
+    kv = shape.num_layers * shape.num_key_value_heads * shape.head_dim
+    if spec.backend == "trtllm":  # fp32 centroids of the sparse layers (the KV-cache manager's pool)
+        from sparrow_nemo.rollout.trtllm_kv_cache import centroid_bytes_per_token
+
+        sparse_layers = shape.num_layers - spec.dense_layers
+        centroids = centroid_bytes_per_token(
+            sparse_layers, shape.num_key_value_heads, shape.head_dim, spec.page_size
+        )
+    else:  # the torch engine's paged cache: a centroid per page and layer in the KV dtype
+        centroids = kv * nbytes / spec.page_size
+    per_token = 2 * kv * nbytes + centroids
     kv_per_sequence = int(per_token * seq_len)
     free = max(gpu_bytes - resident - engine_weights, 0)
     if spec.backend == "trtllm":

@@ -10,8 +10,9 @@ for tests) under :class:`SandboxLimits`. Its caps, and who enforces them:
   capped by ``RLIMIT_AS``; the work folder's tmpfs is capped separately (``disk_mb``);
 - processes (``max_processes``): ``RLIMIT_NPROC``, which the kernel counts per user namespace, so it caps
   this sandbox's processes only; CPU seconds (``cpu_s``): ``RLIMIT_CPU`` per process;
-- output (``output_bytes``): stdout and every reply line are read with that cap (the sandbox is killed past
-  it); ``RLIMIT_FSIZE`` caps each file written;
+- output (``output_bytes``): stdout, every reply line and the total written to stderr (where a served
+  program's prints go) are read with that cap (the sandbox is killed past it); ``RLIMIT_FSIZE`` caps each
+  file written;
 - lifetime: killing the sandbox kills bwrap, whose PID-namespace init dies with it (``--die-with-parent``),
   and the kernel then kills every process left in that namespace; :meth:`SandboxProcess.close` returns only
   once that init is gone (a pidfd on it), so no process of the program outlives the reward.
@@ -105,6 +106,7 @@ class SandboxProcess:
         self.failure: str | None = None  # why the sandbox was stopped, when it was
         self.stdout = b""
         self._stderr = bytearray()
+        self._stderr_total = 0  # bytes read from stderr so far (only the first _STDERR_KEEP are kept)
         self._pending = b""
         self._tmp: Path | None = None
         self._init_pidfd: int | None = None
@@ -171,7 +173,7 @@ class SandboxProcess:
                     return wire.loads(line)
                 except wire.WireError as exc:
                     self.stop(f"bad message: {exc}")
-            elif len(self.stdout) > cap:
+            elif len(self.stdout) > cap or self._stderr_total > self.limits.output_bytes:
                 self.stop("output limit")
             elif self.proc.stdout.closed:
                 self.stop("exited")
@@ -185,7 +187,7 @@ class SandboxProcess:
         """Collect stdout until the program has exited and closed its output (True), or it is stopped at a
         limit (False; :attr:`failure` says which)."""
         while self.failure is None:
-            if len(self.stdout) > self.limits.output_bytes:
+            if max(len(self.stdout), self._stderr_total) > self.limits.output_bytes:
                 self.stop("output limit")
             elif self.proc.poll() is not None and self.proc.stdout.closed and self.proc.stderr.closed:
                 break
@@ -222,8 +224,10 @@ class SandboxProcess:
                 pipe.close()
             elif pipe is self.proc.stdout:
                 self.stdout += chunk
-            elif len(self._stderr) < _STDERR_KEEP:
-                self._stderr += chunk[: _STDERR_KEEP - len(self._stderr)]
+            else:
+                self._stderr_total += len(chunk)
+                if len(self._stderr) < _STDERR_KEEP:
+                    self._stderr += chunk[: _STDERR_KEEP - len(self._stderr)]
         if ready_w:
             try:
                 written = os.write(self.proc.stdin.fileno(), self._pending[: 1 << 16])
