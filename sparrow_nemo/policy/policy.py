@@ -13,13 +13,14 @@ from typing import Literal
 
 import torch
 
-from sparrow_nemo.config.schema import AT_LEAST_ONE, Section, knob
+from sparrow_nemo.config.schema import AT_LEAST_ONE, knob
 from sparrow_nemo.hf_qwen3 import LoraAdapter, resolve_dtype
 from sparrow_nemo.model_shapes import Qwen3Shape
 from sparrow_nemo.policy.batch import PolicyBatch
 from sparrow_nemo.policy.hf_import import export_hf_state_dict, load_hf_into_model
 from sparrow_nemo.policy.logprobs import TOP_K, LogprobOutput
 from sparrow_nemo.policy.lora import LoraConfig, MegatronLora, frozen
+from sparrow_nemo.policy.memory import DEFAULT_MEMORY, MemorySettings
 from sparrow_nemo.policy.model import build_model
 from sparrow_nemo.policy.optim import OptimizerSettings, TorchPolicyOptimizer, wrap_for_training
 from sparrow_nemo.policy.parallel import ParallelLayout, destroy_parallel, initialize_parallel
@@ -47,6 +48,7 @@ class MegatronPolicy:
         use_te: Transformer Engine layer spec (``None``: when a GPU and TE are present).
         fp8: FP8 recipe name for TE (``None``: off).
         seed: model-parallel RNG seed (used for the random init when there is no ``hf_dir``).
+        memory: activation recompute, sequence parallelism and the logprob chunk (the recipe's).
     """
 
     def __init__(
@@ -59,9 +61,10 @@ class MegatronPolicy:
         use_te: bool | None = None,
         fp8: str | None = None,
         seed: int = 1234,
+        memory: MemorySettings = DEFAULT_MEMORY,
     ) -> None:
         initialize_parallel(layout, shape, seed=seed)
-        model, self.spec = build_model(shape, layout, dtype, use_te=use_te, fp8=fp8)
+        model, self.spec = build_model(shape, layout, dtype, use_te=use_te, fp8=fp8, memory=memory)
         if hf_dir is not None:
             load_hf_into_model(model, self.spec, hf_dir)
         self.model, self.optimizer = wrap_for_training(
@@ -163,8 +166,9 @@ class MegatronPolicy:
 
 # ----- the recipe's ``policy`` section -------------------------------------------------------------
 @dataclass(frozen=True)
-class PolicyConfig(Section):
-    """The trained policy: megatron-core parallel layout, batching, precision and optimizer."""
+class PolicyConfig(MemorySettings):
+    """The trained policy: megatron-core parallel layout, batching, precision, optimizer, and the activation
+    memory settings (:class:`~sparrow_nemo.policy.memory.MemorySettings`, whose keys come first)."""
 
     tensor_model_parallel_size: int = knob(
         1, "tensor-parallel ranks (must divide the query and KV head counts)", check=AT_LEAST_ONE
@@ -175,18 +179,17 @@ class PolicyConfig(Section):
     data_parallel_size: int | None = knob(
         None, "data-parallel ranks; null = world size / (tensor x pipeline)", check=AT_LEAST_ONE
     )
-    micro_batch_size: int = knob(4, "sequences per forward/backward micro-batch", check=AT_LEAST_ONE)
+    micro_batch_size: int = knob(
+        4,
+        "sequences per forward/backward micro-batch (rows are cut to its longest sequence)",
+        check=AT_LEAST_ONE,
+    )
     precision: Literal["fp32", "bf16", "fp16"] = knob(
         "fp32", "training compute precision (bf16/fp16 keep fp32 master weights)"
-    )
-    sequence_parallel: bool = knob(
-        False, "Megatron sequence parallelism (needs tensor_model_parallel_size > 1)"
-    )
-    activation_recompute: bool = knob(
-        False, "megatron full activation recomputation (trades ~1/3 more compute for activation memory)"
     )
     optimizer: OptimizerSettings = knob(doc="Adam(W) settings", factory=OptimizerSettings)
 
     def check(self) -> None:
+        super().check()
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise self.invalid("sequence_parallel", "false unless tensor_model_parallel_size > 1")
