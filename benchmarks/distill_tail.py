@@ -29,7 +29,6 @@ from pathlib import Path
 import torch
 
 from sparrow_nemo.callbacks.distill_report import distill_rounds, measure_adapter
-from sparrow_nemo.callbacks.distill_sparse import DistillSparse
 from sparrow_nemo.config import load_config
 from sparrow_nemo.grpo import setup
 from sparrow_nemo.grpo.trainer import GrpoTrainer
@@ -60,10 +59,10 @@ def run(args: argparse.Namespace, run_dir: Path) -> dict:
     start = time.time()
     trainer = GrpoTrainer(config, run_dir)
     try:
-        callback = DistillSparse()
-        callback.on_train_start(trainer)
+        phase = trainer.distill  # the recipe's DistillSparse phase (distill.enabled)
+        phase.start(trainer.policy, trainer.rollout_engine)
         schedule = trainer.schedule
-        losses = distill_rounds(trainer, callback, schedule, args.rounds)
+        losses = distill_rounds(trainer, phase, schedule, args.rounds)
         adapter = trainer.policy.lora.export_adapter()
         held_out = [
             i.prompt_ids for i in trainer.prompts.eval_batch(args.eval_prompts) for _ in range(args.samples)

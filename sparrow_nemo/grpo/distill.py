@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from sparrow_nemo.config import DistillConfig
-from sparrow_nemo.grpo.process_model import distributed, object_group
+from sparrow_nemo.grpo.process_model import distributed, object_group, replica_mean
 from sparrow_nemo.grpo.rollout_step import RolloutTensors, collate, concat_outputs, micro_batches
 from sparrow_nemo.policy.batch import PolicyBatch
 from sparrow_nemo.policy.logprobs import LogprobOutput
@@ -179,6 +179,9 @@ class DistillSparse:
         micro_batch_size: rows per adapter micro-batch (the policy's).
     """
 
+    #: the trainer builds it from this recipe section; ``callbacks:`` refuses it (callbacks.base)
+    built_in = "distill section (distill.enabled=true)"
+
     def __init__(
         self, config: DistillConfig, policy_lr: float, pattern: SparsePattern, micro_batch_size: int
     ):
@@ -244,7 +247,7 @@ class DistillSparse:
             "distill/skipped_nonfinite": float(sum(r.skipped is not None for r in results)),
         }
         if "pg" in results[-1].metrics:
-            metrics["distill/pg"] = results[-1].metrics["pg"]
+            metrics["distill/pg"] = replica_mean({"pg": results[-1].metrics["pg"]})["pg"]
         entry: dict[str, Any] = {"step": self.step, "loss_first": results[0].loss, "loss": results[-1].loss}
         if probe is not None and before is not None:
             after = probe.measure(engine, schedule)

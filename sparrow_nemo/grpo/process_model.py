@@ -332,9 +332,19 @@ def reduce_max(values: Sequence[float]) -> list[float]:
     return _reduce(values, dist.ReduceOp.MAX)
 
 
-def reduce_min(values: Sequence[float]) -> list[float]:
-    """Element-wise minima over all ranks. Collective."""
-    return _reduce(values, dist.ReduceOp.MIN)
+def replica_mean(metrics: dict[str, float]) -> dict[str, float]:
+    """Per-replica loss metrics (each a mean over the replica's micro-batches, the same on its model-parallel
+    ranks) over all data-parallel replicas: the mean, or for ``*_max`` / ``*_min`` the extreme. Equal
+    micro-batch counts per replica make the mean the one-rank mean over all micro-batches. Collective."""
+    keys = sorted(metrics)
+    world = dist.get_world_size() if distributed() else 1
+    sums = reduce_sums([float(metrics[k]) for k in keys])
+    signs = [-1.0 if k.endswith("_min") else 1.0 for k in keys]
+    extremes = reduce_max([s * float(metrics[k]) for s, k in zip(signs, keys)])
+    return {
+        k: s * e if k.endswith(("_max", "_min")) else total / world
+        for k, total, s, e in zip(keys, sums, signs, extremes)
+    }
 
 
 def gather_scalars(value: float) -> list[float]:

@@ -253,7 +253,20 @@ class StepStats:
 
 
 def measure(batch: StepBatch, quantile: float, noise_z: float, cost_model: Any | None = None) -> StepStats:
-    """The step's :class:`StepStats` from every rank's own samples and tokens. Collective over the world.
+    """:func:`measure_tokens` of this rank's samples and the acceptance rate of their tokens. Collective."""
+    return measure_tokens(batch.local, batch.local_mismatch(), batch.schedule, quantile, noise_z, cost_model)
+
+
+def measure_tokens(
+    local: LocalRollout,
+    mm: TokenMismatch,
+    schedule: BudgetSchedule,
+    quantile: float,
+    noise_z: float,
+    cost_model: Any | None = None,
+) -> StepStats:
+    """The step's :class:`StepStats` from every rank's own samples (``local``, rewards scored) and the
+    mismatch of their response tokens (``mm``, sample-major). Collective over the world.
 
     Each sample and token is counted on the rank that generated it (so nothing is counted twice however
     many model-parallel ranks hold a copy): one all-reduce each of sums, maxima and minima, one all-gather
@@ -261,10 +274,8 @@ def measure(batch: StepBatch, quantile: float, noise_z: float, cost_model: Any |
     ``cost_model`` prices this engine's batch dense and under the step's schedule (the step's prediction is
     the slowest engine's dense time over its slowest sparse time).
     """
-    local, schedule = batch.local, batch.schedule
     world = torch.distributed.group.WORLD if distributed() else None
     rank0 = not distributed() or torch.distributed.get_rank() == 0
-    mm = batch.local_mismatch()
     lengths = torch.tensor([s.response_ids.numel() for s in local.samples], dtype=torch.int64)
     truncated = sum(s.finish_reason == "length" for s in local.samples)
     rewards = local.rewards.double()

@@ -54,7 +54,7 @@ from sparrow_nemo.grpo.evaluation import evaluate
 from sparrow_nemo.grpo.metrics import MetricsWriter, merge_metrics, progress, rollout_progress
 from sparrow_nemo.grpo.objective import grpo_loss_fn, policy_loss_config
 from sparrow_nemo.grpo.preemption import Preempted, PreemptionGuard
-from sparrow_nemo.grpo.process_model import RankPlan, broadcast_object, reduce_max
+from sparrow_nemo.grpo.process_model import RankPlan, broadcast_object, reduce_max, replica_mean
 from sparrow_nemo.grpo.prompts import PromptItem, build_prompt_source
 from sparrow_nemo.grpo.refit import engine_weights, refit
 from sparrow_nemo.grpo.rollout_step import concat_outputs, micro_batches, reference_logprobs
@@ -466,7 +466,7 @@ class GrpoTrainer:
                 self._nonfinite_streak += 1
             if self.is_main:
                 logger.warning("step %d: update skipped, %s", self.state.step, result.skip_detail)
-        out = {f"train/{k}": float(v) for k, v in result.metrics.items()}
+        out = {f"train/{k}": v for k, v in replica_mean(result.metrics).items()}
         out["train/loss"] = result.loss
         out["train/grad_norm"] = result.grad_norm
         out["train/skipped_nonfinite"] = float(result.skipped is not None)

@@ -1,0 +1,37 @@
+"""``sparrow train`` of a recipe that also saves the final policy weights (HF names) for comparison.
+
+Run under torchrun (``torchrun --nproc_per_node=4 tests/distributed/_train_run.py RUN_DIR RECIPE [k=v ...]``)
+or called in-process on one rank (:func:`train_and_export`). Rank 0 writes ``RUN_DIR/final_weights.pt``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from sparrow_nemo.config import load_config
+from sparrow_nemo.grpo import setup
+from sparrow_nemo.grpo.trainer import GrpoTrainer
+
+WEIGHTS = "final_weights.pt"
+
+
+def train_and_export(run_dir: Path, recipe: str, overrides: list[str]) -> None:
+    """Train ``recipe`` with ``overrides`` into ``run_dir`` and save the final weights there (rank 0)."""
+    config = load_config(recipe, overrides)
+    setup.start_processes(config.trainer.dist_timeout_minutes)
+    setup.apply_cpu_threads(config)
+    trainer = GrpoTrainer(config, run_dir)
+    try:
+        trainer.fit()
+        weights = trainer.policy.export_hf()
+        if setup.rank() == 0:
+            torch.save(weights, Path(run_dir) / WEIGHTS)
+    finally:
+        trainer.policy.close()
+
+
+if __name__ == "__main__":
+    train_and_export(Path(sys.argv[1]), sys.argv[2], sys.argv[3:])
