@@ -1,11 +1,14 @@
 """``sparrow train`` of a recipe that also saves the final policy weights (HF names) for comparison.
 
 Run under torchrun (``torchrun --nproc_per_node=4 tests/distributed/_train_run.py RUN_DIR RECIPE [k=v ...]``)
-or called in-process on one rank (:func:`train_and_export`). Rank 0 writes ``RUN_DIR/final_weights.pt``.
+or called in-process on one rank (:func:`train_and_export`). Rank 0 writes ``RUN_DIR/final_weights.pt``; every
+rank writes ``RUN_DIR/refit_rank<r>.json``: the largest difference between its engine's weights and the
+policy's after the run (the last refit), over every HF tensor.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -27,6 +30,13 @@ def train_and_export(run_dir: Path, recipe: str, overrides: list[str]) -> None:
     try:
         trainer.fit()
         weights = trainer.policy.export_hf()
+        engine = trainer.rollout_engine.model.params
+        gap = max(
+            float((engine[n].float() - w.float()).abs().max()) for n, w in weights.items() if n in engine
+        )
+        names = sorted(set(weights) & set(engine))
+        refit = {"max_abs_diff": gap, "tensors": len(names)}
+        (Path(run_dir) / f"refit_rank{setup.rank()}.json").write_text(json.dumps(refit))
         if setup.rank() == 0:
             torch.save(weights, Path(run_dir) / WEIGHTS)
     finally:
