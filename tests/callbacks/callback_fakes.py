@@ -74,9 +74,3 @@ class ThresholdCallback(Callback):
         self.threshold = threshold
         self.mode = mode
 
-
-class LoggingCallback(Callback):
-    """Logs ``{"seen": step}`` from on_train_batch_end (its metrics get the trainer's callback prefix)."""
-
-    def on_train_batch_end(self, trainer, report, metrics):
-        trainer.log({"seen": float(report.step)})
