@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +42,7 @@ from sparrow_nemo.config import SparrowConfig
 from sparrow_nemo.grpo import setup
 from sparrow_nemo.grpo.advantages import compute_advantages
 from sparrow_nemo.grpo.checkpointing import (
+    TrainerState,
     load_run_checkpoint,
     prune_checkpoints,
     resume_candidates,
@@ -80,58 +80,6 @@ class NonFiniteTrainingError(RuntimeError):
 
 class _StopRequested(Exception):
     """A stop signal was agreed between two phases of a step (internal: the step is abandoned)."""
-
-
-@dataclass
-class TrainerState:
-    """Everything a resume needs besides the policy checkpoint and the callbacks' states (plain data).
-
-    Attributes:
-        step: RL steps completed.
-        schedule: the budget schedule the next rollout uses.
-        prompt_cursor: position in the prompt stream.
-        initial_schedule: the schedule the run started with (for the summary).
-        warm_start_dir: the HF checkpoint the policy started from, if any.
-        evals: evaluation results by tag ("start", "start_dense", "end", "end_dense").
-        prompt_stream: :meth:`PromptSource.state_dict` (cursor, epoch, seed) as of the last checkpoint.
-        metrics_rows: rows in ``metrics.jsonl`` as of the last checkpoint (a resumed run drops later ones).
-    """
-
-    step: int
-    schedule: BudgetSchedule
-    prompt_cursor: int = 0
-    initial_schedule: BudgetSchedule | None = None
-    warm_start_dir: str | None = None
-    evals: dict[str, dict[str, float]] = field(default_factory=dict)
-    prompt_stream: dict[str, Any] = field(default_factory=dict)
-    metrics_rows: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "schedule": self.schedule.to_dict(),
-            "prompt_cursor": self.prompt_cursor,
-            "initial_schedule": None if self.initial_schedule is None else self.initial_schedule.to_dict(),
-            "warm_start_dir": self.warm_start_dir,
-            "evals": self.evals,
-            "prompt_stream": self.prompt_stream,
-            "metrics_rows": self.metrics_rows,
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TrainerState:
-        """Inverse of :meth:`to_dict`."""
-        initial = data["initial_schedule"]
-        return cls(
-            step=int(data["step"]),
-            schedule=BudgetSchedule.from_dict(data["schedule"]),
-            prompt_cursor=int(data["prompt_cursor"]),
-            initial_schedule=None if initial is None else BudgetSchedule.from_dict(initial),
-            warm_start_dir=data["warm_start_dir"],
-            evals=dict(data["evals"]),
-            prompt_stream=dict(data["prompt_stream"]),
-            metrics_rows=int(data["metrics_rows"]),
-        )
 
 
 class GrpoTrainer:
@@ -181,6 +129,7 @@ class GrpoTrainer:
         self.callbacks = CallbackList(
             [c for c in user_callbacks if self.is_main or c.collective]
         )  # user extras: rank 0, plus the collective ones everywhere
+        self._has_user_callbacks = len(user_callbacks) > 0  # the same on every rank
         clash = {SCHEDULER_KEY, DISTILL_KEY} & set(self.callbacks.state_keys())
         if clash:
             raise ValueError(
@@ -366,7 +315,7 @@ class GrpoTrainer:
         if self.scheduler is not None:
             self.scheduler.on_train_batch_end(self, report, train)
         self.callbacks.on_train_batch_end(self, report, train)
-        if len(self.callbacks):  # a user callback on rank 0 may have changed the schedule
+        if self._has_user_callbacks:  # a user callback on rank 0 may have changed the schedule
             self._sync_schedule()
         self.state.step += 1
         with timer.phase("checkpoint"):

@@ -73,4 +73,3 @@ class ThresholdCallback(Callback):
             raise ValueError(f"ThresholdCallback: mode={mode!r}, expected one of watch, act")
         self.threshold = threshold
         self.mode = mode
-

@@ -14,11 +14,25 @@ from pathlib import Path
 
 import torch
 
+from sparrow_nemo.callbacks import Callback
 from sparrow_nemo.config import load_config
 from sparrow_nemo.grpo import setup
 from sparrow_nemo.grpo.trainer import GrpoTrainer
+from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 WEIGHTS = "final_weights.pt"
+
+
+class ScheduleBump(Callback):
+    """A user callback (rank 0 only) that raises every budget by one page after step 0: the next rollouts,
+    on every rank, must use the new schedule (the trainer hands rank 0's schedule to all ranks)."""
+
+    def on_train_batch_end(self, trainer, report, metrics) -> None:
+        if report.step == 0:
+            s = trainer.schedule
+            budgets = tuple(b + s.page_size for b in s.budgets)
+            trainer.schedule = BudgetSchedule(s.bin_tokens, budgets, s.page_size, name="bumped")
+            trainer.log({"bumped": 1.0})
 
 
 def train_and_export(run_dir: Path, recipe: str, overrides: list[str]) -> None:

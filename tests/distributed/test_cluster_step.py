@@ -12,7 +12,9 @@ in-process. Checked per step against the one-rank run:
   loss and the log-ppl difference, values near 0, to abs 1e-6;
 - the same final weights: every tensor within rel 1e-4 of the one-rank run (L2) and 1e-3 of it element-wise
   (one Adam step moves an element by at most ~lr = 1e-3; a gradient element near 0 may change sign);
-- every rank's engine holds exactly the policy's final weights (the refit reached all of them).
+- every rank's engine holds exactly the policy's final weights (the refit reached all of them);
+- a user callback (rank 0 only) that changes the schedule after step 0 changes it for every rank's step-1
+  rollouts (``ScheduleBump``; step 1 would differ otherwise).
 
 ``sparsity/predicted_speedup`` is per engine batch (the slowest engine's), so it is not compared.
 """
@@ -107,6 +109,7 @@ def test_four_ranks_give_the_one_rank_step(layout, one_rank, cache_overrides, tm
     _torchrun(run_dir, [*OVERRIDES, *cache_overrides, *LAYOUTS[layout]])
     ones, fours = _rows(one_rank), _rows(run_dir)
     assert [r["step"] for r in fours] == [r["step"] for r in ones] == [0, 1]
+    assert ones[1]["sparsity/budget/bin_0"] == ones[0]["sparsity/budget/bin_0"] + 4  # bumped by one page
     for one, four in zip(ones, fours):
         compared = [k for k in one if not k.startswith(NOT_COMPARED)]
         assert sorted(compared) == sorted(k for k in four if not k.startswith(NOT_COMPARED))
@@ -117,6 +120,7 @@ def test_four_ranks_give_the_one_rank_step(layout, one_rank, cache_overrides, tm
                 assert four[key] == pytest.approx(one[key], abs=1e-6), (layout, one["step"], key)
             else:
                 assert four[key] == pytest.approx(one[key], rel=1e-4, abs=1e-9), (layout, one["step"], key)
+        assert four.get("callbacks/ScheduleBump/bumped") == one.get("callbacks/ScheduleBump/bumped")
         shares = [four[f"rollout/tokens_rank_{r}"] for r in range(4)]
         assert sum(shares) == four["rollout/tokens"] and "rollout/tokens_rank_4" not in four
         for share in shares:  # 2 of the step's 8 prompts (16 samples) on every rank's engine

@@ -11,7 +11,7 @@ import torch
 from sparrow_nemo.grpo.metrics import MetricsWriter, merge_metrics, read_metrics, rollout_progress
 from sparrow_nemo.grpo.plots import write_plots
 from sparrow_nemo.grpo.step_batch import LocalRollout, measure_tokens
-from sparrow_nemo.grpo.summary import format_summary, tail_per_bin
+from sparrow_nemo.grpo.summary import format_summary, tail_per_bin, timing_per_phase
 from sparrow_nemo.model_shapes import PRESETS
 from sparrow_nemo.rollout.engine import RolloutSample, SamplingParams
 from sparrow_nemo.rollout.reference import ReferenceRolloutEngine
@@ -96,6 +96,8 @@ def test_tail_per_bin_summary_and_plots(tmp_path: Path) -> None:
             "acceptance/p5/bin_0": 0.9,
             "acceptance/p5/bin_1": 0.7,
             "sparsity/budget/bin_0": 64.0,
+            "timing/step": 2.0,
+            "timing/rollout": 1.5,
         },
         {
             "step": 1,
@@ -103,8 +105,11 @@ def test_tail_per_bin_summary_and_plots(tmp_path: Path) -> None:
             "acceptance/p5/bin_0": 0.88,
             "acceptance/p5/bin_1": 0.9,
             "sparsity/budget/bin_0": 96.0,
+            "timing/step": 4.0,
+            "timing/rollout": 2.5,
         },
     ]
+    assert timing_per_phase(history) == {"step": 3.0, "rollout": 2.0}
     tails = tail_per_bin(history)
     assert tails == {
         0: {"last": 0.88, "min": 0.88, "steps": 2, "tokens": 0},
@@ -120,13 +125,14 @@ def test_tail_per_bin_summary_and_plots(tmp_path: Path) -> None:
         "final_schedule": {"budgets": [96]},
         "predicted_speedup_mean": 1.5,
         "measured_rollout_speedup": 1.1,
+        "timing_mean_s": timing_per_phase(history),
     }
     text = format_summary(summary)
     assert (
         "start 0.250 -> end 0.500 (sparse schedule), n/a -> n/a (dense)" in text
         and "bin   1: 0.900 / 0.700  ok  [0 tokens]" in text
     )
-    assert "1.50x" in text
+    assert "1.50x" in text and "seconds per step (mean): step 3.00, rollout 2.00" in text
     paths = write_plots(history, 0.86, tmp_path / "plots")
     assert sorted(p.name for p in paths) == [
         "response_length.png",
