@@ -45,6 +45,7 @@ OVERRIDES = [
     "evaluation.num_prompts=8",
     "logging.plots=false",
     "checkpoint.enabled=false",
+    "callbacks=[{_target_: distributed._train_run.ScheduleBump}]",
 ]
 LAYOUTS = {
     "dp4": [],
