@@ -98,6 +98,11 @@ class GrpoTrainer:
         if run_dir is not None:
             check_run_dir(config, run_dir)  # before anything is built or written
         user_callbacks = instantiate_callbacks(config.callbacks)  # a bad entry fails before any work
+        clash = {SCHEDULER_KEY, DISTILL_KEY} & set(user_callbacks.state_keys())
+        if clash:
+            raise ValueError(
+                f"callbacks: a user callback is named like a built-in component: {sorted(clash)}"
+            )
         self.show_progress = config.logging.progress_bar and self.is_main
         self.prompts = build_prompt_source(config)
         hf_dir = config.model.hf_checkpoint
@@ -130,11 +135,6 @@ class GrpoTrainer:
             [c for c in user_callbacks if self.is_main or c.collective]
         )  # user extras: rank 0, plus the collective ones everywhere
         self._has_user_callbacks = len(user_callbacks) > 0  # the same on every rank
-        clash = {SCHEDULER_KEY, DISTILL_KEY} & set(self.callbacks.state_keys())
-        if clash:
-            raise ValueError(
-                f"callbacks: a user callback is named like a built-in component: {sorted(clash)}"
-            )
         self.metrics = MetricsWriter(
             self.run_dir, config.logging.jsonl, config.logging.tensorboard and self.is_main
         )
