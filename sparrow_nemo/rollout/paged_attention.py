@@ -1,4 +1,4 @@
-"""Attention for the reference engine: dense causal prefill, and decode over the paged KV cache.
+"""Attention for the torch rollout engine: dense causal prefill, and decode over the paged KV cache.
 
 Decode has two implementations with the same semantics (sparrow_nemo.sparse.attention):
 - ``torch``: the method layer's page selection (``select_pages_from_centroids``) on the cache's
@@ -88,6 +88,38 @@ def decode_attention_torch(
     return decode_attention(q, k, v, mask)
 
 
+class TorchDecode:
+    """The plain-torch path: :meth:`PagedKVCache.append` and :func:`decode_attention_torch`."""
+
+    def append(
+        self,
+        cache: PagedKVCache,
+        layer: int,
+        block_table: torch.Tensor,
+        positions: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+    ) -> None:
+        """Store one token per row at ``positions [B]``; ``k_new, v_new [B, Hkv, D]``."""
+        cache.append(layer, block_table, positions, k_new, v_new)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        cache: PagedKVCache,
+        layer: int,
+        block_table: torch.Tensor,
+        seq_len: torch.Tensor,
+        budget_tokens: torch.Tensor | None,
+        sink_pages: int,
+        local_pages: int,
+    ) -> torch.Tensor:
+        """:func:`decode_attention_torch`: ``q [B, Hq, D]`` -> ``[B, Hq, D]``; None = dense."""
+        return decode_attention_torch(
+            q, cache, layer, block_table, seq_len, budget_tokens, sink_pages, local_pages
+        )
+
+
 class KernelDecode:
     """The fused ``sparrow_kernels`` path: append with centroid update, and select + attend."""
 
@@ -111,7 +143,7 @@ class KernelDecode:
             cache.v_pages[layer],
             cache.centroids[layer],
             block_table,
-            positions.to(torch.int32),
+            positions,
             k_new.to(cache.k_pages[layer].dtype),
             v_new.to(cache.v_pages[layer].dtype),
         )
@@ -127,15 +159,16 @@ class KernelDecode:
         sink_pages: int,
         local_pages: int,
     ) -> torch.Tensor:
-        """Kernel version of :func:`decode_attention_torch`; None = dense (every page, no scoring pass)."""
-        budget = DENSE_BUDGET if budget_tokens is None else budget_tokens.to(torch.int32)
+        """Kernel version of :func:`decode_attention_torch`; None = dense (every page, no scoring pass).
+        Two launches (one for dense); int64 lengths and budgets are read as they are, no casts."""
+        budget = DENSE_BUDGET if budget_tokens is None else budget_tokens
         return self._k.sparse_decode_attention_paged(
             q,
             cache.k_pages[layer],
             cache.v_pages[layer],
             cache.centroids[layer],
             block_table,
-            seq_len.to(torch.int32),
+            seq_len,
             budget,
             page_size=cache.page_size,
             sink_pages=sink_pages,

@@ -1,6 +1,6 @@
 """The DistillSparse phase on a tiny random Qwen3 (fp32, CPU, one process; two ranks: ``tests/test_distill_e2e.py``).
 
-The phase gets a megatron policy, a reference engine, the ``tiny_cpu_distill`` recipe's ``distill`` section, a
+The phase gets a megatron policy, a torch rollout engine, the ``tiny_cpu_distill`` recipe's ``distill`` section, a
 probe (random prompts) and rollouts of those prompts as its data (KL only). Checked: the adapter steps fit their
 batch (k3 falls) and the engine rolls out with the updated adapter, per-bin p5 and KL before/after are
 returned, the policy's own weights never move, the loss gradient is k3 + sparse PG with the advantages, bad
@@ -32,8 +32,8 @@ from sparrow_nemo.policy.parallel import ParallelLayout
 from sparrow_nemo.policy.policy import MegatronPolicy
 from sparrow_nemo.policy.sparse_forward import SparsePattern
 from sparrow_nemo.rollout.engine import SamplingParams
-from sparrow_nemo.rollout.reference import ReferenceRolloutEngine
 from sparrow_nemo.rollout.sampling import sample_seed
+from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 SHAPE = PRESETS["tiny-test"]
@@ -50,7 +50,7 @@ class _Run:
         self.policy = MegatronPolicy(
             SHAPE, ParallelLayout(), OptimizerSettings(lr=1e-3), "float32", hf_dir=ckpt
         )
-        self.engine = ReferenceRolloutEngine.from_hf_dir(
+        self.engine = TorchRolloutEngine.from_hf_dir(
             ckpt, dense_layers=1, page_size=PAGE, attention_backend="torch"
         )
         g = torch.Generator().manual_seed(4)
