@@ -1,7 +1,7 @@
 """Does DistillSparse close the tail gap on the tiny task? Fresh rollouts with and without the adapter.
 
 On the recipe's warm-started policy (held fixed), the adapter takes ``--rounds`` DistillSparse rounds on
-training rollouts under the recipe's starting schedule (``sparrow_nemo.callbacks.distill_report.distill_rounds``:
+training rollouts under the recipe's starting schedule (``sparrow_nemo.grpo.distill_report.distill_rounds``:
 sparse PG with GRPO advantages + k3 KL, ``distill.steps`` updates per round). Then, on held-out prompts
 the adapter never saw (``--eval-prompts`` x ``--samples`` fresh samples, fixed seeds):
 
@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-from sparrow_nemo.callbacks.distill_report import distill_rounds, measure_adapter
 from sparrow_nemo.config import load_config
 from sparrow_nemo.grpo import setup
+from sparrow_nemo.grpo.distill_report import distill_rounds, measure_adapter
 from sparrow_nemo.grpo.trainer import GrpoTrainer
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET
 

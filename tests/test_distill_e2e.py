@@ -25,9 +25,9 @@ import pytest
 import torch
 from policy._helpers import free_port, single_rank_env
 
-from sparrow_nemo.callbacks.distill_report import distill_rounds, measure_adapter
 from sparrow_nemo.config import load_config
 from sparrow_nemo.grpo.checkpointing import read_run_state
+from sparrow_nemo.grpo.distill_report import distill_rounds, measure_adapter
 from sparrow_nemo.grpo.metrics import read_metrics
 from sparrow_nemo.grpo.prompts import build_prompt_source
 from sparrow_nemo.grpo.trainer import GrpoTrainer, train
