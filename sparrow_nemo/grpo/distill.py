@@ -301,13 +301,16 @@ class DistillSparse:
             dense = concat_outputs(policy.logprobs(plain)).logprobs
         extras["dense_logprobs"] = dense
         batches = micro_batches(rt.tokens, rt.lengths, extras, size)
-        width = rt.tokens.shape[1]
-        plans = [
-            SparsePlan.from_rollouts(
-                data.prompt_lens[lo : lo + size].tolist(), data.kv_budgets[lo : lo + size], width
+        plans = []
+        for b in batches:  # each micro-batch holds its rows (placement), cut to its longest one
+            rows = b.placement.rows.tolist() if b.placement is not None else range(len(b.lengths))
+            plans.append(
+                SparsePlan.from_rollouts(
+                    [int(data.prompt_lens[r]) for r in rows],
+                    [data.kv_budgets[r] for r in rows],
+                    b.tokens.shape[1],
+                )
             )
-            for lo in range(0, n, size)
-        ]
         return batches, plans
 
     # ----------------------------------------------------------------- checkpoint

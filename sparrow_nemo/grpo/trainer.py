@@ -150,10 +150,12 @@ class GrpoTrainer:
         self._resume()
 
     def _check_batch_split(self) -> None:
-        """Whole prompts per data-parallel rank, and whole micro-batches of its samples (one-line errors)."""
-        g, mbs = self.config.grpo, self.config.policy.micro_batch_size
+        """Whole prompts per data-parallel rank, and (without a token budget per micro-batch) whole
+        micro-batches of its samples (one-line errors)."""
+        g, p = self.config.grpo, self.config.policy
+        mbs = p.micro_batch_size
         rows = len(self.plan.replica_prompts(g.prompts_per_step)) * g.samples_per_prompt
-        if rows % mbs:
+        if p.max_tokens_per_micro_batch is None and rows % mbs:
             raise ValueError(
                 f"{rows} samples per data-parallel rank (grpo.prompts_per_step={g.prompts_per_step} x "
                 f"grpo.samples_per_prompt={g.samples_per_prompt} / {self.plan.dp} ranks) is not a multiple of "
@@ -378,8 +380,10 @@ class GrpoTrainer:
 
     def _dense_logprobs(self, batch: StepBatch):
         """Dense log-probs, entropy and top-20 of the replica's rows (collective over its model-parallel group)."""
-        data = batch.data
-        batches = micro_batches(data.tokens, data.lengths, {}, self.config.policy.micro_batch_size)
+        data, p = batch.data, self.config.policy
+        batches = micro_batches(
+            data.tokens, data.lengths, {}, p.micro_batch_size, p.max_tokens_per_micro_batch
+        )
         return concat_outputs([o.detach() for o in self.policy.logprobs(batches)])
 
     def _report(self, batch: StepBatch) -> StepReport:
@@ -398,7 +402,7 @@ class GrpoTrainer:
 
     def _update(self, batch: StepBatch) -> dict[str, float]:
         """The policy-update phase: one optimizer step of the policy loss on this replica's rows."""
-        data, mbs = batch.data, self.config.policy.micro_batch_size
+        data, p = batch.data, self.config.policy
         extras = {
             "mask": data.response_mask,
             "old_logprobs": batch.dense.logprobs,
@@ -407,7 +411,10 @@ class GrpoTrainer:
         }
         if batch.ref_logprobs is not None:
             extras["ref_logprobs"] = batch.ref_logprobs
-        result = self.policy.train_step(micro_batches(data.tokens, data.lengths, extras, mbs), self.loss_fn)
+        batches = micro_batches(
+            data.tokens, data.lengths, extras, p.micro_batch_size, p.max_tokens_per_micro_batch
+        )
+        result = self.policy.train_step(batches, self.loss_fn)
         if result.skipped is None:
             self._nonfinite_streak = 0
         else:  # weights unchanged: nothing to refit
