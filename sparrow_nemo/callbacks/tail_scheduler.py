@@ -1,8 +1,11 @@
 """TailMismatchScheduler: keep the per-bin tail of the acceptance rate at the threshold during training.
 
-Per step (in ``on_train_batch_end``, once the step's rollouts are scored dense), for every bin of cached
-length with at least ``sparsity.min_bin_tokens`` tokens, the tail statistic (p5) and its confidence bounds come from
-:mod:`sparrow_nemo.callbacks.tail_stats`. Then, in this order:
+Built by the trainer from the recipe's ``sparsity`` and ``tail_scheduler`` sections when the run adapts,
+calibrates or starts sparse, and run on every rank (its decisions depend only on the step's report, which is the
+same everywhere; only rank 0 writes its files). Per step (in ``on_train_batch_end``, once the step's rollouts are
+scored dense), for every bin of cached length with at least ``sparsity.min_bin_tokens`` tokens, the tail
+statistic (p5) and its confidence bounds come from the :class:`StepReport` (computed once per step over all
+ranks, :mod:`sparrow_nemo.callbacks.tail_stats`). Then, in this order:
 
 1. collapse guard: when the mean response length or the mean reward fell by more than ``collapse_drop``
    (a fraction) below its best over the previous ``collapse_window`` steps AND some bin is below the
@@ -13,9 +16,11 @@ length with at least ``sparsity.min_bin_tokens`` tokens, the tail statistic (p5)
 3. ``mode`` ``raise_and_lower``: a bin whose lower bound stayed above ``threshold + lower_margin`` for
    ``patience`` consecutive steps moves down one rung (never below the previous bin's budget).
 
-The ladder is the sorted ``sparsity.calibration.candidate_budgets`` (tokens) followed by "dense" for that bin. The new schedule is
-assigned to ``trainer.schedule``, so the next rollout uses it. Optionally, before training
-(``sparsity.calibrate``), a calibration pass (:func:`sparrow_nemo.callbacks.calibration.run_calibration`) picks
+The ladder is the sorted ``sparsity.calibration.candidate_budgets`` (tokens) followed by "dense" for that bin.
+The new schedule is assigned to ``trainer.schedule``, so the next rollout uses it, and logged as
+``sparsity/next_budget/bin_<b>`` (``sparsity/budget/bin_<b>`` is the trainer's: the budgets the step's rollouts
+used). Optionally, before training (``sparsity.calibrate``), a calibration pass
+(:func:`sparrow_nemo.callbacks.calibration.run_calibration`) picks
 the starting schedule. State (schedule, counters, guard window, history) round-trips through checkpoints.
 """
 
@@ -32,7 +37,7 @@ from typing import Any, Literal
 from sparrow_nemo.callbacks.base import CalibratingTrainer, Callback, StepReport, TrainerLike
 from sparrow_nemo.callbacks.schedule_edit import bin_budget, lower_bin, pointwise_max, raise_bin
 from sparrow_nemo.callbacks.tail_report import plot_tail_history
-from sparrow_nemo.callbacks.tail_stats import BinTail, bin_tails
+from sparrow_nemo.callbacks.tail_stats import BinTail
 from sparrow_nemo.config.schema import AT_LEAST_ONE, NON_NEGATIVE, OPEN_UNIT, Section, knob
 from sparrow_nemo.sparse.config import SparsityConfig
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET, BudgetSchedule
@@ -86,6 +91,8 @@ class TailSchedulerConfig(Section):
 class TailMismatchScheduler(Callback):
     """Adapts the sparsity schedule so every bin's acceptance-rate tail stays at or above ``threshold``.
 
+    A built-in (``built_in``): the trainer makes it from ``sparsity.*``; it is not listed under ``callbacks:``.
+
     Args:
         sparsity: the tail requirement (threshold, quantile, bin_tokens, noise_z, min_bin_tokens), the
             budget ladder (``calibration.candidate_budgets``; above the largest a bin goes dense) and
@@ -93,10 +100,19 @@ class TailMismatchScheduler(Callback):
         settings: the adaptation mode, its hysteresis and the collapse guard.
         write_files: write ``<run_dir>/sparsity/``: ``schedule.yaml`` (the schedule in force), ``tail_history.jsonl``
             (one line per step) and, at the end, ``tail_history.png``.
+        calibrate: None = ``sparsity.calibrate``; False on ranks that must not calibrate (rank 0 does).
     """
 
+    built_in = (
+        "sparsity and tail_scheduler sections (tail_scheduler.adapt, sparsity.calibrate, a sparse schedule)"
+    )
+
     def __init__(
-        self, sparsity: SparsityConfig, settings: TailSchedulerConfig | None = None, write_files: bool = True
+        self,
+        sparsity: SparsityConfig,
+        settings: TailSchedulerConfig | None = None,
+        write_files: bool = True,
+        calibrate: bool | None = None,
     ) -> None:
         settings = settings or TailSchedulerConfig()
         self.threshold = sparsity.threshold
@@ -111,7 +127,7 @@ class TailMismatchScheduler(Callback):
         self.collapse_guard = settings.collapse_guard
         self.collapse_drop = settings.collapse_drop
         self.collapse_min_steps = settings.collapse_min_steps
-        self.calibrate = sparsity.calibrate
+        self.calibrate = sparsity.calibrate if calibrate is None else calibrate
         self.write_files = write_files
         self.collapsed = False
         self.history: list[dict[str, Any]] = []
@@ -159,7 +175,17 @@ class TailMismatchScheduler(Callback):
         if self.bin_tokens is None:
             raise RuntimeError("TailMismatchScheduler: on_train_start must run before the first step")
         self._check_bins(trainer.schedule)
-        tails = bin_tails(report.alpha, report.cached_len, self.bin_tokens, self.quantile, self.noise_z)
+        if (report.quantile, report.noise_z) != (self.quantile, self.noise_z):
+            raise ValueError(
+                f"TailMismatchScheduler: the step report's tails are at quantile {report.quantile}, noise_z "
+                f"{report.noise_z}; the scheduler needs quantile {self.quantile}, noise_z {self.noise_z}"
+            )
+        if report.schedule.bin_tokens != self.bin_tokens:
+            raise ValueError(
+                f"TailMismatchScheduler: the step report's tails use {report.schedule.bin_tokens}-token bins, "
+                f"the scheduler {self.bin_tokens}"
+            )
+        tails = list(report.tails)
         decided = [t for t in tails if t.tokens >= self.min_bin_tokens]
         below = [t.bin for t in decided if t.ucb < self.threshold]
         actions: list[dict[str, Any]] = []
@@ -308,18 +334,15 @@ class TailMismatchScheduler(Callback):
         }
         self.history.append(entry)
         metrics: dict[str, float] = {}
-        for t in tails:
-            metrics[f"acceptance/{self.stat_name}/bin_{t.bin}"] = t.value
-            metrics[f"acceptance/tokens/bin_{t.bin}"] = float(t.tokens)
         last_bin = max([len(schedule.budgets) - 1, *(t.bin for t in tails)])
         for b in range(last_bin + 1):
-            metrics[f"sparsity/budget/bin_{b}"] = float(bin_budget(schedule, b))
+            metrics[f"sparsity/next_budget/bin_{b}"] = float(bin_budget(schedule, b))
         metrics["sparsity/raised_bins"] = float(sum(a["action"] == "raise" for a in actions))
         metrics["sparsity/lowered_bins"] = float(sum(a["action"] == "lower" for a in actions))
         metrics["sparsity/below_bins"] = float(
             sum(t.tokens >= self.min_bin_tokens and t.ucb < self.threshold for t in tails)
         )
-        metrics["sparsity/dense"] = float(schedule.is_dense)
+        metrics["sparsity/next_dense"] = float(schedule.is_dense)
         metrics["sparsity/collapse_guard"] = float(guard_fired)
         trainer.log(metrics)
         if self.write_files:

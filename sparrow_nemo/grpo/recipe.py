@@ -14,7 +14,7 @@ rules that span sections. Defaults are each component's own (mostly the paper's 
   ``sparse/pattern.py``, ``calibration`` from ``sparse/calibration.py``)
 - ``tail_scheduler``: :class:`~sparrow_nemo.callbacks.tail_scheduler.TailSchedulerConfig`
 - ``grpo``: :class:`GrpoConfig` (here); its ``loss``: :class:`~sparrow_nemo.grpo.losses.PolicyLossConfig`
-- ``distill``: :class:`~sparrow_nemo.callbacks.distill_sparse.DistillConfig`
+- ``distill``: :class:`~sparrow_nemo.grpo.distill.DistillConfig` (``grpo/distill.py``, the DistillSparse phase)
 - ``data``: :class:`~sparrow_nemo.grpo.data.PromptDataConfig`
 - ``reward``: :class:`~sparrow_nemo.rewards.registry.RewardConfig`
 - ``task``: :class:`~sparrow_nemo.tasks.chain.ChainTaskConfig`
@@ -38,8 +38,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from sparrow_nemo.callbacks.distill_sparse import DistillConfig, DistillSparse
-from sparrow_nemo.callbacks.tail_scheduler import TailMismatchScheduler, TailSchedulerConfig
+from sparrow_nemo.callbacks.tail_scheduler import TailSchedulerConfig
 from sparrow_nemo.config import compose
 from sparrow_nemo.config.schema import (
     AT_LEAST_ONE,
@@ -55,6 +54,7 @@ from sparrow_nemo.config.yaml_io import dump_yaml
 from sparrow_nemo.grpo.advantages import advantage_names
 from sparrow_nemo.grpo.checkpointing import CheckpointConfig
 from sparrow_nemo.grpo.data import PromptDataConfig
+from sparrow_nemo.grpo.distill import DistillConfig
 from sparrow_nemo.grpo.evaluation import EvaluationConfig
 from sparrow_nemo.grpo.losses import PolicyLossConfig
 from sparrow_nemo.grpo.metrics import LoggingConfig
@@ -138,15 +138,17 @@ class TrainerConfig(Section):
         check=AT_LEAST_ONE,
         hashed=False,
     )
+    dist_timeout_minutes: float = knob(
+        60.0,
+        "timeout of every collective (torch.distributed.init_process_group), minutes. A rank that finished its "
+        "rollout waits in the next collective for the slowest one: 60 covers a 40K-token rollout at a "
+        "pessimistic 50 ms per decode step (34 min) with room; NCCL's own default (10 min) does not",
+        check=POSITIVE,
+        hashed=False,
+    )
 
 
 _DOTTED = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
-
-#: callbacks the trainer builds itself, and the section that configures each
-BUILT_IN_CALLBACKS: dict[type, str] = {
-    TailMismatchScheduler: "sparsity and tail_scheduler",
-    DistillSparse: "distill (distill.enabled=true)",
-}
 
 
 @dataclass(frozen=True)
@@ -218,6 +220,18 @@ class SparrowConfig(Section):
             raise self.invalid(
                 "rollout.prefill_chunk_tokens", f"a multiple of sparsity.page_size={self.sparsity.page_size}"
             )
+        engine_tp = self.rollout.tensor_parallel_size
+        if engine_tp > 1 and self.rollout.backend != "trtllm":
+            raise self.invalid(
+                "rollout.tensor_parallel_size",
+                "1 with rollout.backend=torch (the torch engine runs on one GPU)",
+            )
+        if policy.tensor_model_parallel_size % engine_tp:
+            raise self.invalid(
+                "rollout.tensor_parallel_size",
+                f"a divisor of policy.tensor_model_parallel_size={policy.tensor_model_parallel_size} "
+                "(an engine spans tensor-parallel ranks of one policy replica)",
+            )
         if self.rollout.backend == "trtllm" and self.trainer.device == "cpu":
             raise self.invalid("rollout.backend", "torch when trainer.device=cpu (TensorRT-LLM needs CUDA)")
         if self.distill.enabled and self.sparsity.build_schedule().is_dense:
@@ -253,13 +267,12 @@ class SparrowConfig(Section):
             cls = getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError) as exc:
             raise self.invalid(f"callbacks.{index}._target_", f"an importable class ({exc})") from None
-        for built_in, section in BUILT_IN_CALLBACKS.items():
-            if isinstance(cls, type) and issubclass(cls, built_in):
-                raise self.invalid(
-                    f"callbacks.{index}._target_",
-                    f"a user callback: the trainer builds {built_in.__name__} itself from {section}; "
-                    "remove it from callbacks",
-                )
+        built_in = getattr(cls, "built_in", None)  # the trainer's own components name their section
+        if isinstance(built_in, str):
+            raise self.invalid(
+                f"callbacks.{index}._target_",
+                f"a user callback: the trainer builds {attr} itself from the {built_in}; remove it from callbacks",
+            )
 
     # ----- output ------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -50,7 +50,7 @@ class SparrowSparseSpec:
 
     @classmethod
     def from_recipe(cls, config: Any, schedule: BudgetSchedule | None = None) -> SparrowSparseSpec:
-        """The spec of a :class:`~sparrow_nemo.config.SparrowConfig` (``schedule`` replaces the recipe's)."""
+        """The spec of a :class:`~sparrow_nemo.grpo.recipe.SparrowConfig` (``schedule`` replaces the recipe's)."""
         s = config.sparsity
         return cls(
             schedule=schedule if schedule is not None else s.build_schedule(),

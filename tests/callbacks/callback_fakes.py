@@ -64,14 +64,14 @@ class OpenKwargsCallback(Callback):
         self.options = options
 
 
-class KnobCallback(Callback):
-    """A user callback with checked keyword arguments (for the ``callbacks:`` instantiation tests)."""
+class ThresholdCallback(Callback):
+    """A user callback with checked keyword arguments (instantiation errors name the entry)."""
 
-    def __init__(self, threshold: float = 0.86, mode: str = "raise") -> None:
+    def __init__(self, threshold: float = 0.5, mode: str = "watch") -> None:
         if not 0.0 < threshold < 1.0:
-            raise ValueError(f"KnobCallback: invalid threshold={threshold!r}")
-        if mode not in ("off", "raise", "raise_and_lower"):
-            raise ValueError(f"KnobCallback: mode={mode!r}, expected one of off, raise, raise_and_lower")
+            raise ValueError(f"ThresholdCallback: invalid threshold={threshold!r}")
+        if mode not in ("watch", "act"):
+            raise ValueError(f"ThresholdCallback: mode={mode!r}, expected one of watch, act")
         self.threshold = threshold
         self.mode = mode
 

@@ -148,9 +148,10 @@ def measure_sparse(case: dict) -> dict:
     from sparrow_nemo.policy.optim import OptimizerSettings
     from sparrow_nemo.policy.parallel import ParallelLayout
     from sparrow_nemo.policy.policy import MegatronPolicy
-    from sparrow_nemo.policy.sparse_forward import SparsePattern, SparsePlan
+    from sparrow_nemo.policy.sparse_forward import SparsePlan
     from sparrow_nemo.rollout.engine import SamplingParams
     from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
+    from sparrow_nemo.sparse.pattern import SparsePattern
     from sparrow_nemo.sparse.schedule import BudgetSchedule
 
     ps, dense = 16, case["dense_layers"]
