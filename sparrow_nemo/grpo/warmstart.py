@@ -31,8 +31,34 @@ from sparrow_nemo.grpo.rollout_step import micro_batches, pad_pairs
 
 logger = logging.getLogger(__name__)
 
-#: bump when the warm-start procedure changes what it produces
-WARMSTART_VERSION = 1
+#: the sources whose code decides the warm-start's weights (paths under sparrow_nemo/; a folder = every .py in
+#: it): the model, its forward/backward and optimizer, the loss, the batches and the task's data. Their text is
+#: in the cache key, so a change to any of them (a new attention path, another summation order) trains anew
+#: instead of reusing weights the code no longer produces.
+WARMSTART_SOURCES = (
+    "policy",
+    "tasks",
+    "grpo/warmstart.py",
+    "grpo/objective.py",
+    "grpo/losses.py",
+    "grpo/rollout_step.py",
+    "grpo/prompt_source.py",
+    "grpo/prompts.py",
+    "model_shapes.py",
+    "hf_qwen3.py",
+)
+
+
+def source_digest(sources: tuple[str, ...] = WARMSTART_SOURCES) -> str:
+    """sha256 over the path and bytes of every file of ``sources`` (sorted), e.g. :data:`WARMSTART_SOURCES`."""
+    root = Path(__file__).resolve().parent.parent
+    files = sorted(
+        f for s in sources for f in ((root / s).rglob("*.py") if (root / s).is_dir() else [root / s])
+    )
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return digest.hexdigest()
 
 
 def cache_root(config: SparrowConfig) -> Path:
@@ -52,17 +78,21 @@ def cache_key(config: SparrowConfig, tokenizer_name: str, layout: tuple[int, int
 
     Besides the recipe's model, task and warm-start settings that is the optimizer (only ``lr`` is the
     warm-start's own), the parallel layout and world size (sharded matmuls, the DP gradient mean; ``layout``
-    = (tp, pp, world size), default this run's), the device type and the torch version (kernels). The CPU
-    thread count is not an input: the warm-start always trains with one intra-op thread
-    (:func:`_one_cpu_thread`), so it cannot change the sums.
+    = (tp, pp, world size), default this run's), the device type, the torch and megatron-core versions
+    (kernels) and the code that trains (:func:`source_digest`: measured, the memory-efficient attention
+    path gave other weights under an unchanged key). The CPU thread count is not an input: the warm-start
+    always trains with one intra-op thread (:func:`_one_cpu_thread`), so it cannot change the sums.
     """
+    import megatron.core
+
     from sparrow_nemo.grpo.setup import device
     from sparrow_nemo.grpo.world import world_size
 
     w, p = config.warmstart, config.policy
     optimizer = {k: v for k, v in asdict(p.optimizer).items() if k != "lr"}
     spec = {
-        "version": WARMSTART_VERSION,
+        "code": source_digest(),
+        "megatron_core": megatron.core.__version__,
         "shape": asdict(config.model.shape()),
         "task": asdict(config.task),
         "warmstart": {"steps": w.steps, "batch_size": w.batch_size, "lr": w.lr},

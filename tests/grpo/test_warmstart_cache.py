@@ -2,8 +2,9 @@
 
 Two warm-starts with the same key give byte-identical checkpoints whatever the caller's torch thread count
 and global RNG state (measured before the fix: 1 and 2 intra-op threads gave different weights under one
-key), and every recipe input that changes the weights changes the key. A multi-rank run starts from its own
-layout's warm-start only when no single-rank one is cached (then every layout starts from that one).
+key), and every recipe input that changes the weights changes the key, as does the training code. A
+multi-rank run starts from its own layout's warm-start only when no single-rank one is cached (then every
+layout starts from that one).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from sparrow_nemo.grpo import warmstart
 from sparrow_nemo.grpo.prompts import build_prompt_source
 from sparrow_nemo.grpo.recipe import load_config
 from sparrow_nemo.grpo.warmstart import (
@@ -51,7 +53,7 @@ def test_same_key_same_bytes_under_other_thread_counts_and_rng_state(tmp_path: P
     assert torch.get_num_threads() == 1  # the caller's thread count is restored (conftest sets 1)
 
 
-def test_every_input_of_the_weights_is_in_the_key(tmp_path: Path) -> None:
+def test_every_input_of_the_weights_is_in_the_key(tmp_path: Path, monkeypatch) -> None:
     base = [f"warmstart.cache_dir={tmp_path}"]
     key = cache_key(load_config("tiny_cpu_smoke", base), "CharTokenizer")
     for change in (
@@ -65,6 +67,10 @@ def test_every_input_of_the_weights_is_in_the_key(tmp_path: Path) -> None:
         ["trainer.seed=1"],
     ):
         assert cache_key(load_config("tiny_cpu_smoke", [*base, *change]), "CharTokenizer") != key, change
+    # the code that trains is an input: another digest of its sources, another key
+    monkeypatch.setattr(warmstart, "source_digest", lambda: "edited")
+    assert cache_key(load_config("tiny_cpu_smoke", base), "CharTokenizer") != key
+    monkeypatch.undo()
     # what does not change the weights does not change the key (the RL learning rate, the cache folder)
     for same in (["policy.optimizer.lr=0.5"], ["warmstart.cache_dir=/elsewhere"], ["trainer.cpu_threads=4"]):
         assert cache_key(load_config("tiny_cpu_smoke", [*base, *same]), "CharTokenizer") == key, same
