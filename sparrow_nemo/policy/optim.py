@@ -1,15 +1,14 @@
 """Optimizer, gradient synchronisation and clipping for the megatron policy.
 
-What runs where:
+What runs where (:func:`wrap_for_training`; the megatron branch is the default with CUDA):
 
-- GPU: megatron-core's ``DistributedDataParallel`` (contiguous grad buffers, overlapped DP
+- megatron branch (GPU): megatron-core's ``DistributedDataParallel`` (contiguous grad buffers, DP
   reduce-scatter/all-reduce) and ``get_megatron_optimizer`` (Adam, distributed optimizer when
-  ``OptimizerSettings.distributed`` and dp > 1), whose ``step()`` clips by the global grad norm.
-  Gradient finalisation is megatron's ``finalize_model_grads``.
-- CPU (no GPU): both allocate on CUDA, so :class:`TorchPolicyOptimizer` uses ``torch.optim.AdamW``
-  (same param groups: no weight decay on 1-D norm weights, as megatron) and does by hand what
-  megatron's ``finalize_model_grads`` + ``clip_grad_norm`` do:
-  1. mean of every gradient over the data-parallel group (all-reduce sum / dp);
+  ``OptimizerSettings.distributed`` and dp > 1), stepped by :class:`MegatronPolicyOptimizer`. Gradient
+  finalisation is megatron's ``finalize_model_grads``.
+- torch branch (CPU): both allocate on CUDA, so :class:`TorchPolicyOptimizer` uses ``torch.optim.AdamW``
+  and does by hand what megatron's ``finalize_model_grads`` + ``clip_grad_norm`` do:
+  1. sum of every gradient over the data-parallel group (all-reduce);
   2. sum of the q/k RMSNorm gradients over the tensor-parallel group (one weight shared by all
      heads, while each rank holds a slice of the heads); the other replicated weights (input and
      pre-MLP norms, final norm) already receive identical full gradients on every TP rank;
@@ -17,6 +16,11 @@ What runs where:
      when pp > 1 and the embeddings are tied;
   4. global L2 norm over the model-parallel group, counting TP-replicated and PP-shared weights once,
      then scaling every gradient by ``min(1, clip / (norm + 1e-6))``.
+
+Gradients are *summed* over data-parallel ranks in both branches (megatron: ``calculate_per_token_loss``,
+which also stops its schedule from dividing losses by the number of micro-batches): the losses arrive
+weighted already (:mod:`sparrow_nemo.policy.train_step`). Weight decay skips 1-D weights and biases in
+both (:func:`decays`, megatron's ``get_standard_config_overrides`` rule).
 
 Non-finite guard (both paths): the global norm is computed after the gradient sync, so every rank sees
 the same value; when it is not finite (a NaN/inf gradient on any rank) the update is skipped - no weight
@@ -79,9 +83,17 @@ class UpdateOutcome:
     skipped: str | None = None
 
 
+def decays(name: str, param: torch.Tensor) -> bool:
+    """Whether weight decay applies: not to 1-D weights (the norms) nor biases, as megatron-core's default
+    param groups (``megatron/core/optimizer/__init__.py``, ``get_standard_config_overrides``: ``wd_mult=0``
+    for ``len(param.shape) == 1`` or ``*.bias``)."""
+    return param.dim() > 1 and not name.endswith(".bias")
+
+
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() > 1]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() <= 1]
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    decay = [p for n, p in trained if decays(n, p)]
+    no_decay = [p for n, p in trained if not decays(n, p)]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
@@ -96,7 +108,6 @@ def sync_grads_cpu(model: torch.nn.Module, tie_embeddings: bool) -> None:
             continue
         if dp > 1:
             dist.all_reduce(p.grad, group=dp_group)
-            p.grad.div_(dp)
         if tp > 1 and ("q_layernorm" in name or "k_layernorm" in name):
             dist.all_reduce(p.grad, group=tp_group)
     if tie_embeddings and ps.get_pipeline_model_parallel_world_size() > 1 and ps.is_rank_in_embedding_group():
@@ -132,6 +143,9 @@ def clip_grads_cpu(model: torch.nn.Module, max_norm: float) -> float:
 
 class TorchPolicyOptimizer:
     """CPU optimizer: ``torch.optim.AdamW`` with megatron-equivalent grad sync and clipping."""
+
+    #: trained through the torch GPipe schedule (:mod:`sparrow_nemo.policy.schedule`)
+    megatron_schedule = False
 
     def __init__(self, model: torch.nn.Module, settings: OptimizerSettings, tie_embeddings: bool) -> None:
         self.model = model
@@ -176,6 +190,9 @@ class TorchPolicyOptimizer:
 class MegatronPolicyOptimizer:
     """GPU optimizer: megatron DDP-wrapped model + ``get_megatron_optimizer``."""
 
+    #: trained through megatron-core's schedule (``get_forward_backward_func``)
+    megatron_schedule = True
+
     def __init__(self, ddp_model: torch.nn.Module, settings: OptimizerSettings, dtype: torch.dtype) -> None:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -195,6 +212,12 @@ class MegatronPolicyOptimizer:
             use_distributed_optimizer=settings.distributed,
         )
         self.optimizer = get_megatron_optimizer(config, [ddp_model])
+        # megatron's param groups carry ``wd_mult`` (0 for norms and biases), but only its
+        # OptimizerParamScheduler.step turns that into the group's ``weight_decay``
+        # (megatron/core/optimizer_param_scheduler.py); without a scheduler every group decays. Constant
+        # lr and weight decay: set them once, as that step would.
+        for group in self.optimizer.param_groups:
+            group["weight_decay"] = settings.weight_decay * group.get("wd_mult", 1.0)
 
     def zero_grad(self) -> None:
         """Zero megatron's grad buffers."""
@@ -235,11 +258,21 @@ class MegatronPolicyOptimizer:
         """Restore :meth:`state_dict`."""
         self.optimizer.load_state_dict(state)
 
+    def has_moments(self) -> bool:
+        """Whether Adam's moments exist (torch optimizers create them at the first update)."""
+        return any(
+            sub.optimizer.state for sub in getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        )
+
     def save_param_state(self, path: Path) -> bool:
         """Distributed optimizer: gather the DP-sharded moments and master weights to DP rank 0, which
         writes ``path`` (megatron's ``save_parameter_state``; collective over DP). Returns True when
-        this rank wrote the file."""
-        if not self.distributed:
+        this rank wrote the file.
+
+        Before the first update there are no moments (megatron's gather would raise ``KeyError:
+        'exp_avg'``) and the master weights equal the model's: nothing is written, and a resume starts
+        the optimizer fresh, as it was."""
+        if not self.distributed or not self.has_moments():
             return False
         from megatron.core import parallel_state as ps
 
@@ -247,9 +280,21 @@ class MegatronPolicyOptimizer:
         return ps.get_data_parallel_rank() == 0
 
     def load_param_state(self, path: Path) -> None:
-        """Counterpart of :meth:`save_param_state` (every DP rank reads its shard from ``path``)."""
+        """Counterpart of :meth:`save_param_state` (every DP rank reads its shard from ``path``).
+
+        Under ``no_grad``: with fp32 params the master weights megatron copies into are the model's own
+        leaf parameters, and an in-place copy into a leaf that requires grad is refused by autograd."""
         if self.distributed:
-            self.optimizer.load_parameter_state(str(path))
+            with torch.no_grad():
+                self.optimizer.load_parameter_state(str(path))
+
+
+def _finalize_summed_grads(model, num_tokens=None, pg_collection=None, force_all_reduce=False) -> None:
+    """megatron's ``finalize_model_grads`` (DP reduction, tied-embedding and layernorm syncs) without its
+    division by the step's token count: the losses arrive weighted already (``train_step``)."""
+    from megatron.core.distributed import finalize_model_grads
+
+    finalize_model_grads(model, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
 
 
 def wrap_for_training(
@@ -257,26 +302,33 @@ def wrap_for_training(
     settings: OptimizerSettings,
     tie_embeddings: bool,
     dtype: torch.dtype = torch.float32,
+    megatron: bool | None = None,
 ):
-    """``(model_to_train, optimizer)``: megatron DDP + optimizer on GPU, the model itself + AdamW on CPU."""
-    if not torch.cuda.is_available():
+    """``(model_to_train, optimizer)``: megatron DDP + optimizer (megatron branch), or the model itself + AdamW.
+
+    Args:
+        megatron: the megatron branch; None = when CUDA is available (the CPU tests force it through a
+            test-only shim that maps megatron's CUDA allocations to CPU).
+    """
+    if megatron is None:
+        megatron = torch.cuda.is_available()
+    if not megatron:
         return model, TorchPolicyOptimizer(model, settings, tie_embeddings)
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        finalize_model_grads,
-    )
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     config = model.config
+    config.calculate_per_token_loss = True  # no in-place / num_microbatches division in the schedule
     ddp = DistributedDataParallel(
         config,
         DistributedDataParallelConfig(
-            use_distributed_optimizer=settings.distributed, grad_reduce_in_fp32=True
+            use_distributed_optimizer=settings.distributed,
+            grad_reduce_in_fp32=True,
+            calculate_per_token_loss=True,  # gradients summed over DP, not averaged
         ),
         model,
     )
     optimizer = MegatronPolicyOptimizer(ddp, settings, dtype)
-    config.finalize_model_grads_func = finalize_model_grads
+    config.finalize_model_grads_func = _finalize_summed_grads
     config.no_sync_func = ddp.no_sync
     config.grad_scale_func = optimizer.optimizer.scale_loss
     return ddp, optimizer
