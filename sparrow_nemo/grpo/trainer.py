@@ -51,7 +51,7 @@ from sparrow_nemo.grpo.checkpointing import (
 )
 from sparrow_nemo.grpo.evaluation import EvalResult, evaluate
 from sparrow_nemo.grpo.metrics import MetricsWriter, progress, rollout_metrics, rollout_progress
-from sparrow_nemo.grpo.objective import grpo_loss_fn, policy_loss_config
+from sparrow_nemo.grpo.objective import policy_loss_config
 from sparrow_nemo.grpo.preemption import Preempted, PreemptionGuard
 from sparrow_nemo.grpo.prompts import build_prompt_source
 from sparrow_nemo.grpo.rollout_step import (
@@ -62,6 +62,7 @@ from sparrow_nemo.grpo.rollout_step import (
     token_mismatch,
 )
 from sparrow_nemo.grpo.rundir import check_run_dir, make_run_dir
+from sparrow_nemo.grpo.update import UpdateBatch, dp_share_rows, update_policy
 from sparrow_nemo.grpo.warmstart import ensure_warm_start
 from sparrow_nemo.rollout.engine import RolloutSample
 from sparrow_nemo.rollout.oom_retry import OomRetryEngine
@@ -170,7 +171,7 @@ class GrpoTrainer:
         self.metrics = MetricsWriter(
             self.run_dir, config.logging.jsonl, config.logging.tensorboard and self.is_main
         )
-        self.loss_fn = grpo_loss_fn(policy_loss_config(config.grpo.loss))
+        self.loss_config = policy_loss_config(config.grpo.loss)
         self.distill_data: DistillData | None = None  # the last step's rollouts (see step)
         self.cost_model = DecodeCostModel(
             config.model.shape(), HARDWARE["h200"], dense_layers=config.sparsity.dense_layers
@@ -341,41 +342,47 @@ class GrpoTrainer:
         return setup.broadcast_from_rank0(payload)
 
     def _update(self, data, dense, advantages: torch.Tensor) -> dict[str, float]:
-        """One optimizer step of the policy loss on this DP rank's micro-batches; engine refit."""
+        """The policy-update phase on this DP rank's share (:func:`sparrow_nemo.grpo.update.update_policy`);
+        engine refit when the weights changed."""
         from megatron.core import parallel_state as ps
 
-        extras = {
-            "mask": data.response_mask,
-            "old_logprobs": dense.logprobs,
-            "rollout_logprobs": data.rollout_logprobs,
-            "advantages": advantages.float(),
-        }
-        if self.config.grpo.loss.kl_coef > 0:
-            extras["ref_logprobs"] = reference_logprobs(
-                self.policy, data, self.config.policy.micro_batch_size
-            )
-        batches = micro_batches(data.tokens, data.lengths, extras, self.config.policy.micro_batch_size)
-        dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-        if len(batches) % dp:
-            raise ValueError(
-                f"{len(batches)} micro-batches per step do not split over {dp} data-parallel ranks"
-            )
-        result = self.policy.train_step(batches[dp_rank::dp], self.loss_fn)
-        if result.skipped is None:
-            self._nonfinite_streak = 0
+        cfg = self.config
+        ref = None
+        if cfg.grpo.loss.kl_coef > 0:
+            ref = reference_logprobs(self.policy, data, cfg.policy.micro_batch_size)
+        step_batch = UpdateBatch(
+            data.tokens,
+            data.lengths,
+            data.response_mask,
+            advantages.float(),
+            data.rollout_logprobs,
+            dense.logprobs,
+            ref,
+        )
+        rows = dp_share_rows(
+            len(step_batch),
+            ps.get_data_parallel_world_size(),
+            ps.get_data_parallel_rank(),
+            cfg.grpo.mini_batches_per_step,
+        )
+        result = update_policy(
+            self.policy,
+            step_batch.rows(rows),
+            self.loss_config,
+            cfg.policy.micro_batch_size,
+            cfg.grpo.mini_batches_per_step,
+        )
+        if result.updated:
             weights = self.policy.export_hf()
             if self.is_main:
                 self.rollout_engine.update_weights(weights)
-        else:  # weights unchanged: nothing to refit
-            if result.skipped != "loss_scale":  # an fp16 overflow is the grad scaler's business, not a fault
-                self._nonfinite_streak += 1
-            if self.is_main:
-                logger.warning("step %d: update skipped, %s", self.state.step, result.skip_detail)
-        out = {f"train/{k}": float(v) for k, v in result.metrics.items()}
-        out["train/loss"] = result.loss
-        out["train/grad_norm"] = result.grad_norm
-        out["train/skipped_nonfinite"] = float(result.skipped is not None)
-        return out
+        if result.skipped is None:
+            self._nonfinite_streak = 0
+        elif result.skipped != "loss_scale":  # an fp16 overflow is the grad scaler's business, not a fault
+            self._nonfinite_streak += 1
+        if result.skipped is not None and self.is_main:
+            logger.warning("step %d: update skipped, %s", self.state.step, result.skip_detail)
+        return result.metrics
 
     def _evaluate(self, tag: str, schedule: BudgetSchedule) -> None:
         """Sample the held-out prompts once each under ``schedule`` (rank 0); stored in the state."""
