@@ -30,7 +30,9 @@ fp16, megatron's grad scaler reports overflows first (``"loss_scale"``; the scal
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -187,6 +189,33 @@ class TorchPolicyOptimizer:
         """Counterpart of :meth:`save_param_state`: nothing to read."""
 
 
+@contextlib.contextmanager
+def _adam_steps_aside(subs: list) -> Iterator[None]:
+    """Inside, torch Adam's per-parameter ``"step"`` entries are out of the optimizers' state.
+
+    megatron's parameter-state load (``megatron/core/optimizer/distrib_optimizer.py``,
+    ``_set_main_param_and_optimizer_states``) copies every key of the live Adam state from the file, which
+    holds only ``param`` / ``exp_avg`` / ``exp_avg_sq``; torch's Adam (megatron's fallback without TE or apex)
+    also keeps a per-parameter ``step`` (restored by ``load_state_dict`` from the param groups):
+    ``KeyError: 'step'``. TE's FusedAdam keeps the step in the param group and is unaffected.
+    """
+    held = [
+        (state, state.pop("step"))
+        for sub in subs
+        for state in sub.optimizer.state.values()
+        if "step" in state
+    ]
+    try:
+        yield
+    finally:
+        for state, step in held:
+            state["step"] = step
+
+
+#: :meth:`MegatronPolicyOptimizer.state_dict` of an optimizer that has not updated yet
+_NO_UPDATE_YET = "no_update_yet"
+
+
 class MegatronPolicyOptimizer:
     """GPU optimizer: megatron DDP-wrapped model + ``get_megatron_optimizer``."""
 
@@ -250,19 +279,39 @@ class MegatronPolicyOptimizer:
         optimizer.step_with_ready_grads()
         return UpdateOutcome(grad_norm)
 
-    def state_dict(self) -> dict:
-        """Optimizer state except, for the distributed optimizer, the sharded moments (see below)."""
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`."""
-        self.optimizer.load_state_dict(state)
+    def _subs(self) -> list:
+        return getattr(self.optimizer, "chained_optimizers", [self.optimizer])
 
     def has_moments(self) -> bool:
         """Whether Adam's moments exist (torch optimizers create them at the first update)."""
-        return any(
-            sub.optimizer.state for sub in getattr(self.optimizer, "chained_optimizers", [self.optimizer])
-        )
+        return any(sub.optimizer.state for sub in self._subs())
+
+    def state_dict(self) -> dict:
+        """Optimizer state except, for the distributed optimizer, the sharded moments (see below).
+
+        Before the first update: ``{"no_update_yet": True}``. There is no state yet, and megatron cannot
+        say so: its distributed optimizer's ``state_dict`` asserts one Adam step count (torch Adam) and its
+        parameter-state gather reads ``state["exp_avg"]`` (``KeyError: 'exp_avg'``)."""
+        if not self.has_moments():
+            return {_NO_UPDATE_YET: True}
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` (after the model's weights: a state saved before the first update
+        clears the moments and re-derives megatron's fp32 master weights from the model's)."""
+        if state.get(_NO_UPDATE_YET):
+            for sub in self._subs():
+                sub.optimizer.state.clear()
+            self.optimizer.reload_model_params()
+            return
+        self.optimizer.load_state_dict(state)
+        # megatron's DistributedOptimizer.load_state_dict (torch-Adam fallback, no TE/apex) gives every
+        # parameter's state the *same* ``step`` tensor, which torch's Adam then increments in place once per
+        # parameter: each its own copy, as torch's Adam made them
+        for sub in self._subs():
+            for entry in sub.optimizer.state.values():
+                if isinstance(entry.get("step"), torch.Tensor):
+                    entry["step"] = entry["step"].clone()
 
     def save_param_state(self, path: Path) -> bool:
         """Distributed optimizer: gather the DP-sharded moments and master weights to DP rank 0, which
@@ -285,7 +334,7 @@ class MegatronPolicyOptimizer:
         Under ``no_grad``: with fp32 params the master weights megatron copies into are the model's own
         leaf parameters, and an in-place copy into a leaf that requires grad is refused by autograd."""
         if self.distributed:
-            with torch.no_grad():
+            with torch.no_grad(), _adam_steps_aside(self._subs()):
                 self.optimizer.load_parameter_state(str(path))
 
 
@@ -317,13 +366,13 @@ def wrap_for_training(
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     config = model.config
-    config.calculate_per_token_loss = True  # no in-place / num_microbatches division in the schedule
+    # read by megatron's schedule (no in-place division of the loss by num_microbatches) and by its DDP
+    # (gradient_scaling_factor 1: gradients summed over DP, not averaged)
+    config.calculate_per_token_loss = True
     ddp = DistributedDataParallel(
         config,
         DistributedDataParallelConfig(
-            use_distributed_optimizer=settings.distributed,
-            grad_reduce_in_fp32=True,
-            calculate_per_token_loss=True,  # gradients summed over DP, not averaged
+            use_distributed_optimizer=settings.distributed, grad_reduce_in_fp32=True
         ),
         model,
     )
