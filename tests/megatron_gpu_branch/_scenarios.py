@@ -37,6 +37,14 @@ def _policy(tp: int, pp: int, megatron: bool, ckpt: str | None) -> MegatronPolic
     return MegatronPolicy(SHAPE, layout, SETTINGS, "float32", hf_dir=ckpt, megatron_training=megatron)
 
 
+def _release() -> None:
+    """Drop megatron's parallel state but keep the process group: the next job of the suite reuses it (no
+    new port to find on a busy machine)."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+
+
 def _update(policy: MegatronPolicy, seed: int) -> dict[str, float]:
     from megatron.core import parallel_state as ps
 
@@ -60,7 +68,7 @@ def train_two_steps(rank: int, tp: int, pp: int, megatron: bool, ckpt: str, root
         inner = policy.optimizer.optimizer if megatron else None
         subs = getattr(inner, "chained_optimizers", [inner]) if megatron else []
         built = [type(policy.model).__name__, *(type(sub).__name__ for sub in subs)]
-        policy.close()
+        _release()
     if rank == 0:
         torch.save(
             {
@@ -83,17 +91,18 @@ def resume(rank: int, tp: int, pp: int, megatron: bool, checkpoint: str, out_fil
         first = _update(policy, 3) if step == 0 else None
         second = _update(policy, 4)
         weights2 = policy.export_hf()
-        policy.close()
+        _release()
     if rank == 0:
         torch.save({"step": step, "first": first, "second": second, "weights2": weights2}, out_file)
 
 
-def suite(rank: int, tp: int, pp: int, ckpt: str, root: str, ports: list[int]) -> None:
-    """The megatron branch in this world: two steps with checkpoints, then a resume from each checkpoint
-    (a fresh process group per job, on its own port)."""
+def suite(rank: int, tp: int, pp: int, ckpt: str, root: str) -> None:
+    """The megatron branch in this world: two steps with checkpoints, then a resume from each checkpoint,
+    in one process group."""
+    import torch.distributed as dist
+
     base = Path(root)
-    os.environ["MASTER_PORT"] = str(ports[0])
     train_two_steps(rank, tp, pp, True, ckpt, str(base / "ckpt"), str(base / "run.pt"))
-    for step, port in zip((0, 1), ports[1:], strict=True):
-        os.environ["MASTER_PORT"] = str(port)
+    for step in (0, 1):
         resume(rank, tp, pp, True, str(base / "ckpt" / f"step_{step:08d}"), str(base / f"resume{step}.pt"))
+    dist.destroy_process_group()

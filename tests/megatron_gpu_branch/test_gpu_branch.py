@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from policy._helpers import free_port, make_hf_checkpoint, run_distributed, single_rank_env
+from policy._helpers import make_hf_checkpoint, run_distributed, single_rank_env
 from policy._update_scenarios import SHAPE
 
 from megatron_gpu_branch._scenarios import suite, train_two_steps
@@ -34,9 +34,10 @@ def runs(tmp_path_factory):
     ckpt = str(make_hf_checkpoint(SHAPE, root / "hf"))
     with single_rank_env():
         train_two_steps(0, 1, 1, False, ckpt, str(root / "cpu_ckpt"), str(root / "cpu.pt"))
+        torch.distributed.destroy_process_group()
     out = {"cpu": torch.load(root / "cpu.pt", weights_only=False)}
     for name, (tp, pp, world) in LAYOUTS.items():
-        run_distributed(suite, world, tp, pp, ckpt, str(root / name), [free_port() for _ in range(3)])
+        run_distributed(suite, world, tp, pp, ckpt, str(root / name))
         out[name] = {
             f: torch.load(root / name / f"{f}.pt", weights_only=False) for f in ("run", "resume0", "resume1")
         }
