@@ -29,19 +29,25 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("gpu_branch")
+def cpu_run(tmp_path_factory) -> tuple[str, dict]:
+    """The HF checkpoint both branches start from, and the CPU path's run (one process, in this one)."""
+    root = tmp_path_factory.mktemp("gpu_branch_cpu")
     ckpt = str(make_hf_checkpoint(SHAPE, root / "hf"))
     with single_rank_env():
-        train_two_steps(0, 1, 1, False, ckpt, str(root / "cpu_ckpt"), str(root / "cpu.pt"))
+        train_two_steps(0, 1, 1, False, ckpt, str(root / "ckpt"), str(root / "cpu.pt"))
         torch.distributed.destroy_process_group()
-    out = {"cpu": torch.load(root / "cpu.pt", weights_only=False)}
-    for name, (tp, pp, world) in LAYOUTS.items():
-        run_distributed(suite, world, tp, pp, ckpt, str(root / name))
-        out[name] = {
-            f: torch.load(root / name / f"{f}.pt", weights_only=False) for f in ("run", "resume0", "resume1")
-        }
-    return out
+    return ckpt, torch.load(root / "cpu.pt", weights_only=False)
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def runs(request, cpu_run, tmp_path_factory) -> dict:
+    """The megatron branch's runs at one layout (``run``, ``resume0``, ``resume1``) and the CPU path's (``cpu``)."""
+    tp, pp, world = LAYOUTS[request.param]
+    root = tmp_path_factory.mktemp(f"gpu_branch_{request.param}")
+    # 4 processes of 3 jobs each: ~4 minutes at load 30 on 2 cores
+    run_distributed(suite, world, tp, pp, cpu_run[0], str(root), timeout=1200)
+    out = {f: torch.load(root / f"{f}.pt", weights_only=False) for f in ("run", "resume0", "resume1")}
+    return {**out, "cpu": cpu_run[1]}
 
 
 def _same_weights(got: dict, ref: dict, atol: float) -> None:
@@ -56,16 +62,14 @@ def _same_metrics(got: dict, ref: dict) -> None:
         assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_megatron_branch_is_what_was_built(runs, layout):
-    built = runs[layout]["run"]["built"]
+def test_megatron_branch_is_what_was_built(runs):
+    built = runs["run"]["built"]
     assert built[0] == "DistributedDataParallel" and "DistributedOptimizer" in built[1:], built
     assert runs["cpu"]["built"] == ["GPTModel"]
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_one_step_matches_the_cpu_path(runs, layout):
-    got, ref = runs[layout]["run"], runs["cpu"]
+def test_one_step_matches_the_cpu_path(runs):
+    got, ref = runs["run"], runs["cpu"]
     for g, r in zip(got["logprobs"], ref["logprobs"], strict=True):
         torch.testing.assert_close(g, r, atol=ATOL, rtol=0)
     assert ref["first"]["train/grad_norm"] > 0.5, "clipping must act (grad_clip=0.5)"
@@ -73,20 +77,18 @@ def test_one_step_matches_the_cpu_path(runs, layout):
     _same_weights(got["weights1"], ref["weights1"], ATOL)  # norms included: no weight decay on them
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_second_step_matches_the_cpu_path(runs, layout):
+def test_second_step_matches_the_cpu_path(runs):
     # the optimizer moments of step 1 are the same as the CPU path's
-    got, ref = runs[layout]["run"], runs["cpu"]
+    got, ref = runs["run"], runs["cpu"]
     _same_metrics(got["second"], ref["second"])
     _same_weights(got["weights2"], ref["weights2"], ATOL)
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("step", [0, 1])
-def test_checkpoint_resumes_to_the_same_step(runs, layout, step):
+def test_checkpoint_resumes_to_the_same_step(runs, step):
     # step 0 was saved before any update (no moments yet); step 1 holds the distributed optimizer's
     # fp32 parameter state, loaded into the model's own parameters
-    run, resumed = runs[layout]["run"], runs[layout][f"resume{step}"]
+    run, resumed = runs["run"], runs[f"resume{step}"]
     assert resumed["step"] == step
     if step == 0:
         _same_metrics(resumed["first"], run["first"])
