@@ -27,7 +27,7 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,m
 
 step imports 60 "$PY" -c "
 import sys
-import sparrow_kernels, sparrow_nemo.rollout.reference, sparrow_nemo.rollout.static_decode, sparrow_nemo.sparse.cost_model
+import sparrow_kernels, sparrow_nemo.rollout.torch_engine, sparrow_nemo.rollout.static_decode, sparrow_nemo.sparse.cost_model
 bad = sorted(m for m in sys.modules if m.split('.')[0] in ('megatron', 'transformers'))
 assert not bad, f'the rollout engine must not import megatron/transformers, got {bad}'
 print('imports ok; INTERPRETED =', sparrow_kernels.INTERPRETED)

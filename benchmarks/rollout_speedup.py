@@ -1,7 +1,7 @@
 """Rollout speedup of Sparrow's sparse decode over dense on one GPU, at Qwen3 shapes (issue 11).
 
 For each model (random bf16 weights of a Qwen3 preset), generation length and batch it compares the
-dense schedule with the paper's 0.86 preset on the reference engine's fast decode path (fused Triton
+dense schedule with the paper's 0.86 preset on the torch rollout engine's fast decode path (fused Triton
 kernels, static-shape decode step replayed from a CUDA graph, no host sync; EOS ignored) and reports:
 dense and sparse tokens/s, the speedup, the cost model's predicted speedup and memory-bound limit for
 the same run, the dense engine against the memory-bound limit of dense decoding at the measured copy
@@ -45,9 +45,9 @@ from sparse_attention import copy_bandwidth, environment, make_timer
 from sparrow_nemo.model_shapes import Qwen3Shape, get_shape
 from sparrow_nemo.rollout.engine import SamplingParams
 from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder, expected_weight_shapes
-from sparrow_nemo.rollout.reference import ReferenceRolloutEngine
 from sparrow_nemo.rollout.sampling import sample_tokens, token_logprobs
 from sparrow_nemo.rollout.static_decode import StaticDecoder
+from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
 from sparrow_nemo.sparse.cost_model import HARDWARE, DecodeCostModel, Hardware
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET, BudgetSchedule
 
@@ -122,7 +122,7 @@ def fit_batch(
     return max(0, min(requested, int(free // (per_token * tokens_per_seq))))
 
 
-def fill_random_cache(engine: ReferenceRolloutEngine, seed: int) -> None:
+def fill_random_cache(engine: TorchRolloutEngine, seed: int) -> None:
     """Random N(0, 1) keys and values in every page, centroids = the mean of each page's keys."""
     cache = engine._cache
     gen = torch.Generator(device=engine.device).manual_seed(seed)
@@ -138,7 +138,7 @@ class StepClock:
 
     def __init__(self, dec: StaticDecoder, steps: int, now: Callable[[], float] = time.perf_counter) -> None:
         self.dec, self.steps, self.now = dec, steps, now  # now: host clock (seconds) off CUDA
-        self.cuda = dec.engine.device.type == "cuda"
+        self.cuda = dec.seq_len.device.type == "cuda"
 
     def window(self, start: int, n: int) -> float:
         """Mean ms of the ``n`` steps at cached lengths start + 1 .. start + n (one untimed step at
@@ -174,7 +174,7 @@ class StepClock:
 
 
 def decode_ms(
-    engine: ReferenceRolloutEngine,
+    engine: TorchRolloutEngine,
     block_table: torch.Tensor,
     schedule: BudgetSchedule,
     sampling: SamplingParams,
@@ -185,7 +185,8 @@ def decode_ms(
     whether the steps were replayed from a CUDA graph, seconds of the first step + graph capture)."""
     batch = block_table.shape[0]
     dec = StaticDecoder(
-        engine,
+        engine.decode_step,
+        engine.backend,
         engine._cache,
         block_table,
         torch.full((batch,), region_list[0].lo, dtype=torch.int64),
@@ -216,7 +217,7 @@ def decode_ms(
 
 
 def stage_ms(
-    engine: ReferenceRolloutEngine,
+    engine: TorchRolloutEngine,
     block_table: torch.Tensor,
     cached: int,
     schedule: BudgetSchedule,
@@ -325,7 +326,7 @@ def summary(
 
 
 def e2e_check(
-    engine: ReferenceRolloutEngine,
+    engine: TorchRolloutEngine,
     batch: int,
     prompt: int,
     gen: int,
@@ -350,7 +351,7 @@ def e2e_check(
 
 
 def run_config(
-    engine: ReferenceRolloutEngine,
+    engine: TorchRolloutEngine,
     name: str,
     batch_requested: int,
     batch: int,
@@ -524,7 +525,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if time.perf_counter() - started > args.time_budget_s:
             skipped.append(f"{name}: time budget")
             continue
-        engine = ReferenceRolloutEngine(
+        engine = TorchRolloutEngine(
             random_decoder(shape, dtype, device, args.seed),
             dense_layers=args.dense_layers,
             attention_backend="triton",

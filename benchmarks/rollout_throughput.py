@@ -1,4 +1,4 @@
-"""Rollout throughput of the reference engine: dense vs sparse schedules, one JSON line per configuration.
+"""Rollout throughput of the torch rollout engine: dense vs sparse schedules, one JSON line per configuration.
 
 Random weights of a Qwen3 shape preset, random prompts, EOS ignored. Each configuration (batch size x
 schedule, the dense run included) is appended as one JSON object to

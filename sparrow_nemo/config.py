@@ -142,6 +142,20 @@ def _matching(pattern: str, allowed: str) -> Check:
     return check
 
 
+def _one_of(options: tuple[str, ...], renamed: Mapping[str, str]) -> Check:
+    """One of ``options``; an old name in ``renamed`` (old -> new) gets an error naming its new name."""
+
+    def check(value: Any, type_words: str) -> str | None:
+        if value in options:
+            return None
+        hint = (
+            f" ('{value}' was renamed '{renamed[value]}')" if value in renamed else _suggest(value, options)
+        )
+        return f"one of {_choices(options)}{hint}"
+
+    return check
+
+
 POSITIVE = _interval(lo=0, lo_open=True)
 NON_NEGATIVE = _interval(lo=0)
 AT_LEAST_ONE = _interval(lo=1)
@@ -270,8 +284,8 @@ class PolicyConfig:
 class RolloutConfig:
     """Generation: engine, sampling and batching."""
 
-    #: engine: pure-torch paged KV cache (CPU/one GPU) or TensorRT-LLM (cluster)
-    backend: Literal["reference", "trtllm"] = "reference"
+    #: engine: torch (sparrow_nemo.rollout.torch_engine: paged KV cache, CPU or one GPU) or trtllm (cluster)
+    backend: str = _field("torch", check=_one_of(("torch", "trtllm"), renamed={"reference": "torch"}))
     #: response cutoff, tokens
     max_new_tokens: int = _field(64, check=AT_LEAST_ONE)
     #: sampling temperature (> 0: RL needs sampled log-probabilities)
@@ -707,7 +721,7 @@ class SparrowConfig:
                 f"+ rollout.max_new_tokens must fit the model's {shape.max_position_embeddings} positions)",
             )
         if self.rollout.backend == "trtllm" and self.trainer.device == "cpu":
-            raise _Problem("rollout.backend", "reference when trainer.device=cpu (TensorRT-LLM needs CUDA)")
+            raise _Problem("rollout.backend", "torch when trainer.device=cpu (TensorRT-LLM needs CUDA)")
         if self.distill.enabled and self.sparsity.build_schedule().is_dense:
             raise _Problem("distill.enabled", "false when the rollout schedule is dense (nothing to distill)")
         if self.reward.type != "synthetic" and self.data.train_path is None:

@@ -1,6 +1,6 @@
 """``sparrow bench rollout``: dense vs sparse rollout tokens/s and the acceptance-rate tail per bin.
 
-Runs the reference engine on the recipe's model (random weights unless ``model.hf_checkpoint`` is set)
+Runs the torch rollout engine on the recipe's model (random weights unless ``model.hf_checkpoint`` is set)
 with random prompts, EOS ignored: once dense, once with a fixed budget of the smallest useful size
 (sink + local + one page) and once with the recipe's schedule; the sparse rollouts are scored dense to
 measure the acceptance rate. The attention-kernel benchmark is ``benchmarks/sparse_attention.py``.

@@ -6,7 +6,7 @@ neither and ``reward.type: synthetic`` the task's held-out problems are used. Ea
 samples from the engine of ``rollout.backend`` under the schedule of the ``sparsity`` section (override
 ``sparsity.schedule=dense`` for a dense baseline), rewarded by ``reward.type``. Writes one JSON line per
 prompt (rewards, correct count, pass@k, lengths, responses) and a summary JSON next to it, and prints
-the summary. Without ``model.hf_checkpoint`` the reference engine runs random weights (smoke tests only).
+the summary. Without ``model.hf_checkpoint`` the torch rollout engine runs random weights (smoke tests only).
 """
 
 from __future__ import annotations

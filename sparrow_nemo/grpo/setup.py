@@ -138,12 +138,12 @@ def build_engine(config: SparrowConfig, weights: Mapping[str, torch.Tensor], tok
         return engine
     from sparrow_nemo.policy.model import resolve_dtype
     from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder
-    from sparrow_nemo.rollout.reference import ReferenceRolloutEngine
+    from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
 
     dtype, dev = resolve_dtype(config.model.dtype), device(config)
     params = {name: t.to(device=dev, dtype=dtype) for name, t in weights.items()}
     s, r = config.sparsity, config.rollout
-    return ReferenceRolloutEngine(
+    return TorchRolloutEngine(
         Qwen3Decoder(config.model.shape(), params),
         dense_layers=s.dense_layers,
         page_size=s.page_size,

@@ -1,4 +1,4 @@
-"""Rollout generation: the :class:`RolloutEngine` interface and the plain-torch reference engine
+"""Rollout generation: the :class:`RolloutEngine` interface and the plain-torch rollout engine
 (Qwen3 with a paged KV cache and Sparrow sparse decode attention)."""
 
 from sparrow_nemo.rollout.engine import (
@@ -10,15 +10,15 @@ from sparrow_nemo.rollout.engine import (
 )
 from sparrow_nemo.rollout.lora import LoraAdapter
 from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder
-from sparrow_nemo.rollout.reference import ReferenceRolloutEngine
+from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
 
 __all__ = [
     "LoraAdapter",
     "Qwen3Decoder",
-    "ReferenceRolloutEngine",
     "RolloutBatch",
     "RolloutEngine",
     "RolloutSample",
     "SamplingParams",
     "ScoredSequence",
+    "TorchRolloutEngine",
 ]

@@ -15,8 +15,8 @@ import torch
 
 from sparrow_nemo.model_shapes import Qwen3Shape, get_shape
 from sparrow_nemo.rollout.engine import SamplingParams
-from sparrow_nemo.rollout.reference import ReferenceRolloutEngine
 from sparrow_nemo.rollout.scoring import measure_mismatch
+from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
 from sparrow_nemo.sparse.mismatch import summarize
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
@@ -83,12 +83,10 @@ def bench_rollout(
         "attention_backend": attention_backend,
     }
     if model_dir is not None:
-        engine = ReferenceRolloutEngine.from_hf_dir(model_dir, dtype=dtype, device=device, **kwargs)
+        engine = TorchRolloutEngine.from_hf_dir(model_dir, dtype=dtype, device=device, **kwargs)
     else:
         model_shape = get_shape(shape) if isinstance(shape, str) else shape
-        engine = ReferenceRolloutEngine.from_shape(
-            model_shape, seed=seed, dtype=dtype, device=device, **kwargs
-        )
+        engine = TorchRolloutEngine.from_shape(model_shape, seed=seed, dtype=dtype, device=device, **kwargs)
     if prompt_len + gen_len > engine.shape.max_position_embeddings:
         raise ValueError(
             f"prompt_len + gen_len = {prompt_len + gen_len} exceeds the model's "

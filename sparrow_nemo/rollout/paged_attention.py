@@ -1,4 +1,4 @@
-"""Attention for the reference engine: dense causal prefill, and decode over the paged KV cache.
+"""Attention for the torch rollout engine: dense causal prefill, and decode over the paged KV cache.
 
 Decode has two implementations with the same semantics (sparrow_nemo.sparse.attention):
 - ``torch``: the method layer's page selection (``select_pages_from_centroids``) on the cache's
@@ -86,6 +86,38 @@ def decode_attention_torch(
     k, v, positions = cache.gather(layer, block_table, page_idx)
     mask = (positions >= 0) & (positions < seq_len[:, None, None])
     return decode_attention(q, k, v, mask)
+
+
+class TorchDecode:
+    """The plain-torch path: :meth:`PagedKVCache.append` and :func:`decode_attention_torch`."""
+
+    def append(
+        self,
+        cache: PagedKVCache,
+        layer: int,
+        block_table: torch.Tensor,
+        positions: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+    ) -> None:
+        """Store one token per row at ``positions [B]``; ``k_new, v_new [B, Hkv, D]``."""
+        cache.append(layer, block_table, positions, k_new, v_new)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        cache: PagedKVCache,
+        layer: int,
+        block_table: torch.Tensor,
+        seq_len: torch.Tensor,
+        budget_tokens: torch.Tensor | None,
+        sink_pages: int,
+        local_pages: int,
+    ) -> torch.Tensor:
+        """:func:`decode_attention_torch`: ``q [B, Hq, D]`` -> ``[B, Hq, D]``; None = dense."""
+        return decode_attention_torch(
+            q, cache, layer, block_table, seq_len, budget_tokens, sink_pages, local_pages
+        )
 
 
 class KernelDecode:

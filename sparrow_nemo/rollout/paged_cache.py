@@ -1,4 +1,4 @@
-"""Paged KV cache shared by the reference engine and the fused kernels (sparrow_kernels).
+"""Paged KV cache shared by the torch rollout engine and the fused kernels (sparrow_kernels).
 
 Per decoder layer, preallocated pools:
     k_pages, v_pages: [num_pages, Hkv, page_size, D] in the model dtype,

@@ -1,6 +1,6 @@
 """Static-shape batched decode: one step as a fixed sequence of device ops, replayable from a CUDA graph.
 
-The reference engine's default loop (``decode_loop="compact"``) checks stops after every token and
+The torch rollout engine's default loop (``decode_loop="compact"``) checks stops after every token and
 compacts the batch when a sequence finishes; each step costs a host synchronisation and hundreds of
 Python-launched kernels. :class:`StaticDecoder` runs the same math with static shapes instead:
 
@@ -9,8 +9,8 @@ Python-launched kernels. :class:`StaticDecoder` runs the same math with static s
   it finish, its row is retired: it decodes at cached length 1 (position 0, one page read per layer),
   so it no longer costs attention bandwidth. Pages for prompt + the longest response are reserved up
   front, so nothing is allocated per token;
-- one step = ``seq_len += 1``, the schedule's budget looked up on the device, the engine's
-  ``_decode_step`` (embeddings, norms, projections, attention, MLP, LM head), sampling and the
+- one step = ``seq_len += 1``, the schedule's budget looked up on the device, the shared
+  :class:`~sparrow_nemo.rollout.decode_step.DecodeStep` (embeddings, norms, projections, attention, MLP, LM head), sampling and the
   logprob/top-k record, all written into preallocated buffers indexed by a device step counter;
 - per-sample random streams stay on the host (CPU generators, one uniform per step, as in the
   compact loop); a block of ``check_every`` steps' uniforms is drawn ahead and copied to the device
@@ -26,18 +26,15 @@ Graph capture needs an attention backend without host syncs: the fused ``triton`
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
+from sparrow_nemo.rollout.decode_step import DecodeStep
 from sparrow_nemo.rollout.engine import FinishReason, SamplingParams, TokenTally
 from sparrow_nemo.rollout.paged_cache import PagedKVCache
 from sparrow_nemo.rollout.sampling import sample_tokens, token_logprobs
 from sparrow_nemo.rollout.stopping import StopRule
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET, BudgetSchedule
-
-if TYPE_CHECKING:
-    from sparrow_nemo.rollout.reference import ReferenceRolloutEngine
 
 
 class DeviceBudgets:
@@ -70,13 +67,14 @@ class StaticDecoder:
     """Fixed-batch decode steps over an engine's paged cache, writing into preallocated records.
 
     Args:
-        engine: the :class:`~sparrow_nemo.rollout.reference.ReferenceRolloutEngine` (model, backend,
-            dense layers, sink/local pages).
+        decode_step: the engine's :class:`~sparrow_nemo.rollout.decode_step.DecodeStep` (model, attention
+            backend, dense layers, sink/local pages).
+        attention_backend: "torch" or "triton" (CUDA-graph capture needs "triton").
         cache, block_table: the paged cache and ``[B, P]`` int32 block table with pages reserved for
             every position the wave will reach.
         seq_len: [B] int64 tokens in the cache before the first step (the prompt lengths).
         steps: record rows (response positions), including row 0 = the prefill-sampled token.
-        sampling, schedule: as in ``generate``; the schedule's budgets apply from ``engine.dense_layers`` on.
+        sampling, schedule: as in ``generate``; the schedule's budgets apply from ``decode_step.dense_layers`` on.
         check_every: steps per block of pre-drawn uniforms (and per host stop check).
 
     Buffers (device): ``tokens [B]``, ``seq_len [B]``, ``live [B]`` bool, ``step_idx [1]`` (next record row),
@@ -87,7 +85,8 @@ class StaticDecoder:
 
     def __init__(
         self,
-        engine: ReferenceRolloutEngine,
+        decode_step: DecodeStep,
+        attention_backend: str,
         cache: PagedKVCache,
         block_table: torch.Tensor,
         seq_len: torch.Tensor,
@@ -100,10 +99,11 @@ class StaticDecoder:
             raise ValueError(f"stop_check_every must be > 0 steps, got {check_every}")
         if steps <= 0:
             raise ValueError(f"StaticDecoder: steps must be > 0, got {steps}")
-        device = engine.device
+        device = decode_step.model.device
         batch = block_table.shape[0]
-        topk = min(sampling.logprobs_topk, engine.shape.vocab_size)
-        self.engine, self.cache, self.block_table = engine, cache, block_table
+        topk = min(sampling.logprobs_topk, decode_step.model.shape.vocab_size)
+        self.decode_step, self.attention_backend = decode_step, attention_backend
+        self.cache, self.block_table = cache, block_table
         self.sampling, self.check_every, self.steps = sampling, check_every, steps
         self.budget_of = None if schedule.is_dense else DeviceBudgets(schedule, device)
         self.tokens = torch.zeros(batch, dtype=torch.int64, device=device)
@@ -130,7 +130,7 @@ class StaticDecoder:
         # The last sampled token enters the cache now; retired rows restart at position 0 every step.
         self.seq_len.copy_(torch.where(self.live, self.seq_len + 1, 1))
         budgets = None if self.budget_of is None else self.budget_of(self.seq_len)
-        logits = self.engine._decode_step(self.cache, self.block_table, self.tokens, self.seq_len, budgets)
+        logits = self.decode_step(self.cache, self.block_table, self.tokens, self.seq_len, budgets)
         row = (self.step_idx - 1) % self.check_every
         uniforms = self.uniforms.index_select(0, row)[0]
         recorded = torch.full_like(self.seq_len, DENSE_BUDGET) if budgets is None else budgets
@@ -159,13 +159,14 @@ class StaticDecoder:
         """Run one real step eagerly on a side stream (it compiles the kernels and initialises the
         libraries, as CUDA-graph capture requires), then capture :meth:`step` in a CUDA graph; from
         then on :meth:`run` replays it."""
-        if self.engine.device.type != "cuda":
+        device = self.tokens.device
+        if device.type != "cuda":
             raise RuntimeError("StaticDecoder.capture needs a CUDA device")
-        if self.engine.backend != "triton":
+        if self.attention_backend != "triton":
             raise RuntimeError(
                 "CUDA-graph decode needs attention_backend='triton' (the torch path syncs with the host)"
             )
-        side = torch.cuda.Stream(self.engine.device)
+        side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             self.step()

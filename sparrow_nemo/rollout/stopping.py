@@ -31,7 +31,7 @@ class StopRule:
     def __post_init__(self) -> None:
         if self.stop_strings and self.tokenizer is None:
             raise ValueError(
-                "SamplingParams.stop_strings needs an engine tokenizer (ReferenceRolloutEngine(tokenizer=...))"
+                "SamplingParams.stop_strings needs an engine tokenizer (TorchRolloutEngine(tokenizer=...))"
             )
 
     def check(self, response: list[int], max_new: int) -> tuple[FinishReason, int | str | None] | None:

@@ -1,4 +1,4 @@
-"""distill_report on a tiny random Qwen3 and the reference engine (CPU, seconds).
+"""distill_report on a tiny random Qwen3 and the torch rollout engine (CPU, seconds).
 
 A zero adapter (B = 0) is the base model: with and without it the same seeds give identical tails and
 calibrations. A random adapter changes the rollouts, and the engine keeps the adapter afterwards.
@@ -13,7 +13,7 @@ from sparrow_nemo.model_shapes import PRESETS
 from sparrow_nemo.policy.lora import LoraConfig, init_adapter
 from sparrow_nemo.rollout.engine import SamplingParams
 from sparrow_nemo.rollout.lora import LoraAdapter
-from sparrow_nemo.rollout.reference import ReferenceRolloutEngine
+from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
 from sparrow_nemo.sparse.cost_model import HARDWARE, DecodeCostModel
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
@@ -22,7 +22,7 @@ SCHEDULE = BudgetSchedule(bin_tokens=16, budgets=(16,), page_size=4, name="fixed
 
 
 def _setup():
-    engine = ReferenceRolloutEngine.from_shape(SHAPE, seed=0, dense_layers=0, page_size=4)
+    engine = TorchRolloutEngine.from_shape(SHAPE, seed=0, dense_layers=0, page_size=4)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, SHAPE.vocab_size, (n,), generator=g).tolist() for n in (9, 12, 14, 10)]
     sampling = SamplingParams(max_new_tokens=24, temperature=1.0, stop_token_ids=())

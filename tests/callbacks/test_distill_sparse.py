@@ -1,6 +1,6 @@
 """DistillSparse on a tiny random Qwen3 (fp32, CPU, one process; two ranks: ``tests/test_distill_e2e.py``).
 
-A stand-in trainer holds what the callback uses (policy, reference engine, probe prompts, schedule,
+A stand-in trainer holds what the callback uses (policy, torch rollout engine, probe prompts, schedule,
 the ``tiny_cpu_distill`` recipe's config). Checked: the adapter steps fit their batch (k3 falls) and
 the engine rolls out with the updated adapter, per-bin p5 and KL before/after are logged, the
 policy's own weights never move, the loss gradient is k3 + sparse PG with the advantages, and the
@@ -30,7 +30,7 @@ from sparrow_nemo.policy.optim import OptimizerSettings
 from sparrow_nemo.policy.parallel import ParallelLayout
 from sparrow_nemo.policy.policy import MegatronPolicy
 from sparrow_nemo.rollout.engine import SamplingParams
-from sparrow_nemo.rollout.reference import ReferenceRolloutEngine
+from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 SHAPE = PRESETS["tiny-test"]
@@ -47,7 +47,7 @@ class _Trainer:
         self.policy = MegatronPolicy(
             SHAPE, ParallelLayout(), OptimizerSettings(lr=1e-3), "float32", hf_dir=ckpt
         )
-        self.rollout_engine = ReferenceRolloutEngine.from_hf_dir(
+        self.rollout_engine = TorchRolloutEngine.from_hf_dir(
             ckpt, dense_layers=1, page_size=PAGE, attention_backend="torch"
         )
         self.sampling = SamplingParams(max_new_tokens=28, temperature=1.0, stop_token_ids=())

@@ -42,7 +42,7 @@ def test_default_recipe_is_tiny_cpu_by_name_and_by_path() -> None:
     assert DEFAULT_RECIPE == "tiny_cpu"
     assert by_default == load_config("tiny_cpu") == load_config(recipes_dir() / "tiny_cpu.yaml")
     assert by_default.model.shape() == PRESETS["tiny"]
-    assert by_default.rollout.backend == "reference"
+    assert by_default.rollout.backend == "torch"
 
 
 def test_tiny_schedule_is_the_explicit_scaled_one() -> None:

@@ -116,7 +116,11 @@ def test_range_boundaries_that_are_allowed(override: str) -> None:
 # ----- choices ---------------------------------------------------------------------------
 def test_literal_choice_lists_the_options_and_suggests() -> None:
     assert error_of("rollout.backend=vllm") == (
-        "config error: rollout.backend=vllm (from command line) - expected one of 'reference', 'trtllm'"
+        "config error: rollout.backend=vllm (from command line) - expected one of 'torch', 'trtllm'"
+    )
+    assert error_of("rollout.backend=reference") == (
+        "config error: rollout.backend=reference (from command line) - expected one of 'torch', 'trtllm' "
+        "('reference' was renamed 'torch')"
     )
     assert error_of("trainer.device=cuda:0").endswith(
         "expected one of 'auto', 'cpu', 'cuda' - did you mean 'cuda'?"
@@ -210,7 +214,7 @@ def test_distill_targets_are_hf_linear_names() -> None:
         ),
         (
             ["rollout.backend=trtllm", "trainer.device=cpu"],
-            "rollout.backend=trtllm (from command line) - expected reference when trainer.device=cpu (TensorRT-LLM "
+            "rollout.backend=trtllm (from command line) - expected torch when trainer.device=cpu (TensorRT-LLM "
             "needs CUDA)",
         ),
         (

@@ -13,8 +13,8 @@ from sparrow_nemo.grpo.plots import write_plots
 from sparrow_nemo.grpo.summary import format_summary, tail_per_bin
 from sparrow_nemo.model_shapes import PRESETS
 from sparrow_nemo.rollout.engine import RolloutSample, SamplingParams
-from sparrow_nemo.rollout.reference import ReferenceRolloutEngine
 from sparrow_nemo.rollout.scoring import TokenMismatch
+from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 
@@ -121,7 +121,7 @@ def test_tail_per_bin_summary_and_plots(tmp_path: Path) -> None:
 
 
 def test_rollout_progress_bar_counts_the_engines_tokens(capsys: pytest.CaptureFixture[str]) -> None:
-    engine = ReferenceRolloutEngine.from_shape(PRESETS["tiny-test"], seed=0)
+    engine = TorchRolloutEngine.from_shape(PRESETS["tiny-test"], seed=0)
     sampling = SamplingParams(max_new_tokens=30, seed=1, stop_token_ids=(5, 6, 7))
     with rollout_progress(4, sampling.max_new_tokens, enabled=True) as bar:
         batch = engine.generate([[3, 4] * 5] * 4, sampling, BudgetSchedule.dense(), on_tokens=bar.update)

@@ -18,7 +18,7 @@ from sparrow_nemo.policy.optim import OptimizerSettings
 from sparrow_nemo.policy.parallel import ParallelLayout
 from sparrow_nemo.policy.policy import MegatronPolicy
 from sparrow_nemo.rollout.engine import SamplingParams
-from sparrow_nemo.rollout.reference import ReferenceRolloutEngine
+from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 SHAPE = PRESETS["tiny-test"]
@@ -26,7 +26,7 @@ SHAPE = PRESETS["tiny-test"]
 
 def test_dense_engine_logprobs_equal_policy_logprobs(tmp_path) -> None:
     checkpoint = make_hf_checkpoint(SHAPE, tmp_path / "hf")
-    engine = ReferenceRolloutEngine.from_hf_dir(
+    engine = TorchRolloutEngine.from_hf_dir(
         checkpoint, dense_layers=0, page_size=4, attention_backend="torch"
     )  # every layer follows the schedule
     g = torch.Generator().manual_seed(7)

@@ -2,7 +2,7 @@
 
 - the per-query mask equals the method layer's ``select_pages`` run on each position's own cache
   prefix (integer-valued q/k: exact scores, ties included);
-- policy sparse logprobs == the reference engine's sampled-token logprobs (max abs diff < 1e-4),
+- policy sparse logprobs == the torch rollout engine's sampled-token logprobs (max abs diff < 1e-4),
   with and without a LoRA adapter exported to the engine, for local_pages 2 and 0 (0 makes the
   current partial page's centroid matter), while the dense logprobs differ clearly.
 """
@@ -23,7 +23,7 @@ from sparrow_nemo.policy.policy import MegatronPolicy
 from sparrow_nemo.policy.sparse_forward import SparsePattern, SparsePlan, sparse_attention_mask
 from sparrow_nemo.rollout.engine import SamplingParams
 from sparrow_nemo.rollout.lora import LoraAdapter
-from sparrow_nemo.rollout.reference import ReferenceRolloutEngine
+from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
 from sparrow_nemo.sparse.attention import select_pages, selected_token_mask
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET, BudgetSchedule
 
@@ -68,7 +68,7 @@ def test_mask_equals_method_layer_selection_per_position():
     assert (n_kept < torch.arange(21, s + 1)).any(), "some decode rows must drop pages"
 
 
-def _rollout(engine: ReferenceRolloutEngine, prompts: list[torch.Tensor]):
+def _rollout(engine: TorchRolloutEngine, prompts: list[torch.Tensor]):
     sampling = SamplingParams(max_new_tokens=40, temperature=1.0, seed=3, stop_token_ids=())
     return engine.generate(prompts, sampling, SCHEDULE).samples
 
@@ -100,7 +100,7 @@ def checkpoint(tmp_path_factory):
 @pytest.mark.parametrize("local_pages", [2, 0])
 def test_sparse_logprobs_equal_engine_with_and_without_lora(checkpoint, local_pages):
     pattern = SparsePattern(page_size=PAGE, sink_pages=1, local_pages=local_pages, dense_layers=1)
-    engine = ReferenceRolloutEngine.from_hf_dir(
+    engine = TorchRolloutEngine.from_hf_dir(
         checkpoint,
         dense_layers=1,
         page_size=PAGE,

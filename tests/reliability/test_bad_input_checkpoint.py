@@ -23,7 +23,7 @@ from sparrow_nemo.policy.hf_import import CheckpointFormatError
 from sparrow_nemo.policy.optim import OptimizerSettings
 from sparrow_nemo.policy.parallel import ParallelLayout, destroy_parallel
 from sparrow_nemo.policy.policy import MegatronPolicy
-from sparrow_nemo.rollout.reference import ReferenceRolloutEngine
+from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
 
 from ._helpers import save_char_tokenizer
 
@@ -65,7 +65,7 @@ def test_wrong_tensor_shape_names_the_folder_tensor_and_both_shapes(good_ckpt: P
     with pytest.raises(CheckpointFormatError, match=re.escape(message)):
         load_policy(bad)
     with pytest.raises(ValueError, match=re.escape(message)):
-        ReferenceRolloutEngine.from_hf_dir(bad)
+        TorchRolloutEngine.from_hf_dir(bad)
 
 
 def test_config_of_another_model_names_the_differing_fields(good_ckpt: Path, tmp_path: Path) -> None:
@@ -91,11 +91,11 @@ def test_truncated_or_unparsable_files_name_the_file(good_ckpt: Path, tmp_path: 
     with pytest.raises(
         CheckpointFormatError, match=rf"^{weights}: (not a readable safetensors file|cannot read)"
     ):
-        ReferenceRolloutEngine.from_hf_dir(cut)
+        TorchRolloutEngine.from_hf_dir(cut)
     broken = copy_with(good_ckpt, tmp_path / "broken")
     (broken / "config.json").write_text('{"model_type": "qwen3",')
     with pytest.raises(CheckpointFormatError, match=rf"^{broken / 'config.json'}: invalid JSON"):
-        ReferenceRolloutEngine.from_hf_dir(broken)
+        TorchRolloutEngine.from_hf_dir(broken)
 
 
 def test_trainer_refuses_a_mismatched_checkpoint_before_writing_anything(tmp_path: Path) -> None:

@@ -1,5 +1,5 @@
 """Rollout out of memory: the batch is retried in halves and the samples equal those of one big batch
-(tokens exactly; logprobs to float rounding, as any two batch sizes of the reference engine).
+(tokens exactly; logprobs to float rounding, as any two batch sizes of the torch rollout engine).
 
 A CPU cannot run out of accelerator memory on demand, so the engine under test is the real reference
 engine with one change: ``generate`` raises ``torch.OutOfMemoryError`` for batches above a size limit.
@@ -16,12 +16,12 @@ from rollout._helpers import SHAPE
 
 from sparrow_nemo.rollout.engine import RolloutSample, SamplingParams
 from sparrow_nemo.rollout.oom_retry import OomRetryEngine
-from sparrow_nemo.rollout.reference import ReferenceRolloutEngine
+from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 
-class SmallMemoryEngine(ReferenceRolloutEngine):
-    """The reference engine, out of memory for more than ``limit`` sequences; records every batch size asked."""
+class SmallMemoryEngine(TorchRolloutEngine):
+    """The torch rollout engine, out of memory for more than ``limit`` sequences; records every batch size asked."""
 
     limit = 2
 
@@ -56,7 +56,7 @@ def assert_same_samples(a: list[RolloutSample], b: list[RolloutSample]) -> None:
 
 
 def test_out_of_memory_splits_in_halves_and_matches_one_big_batch(caplog) -> None:
-    reference = ReferenceRolloutEngine.from_shape(SHAPE, seed=4).generate(PROMPTS, SAMPLING, SCHEDULE)
+    reference = TorchRolloutEngine.from_shape(SHAPE, seed=4).generate(PROMPTS, SAMPLING, SCHEDULE)
     small = SmallMemoryEngine.from_shape(SHAPE, seed=4)
     caplog.set_level(logging.WARNING, logger="sparrow_nemo.rollout.oom_retry")
     out = OomRetryEngine(small).generate(PROMPTS, SAMPLING, SCHEDULE)
@@ -71,7 +71,7 @@ def test_out_of_memory_splits_in_halves_and_matches_one_big_batch(caplog) -> Non
 
 def test_explicit_sample_seeds_are_kept_across_the_split() -> None:
     seeds = [11, 5, 99, 2, 40]
-    reference = ReferenceRolloutEngine.from_shape(SHAPE, seed=4).generate(
+    reference = TorchRolloutEngine.from_shape(SHAPE, seed=4).generate(
         PROMPTS[:5], SAMPLING, SCHEDULE, sample_seeds=seeds
     )
     out = OomRetryEngine(SmallMemoryEngine.from_shape(SHAPE, seed=4)).generate(
@@ -89,7 +89,7 @@ def test_one_sequence_that_does_not_fit_reraises() -> None:
 
 
 def test_the_wrapper_forwards_the_rest_of_the_engine() -> None:
-    engine = ReferenceRolloutEngine.from_shape(SHAPE, seed=4)
+    engine = TorchRolloutEngine.from_shape(SHAPE, seed=4)
     wrapped = OomRetryEngine(engine)
     assert wrapped.shape is engine.shape and wrapped.model is engine.model
     scored = wrapped.score([PROMPTS[0]])[0]

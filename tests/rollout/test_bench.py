@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from sparrow_nemo.rollout import ReferenceRolloutEngine, SamplingParams
+from sparrow_nemo.rollout import SamplingParams, TorchRolloutEngine
 from sparrow_nemo.rollout.bench import bench_rollout
 from sparrow_nemo.rollout.scoring import measure_mismatch
 from sparrow_nemo.sparse.mismatch import acceptance_rate
@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_measure_mismatch_aligns_rollout_and_dense_positions(hf_dir: Path) -> None:
     from transformers import Qwen3ForCausalLM
 
-    engine = ReferenceRolloutEngine.from_hf_dir(hf_dir, dense_layers=1)
+    engine = TorchRolloutEngine.from_hf_dir(hf_dir, dense_layers=1)
     hf = Qwen3ForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, SHAPE.vocab_size, (n,), generator=gen).tolist() for n in (50, 20)]

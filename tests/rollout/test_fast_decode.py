@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sparrow_nemo.rollout import ReferenceRolloutEngine, SamplingParams
+from sparrow_nemo.rollout import SamplingParams, TorchRolloutEngine
 from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder
 from sparrow_nemo.rollout.sampling import draw_uniforms, make_generators
 from sparrow_nemo.rollout.static_decode import DeviceBudgets, StaticDecoder, draw_uniform_block
@@ -43,12 +43,12 @@ def make_prompts(lengths: tuple[int, ...], seed: int = 0) -> list[list[int]]:
     return [torch.randint(3, SHAPE.vocab_size, (n,), generator=gen).tolist() for n in lengths]
 
 
-def engines(model: Qwen3Decoder, backend: str, **kw) -> tuple[ReferenceRolloutEngine, ReferenceRolloutEngine]:
+def engines(model: Qwen3Decoder, backend: str, **kw) -> tuple[TorchRolloutEngine, TorchRolloutEngine]:
     """(compact, static) engines sharing one decoder."""
     common = {"dense_layers": 1, "attention_backend": backend, **kw}
     return (
-        ReferenceRolloutEngine(model, decode_loop="compact", **common),
-        ReferenceRolloutEngine(model, decode_loop="static", stop_check_every=3, **common),
+        TorchRolloutEngine(model, decode_loop="compact", **common),
+        TorchRolloutEngine(model, decode_loop="static", stop_check_every=3, **common),
     )
 
 
@@ -146,13 +146,13 @@ def test_uniform_block_equals_successive_draws() -> None:
 
 def test_bad_decode_options_are_refused(model: Qwen3Decoder) -> None:
     with pytest.raises(ValueError, match="decode_loop"):
-        ReferenceRolloutEngine(model, decode_loop="fast")
+        TorchRolloutEngine(model, decode_loop="fast")
     with pytest.raises(ValueError, match="stop_check_every"):
-        ReferenceRolloutEngine(model, stop_check_every=0)
+        TorchRolloutEngine(model, stop_check_every=0)
 
 
 def test_auto_loop_is_compact_on_cpu(model: Qwen3Decoder) -> None:
-    engine = ReferenceRolloutEngine(model, attention_backend="torch")
+    engine = TorchRolloutEngine(model, attention_backend="torch")
     assert engine.decode_loop == "compact" and not engine.cuda_graph
 
 
@@ -162,8 +162,8 @@ def test_cuda_graph_loop_equals_eager_static_loop(hf_dir: Path) -> None:
     """On a GPU: graph replay gives the tokens of the eager static loop (fp32, fused kernels)."""
     gpu_model = Qwen3Decoder.from_hf_dir(hf_dir, device="cuda")
     kw = {"dense_layers": 1, "attention_backend": "triton", "decode_loop": "static", "stop_check_every": 4}
-    graph = ReferenceRolloutEngine(gpu_model, cuda_graph=True, **kw)
-    eager = ReferenceRolloutEngine(gpu_model, cuda_graph=False, **kw)
+    graph = TorchRolloutEngine(gpu_model, cuda_graph=True, **kw)
+    eager = TorchRolloutEngine(gpu_model, cuda_graph=False, **kw)
     assert graph.cuda_graph and not eager.cuda_graph
     params = SamplingParams(max_new_tokens=13, temperature=1.0, seed=5, stop_token_ids=(7,))
     prompts = make_prompts((45, 7, 80))
@@ -173,12 +173,14 @@ def test_cuda_graph_loop_equals_eager_static_loop(hf_dir: Path) -> None:
 @torch.no_grad()
 def test_retired_rows_decode_at_position_zero(model: Qwen3Decoder) -> None:
     """A retired row restarts at cached length 1 every step; live rows advance and are unaffected."""
-    engine = ReferenceRolloutEngine(model, dense_layers=1, attention_backend="torch", decode_loop="static")
+    engine = TorchRolloutEngine(model, dense_layers=1, attention_backend="torch", decode_loop="static")
     cache = engine._ensure_cache(8)
     table = torch.full((2, 4), -1, dtype=torch.int32)
     cache.reserve(table, torch.tensor([40, 40]))
     params = SamplingParams(max_new_tokens=4, temperature=0.0, stop_token_ids=())
-    dec = StaticDecoder(engine, cache, table, torch.tensor([20, 20]), 4, params, SCHEDULE, check_every=4)
+    dec = StaticDecoder(
+        engine.decode_step, "torch", cache, table, torch.tensor([20, 20]), 4, params, SCHEDULE, check_every=4
+    )
     dec.run(1)
     dec.retire([1])
     dec.run(2)

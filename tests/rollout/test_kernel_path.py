@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 sparrow_kernels = pytest.importorskip("sparrow_kernels")
 pytest.importorskip("triton")
 
-from sparrow_nemo.rollout import ReferenceRolloutEngine, SamplingParams  # noqa: E402
+from sparrow_nemo.rollout import SamplingParams, TorchRolloutEngine  # noqa: E402
 from sparrow_nemo.sparse.schedule import BudgetSchedule  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -29,8 +29,8 @@ def test_triton_backend_matches_torch_backend(hf_dir: Path) -> None:
     if not sparrow_kernels.available(DEVICE):
         pytest.skip(f"sparrow_kernels cannot run on {DEVICE} (imported without TRITON_INTERPRET=1)")
     kw = {"dense_layers": 1, "dtype": torch.float32, "device": DEVICE}
-    fused = ReferenceRolloutEngine.from_hf_dir(hf_dir, attention_backend="triton", **kw)
-    plain = ReferenceRolloutEngine.from_hf_dir(hf_dir, attention_backend="torch", **kw)
+    fused = TorchRolloutEngine.from_hf_dir(hf_dir, attention_backend="triton", **kw)
+    plain = TorchRolloutEngine.from_hf_dir(hf_dir, attention_backend="torch", **kw)
     assert fused.backend == "triton" and plain.backend == "torch"
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, fused.shape.vocab_size, (n,), generator=gen).tolist() for n in (45, 7)]

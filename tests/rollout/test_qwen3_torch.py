@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from sparrow_nemo.rollout import ReferenceRolloutEngine
+from sparrow_nemo.rollout import TorchRolloutEngine
 from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder, expected_weight_shapes
 
 TOL = 1e-4
@@ -28,11 +28,11 @@ def hf_logprobs(path: Path, ids: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("fixture", ["hf_dir", "hf_dir_tied"])
 def test_score_matches_transformers_on_unequal_lengths(fixture: str, request: pytest.FixtureRequest) -> None:
     path = request.getfixturevalue(fixture)
-    engine = ReferenceRolloutEngine.from_hf_dir(path)
+    engine = TorchRolloutEngine.from_hf_dir(path)
     gen = torch.Generator().manual_seed(3)
     seqs = [torch.randint(0, engine.shape.vocab_size, (n,), generator=gen).tolist() for n in (37, 5, 20)]
     scored = engine.score(seqs, topk=20)
-    chunked = ReferenceRolloutEngine(engine.model, prefill_chunk_tokens=16).score(seqs, topk=20)
+    chunked = TorchRolloutEngine(engine.model, prefill_chunk_tokens=16).score(seqs, topk=20)
     assert engine._cache.num_free == engine._cache.num_pages  # scoring returns its pages
     for a, b in zip(scored, chunked):
         assert (a.logprobs - b.logprobs).abs().max() < 1e-5

@@ -1,4 +1,4 @@
-"""The reference rollout engine: plain-torch Qwen3 with a paged KV cache and Sparrow sparse decode.
+"""The torch rollout engine: plain-torch Qwen3 with a paged KV cache and Sparrow sparse decode.
 
 - Prefill is dense (causal attention over the prompt); its keys/values go to the paged cache and
   each page's centroid is the mean of its keys.
@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from sparrow_nemo.model_shapes import Qwen3Shape
+from sparrow_nemo.rollout.decode_step import DecodeStep
 from sparrow_nemo.rollout.engine import (
     RolloutBatch,
     RolloutSample,
@@ -32,12 +33,7 @@ from sparrow_nemo.rollout.engine import (
     TokenTally,
 )
 from sparrow_nemo.rollout.lora import LoraAdapter
-from sparrow_nemo.rollout.paged_attention import (
-    KernelDecode,
-    causal_attention,
-    choose_backend,
-    decode_attention_torch,
-)
+from sparrow_nemo.rollout.paged_attention import KernelDecode, TorchDecode, causal_attention, choose_backend
 from sparrow_nemo.rollout.paged_cache import PagedKVCache
 from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder, linear_in_out
 from sparrow_nemo.rollout.sampling import (
@@ -55,7 +51,7 @@ from sparrow_nemo.sparse.schedule import DENSE_BUDGET, BudgetSchedule
 PROGRESS_EVERY = 8
 
 
-class ReferenceRolloutEngine:
+class TorchRolloutEngine:
     """:class:`~sparrow_nemo.rollout.engine.RolloutEngine` in plain torch (CPU or one GPU).
 
     Args:
@@ -116,7 +112,8 @@ class ReferenceRolloutEngine:
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.device = model.device
         self.backend = choose_backend(attention_backend, self.device)
-        self._kernels = KernelDecode() if self.backend == "triton" else None
+        attention = KernelDecode() if self.backend == "triton" else TorchDecode()
+        self.decode_step = DecodeStep(model, attention, dense_layers, sink_pages, local_pages)
         fast = self.device.type == "cuda" and self.backend == "triton"
         self.decode_loop = ("static" if fast else "compact") if decode_loop == "auto" else decode_loop
         self.stop_check_every = stop_check_every
@@ -133,7 +130,7 @@ class ReferenceRolloutEngine:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         **kwargs,
-    ) -> ReferenceRolloutEngine:
+    ) -> TorchRolloutEngine:
         """Engine over an HF Qwen3 checkpoint directory (config.json + safetensors)."""
         return cls(Qwen3Decoder.from_hf_dir(path, dtype=dtype, device=device), **kwargs)
 
@@ -145,7 +142,7 @@ class ReferenceRolloutEngine:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         **kwargs,
-    ) -> ReferenceRolloutEngine:
+    ) -> TorchRolloutEngine:
         """Engine over random weights of ``shape`` (tests, benchmarks)."""
         return cls(Qwen3Decoder.random(shape, seed=seed, dtype=dtype, device=device), **kwargs)
 
@@ -351,7 +348,7 @@ class ReferenceRolloutEngine:
             seq_len = seq_len + 1  # the last sampled token enters the cache now
             cache.reserve(block_table, seq_len)
             budgets = None if schedule.is_dense else schedule.budgets_for(seq_len)
-            logits = self._decode_step(cache, block_table, tokens, seq_len, budgets)
+            logits = self.decode_step(cache, block_table, tokens, seq_len, budgets)
             tokens = self._sample_and_record(rec, logits, sampling, gens, active, seq_len, budgets)
         t2 = self._now()
 
@@ -382,7 +379,15 @@ class ReferenceRolloutEngine:
         tokens); pages for prompt + max(max_new) tokens are reserved here and freed at the end."""
         cache.reserve(block_table, seq_len + max(max_new))
         dec = StaticDecoder(
-            self, cache, block_table, seq_len, max(max_new), sampling, schedule, self.stop_check_every
+            self.decode_step,
+            self.backend,
+            cache,
+            block_table,
+            seq_len,
+            max(max_new),
+            sampling,
+            schedule,
+            self.stop_check_every,
         )
         first = (
             draw_uniforms(gens) if sampling.temperature > 0 else torch.zeros(len(gens), dtype=torch.float64)
@@ -499,34 +504,6 @@ class ReferenceRolloutEngine:
                 )
                 h = self.model.attention_output(layer, h, attn)
             emit(start, h)
-
-    def _decode_step(
-        self,
-        cache: PagedKVCache,
-        block_table: torch.Tensor,
-        tokens: torch.Tensor,
-        seq_len: torch.Tensor,
-        budgets: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """Run the new tokens ``[B]`` (at index seq_len - 1) through all layers -> logits [B, V] fp32."""
-        positions = seq_len - 1
-        h = self.model.embed(tokens)
-        for layer in range(self.shape.num_layers):
-            q, k, v = self.model.attention_inputs(layer, h[:, None], positions[:, None])
-            q, k, v = q[:, 0], k[:, 0], v[:, 0]
-            layer_budget = budgets if layer >= self.dense_layers else None
-            if self._kernels is not None:
-                self._kernels.append(cache, layer, block_table, positions, k, v)
-                attn = self._kernels.attend(
-                    q, cache, layer, block_table, seq_len, layer_budget, self.sink_pages, self.local_pages
-                )
-            else:
-                cache.append(layer, block_table, positions, k, v)
-                attn = decode_attention_torch(
-                    q, cache, layer, block_table, seq_len, layer_budget, self.sink_pages, self.local_pages
-                )
-            h = self.model.attention_output(layer, h, attn)
-        return self.model.logits(h)
 
     def _sample_and_record(
         self,

@@ -1,4 +1,4 @@
-"""The reference rollout engine against transformers (dense) and a contiguous-cache reference (sparse)."""
+"""The torch rollout engine against transformers (dense) and a contiguous-cache reference (sparse)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import torch
 
 from sparrow_nemo.rollout import (
     LoraAdapter,
-    ReferenceRolloutEngine,
     RolloutEngine,
     SamplingParams,
+    TorchRolloutEngine,
 )
 from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder, linear_in_out
 from sparrow_nemo.rollout.sampling import sample_seed
@@ -32,8 +32,8 @@ def prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def engine(hf_dir: Path) -> ReferenceRolloutEngine:
-    return ReferenceRolloutEngine.from_hf_dir(hf_dir, attention_backend="torch")
+def engine(hf_dir: Path) -> TorchRolloutEngine:
+    return TorchRolloutEngine.from_hf_dir(hf_dir, attention_backend="torch")
 
 
 def greedy(n: int, **kw) -> SamplingParams:
@@ -41,7 +41,7 @@ def greedy(n: int, **kw) -> SamplingParams:
 
 
 # --------------------------------------------------------------------------- dense == policy
-def test_dense_schedule_logprobs_match_transformers(engine: ReferenceRolloutEngine, hf_dir: Path) -> None:
+def test_dense_schedule_logprobs_match_transformers(engine: TorchRolloutEngine, hf_dir: Path) -> None:
     from transformers import Qwen3ForCausalLM
 
     hf = Qwen3ForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
@@ -57,7 +57,7 @@ def test_dense_schedule_logprobs_match_transformers(engine: ReferenceRolloutEngi
     assert worst < TOL
 
 
-def test_budget_covering_the_sequence_equals_dense_bit_exactly(engine: ReferenceRolloutEngine) -> None:
+def test_budget_covering_the_sequence_equals_dense_bit_exactly(engine: TorchRolloutEngine) -> None:
     p = prompts([50, 9])
     dense = engine.generate(p, SamplingParams(max_new_tokens=20, seed=4), DENSE)
     wide = engine.generate(
@@ -117,7 +117,7 @@ def contiguous_reference(
 @pytest.mark.parametrize("dense_layers", [0, 2])
 def test_sparse_decode_equals_contiguous_method_layer_reference(hf_dir: Path, dense_layers: int) -> None:
     """Three prompt lengths, budgets growing with the cached length; all or only the last layer sparse."""
-    engine = ReferenceRolloutEngine.from_hf_dir(hf_dir, dense_layers=dense_layers, attention_backend="torch")
+    engine = TorchRolloutEngine.from_hf_dir(hf_dir, dense_layers=dense_layers, attention_backend="torch")
     schedule = BudgetSchedule(bin_tokens=40, budgets=(48, 64, 80), name="test")
     p = prompts([70, 6, 33], seed=5)
     batch = engine.generate(p, greedy(60), schedule)
@@ -129,7 +129,7 @@ def test_sparse_decode_equals_contiguous_method_layer_reference(hf_dir: Path, de
     assert any(not torch.equal(a.logprobs, b.logprobs) for a, b in zip(batch.samples, dense.samples))
 
 
-def test_budgets_switch_exactly_at_bin_boundaries(engine: ReferenceRolloutEngine) -> None:
+def test_budgets_switch_exactly_at_bin_boundaries(engine: TorchRolloutEngine) -> None:
     """Same greedy run under fixed:48 and under (48 then 96 from cached length 64 on): identical up to
     the token sampled at cached length 63, different at cached length 64."""
     p = prompts([40])
@@ -147,7 +147,7 @@ def test_budgets_switch_exactly_at_bin_boundaries(engine: ReferenceRolloutEngine
 
 
 # --------------------------------------------------------------------------- sampling and batching
-def test_generation_is_deterministic_for_a_seed(engine: ReferenceRolloutEngine) -> None:
+def test_generation_is_deterministic_for_a_seed(engine: TorchRolloutEngine) -> None:
     p = prompts([12, 30])
     params = SamplingParams(
         max_new_tokens=30, temperature=0.9, top_p=0.95, top_k=40, seed=7, stop_token_ids=()
@@ -162,7 +162,7 @@ def test_generation_is_deterministic_for_a_seed(engine: ReferenceRolloutEngine) 
         assert not torch.equal(x.response_ids, z.response_ids)
 
 
-def test_mixed_length_batch_equals_each_prompt_alone(engine: ReferenceRolloutEngine) -> None:
+def test_mixed_length_batch_equals_each_prompt_alone(engine: TorchRolloutEngine) -> None:
     """Sampled (not greedy) with stop tokens, so samples finish at different steps and leave the batch."""
     p = prompts([5, 47, 18, 33], seed=2)
     stops = tuple(range(3, 9))
@@ -171,7 +171,7 @@ def test_mixed_length_batch_equals_each_prompt_alone(engine: ReferenceRolloutEng
     batch = engine.generate(p, params, sched)
     lengths = [s.response_ids.numel() for s in batch.samples]
     assert len(set(lengths)) > 1 and any(s.finish_reason == "stop_token" for s in batch.samples)
-    waves = ReferenceRolloutEngine(engine.model, max_batch_size=3).generate(p, params, sched)
+    waves = TorchRolloutEngine(engine.model, max_batch_size=3).generate(p, params, sched)
     for a, b in zip(batch.samples, waves.samples):
         assert torch.equal(a.response_ids, b.response_ids) and (a.logprobs - b.logprobs).abs().max() < 1e-5
     for i, (prompt, s) in enumerate(zip(p, batch.samples)):
@@ -187,28 +187,28 @@ def test_mixed_length_batch_equals_each_prompt_alone(engine: ReferenceRolloutEng
             assert s.finish_reason == "length" and s.response_ids.numel() == 40
 
 
-def test_chunked_prefill_equals_whole_prompt_prefill(engine: ReferenceRolloutEngine) -> None:
+def test_chunked_prefill_equals_whole_prompt_prefill(engine: TorchRolloutEngine) -> None:
     p, params = prompts([40, 7, 33, 16]), SamplingParams(max_new_tokens=12, seed=5, stop_token_ids=())
     sched = BudgetSchedule(bin_tokens=48, budgets=(32, 48), name="t")
     whole = engine.generate(p, params, sched)
-    chunked = ReferenceRolloutEngine(engine.model, prefill_chunk_tokens=16).generate(p, params, sched)
+    chunked = TorchRolloutEngine(engine.model, prefill_chunk_tokens=16).generate(p, params, sched)
     for a, b in zip(whole.samples, chunked.samples):
         assert torch.equal(a.response_ids, b.response_ids) and (a.logprobs - b.logprobs).abs().max() < 1e-5
     with pytest.raises(ValueError, match="prefill_chunk_tokens must be a positive multiple of page_size=16"):
-        ReferenceRolloutEngine(engine.model, prefill_chunk_tokens=20)
+        TorchRolloutEngine(engine.model, prefill_chunk_tokens=20)
 
 
 def test_finished_sequences_leave_the_batch(
-    engine: ReferenceRolloutEngine, monkeypatch: pytest.MonkeyPatch
+    engine: TorchRolloutEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     rows: list[int] = []
-    original = engine._decode_step
+    original = engine.decode_step
 
     def counting(cache, block_table, tokens, seq_len, budgets):
         rows.append(tokens.shape[0])
         return original(cache, block_table, tokens, seq_len, budgets)
 
-    monkeypatch.setattr(engine, "_decode_step", counting)
+    monkeypatch.setattr(engine, "decode_step", counting)
     params = SamplingParams(max_new_tokens=30, seed=11, stop_token_ids=tuple(range(3, 10)))
     batch = engine.generate(prompts([8, 8, 8, 8], seed=9), params, DENSE)
     lengths = [s.response_ids.numel() for s in batch.samples]
@@ -222,7 +222,7 @@ def test_stop_strings_and_length_cap(hf_dir: Path) -> None:
         def decode(self, ids: list[int]) -> str:
             return "".join(chr(97 + i % 26) for i in ids)
 
-    engine = ReferenceRolloutEngine.from_hf_dir(hf_dir, tokenizer=Letters())
+    engine = TorchRolloutEngine.from_hf_dir(hf_dir, tokenizer=Letters())
     p = prompts([10])
     free = engine.generate(p, greedy(30), DENSE).samples[0]
     assert free.finish_reason == "length" and free.response_ids.numel() == 30 and free.stop is None
@@ -233,14 +233,12 @@ def test_stop_strings_and_length_cap(hf_dir: Path) -> None:
     assert stopped.finish_reason == "stop_string" and stopped.stop == stop
     assert stopped.response_ids.tolist() == free.response_ids.tolist()[:first]
     with pytest.raises(ValueError, match="tokenizer"):
-        ReferenceRolloutEngine(engine.model).generate(p, greedy(3, stop_strings=("x",)), DENSE)
-    capped = ReferenceRolloutEngine(
-        Qwen3Decoder(SHAPE.replace(max_position_embeddings=16), engine.model.params)
-    )
+        TorchRolloutEngine(engine.model).generate(p, greedy(3, stop_strings=("x",)), DENSE)
+    capped = TorchRolloutEngine(Qwen3Decoder(SHAPE.replace(max_position_embeddings=16), engine.model.params))
     assert capped.generate(p, greedy(30), DENSE).samples[0].response_ids.numel() == 6
 
 
-def test_bad_inputs_are_clear_errors(engine: ReferenceRolloutEngine) -> None:
+def test_bad_inputs_are_clear_errors(engine: TorchRolloutEngine) -> None:
     with pytest.raises(ValueError, match="prompt 1 has token ids"):
         engine.generate([[1, 2], [5, 999]], greedy(2), DENSE)
     with pytest.raises(ValueError, match="prompt 0 must be a non-empty"):
@@ -251,12 +249,12 @@ def test_bad_inputs_are_clear_errors(engine: ReferenceRolloutEngine) -> None:
         engine.generate([[1], [2]], greedy(2), DENSE, sample_seeds=[3])
     assert engine.score([]) == [] and engine.generate([], greedy(2), DENSE).samples == []
     with pytest.raises(ValueError, match="attention_backend"):
-        ReferenceRolloutEngine(engine.model, attention_backend="cuda")
+        TorchRolloutEngine(engine.model, attention_backend="cuda")
 
 
 # --------------------------------------------------------------------------- weights, LoRA, sleep
 def test_update_weights_changes_outputs_and_equals_a_fresh_engine(hf_dir: Path) -> None:
-    engine = ReferenceRolloutEngine.from_hf_dir(hf_dir)
+    engine = TorchRolloutEngine.from_hf_dir(hf_dir)
     other = Qwen3Decoder.random(SHAPE, seed=5)
     p, params = prompts([9, 20]), SamplingParams(max_new_tokens=16, seed=2)
     sched = BudgetSchedule.from_preset("fixed:16")
@@ -265,7 +263,7 @@ def test_update_weights_changes_outputs_and_equals_a_fresh_engine(hf_dir: Path) 
     engine.update_weights(other.params)
     assert engine.model.params["model.layers.0.self_attn.q_proj.weight"].data_ptr() == storage  # in place
     after = engine.generate(p, params, sched)
-    fresh = ReferenceRolloutEngine(Qwen3Decoder.random(SHAPE, seed=5)).generate(p, params, sched)
+    fresh = TorchRolloutEngine(Qwen3Decoder.random(SHAPE, seed=5)).generate(p, params, sched)
     for a, b, f in zip(before.samples, after.samples, fresh.samples):
         assert not torch.equal(a.logprobs, b.logprobs)
         assert torch.equal(b.response_ids, f.response_ids) and torch.equal(b.logprobs, f.logprobs)
@@ -288,7 +286,7 @@ def random_lora(rank: int = 4, alpha: float = 16.0) -> LoraAdapter:
 
 
 def test_lora_changes_outputs_and_removal_restores_bit_exactly(hf_dir: Path) -> None:
-    engine = ReferenceRolloutEngine.from_hf_dir(hf_dir)
+    engine = TorchRolloutEngine.from_hf_dir(hf_dir)
     p, params, sched = (
         prompts([14, 3]),
         SamplingParams(max_new_tokens=12, seed=6),
@@ -311,12 +309,12 @@ def test_lora_changes_outputs_and_removal_restores_bit_exactly(hf_dir: Path) -> 
     merged = dict(engine.model.params)
     for name, (a, b) in adapter.weights.items():
         merged[name + ".weight"] = merged[name + ".weight"] + adapter.scaling * b @ a
-    ref = ReferenceRolloutEngine(Qwen3Decoder(SHAPE, merged)).generate(p, params, sched)
+    ref = TorchRolloutEngine(Qwen3Decoder(SHAPE, merged)).generate(p, params, sched)
     for w, m in zip(with_lora.samples, ref.samples):
         assert torch.equal(w.response_ids, m.response_ids) and (w.logprobs - m.logprobs).abs().max() < 1e-5
 
 
-def test_lora_validation_names_module_and_shapes(engine: ReferenceRolloutEngine) -> None:
+def test_lora_validation_names_module_and_shapes(engine: TorchRolloutEngine) -> None:
     a = torch.zeros(2, 64)
     with pytest.raises(KeyError, match="lm_head"):
         engine.set_lora(LoraAdapter({"lm_head": (a, torch.zeros(96, 2))}, 1.0))
@@ -327,7 +325,7 @@ def test_lora_validation_names_module_and_shapes(engine: ReferenceRolloutEngine)
 
 
 def test_sleep_releases_cache_and_wake_restores_generation(hf_dir: Path) -> None:
-    engine = ReferenceRolloutEngine.from_hf_dir(hf_dir)
+    engine = TorchRolloutEngine.from_hf_dir(hf_dir)
     p, params, sched = (
         prompts([20, 7]),
         SamplingParams(max_new_tokens=10, seed=1),
@@ -346,7 +344,7 @@ def test_sleep_releases_cache_and_wake_restores_generation(hf_dir: Path) -> None
         assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.logprobs, b.logprobs)
 
 
-def test_engine_satisfies_the_protocol(engine: ReferenceRolloutEngine) -> None:
+def test_engine_satisfies_the_protocol(engine: TorchRolloutEngine) -> None:
     assert isinstance(engine, RolloutEngine)
     batch = engine.generate(prompts([3]), greedy(5), DENSE)
     assert batch.num_response_tokens == 5 and batch.tokens_per_second() > 0
@@ -367,8 +365,8 @@ def test_bf16_engine_tracks_fp32(hf_dir: Path) -> None:
     """The dtype path a GPU uses (bf16 weights and cache, fp32 centroids/softmax/logits) on CPU."""
     p, params = prompts([40, 11]), greedy(12)
     sched = BudgetSchedule(bin_tokens=48, budgets=(32, 48), name="t")
-    fp32 = ReferenceRolloutEngine.from_hf_dir(hf_dir, dense_layers=1)
-    bf16 = ReferenceRolloutEngine.from_hf_dir(hf_dir, dtype=torch.bfloat16, dense_layers=1)
+    fp32 = TorchRolloutEngine.from_hf_dir(hf_dir, dense_layers=1)
+    bf16 = TorchRolloutEngine.from_hf_dir(hf_dir, dtype=torch.bfloat16, dense_layers=1)
     assert bf16._ensure_cache(1).centroids[0].dtype == torch.float32
     dense = bf16.generate(p, params, DENSE)
     scored = fp32.score([torch.cat([s.prompt_ids, s.response_ids]).tolist() for s in dense.samples])

@@ -1,4 +1,4 @@
-"""Calibration pass with the real reference engine on a tiny random Qwen3 (fp32, CPU).
+"""Calibration pass with the real torch rollout engine on a tiny random Qwen3 (fp32, CPU).
 
 The weights are scaled up so that attention is sharp and dropping pages changes the next-token
 distribution (random 0.02-std weights give alpha ~ 1 at any budget). K = the whole vocabulary, so the
@@ -26,7 +26,7 @@ from sparrow_nemo.callbacks import (
 )
 from sparrow_nemo.callbacks.calibration_report import CSV_COLUMNS
 from sparrow_nemo.model_shapes import PRESETS
-from sparrow_nemo.rollout import ReferenceRolloutEngine, SamplingParams
+from sparrow_nemo.rollout import SamplingParams, TorchRolloutEngine
 from sparrow_nemo.rollout.scoring import measure_mismatch
 from sparrow_nemo.sparse.mismatch import tail_by_bin
 from sparrow_nemo.sparse.schedule import BudgetSchedule
@@ -49,8 +49,8 @@ def _one_thread():
 
 
 @pytest.fixture(scope="module")
-def engine() -> ReferenceRolloutEngine:
-    eng = ReferenceRolloutEngine.from_shape(SHAPE, seed=0, dense_layers=0)
+def engine() -> TorchRolloutEngine:
+    eng = TorchRolloutEngine.from_shape(SHAPE, seed=0, dense_layers=0)
     eng.update_weights(
         {name: p * s for name, p in eng.model.params.items() for key, s in SCALE.items() if key in name}
     )
