@@ -69,7 +69,14 @@ def exported_grads(policy: MegatronPolicy) -> dict[str, torch.Tensor]:
 
 
 def update_once(
-    rank: int, tp: int, pp: int, micro: int, ckpt: str, loss: PolicyLossConfig, out_file: str, mini_batches: int = 1
+    rank: int,
+    tp: int,
+    pp: int,
+    micro: int,
+    ckpt: str,
+    loss: PolicyLossConfig,
+    out_file: str,
+    mini_batches: int = 1,
 ) -> None:
     """One GRPO update (``update_policy``) of :func:`step_batch` split over this layout's DP ranks."""
     layout = ParallelLayout.for_world(int(os.environ.get("WORLD_SIZE", "1")), tp=tp, pp=pp)
@@ -85,7 +92,9 @@ def update_once(
     policy.close()
 
 
-def per_micro_batch_mean_loss(rank: int, micro: int, ckpt: str, loss: PolicyLossConfig, out_file: str) -> None:
+def per_micro_batch_mean_loss(
+    rank: int, micro: int, ckpt: str, loss: PolicyLossConfig, out_file: str
+) -> None:
     """The old normalisation, for contrast: each micro-batch's own token mean, averaged over micro-batches."""
     policy = MegatronPolicy(SHAPE, ParallelLayout.for_world(1), NO_CLIP, "float32", hf_dir=ckpt)
     step = step_batch()
@@ -99,9 +108,7 @@ def per_micro_batch_mean_loss(rank: int, micro: int, ckpt: str, loss: PolicyLoss
 
     def local_mean(out, batch):
         x = batch.extras
-        return compute_policy_loss(
-            loss, out.logprobs, x["old"], x["adv"], x["mask"], x["rollout"], x["ref"]
-        )
+        return compute_policy_loss(loss, out.logprobs, x["old"], x["adv"], x["mask"], x["rollout"], x["ref"])
 
     result = policy.train_step(micro_batches(step.tokens, step.lengths, extras, micro), local_mean, "mean")
     torch.save({"loss": result.loss, "grads": exported_grads(policy)}, out_file)
