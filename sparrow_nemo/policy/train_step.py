@@ -98,38 +98,26 @@ def _reduce_over_step(
     (``*_max`` / ``*_min`` keys: max / min), then on every pipeline stage. Collective."""
     from megatron.core import parallel_state as ps
 
-    value: tuple[float, dict[str, float]] = (0.0, {})
-    if spec.post_process:  # a DP group holds ranks of one pipeline stage: all of them reach this together
-        keys = sorted(results[0][1])
-        ext = [k for k in keys if k.endswith(("_max", "_min"))]
-        add = [k for k in keys if k not in ext]
-        sums = (
-            torch.tensor(
-                [[float(loss) for loss, _, _ in results], *([float(r[1][k]) for r in results] for k in add)],
-                dtype=torch.float64,
-            ).sum(dim=1)
-            * weight
-        )
-        sign = torch.tensor([1.0 if k.endswith("_max") else -1.0 for k in ext], dtype=torch.float64)
-        peaks = (
-            (
-                torch.tensor([[float(r[1][k]) for r in results] for k in ext], dtype=torch.float64)
-                * sign[:, None]
-            ).amax(dim=1)
-            if ext
-            else torch.zeros(0, dtype=torch.float64)
-        )
-        if spec.layout.dp > 1:
-            group, device = ps.get_data_parallel_group(), _collective_device()
-            sums, peaks = sums.to(device), peaks.to(device)
-            dist.all_reduce(sums, group=group)
-            if ext:
-                dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=group)
-            sums, peaks = sums.cpu(), peaks.cpu()
-        metrics = dict(zip(add, sums[1:].tolist(), strict=True))
-        metrics.update(zip(ext, (peaks * sign).tolist(), strict=True))
-        value = (float(sums[0]), metrics)
-    return broadcast_from_last_stage(spec, value)
+    if not spec.post_process:  # the last stage's values arrive by the broadcast below
+        return broadcast_from_last_stage(spec, None)
+    keys = sorted(results[0][1])
+    peak_keys = [k for k in keys if k.endswith(("_max", "_min"))]
+    sum_keys = [k for k in keys if k not in peak_keys]
+    signs = [1.0 if k.endswith("_max") else -1.0 for k in peak_keys]  # min(x) = -max(-x)
+    # column 0 the loss, then the summed metrics; the peaks as maxima of signed values
+    sums = torch.tensor([[float(loss), *(float(m[k]) for k in sum_keys)] for loss, m, _ in results])
+    peaks = torch.tensor([[s * float(m[k]) for k, s in zip(peak_keys, signs)] for _, m, _ in results])
+    sums, peaks = sums.double().sum(dim=0) * weight, peaks.double().amax(dim=0)
+    if spec.layout.dp > 1:  # a DP group holds ranks of one pipeline stage: all of them are here
+        group, device = ps.get_data_parallel_group(), _collective_device()
+        sums, peaks = sums.to(device), peaks.to(device)
+        dist.all_reduce(sums, group=group)
+        if peak_keys:
+            dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=group)
+        sums, peaks = sums.cpu(), peaks.cpu()
+    metrics = dict(zip(sum_keys, sums[1:].tolist(), strict=True))
+    metrics.update((k, s * v) for k, s, v in zip(peak_keys, signs, peaks.tolist(), strict=True))
+    return broadcast_from_last_stage(spec, (float(sums[0]), metrics))
 
 
 def _collective_device() -> str:
