@@ -476,7 +476,7 @@ class GrpoConfig:
     normalize_std: bool = True
     #: optimizer steps per RL step: the step's samples in this many mini-batches, old logprobs computed once
     #: before the first (1 = on-policy: PPO ratio exactly 1, the clip never acts; > 1: ratio and clip are real)
-    mini_batches_per_step: int = _field(1, check=AT_LEAST_ONE)
+    mini_batches_per_step: int = _field(2, check=AT_LEAST_ONE)
     #: the policy loss
     loss: LossConfig = field(default_factory=LossConfig)
 

@@ -140,6 +140,7 @@ def test_kl_penalty_to_the_initial_policy(smoke_overrides, tmp_path: Path) -> No
         [
             *smoke_overrides,
             "grpo.loss.kl_coef=0.05",
+            "grpo.mini_batches_per_step=1",  # the whole of step 0 is the first update
             "trainer.max_steps=2",
             "checkpoint.enabled=false",
             "logging.plots=false",

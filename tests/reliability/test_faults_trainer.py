@@ -86,5 +86,6 @@ def test_poisoned_steps_are_skipped_and_enough_in_a_row_abort(tmp_path: Path, ca
     assert rows[1]["train/loss"] is None and rows[2]["train/loss"] is not None
     warnings = [r.getMessage() for r in caplog.records if "update skipped" in r.getMessage()]
     assert warnings == [
-        f"step {s}: update skipped, loss is nan in micro-batch 0 of data-parallel rank 0" for s in (1, 3, 4)
+        f"step {s}: update skipped, mini-batch 0 of 2: loss is nan in micro-batch 0 of data-parallel rank 0"
+        for s in (1, 3, 4)
     ]
