@@ -285,7 +285,9 @@ class GrpoTrainer:
             cfg.grpo.adv_estimator, rewards, cfg.grpo.samples_per_prompt, **self._adv_options()
         )
         data = collate(samples, advantages.float(), pad_id=0)
-        batches = micro_batches(data.tokens, data.lengths, {}, cfg.policy.micro_batch_size)
+        batches = micro_batches(
+            data.tokens, data.lengths, {}, cfg.policy.micro_batch_size, cfg.policy.max_tokens_per_micro_batch
+        )
         dense = concat_outputs([o.detach() for o in self.policy.logprobs(batches)])
         mismatch = token_mismatch(samples, dense, data)
         report = build_step_report(step, samples, mismatch, rewards, self.schedule, correct=rewards >= 1.0)
@@ -371,6 +373,7 @@ class GrpoTrainer:
             self.loss_config,
             cfg.policy.micro_batch_size,
             cfg.grpo.mini_batches_per_step,
+            cfg.policy.max_tokens_per_micro_batch,
         )
         if result.updated:
             weights = self.policy.export_hf()

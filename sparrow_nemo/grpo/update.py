@@ -136,6 +136,7 @@ def update_policy(
     loss: PolicyLossConfig,
     micro_batch_size: int,
     mini_batches: int = 1,
+    max_tokens_per_micro_batch: int | None = None,
 ) -> UpdateResult:
     """Run the step's optimizer updates on this DP rank's share ``batch``; collective over all ranks.
 
@@ -145,9 +146,13 @@ def update_policy(
         loss: the policy loss (``grpo.loss``).
         micro_batch_size: rows per forward/backward (``policy.micro_batch_size``).
         mini_batches: optimizer steps per RL step (``grpo.mini_batches_per_step``).
+        max_tokens_per_micro_batch: a token budget per micro-batch instead of ``micro_batch_size`` rows
+            (``policy.max_tokens_per_micro_batch``; length-sorted rows, :mod:`sparrow_nemo.policy.packing`).
+            The number of micro-batches may then differ between DP ranks; the loss does not.
     """
     n = len(batch)
-    if mini_batches < 1 or n % mini_batches or (n // mini_batches) % micro_batch_size:
+    whole = max_tokens_per_micro_batch is not None or (n // max(mini_batches, 1)) % micro_batch_size == 0
+    if mini_batches < 1 or n % mini_batches or not whole:
         raise ValueError(
             f"{n} sequences on this data-parallel rank do not split into grpo.mini_batches_per_step="
             f"{mini_batches} mini-batches of whole micro-batches (policy.micro_batch_size={micro_batch_size})"
@@ -169,7 +174,9 @@ def update_policy(
         }
         if loss.kl_coef > 0:
             extras["ref_logprobs"] = piece.ref_logprobs
-        batches = micro_batches(piece.tokens, piece.lengths, extras, micro_batch_size)
+        batches = micro_batches(
+            piece.tokens, piece.lengths, extras, micro_batch_size, max_tokens_per_micro_batch
+        )
         results.append(policy.train_step(batches, grpo_loss_fn(loss, normalizer), reduction="sum"))
     return _combine(results, [nz.tokens for nz in normalizers])
 

@@ -15,7 +15,10 @@ max / min), identical on every rank.
 
 Non-finite guard: a NaN/inf loss in any micro-batch on any rank, or a non-finite global gradient norm
 after the gradient sync, skips the update on every rank (weights and optimizer moments unchanged); the
-:class:`StepResult` names the offending statistic.
+:class:`StepResult` names the offending statistic. Finite gradients can still make non-finite weights (an
+infinite or huge learning rate): the weights are checked after every applied update (one flag per
+parameter, one host sync and one all-reduce per step) and :class:`NonFiniteWeightsError` names the first
+offending parameter and the learning rate; such weights cannot be undone, so the run stops there.
 """
 
 from __future__ import annotations
@@ -55,16 +58,49 @@ class StepResult:
     skip_detail: str = ""
 
 
+class NonFiniteWeightsError(FloatingPointError):
+    """An applied update left parameters that are not finite; the message names one and the learning rate."""
+
+
+def first_nonfinite_weight(model: torch.nn.Module) -> str | None:
+    """Collective: None when every parameter of every rank is finite; else the first offender, named.
+
+    One flag per parameter computed where it lives, one host sync, one all-reduce; the names are gathered
+    only when some rank has a non-finite parameter.
+    """
+    params = list(model.named_parameters())
+    flags = (
+        torch.stack([torch.isfinite(p).all() for _, p in params])
+        if params
+        else torch.ones(1, dtype=torch.bool)
+    )
+    where = None
+    if not bool(flags.all()):
+        name = params[int((~flags).nonzero()[0, 0])][0]
+        where = f"'{name}' on rank {dist.get_rank() if dist.is_initialized() else 0}"
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return where
+    any_bad = torch.tensor([int(where is not None)], device="cuda" if torch.cuda.is_available() else "cpu")
+    dist.all_reduce(any_bad, op=dist.ReduceOp.MAX)
+    if not any_bad.item():
+        return None
+    found: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(found, where)
+    return next(w for w in found if w is not None)
+
+
 #: all-reduce MIN sentinel: no non-finite loss on this rank
 _NO_BAD_LOSS = 1 << 62
+#: bits of the micro-batch index in the MIN code (the DP rank sits above them)
+_MICRO_BITS = 24
 
 
-def first_nonfinite_loss(losses: list[torch.Tensor], num_microbatches: int) -> str | None:
+def first_nonfinite_loss(losses: list[torch.Tensor]) -> str | None:
     """Which micro-batch loss is not finite, agreed by every rank of the run (collective when distributed).
 
     Args:
-        losses: this rank's per-micro-batch scalar losses (empty off the last pipeline stage).
-        num_microbatches: micro-batches per data-parallel rank (the same on every rank).
+        losses: this rank's per-micro-batch scalar losses (empty off the last pipeline stage; the number may
+            differ between data-parallel ranks).
 
     Returns:
         None when all are finite everywhere; else ``"loss is nan|inf in micro-batch i of data-parallel
@@ -76,7 +112,7 @@ def first_nonfinite_loss(losses: list[torch.Tensor], num_microbatches: int) -> s
     for i, loss in enumerate(losses):
         value = float(loss)
         if not math.isfinite(value):
-            code = ((ps.get_data_parallel_rank() * num_microbatches + i) << 1) | int(math.isinf(value))
+            code = (((ps.get_data_parallel_rank() << _MICRO_BITS) | i) << 1) | int(math.isinf(value))
             break
     if dist.is_initialized() and dist.get_world_size() > 1:
         flag = torch.tensor([code], dtype=torch.int64, device=_collective_device())
@@ -84,7 +120,7 @@ def first_nonfinite_loss(losses: list[torch.Tensor], num_microbatches: int) -> s
         code = int(flag.item())
     if code == _NO_BAD_LOSS:
         return None
-    rank, micro = divmod(code >> 1, num_microbatches)
+    rank, micro = divmod(code >> 1, 1 << _MICRO_BITS)
     return f"loss is {'inf' if code & 1 else 'nan'} in micro-batch {micro} of data-parallel rank {rank}"
 
 
@@ -139,7 +175,8 @@ def train_step(
         model: the (on GPU: DDP-wrapped) model from :func:`sparrow_nemo.policy.optim.wrap_for_training`.
         optimizer: its optimizer (``TorchPolicyOptimizer``: torch GPipe schedule; ``MegatronPolicyOptimizer``:
             megatron-core's schedule).
-        batches: this data-parallel rank's micro-batches (all of the same [B, S]; the same number on every rank).
+        batches: this data-parallel rank's micro-batches (``reduction="mean"`` needs the same number on every
+            rank; ``"sum"`` does not).
         loss_fn: ``(LogprobOutput, PolicyBatch) -> (scalar loss, metrics)``, e.g. the GRPO loss.
         reduction: ``"mean"`` or ``"sum"`` of the loss_fn values (module docstring).
     """
@@ -151,12 +188,20 @@ def train_step(
     results = run_microbatches(
         model, spec, batches, loss_fn, loss_scale=weight, megatron=optimizer.megatron_schedule
     )
-    detail = first_nonfinite_loss([r[0] for r in results], len(batches))
+    detail = first_nonfinite_loss([r[0] for r in results])
     if detail is not None:
         grad_norm, skipped = float("nan"), "loss"
     else:
         outcome = optimizer.step()
         grad_norm, skipped = outcome.grad_norm, outcome.skipped
+        if skipped is None and (bad := first_nonfinite_weight(model)) is not None:
+            settings = getattr(optimizer, "settings", None)
+            lr = f"learning rate {settings.lr}" if settings is not None else "the learning rate"
+            raise NonFiniteWeightsError(
+                f"the update left non-finite weights (first: parameter {bad}) although the loss and the "
+                f"gradient norm {grad_norm:.4g} were finite; {lr} (policy.optimizer.lr) is too large or not "
+                "finite: lower it and resume from the last checkpoint"
+            )
         if skipped == "grad_norm":
             detail = f"grad_norm is {grad_norm}"
         elif skipped == "loss_scale":
