@@ -4,7 +4,8 @@ Entry point: :func:`update_policy`, called on every rank with that data-parallel
 step's samples (:class:`UpdateBatch`; the ranks of one TP/PP group pass the same share).
 
 1. The share is cut into ``grpo.mini_batches_per_step`` contiguous mini-batches; mini-batch ``m`` of the
-   step is the union of every DP rank's ``m``-th piece. Each is one optimizer step.
+   step is the union of every DP rank's ``m``-th piece. Each is one optimizer step. The trainer orders its
+   share with :func:`mini_batch_order` first, so mini-batch ``m`` is the same GRPO groups at any DP size.
 2. Per mini-batch, the loss denominators (response tokens and non-empty sequences: verl's
    ``global_batch_num_tokens``, NeMo-RL's ``global_valid_toks`` / ``global_valid_seqs``) are counted over
    all DP ranks: one all-reduce of a ``[mini_batches, 2]`` tensor over the DP group for the whole step.
@@ -100,20 +101,25 @@ class UpdateResult:
     skip_detail: str = ""
 
 
-def dp_share_rows(num_rows: int, dp: int, dp_rank: int, mini_batches: int) -> torch.Tensor:
-    """Row indices of DP rank ``dp_rank``'s share of a step of ``num_rows`` rows held whole on every rank.
+def mini_batch_order(num_rows: int, group_size: int, mini_batches: int) -> torch.Tensor:
+    """Row order of a replica's share (whole GRPO groups of ``group_size`` consecutive rows, in prompt order)
+    whose ``m``-th contiguous ``1/mini_batches`` is its part of the step's mini-batch ``m``.
 
-    Mini-batch ``m`` of the step is rows ``[m n / M, (m + 1) n / M)``; each DP rank takes one contiguous
-    ``1/dp`` of each, so the step's mini-batches are the same for any DP size. Raises when they do not divide.
+    Mini-batch ``m`` of the step is the groups ``g`` with ``g % mini_batches == m``. A replica holds a
+    contiguous block of the step's groups (:meth:`~sparrow_nemo.grpo.process_model.RankPlan.replica_prompts`)
+    whose start is a multiple of ``mini_batches`` when its group count is, so its local group ``q`` falls in
+    mini-batch ``q % mini_batches`` for every DP size: the mini-batches do not depend on the layout.
+    Returns [num_rows] int64; raises when the replica's groups do not split evenly.
     """
-    if num_rows % (mini_batches * dp):
+    groups, rest = divmod(num_rows, group_size)
+    if rest or groups % mini_batches:
         raise ValueError(
-            f"{num_rows} sequences per step do not split into grpo.mini_batches_per_step={mini_batches} "
-            f"x {dp} data-parallel ranks (grpo.prompts_per_step x grpo.samples_per_prompt must be a multiple)"
+            f"{num_rows} sequences on this data-parallel rank ({group_size} per prompt) do not split into "
+            f"grpo.mini_batches_per_step={mini_batches} mini-batches of whole prompts (grpo.prompts_per_step "
+            "must be a multiple of the data-parallel size x grpo.mini_batches_per_step)"
         )
-    per_mini, per_rank = num_rows // mini_batches, num_rows // (mini_batches * dp)
-    starts = [m * per_mini + dp_rank * per_rank for m in range(mini_batches)]
-    return torch.cat([torch.arange(lo, lo + per_rank) for lo in starts])
+    by_group = torch.arange(num_rows).view(groups // mini_batches, mini_batches, group_size)
+    return by_group.transpose(0, 1).reshape(-1)
 
 
 def step_normalizers(batch: UpdateBatch, mini_batches: int) -> list[LossNormalizer]:

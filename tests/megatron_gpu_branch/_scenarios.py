@@ -11,11 +11,11 @@ import os
 from pathlib import Path
 
 import torch
-from policy._update_scenarios import SHAPE, step_batch
+from policy._update_scenarios import SHAPE, replica_share, step_batch
 
 from sparrow_nemo.grpo.losses import PolicyLossConfig
 from sparrow_nemo.grpo.rollout_step import micro_batches
-from sparrow_nemo.grpo.update import dp_share_rows, update_policy
+from sparrow_nemo.grpo.update import update_policy
 from sparrow_nemo.policy.optim import OptimizerSettings
 from sparrow_nemo.policy.parallel import ParallelLayout
 from sparrow_nemo.policy.policy import MegatronPolicy
@@ -48,9 +48,8 @@ def _release() -> None:
 def _update(policy: MegatronPolicy, seed: int) -> dict[str, float]:
     from megatron.core import parallel_state as ps
 
-    step = step_batch(seed)
-    rows = dp_share_rows(len(step), policy.spec.layout.dp, ps.get_data_parallel_rank(), 1)
-    return update_policy(policy, step.rows(rows), LOSS, MICRO).metrics
+    share = replica_share(step_batch(seed), policy.spec.layout.dp, ps.get_data_parallel_rank(), 1)
+    return update_policy(policy, share, LOSS, MICRO).metrics
 
 
 def train_two_steps(rank: int, tp: int, pp: int, megatron: bool, ckpt: str, root: str, out_file: str) -> None:

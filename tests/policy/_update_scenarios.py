@@ -12,7 +12,7 @@ import torch
 
 from sparrow_nemo.grpo.losses import PolicyLossConfig, compute_policy_loss
 from sparrow_nemo.grpo.rollout_step import micro_batches
-from sparrow_nemo.grpo.update import UpdateBatch, dp_share_rows, update_policy
+from sparrow_nemo.grpo.update import UpdateBatch, mini_batch_order, update_policy
 from sparrow_nemo.model_shapes import PRESETS
 from sparrow_nemo.policy.hf_import import export_hf_state_dict
 from sparrow_nemo.policy.optim import OptimizerSettings
@@ -54,6 +54,14 @@ def step_batch(seed: int = 3) -> UpdateBatch:
     )
 
 
+def replica_share(step: UpdateBatch, dp: int, dp_rank: int, mini_batches: int) -> UpdateBatch:
+    """DP rank ``dp_rank``'s rows of ``step`` as the trainer holds and orders them: a contiguous block
+    (``RankPlan.replica_prompts``, one row per group here) in :func:`mini_batch_order`."""
+    per = len(step) // dp
+    block = step.rows(slice(dp_rank * per, (dp_rank + 1) * per))
+    return block.rows(mini_batch_order(per, 1, mini_batches))
+
+
 def exported_grads(policy: MegatronPolicy) -> dict[str, torch.Tensor]:
     """This step's gradient in HF names, whole, on every rank (the weights' export run on ``param.grad``)."""
     params = list(policy.model.parameters())
@@ -84,7 +92,7 @@ def update_once(
     from megatron.core import parallel_state as ps
 
     step = step_batch()
-    share = step.rows(dp_share_rows(len(step), layout.dp, ps.get_data_parallel_rank(), mini_batches))
+    share = replica_share(step, layout.dp, ps.get_data_parallel_rank(), mini_batches)
     result = update_policy(policy, share, loss, micro, mini_batches)
     grads = exported_grads(policy)
     if rank == 0:
