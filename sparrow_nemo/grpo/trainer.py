@@ -113,7 +113,11 @@ class GrpoTrainer:
         torch.manual_seed(config.trainer.seed)  # the same start whether or not the warm-start was cached
         self.policy = setup.build_policy(config, hf_dir)
         self.plan = RankPlan.current(config.rollout.tensor_parallel_size)
-        self._check_batch_split()
+        try:
+            self._check_batch_split()
+        except ValueError:
+            self.policy.close()  # refused before any work: no process group left behind
+            raise
         if config.grpo.loss.kl_coef > 0:  # the KL penalty's reference: the initial weights (NeMo-RL style)
             self.policy.keep_reference()
         self.run_dir = Path(
@@ -152,16 +156,18 @@ class GrpoTrainer:
         self._resume()
 
     def _check_batch_split(self) -> None:
-        """Whole prompts per data-parallel rank, and (without a token budget per micro-batch) whole
-        micro-batches of its samples (one-line errors)."""
+        """Whole prompts per data-parallel rank and per mini-batch, and (without a token budget per
+        micro-batch) whole micro-batches of each mini-batch's samples (one-line errors)."""
         g, p = self.config.grpo, self.config.policy
         mbs = p.micro_batch_size
         rows = len(self.plan.replica_prompts(g.prompts_per_step)) * g.samples_per_prompt
-        if p.max_tokens_per_micro_batch is None and rows % mbs:
+        mini_batch_order(rows, g.samples_per_prompt, g.mini_batches_per_step)
+        if p.max_tokens_per_micro_batch is None and (rows // g.mini_batches_per_step) % mbs:
             raise ValueError(
                 f"{rows} samples per data-parallel rank (grpo.prompts_per_step={g.prompts_per_step} x "
-                f"grpo.samples_per_prompt={g.samples_per_prompt} / {self.plan.dp} ranks) is not a multiple of "
-                f"policy.micro_batch_size={mbs}"
+                f"grpo.samples_per_prompt={g.samples_per_prompt} / {self.plan.dp} ranks) in "
+                f"grpo.mini_batches_per_step={g.mini_batches_per_step} mini-batches is not a multiple of "
+                f"policy.micro_batch_size={mbs} per mini-batch"
             )
 
     def _scheduler(self) -> TailMismatchScheduler | None:
