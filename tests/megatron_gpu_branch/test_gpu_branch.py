@@ -65,7 +65,7 @@ def _same_metrics(got: dict, ref: dict) -> None:
 def test_megatron_branch_is_what_was_built(runs):
     built = runs["run"]["built"]
     assert built[0] == "DistributedDataParallel" and "DistributedOptimizer" in built[1:], built
-    assert runs["cpu"]["built"] == ["GPTModel"]
+    assert runs["cpu"]["built"] == ["HiddenStateGPTModel"]  # the bare model: no DDP, no megatron optimizer
 
 
 def test_one_step_matches_the_cpu_path(runs):
