@@ -199,4 +199,47 @@ def compute_logprobs(
     """
     model.eval()
     results = run_microbatches(model, spec, batches, forward_only=True, top_k=top_k, megatron=megatron)
-    return broadcast_from_last_stage(spec, [r[2] for r in results])
+    return broadcast_outputs_from_last_stage(spec, [r[2] for r in results], batches)
+
+
+def broadcast_outputs_from_last_stage(
+    spec: PolicyModelSpec, outputs: list[LogprobOutput], batches: list[PolicyBatch]
+) -> list[LogprobOutput]:
+    """The last stage's per-micro-batch outputs on every stage of this pipeline, as tensor broadcasts.
+
+    Nothing is pickled: one int64 [n, 3] header of (B, S-1, k) per micro-batch, then per micro-batch a
+    float32 [B, S-1, 2 + k] tensor (logprobs, entropy, top-k logprobs) and an int64 [B, S-1, k] one (top-k
+    ids), on the device the pipeline group communicates on. That is 8 + 12 k bytes per position (248 for
+    k = 20: ~9.4 MB per 37,888-token row), sent within the pipeline group only. ``outputs`` is read on the
+    last stage only (other stages pass ``[]``); the result holds CPU tensors with each batch's placement.
+    """
+    if spec.layout.pp == 1:
+        return outputs
+    from megatron.core import parallel_state as ps
+
+    group, src, device = (
+        ps.get_pipeline_model_parallel_group(),
+        ps.get_pipeline_model_parallel_last_rank(),
+        _device(),
+    )
+    if spec.post_process:
+        header = torch.tensor([list(o.topk_ids.shape) for o in outputs], dtype=torch.int64, device=device)
+    else:
+        header = torch.empty(len(batches), 3, dtype=torch.int64, device=device)
+    dist.broadcast(header, src=src, group=group)
+    received = []
+    for i, (b, s, k) in enumerate(header.tolist()):
+        if spec.post_process:
+            o = outputs[i]
+            values = torch.cat([o.logprobs[..., None], o.entropy[..., None], o.topk_logprobs], dim=-1)
+            values, ids = values.to(device, torch.float32).contiguous(), o.topk_ids.to(device).contiguous()
+        else:
+            values = torch.empty(b, s, 2 + k, dtype=torch.float32, device=device)
+            ids = torch.empty(b, s, k, dtype=torch.int64, device=device)
+        dist.broadcast(values, src=src, group=group)
+        dist.broadcast(ids, src=src, group=group)
+        values, ids = values.cpu(), ids.cpu()
+        received.append(
+            LogprobOutput(values[..., 0], values[..., 1], ids, values[..., 2:], batches[i].placement)
+        )
+    return received
