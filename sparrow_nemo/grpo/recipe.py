@@ -92,6 +92,13 @@ class GrpoConfig(Section):
         check=one_of_names(advantage_names),
     )
     normalize_std: bool = knob(True, "divide group-centred rewards by the group std (grpo estimator)")
+    mini_batches_per_step: int = knob(
+        2,
+        "optimizer steps per RL step: the step's samples in this many mini-batches, old logprobs computed once "
+        "before the first (1 = on-policy: PPO ratio exactly 1, the clip never acts; > 1: ratio and clip are "
+        "real; sparrow_nemo.grpo.update)",
+        check=AT_LEAST_ONE,
+    )
     loss: PolicyLossConfig = knob(doc="the policy loss", factory=PolicyLossConfig)
 
 
