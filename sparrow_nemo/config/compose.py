@@ -226,7 +226,10 @@ def build(cls: type, data: Any, path: tuple[str, ...], sources: Sources) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     for key in data:
         if key not in fields:
-            raise _unknown_key((*path, str(key)), fields, (), sources.of((*path, str(key))))
+            where = (*path, str(key))
+            raise _renamed(cls, str(key), where, sources.of(where)) or _unknown_key(
+                where, fields, (), sources.of(where)
+            )
     kwargs = {}
     for name, f in fields.items():
         if name not in data:
@@ -389,24 +392,36 @@ class Override:
         return cls(match.group("mode"), tuple(key.split(".")), value)
 
 
-def _free_form(root: type, path: Sequence[str]) -> bool:
-    """True when the schema allows new keys at ``path`` (a dict[...] field or anything below Any)."""
+def _schema_at(root: type, path: Sequence[str]) -> Any:
+    """The schema type at ``path`` (a config dataclass, dict[...], a leaf type, Any), or None off the schema."""
     tp: Any = root
     for key in path:
         if dataclasses.is_dataclass(tp):
             hints = field_hints(tp)
             if key not in hints:
-                return False
+                return None
             tp = hints[key]
         elif get_origin(tp) is dict:
             tp = get_args(tp)[1]
         elif get_origin(tp) is tuple:
             tp = get_args(tp)[0]
         else:
-            return tp is Any
+            return Any if tp is Any else None
         if get_origin(tp) in (Union, types.UnionType):
             tp = next(a for a in get_args(tp) if a is not type(None))
+    return tp
+
+
+def _free_form(root: type, path: Sequence[str]) -> bool:
+    """True when the schema allows new keys at ``path`` (a dict[...] field or anything below Any)."""
+    tp = _schema_at(root, path)
     return get_origin(tp) is dict or tp is Any
+
+
+def _renamed(cls: Any, key: str, path: Sequence[str], origin: str) -> ConfigError | None:
+    """The error for a key that section ``cls`` lists in ``renamed_keys`` (``path`` ends with ``key``), else None."""
+    moved = getattr(cls, "renamed_keys", {}).get(key) if dataclasses.is_dataclass(cls) else None
+    return None if moved is None else ConfigError(f"unknown key '{_dotted(path)}' (from {origin}) - {moved}")
 
 
 def _apply(root: type, tree: dict[str, Any], ov: Override, sources: Sources) -> None:
@@ -434,6 +449,9 @@ def _apply(root: type, tree: dict[str, Any], ov: Override, sources: Sources) -> 
         exists = key in node
         free = _free_form(root, ov.path[:depth])
         if not exists and (ov.mode == "" or not free):
+            renamed = _renamed(_schema_at(root, ov.path[:depth]), key, here, _COMMAND_LINE)
+            if renamed is not None:
+                raise renamed
             hint = f" (add a new key with ++{_dotted(ov.path)}=...)" if free else ""
             raise _unknown_key(here, node, ov.path[depth + 1 :], _COMMAND_LINE, hint)
         if last:

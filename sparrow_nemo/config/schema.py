@@ -26,7 +26,7 @@ import math
 import re
 import types
 from collections.abc import Callable, Iterable
-from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+from typing import Any, ClassVar, Literal, Union, get_args, get_origin, get_type_hints
 
 __all__ = [
     "AT_LEAST_ONE",
@@ -96,14 +96,19 @@ def interval(
     return check
 
 
-def one_of_names(names: Callable[[], Iterable[str]], what: str = "a registered name") -> Check:
-    """Strings among ``names()`` (a registry's names, read when the value is checked)."""
+def one_of_names(
+    names: Callable[[], Iterable[str]], what: str = "a registered name", renamed: dict[str, str] | None = None
+) -> Check:
+    """Strings among ``names()`` (a registry's names, read when the value is checked); an old name in
+    ``renamed`` (old -> new) gets an error naming its new name."""
+    renamed = renamed or {}
 
     def check(value: Any, type_words: str) -> str | None:
         known = sorted(names())
         if value in known:
             return None
-        return f"{what} ({', '.join(known)}){suggest(value, known)}"
+        hint = f" ('{value}' was renamed '{renamed[value]}')" if value in renamed else suggest(value, known)
+        return f"{what} ({', '.join(known)}){hint}"
 
     return check
 
@@ -174,6 +179,9 @@ class Section:
     Subclasses are ``@dataclass(frozen=True)``; a subclass that needs its own ``__post_init__`` calls
     ``super().__post_init__()`` last.
     """
+
+    #: keys this section no longer has -> what became of them; a recipe that still sets one gets that line
+    renamed_keys: ClassVar[dict[str, str]] = {}
 
     def __post_init__(self) -> None:
         hints = _hints(type(self))

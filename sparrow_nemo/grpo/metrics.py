@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from sparrow_nemo.atomic_io import atomic_write
 from sparrow_nemo.config.schema import Section, knob
@@ -40,6 +40,10 @@ def merge_metrics(*parts: Mapping[str, float]) -> dict[str, float]:
 @dataclass(frozen=True)
 class LoggingConfig(Section):
     """Metrics, progress and plots: the recipe's ``logging`` section (none of it enters the config hash)."""
+
+    renamed_keys: ClassVar[dict[str, str]] = {
+        "log_every_n_steps": "it was removed (never read: every step is logged)"
+    }
 
     run_dir: str | None = knob(
         None, "folder that holds the run folders <name>-<timestamp>; null = runs/", hashed=False

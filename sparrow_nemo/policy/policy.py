@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 
@@ -176,6 +176,10 @@ class MegatronPolicy:
 class PolicyConfig(MemorySettings):
     """The trained policy: megatron-core parallel layout, batching, precision, optimizer, and the activation
     memory settings (:class:`~sparrow_nemo.policy.memory.MemorySettings`, whose keys come first)."""
+
+    renamed_keys: ClassVar[dict[str, str]] = {
+        "activation_recompute": "it was replaced by policy.recompute_granularity (true = full)"
+    }
 
     tensor_model_parallel_size: int = knob(
         1, "tensor-parallel ranks (must divide the query and KV head counts)", check=AT_LEAST_ONE

@@ -98,7 +98,7 @@ class RewardConfig(Section):
         "chain",
         "registered reward (reward_names()): chain (the embedded synthetic task, which makes its own prompts), "
         "math (answer verification), code (sandboxed tests), or a register_reward name",
-        check=one_of_names(reward_names),
+        check=one_of_names(reward_names, renamed={"synthetic": "chain"}),
     )
     options: dict[str, Any] = knob(
         doc="keyword options bound to the reward function (free-form; add keys with ++reward.options.key=value)",

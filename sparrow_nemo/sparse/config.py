@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from sparrow_nemo.config.schema import AT_LEAST_ONE, NON_NEGATIVE, OPEN_UNIT, knob
 from sparrow_nemo.sparse.calibration import CalibrationConfig
@@ -21,6 +22,11 @@ __all__ = ["SparsityConfig"]
 @dataclass(frozen=True)
 class SparsityConfig(SparsePattern):
     """Sparse decode attention during rollout and its schedule (the pattern's keys come first)."""
+
+    renamed_keys: ClassVar[dict[str, str]] = {
+        "adapt": "it moved: tail_scheduler.adapt",
+        "collapse_guard": "it moved: tail_scheduler.collapse_guard",
+    }
 
     schedule: str = knob(
         "dense",

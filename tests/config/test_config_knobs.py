@@ -6,6 +6,7 @@ import dataclasses
 import importlib
 import inspect
 import pkgutil
+from pathlib import Path
 from typing import Any, get_origin
 
 import pytest
@@ -164,3 +165,46 @@ def test_a_callback_target_must_import() -> None:
         ValueError, match=r"callbacks\.0\._target_=my_pkg\.Cb .* expected an importable class"
     ):
         load_config(None, ["callbacks=[{_target_: my_pkg.Cb}]"])
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        (
+            "sparsity.adapt=raise",
+            "unknown key 'sparsity.adapt' (from command line) - it moved: tail_scheduler.adapt",
+        ),
+        (
+            "sparsity.collapse_guard=false",
+            "unknown key 'sparsity.collapse_guard' (from command line) - it moved: tail_scheduler.collapse_guard",
+        ),
+        (
+            "logging.log_every_n_steps=5",
+            "unknown key 'logging.log_every_n_steps' (from command line) - it was removed (never read: every step "
+            "is logged)",
+        ),
+        (
+            "policy.activation_recompute=true",
+            "unknown key 'policy.activation_recompute' (from command line) - it was replaced by "
+            "policy.recompute_granularity (true = full)",
+        ),
+        (
+            "reward.type=synthetic",
+            "reward.type=synthetic (from command line) - expected a registered name (chain, code, math) "
+            "('synthetic' was renamed 'chain')",
+        ),
+    ],
+)
+def test_a_renamed_or_removed_key_says_what_became_of_it(override: str, expected: str) -> None:
+    with pytest.raises(ValueError) as info:
+        load_config(None, [override])
+    assert str(info.value) == f"config error: {expected}"
+
+
+def test_a_recipe_file_with_a_moved_key_names_the_file_and_the_new_key(tmp_path: Path) -> None:
+    recipe = tmp_path / "old.yaml"
+    recipe.write_text("sparsity:\n  adapt: raise\n")
+    with pytest.raises(ValueError) as info:
+        load_config(str(recipe))
+    assert str(info.value).startswith("config error: unknown key 'sparsity.adapt' (from ")
+    assert str(recipe) in str(info.value) and str(info.value).endswith("it moved: tail_scheduler.adapt")
