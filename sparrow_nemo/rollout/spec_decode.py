@@ -143,6 +143,9 @@ class SpeculativeDecoder:
     ) -> list[dict]:
         """Decode every row to its end.
 
+        Pages: rows free theirs when they finish (and the live ones on an error), so the caller's
+        ``block_table`` must not be released again.
+
         Args:
             block_table: [B, P] with the prompts' pages (P covers prompt + max_new + the widest k tokens).
             cached: [B] int64 prompt lengths (all cached). logits: [B, V] the prefill's last-position logits.
@@ -156,20 +159,24 @@ class SpeculativeDecoder:
         greedy = self.sampling.temperature == 0
         rows = list(range(batch))
         gens = list(generators)
-        u = torch.zeros(batch, dtype=torch.float64) if greedy else draw_uniforms(gens)
-        pending = sample_from(kept_probs(logits, self.sampling), u)
-        self._emit(samples, rows, pending[:, None].tolist(), [1] * batch, max_new)
-        self._record(samples, rows, logits[:, None], pending[:, None], torch.ones_like(cached), cached - 1)
-        tally.add(batch)
-        while True:
-            keep = [b for b, s in enumerate(rows) if samples[s].finish is None]
-            rows, block_table, cached, pending, gens = self._compact(
-                keep, rows, block_table, cached, pending, gens
-            )
-            if not rows:
-                break
-            emitted, cached, pending = self._round(samples, rows, block_table, cached, pending, gens, max_new)
-            tally.add(emitted)
+        try:
+            u = torch.zeros(batch, dtype=torch.float64) if greedy else draw_uniforms(gens)
+            pending = sample_from(kept_probs(logits, self.sampling), u)
+            self._emit(samples, rows, pending[:, None].tolist(), [1] * batch, max_new)
+            self._record(samples, rows, logits[:, None], pending[:, None], torch.ones_like(cached), cached - 1)
+            tally.add(batch)
+            while rows:
+                keep = [b for b, s in enumerate(rows) if samples[s].finish is None]
+                rows, block_table, cached, pending, gens = self._compact(
+                    keep, rows, block_table, cached, pending, gens
+                )
+                if rows:
+                    emitted, cached, pending = self._round(
+                        samples, rows, block_table, cached, pending, gens, max_new
+                    )
+                    tally.add(emitted)
+        finally:  # finished rows freed their pages as they left; on an error the live ones do here
+            self.cache.release(block_table)
         out = []
         for s in samples:
             reason, matched = s.finish

@@ -316,8 +316,14 @@ class TorchRolloutEngine:
             ends_here = (seq_len - 1 >= start) & (seq_len - 1 < start + h.shape[1])
             last[ends_here] = h[ends_here, (seq_len - 1 - start)[ends_here]]
 
-        self._prefill(cache, block_table, ids, seq_len, keep_last)
-        logits = self.model.logits(last)
+        adapter = self.model.lora
+        if speculative is not None:  # the prompt is the dense policy's (what the verify passes read)
+            self.model.lora = None
+        try:
+            self._prefill(cache, block_table, ids, seq_len, keep_last)
+            logits = self.model.logits(last)
+        finally:
+            self.model.lora = adapter
         if speculative is not None:
             return self._decode_speculative(
                 prompt_ids, cache, block_table, seq_len, logits, gens, max_new, sampling, schedule, speculative,
@@ -452,10 +458,7 @@ class TorchRolloutEngine:
             pad_queries=self.backend == "triton",
         )  # fmt: skip
         t1 = self._now()
-        try:
-            fields = decoder.run(block_table, seq_len, logits, gens, max_new, tally)
-        finally:
-            cache.release(block_table)
+        fields = decoder.run(block_table, seq_len, logits, gens, max_new, tally)  # frees every page it holds
         t2 = self._now()
         samples = [SpeculativeSample(prompt_ids=p.cpu(), **f) for p, f in zip(prompt_ids, fields)]
         return RolloutBatch(
