@@ -66,10 +66,14 @@ from sparrow_nemo.grpo.warmstart import ensure_warm_start
 from sparrow_nemo.rollout.engine import RolloutSample
 from sparrow_nemo.rollout.oom_retry import OomRetryEngine
 from sparrow_nemo.rollout.sampling import sample_seed
+from sparrow_nemo.rollout.spec_rollout import with_rollout_mode
 from sparrow_nemo.sparse.cost_model import HARDWARE, DecodeCostModel
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 logger = logging.getLogger(__name__)
+
+#: checkpoint key of the speculative planner's state (beside the callbacks')
+PLANNER_KEY = "SpeculativePlanner"
 
 
 class NonFiniteTrainingError(RuntimeError):
@@ -157,7 +161,9 @@ class GrpoTrainer:
         )
         weights = self.policy.export_hf()
         self.rollout_engine = (
-            OomRetryEngine(setup.build_engine(config, weights, self.prompts.tokenizer))
+            OomRetryEngine(
+                with_rollout_mode(config, setup.build_engine(config, weights, self.prompts.tokenizer))
+            )
             if self.is_main
             else None
         )
@@ -280,12 +286,18 @@ class GrpoTrainer:
         samples, rewards, tokens_per_s = self._rollout(
             [i.prompt_ids for i in items], [i.answer for i in items], step
         )
+        planner = self._speculative_planner()
+        speculative = (
+            {} if planner is None else planner.observe(samples, self.schedule)
+        )  # spec/*, then re-plan
         advantages = compute_advantages(
             cfg.grpo.adv_estimator, rewards, cfg.grpo.samples_per_prompt, **self._adv_options()
         )
         data = collate(samples, advantages.float(), pad_id=0)
         batches = micro_batches(data.tokens, data.lengths, {}, cfg.policy.micro_batch_size)
         dense = concat_outputs([o.detach() for o in self.policy.logprobs(batches)])
+        if cfg.rollout.mode == "speculative":  # dense-distributed samples: the policy is the behaviour policy
+            data.rollout_logprobs = torch.where(data.response_mask, dense.logprobs.float(), 0.0)
         mismatch = token_mismatch(samples, dense, data)
         report = build_step_report(step, samples, mismatch, rewards, self.schedule, correct=rewards >= 1.0)
         lengths = [s.response_ids.numel() for s in samples]
@@ -299,6 +311,7 @@ class GrpoTrainer:
             tokens_per_s,
             self.cost_model.predicted_speedup(self.schedule, lengths, prompt_lens),
         )
+        metrics.update(speculative)
         self.callbacks.on_rollout_end(self, report)
         metrics.update(self._update(data, dense, advantages))
         # DistillSparse's sparse PG term: this step's rollouts, advantages and (pre-update) dense logprobs
@@ -339,6 +352,10 @@ class GrpoTrainer:
             ]
             payload = (batch.samples, torch.tensor(rewards, dtype=torch.float32), batch.tokens_per_second())
         return setup.broadcast_from_rank0(payload)
+
+    def _speculative_planner(self):
+        """Rank 0's :class:`~sparrow_nemo.rollout.spec_rollout.SpeculativePlanner` (rollout.mode=speculative)."""
+        return getattr(self.rollout_engine, "planner", None) if self.is_main else None
 
     def _update(self, data, dense, advantages: torch.Tensor) -> dict[str, float]:
         """One optimizer step of the policy loss on this DP rank's micro-batches; engine refit."""
@@ -417,6 +434,8 @@ class GrpoTrainer:
             callback_states = self.callbacks.on_save_checkpoint(
                 self
             )  # every rank: collective callbacks gather
+            if self._speculative_planner() is not None:
+                callback_states[PLANNER_KEY] = self._speculative_planner().state_dict()
 
             def write_run_files(staging: Path) -> None:
                 write_run_state(staging, self.state.to_dict(), callback_states)
@@ -446,6 +465,9 @@ class GrpoTrainer:
         if not self.is_main:  # this rank's callbacks are the collective ones
             keys = set(self.callbacks.state_keys())
             states = {k: v for k, v in states.items() if k in keys}
+        planner, planned = self._speculative_planner(), states.pop(PLANNER_KEY, None)
+        if planner is not None and planned is not None:
+            planner.load_state_dict(planned)
         self.callbacks.on_load_checkpoint(self, states)
         weights = self.policy.export_hf()
         if self.is_main:

@@ -50,8 +50,8 @@ from sparrow_nemo.sparse.schedule import DENSE_BUDGET, BudgetSchedule
 
 @dataclass
 class DraftLog:
-    """One sample's acceptance tests: the n draft positions whose test ran (the accepted ones and each round's
-    first rejection), in order.
+    """One sample's speculative rounds (r of them) and acceptance tests (n: the draft positions whose test ran,
+    the accepted ones and each round's first rejection), in order.
 
     Attributes:
         cached_len: [n] int64 tokens in the cache when the draft token was sampled (as ``RolloutSample.cached_len``).
@@ -59,16 +59,28 @@ class DraftLog:
             probability that the draft token is accepted (the paper's acceptance rate, exact, not top-20).
         accepted: [n] bool.
         budget: [n] int64 the draft's KV budget (tokens) for that token.
-        drafted: draft tokens generated in all (those after a rejection are never tested).
-        verifies: verify passes of this sample (a round with k = 0 is one dense step and counts as one).
+        round_len: [r] int64 cached length when a round's first token was sampled (its bin picks k).
+        round_k: [r] int64 draft tokens of the round (0 = one dense step); those after a rejection are never tested.
+        round_emitted: [r] int64 tokens the round added to the response (accepted + 1, fewer at a stop).
     """
 
     cached_len: torch.Tensor
     alpha: torch.Tensor
     accepted: torch.Tensor
     budget: torch.Tensor
-    drafted: int
-    verifies: int
+    round_len: torch.Tensor
+    round_k: torch.Tensor
+    round_emitted: torch.Tensor
+
+    @property
+    def drafted(self) -> int:
+        """Draft tokens generated in all."""
+        return int(self.round_k.sum())
+
+    @property
+    def verifies(self) -> int:
+        """Verify passes (rounds; a round with k = 0 is one dense step and counts as one)."""
+        return int(self.round_k.numel())
 
 
 @dataclass
@@ -85,14 +97,16 @@ class _Sample:
         self.tokens: list[int] = []
         self.records: list[tuple[torch.Tensor, ...]] = []  # (lp, top ids, top lp, cached_len) per chunk
         self.tests: list[tuple[torch.Tensor, ...]] = []  # (cached_len, alpha, accepted, budget) per round
-        self.drafted = 0
-        self.verifies = 0
+        self.rounds: list[tuple[int, int, int]] = []  # (cached length, k, tokens emitted) per round
         self.finish: tuple[FinishReason, int | str | None] | None = None
 
     def fields(self) -> dict[str, torch.Tensor]:
         lp, top_ids, top_lp, cached = (torch.cat(c).cpu() for c in zip(*self.records))
-        tests = [torch.cat(c).cpu() for c in zip(*self.tests)] if self.tests else None
-        empty = torch.empty(0)
+        if self.tests:
+            tests = [torch.cat(c).cpu() for c in zip(*self.tests)]
+        else:
+            tests = [torch.empty(0, dtype=dt) for dt in (torch.int64, torch.float32, torch.bool, torch.int64)]
+        rounds = torch.tensor(self.rounds, dtype=torch.int64).reshape(-1, 3)
         return {
             "response_ids": torch.tensor(self.tokens, dtype=torch.int64),
             "logprobs": lp,
@@ -101,12 +115,7 @@ class _Sample:
             "cached_len": cached,
             "kv_budget": torch.full_like(cached, DENSE_BUDGET),
             "draft": DraftLog(
-                cached_len=tests[0] if tests else empty.to(torch.int64),
-                alpha=tests[1] if tests else empty.float(),
-                accepted=tests[2] if tests else empty.bool(),
-                budget=tests[3] if tests else empty.to(torch.int64),
-                drafted=self.drafted,
-                verifies=self.verifies,
+                *tests, round_len=rounds[:, 0], round_k=rounds[:, 1], round_emitted=rounds[:, 2]
             ),
         }
 
@@ -163,7 +172,9 @@ class SpeculativeDecoder:
             u = torch.zeros(batch, dtype=torch.float64) if greedy else draw_uniforms(gens)
             pending = sample_from(kept_probs(logits, self.sampling), u)
             self._emit(samples, rows, pending[:, None].tolist(), [1] * batch, max_new)
-            self._record(samples, rows, logits[:, None], pending[:, None], torch.ones_like(cached), cached - 1)
+            self._record(
+                samples, rows, logits[:, None], pending[:, None], torch.ones_like(cached), cached - 1
+            )
             tally.add(batch)
             while rows:
                 keep = [b for b, s in enumerate(rows) if samples[s].finish is None]
@@ -215,13 +226,13 @@ class SpeculativeDecoder:
         tested = verdict.tested
         positions = cached[:, None] + 1 + torch.arange(width, device=cached.device)[None, :]
         is_accepted = torch.arange(width, device=k.device)[None, :] < verdict.accepted[:, None]
+        starts = (cached + 1).tolist()
         for b, s in enumerate(rows):
             t = tested[b]
             samples[s].tests.append(
                 (positions[b, t], verdict.alpha[b, t].float(), is_accepted[b, t], budgets[b, t])
             )
-            samples[s].drafted += k_list[b]
-            samples[s].verifies += 1
+            samples[s].rounds.append((starts[b], k_list[b], emitted[b]))
         new_cached = cached + verdict.accepted + 1
         going = torch.tensor([samples[s].finish is None for s in rows], device=cached.device)
         if bool(going.any()):
