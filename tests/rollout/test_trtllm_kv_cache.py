@@ -42,7 +42,8 @@ def test_centroids_equal_the_torch_engines_paged_cache(kv_dtype: torch.dtype) ->
     keys = torch.randn(batch, max_len, HKV, D, generator=gen)
     lengths = torch.tensor(prompt_lens)
 
-    ref = PagedKVCache(1, num_blocks, HKV, D, PS, dtype=kv_dtype)
+    # CentroidPool keeps float32 centroids: so does this reference cache
+    ref = PagedKVCache(1, num_blocks, HKV, D, PS, dtype=kv_dtype, centroid_dtype=torch.float32)
     ref.write_prefill(0, block_table, keys[:, : max(prompt_lens)], keys[:, : max(prompt_lens)], lengths)
     pool = CentroidPool(num_blocks, [2], HKV, D, PS, kv_dtype=kv_dtype)
     packed = torch.cat([keys[b, :n] for b, n in enumerate(prompt_lens)])
