@@ -317,7 +317,9 @@ def test_rollback_leaves_the_cache_of_a_run_that_never_saw_the_rejected_tokens(
     engine: TorchRolloutEngine,
 ) -> None:
     """Draft 6 tokens sparsely, verify them densely, keep 2 (+ the pending one): the keys, values and
-    centroids of the kept positions equal those of a cache that only ever appended those 3 tokens densely."""
+    centroids of the kept positions equal those of a cache that only ever appended those 3 tokens densely
+    (to float rounding: the verify computes the same keys in one forward), and the centroids are bit for bit
+    those of appending the kept keys one by one."""
     model = engine.model
     step = DecodeStep(model, TorchDecode(), dense_layers=1, sink_pages=1, local_pages=2)
     prompt = random_prompts([29], seed=4)[0]
@@ -351,6 +353,15 @@ def test_rollback_leaves_the_cache_of_a_run_that_never_saw_the_rejected_tokens(
         c_n = never.gather_centroids(layer, table_n, torch.tensor([length]))
         c_s = spec.gather_centroids(layer, table_s, torch.tensor([length]))
         torch.testing.assert_close(c_s, c_n, atol=1e-5, rtol=0)
+    # exactly: the rebuilt centroids are those of appending the kept (dense) keys one by one
+    replay, table_r, _ = fresh()
+    for layer in range(SHAPE.num_layers):
+        k_s, v_s = spec.contiguous(layer, table_s, torch.tensor([length]))
+        for pos in range(int(start), length):
+            at = torch.tensor([pos])
+            replay.append(layer, table_r, at, k_s[:, :, pos], v_s[:, :, pos])
+        c_r = replay.gather_centroids(layer, table_r, torch.tensor([length]))
+        assert torch.equal(spec.gather_centroids(layer, table_s, torch.tensor([length])), c_r)
     # and the draft's keys really were different before the verify overwrote them (layer 2 is sparse)
     probe, table_p, _ = fresh()
     for j in range(6):
