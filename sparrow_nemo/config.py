@@ -264,14 +264,26 @@ class PolicyConfig:
     pipeline_model_parallel_size: int = _field(1, check=AT_LEAST_ONE)
     #: data-parallel ranks; null = world size / (tensor x pipeline)
     data_parallel_size: int | None = _field(None, check=AT_LEAST_ONE)
-    #: sequences per forward/backward micro-batch
+    #: sequences per forward/backward micro-batch (rows are cut to the micro-batch's longest sequence)
     micro_batch_size: int = _field(4, check=AT_LEAST_ONE)
+    #: token budget per micro-batch instead of a row count: rows sorted by length, each micro-batch
+    #: rows x its longest row <= this (sparrow_nemo.policy.packing); null = micro_batch_size rows
+    max_tokens_per_micro_batch: int | None = _field(None, check=AT_LEAST_ONE)
     #: training compute precision (bf16/fp16 keep fp32 master weights)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     #: Megatron sequence parallelism (needs tensor_model_parallel_size > 1)
     sequence_parallel: bool = False
-    #: megatron full activation recomputation (trades ~1/3 more compute for activation memory)
-    activation_recompute: bool = False
+    #: megatron activation recomputation: full (each layer's input kept, the layer recomputed in
+    #: backward), selective (the MLP recomputed), or none
+    recompute_granularity: Literal["none", "full", "selective"] = "none"
+    #: full recompute: uniform (every layer, in groups of recompute_num_layers) or block (only the first
+    #: recompute_num_layers layers of each pipeline stage)
+    recompute_method: Literal["uniform", "block"] = "uniform"
+    #: full recompute: layers per recomputed group (uniform) or recomputed layers per stage (block)
+    recompute_num_layers: int = _field(1, check=AT_LEAST_ONE)
+    #: positions per chunk of the fused output layer + logprobs/entropy/top-k: the [chunk, vocab / tp]
+    #: fp32 logits are the largest transient of a step (sparrow_nemo.policy.logprobs)
+    logprob_chunk_tokens: int = _field(4096, check=AT_LEAST_ONE)
     #: optimizer settings
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
 

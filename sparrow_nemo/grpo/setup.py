@@ -100,6 +100,7 @@ def build_policy(config: SparrowConfig, hf_dir: str | Path | None, lr: float | N
     Args:
         lr: learning rate override (the warm-start uses its own); None = ``policy.optimizer.lr``.
     """
+    from sparrow_nemo.policy.memory import MemorySettings
     from sparrow_nemo.policy.optim import OptimizerSettings
     from sparrow_nemo.policy.parallel import ParallelLayout
     from sparrow_nemo.policy.policy import MegatronPolicy
@@ -122,7 +123,13 @@ def build_policy(config: SparrowConfig, hf_dir: str | Path | None, lr: float | N
         distributed=o.distributed,
     )
     return MegatronPolicy(
-        config.model.shape(), layout, settings, dtype=p.precision, hf_dir=hf_dir, seed=config.trainer.seed + 1
+        config.model.shape(),
+        layout,
+        settings,
+        dtype=p.precision,
+        hf_dir=hf_dir,
+        seed=config.trainer.seed + 1,
+        memory=MemorySettings.from_policy_config(p),
     )
 
 

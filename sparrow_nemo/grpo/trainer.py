@@ -294,7 +294,9 @@ class GrpoTrainer:
             cfg.grpo.adv_estimator, rewards, cfg.grpo.samples_per_prompt, **self._adv_options()
         )
         data = collate(samples, advantages.float(), pad_id=0)
-        batches = micro_batches(data.tokens, data.lengths, {}, cfg.policy.micro_batch_size)
+        batches = micro_batches(
+            data.tokens, data.lengths, {}, cfg.policy.micro_batch_size, cfg.policy.max_tokens_per_micro_batch
+        )
         dense = concat_outputs([o.detach() for o in self.policy.logprobs(batches)])
         if cfg.rollout.mode == "speculative":  # dense-distributed samples: the policy is the behaviour policy
             data.rollout_logprobs = torch.where(data.response_mask, dense.logprobs.float(), 0.0)
@@ -371,8 +373,11 @@ class GrpoTrainer:
             extras["ref_logprobs"] = reference_logprobs(
                 self.policy, data, self.config.policy.micro_batch_size
             )
-        batches = micro_batches(data.tokens, data.lengths, extras, self.config.policy.micro_batch_size)
         dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        p = self.config.policy
+        batches = micro_batches(
+            data.tokens, data.lengths, extras, p.micro_batch_size, p.max_tokens_per_micro_batch, dp
+        )
         if len(batches) % dp:
             raise ValueError(
                 f"{len(batches)} micro-batches per step do not split over {dp} data-parallel ranks"
