@@ -49,11 +49,11 @@ class TorchVerify:
         q_pos = start[:, None] + torch.arange(t, device=q.device)  # [B, T]
         visible = torch.arange(length, device=q.device)[None, None, :] <= q_pos[:, :, None]  # [B, T, L]
         qg = q.float().view(batch, t, hkv, group, d).permute(0, 2, 1, 3, 4)  # [B, Hkv, T, G, D]
-        logits = torch.einsum("bhtgd,bhld->bhtgl", qg, k_all.float()) / math.sqrt(d)
-        logits = logits.masked_fill(~visible[:, None, :, None, :], -math.inf)
-        probs = torch.softmax(logits, dim=-1)
-        values = v_all.float().masked_fill(~visible.any(dim=1)[:, None, :, None], 0.0)  # stale slots: 0
-        out = torch.einsum("bhtgl,bhld->bhtgd", probs, values)  # [B, Hkv, T, G, D]
+        logits = torch.einsum("bhtgd,bhld->bhtgl", qg, k_all.float()).div_(math.sqrt(d))
+        probs = torch.softmax(logits.masked_fill_(~visible[:, None, :, None, :], -math.inf), dim=-1)
+        # slots past a row's visible range (its rejected drafts, pages of other rows) hold finite keys and
+        # values written by the model (pools start at zero), and get probability exactly 0
+        out = torch.einsum("bhtgl,bhld->bhtgd", probs, v_all.float())  # [B, Hkv, T, G, D]
         return out.permute(0, 2, 1, 3, 4).reshape(batch, t, hq, d).to(q.dtype)
 
 
