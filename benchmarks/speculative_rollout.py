@@ -10,7 +10,10 @@ prompts of ``--prompt-len`` tokens (so the cached length runs from prompt-len to
   ``--fraction`` of the bin's upper end (rounded up to whole pages, at least 4 pages), non-decreasing;
 - ``speculative k=K``: the same schedule drafts K tokens per dense verify (lossless: dense-distributed).
 
-Decode tokens/s excludes the prefill (the same work in every arm). Each arm is one JSON line appended to
+Decode tokens/s excludes the prefill (the same work in every arm), twice: per second of wall time, and per
+second of this process's CPU time (one torch thread: the CPU time of a generate minus that of a 1-token
+generate of the same prompts in the same repeat), which a shared, loaded machine disturbs much less; the
+speedups over dense are medians over the repeats of each repeat's ratio. Each arm is one JSON line appended to
 ``benchmarks/results/speculative_rollout.jsonl`` with the machine, the 1-minute load average before the run,
 the date, the speedup over dense of the same run, and for the speculative arms the measured acceptance
 (exact sum_v min(p, q) of the tested drafts), accept rate, tokens per verify and the tokens per verify the
@@ -29,6 +32,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -98,19 +102,26 @@ def main(argv: list[str] | None = None) -> list[dict]:
     arms = {"dense": (dense, None), "sparse": (schedule, None)}
     arms.update({f"speculative k={k}": (schedule, SpeculativeConfig(draft_tokens=(k,))) for k in args.ks})
 
+    first_token = replace(sampling, max_new_tokens=1)
     times: dict[str, list[float]] = {name: [] for name in arms}
+    cpu: dict[str, list[float]] = {name: [] for name in arms}
     stats: dict[str, dict] = {}
     started = time.perf_counter()
     for repeat in range(args.repeats):
+        c0 = time.process_time()
+        engine.generate(prompts, first_token, dense)  # the prefill's CPU time, to subtract
+        prefill_cpu = time.process_time() - c0
         for name, (sched, spec) in arms.items():
+            c0 = time.process_time()
             out = engine.generate(prompts, sampling, sched, speculative=spec)
+            cpu[name].append(time.process_time() - c0 - prefill_cpu)
             times[name].append(out.decode_s)
             if spec is not None and repeat == 0:
                 stats[name] = _draft_stats(out.samples, spec.draft_tokens[0])
-            print(f"repeat {repeat + 1}/{args.repeats} {name}: {out.num_response_tokens / out.decode_s:.0f} tok/s "
-                  f"({time.perf_counter() - started:.0f} s elapsed)", file=sys.stderr)  # fmt: skip
+            print(f"repeat {repeat + 1}/{args.repeats} {name}: {out.num_response_tokens / out.decode_s:.0f} tok/s wall, "
+                  f"{out.num_response_tokens / cpu[name][-1]:.0f} tok/s CPU ({time.perf_counter() - started:.0f} s elapsed)",
+                  file=sys.stderr)  # fmt: skip
     tokens = args.batch * args.gen_len
-    dense_tps = tokens / statistics.median(times["dense"])
     meta = {
         **machine_info("cpu"),
         "load_avg_1m": load,
@@ -121,23 +132,29 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                              "page_size", "dense_layers", "repeats")}  # fmt: skip
     rows = []
     for name, (sched, _) in arms.items():
-        tps = tokens / statistics.median(times[name])
         rows.append({
-            **meta, **config, "arm": name, "schedule": list(sched.budgets), "decode_tokens_per_s": tps,
-            "decode_s": times[name], "speedup_vs_dense": tps / dense_tps, **stats.get(name, {}),
+            **meta, **config, "arm": name, "schedule": list(sched.budgets),
+            "decode_tokens_per_s": tokens / statistics.median(times[name]),
+            "decode_tokens_per_cpu_s": tokens / statistics.median(cpu[name]),
+            "decode_s": times[name], "decode_cpu_s": cpu[name],
+            "speedup_vs_dense": statistics.median(d / t for d, t in zip(times["dense"], times[name])),
+            "speedup_vs_dense_cpu": statistics.median(d / t for d, t in zip(cpu["dense"], cpu[name])),
+            **stats.get(name, {}),
         })  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("a") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
-    print(f"{'arm':<18} {'tok/s':>8} {'vs dense':>9} {'alpha':>6} {'tok/verify':>10} {'predicted':>9}")
+    print(f"{'arm':<18} {'tok/s':>8} {'vs dense':>9} {'CPU tok/s':>9} {'vs dense':>9} {'alpha':>6} "
+          f"{'tok/verify':>10} {'predicted':>9}")  # fmt: skip
     for r in rows:
         extra = (
             f"{r['alpha']:>6.3f} {r['tokens_per_verify']:>10.2f} {r['predicted_tokens_per_verify']:>9.2f}"
             if "alpha" in r
             else ""
         )
-        print(f"{r['arm']:<18} {r['decode_tokens_per_s']:>8.0f} {r['speedup_vs_dense']:>8.2f}x {extra}")
+        print(f"{r['arm']:<18} {r['decode_tokens_per_s']:>8.0f} {r['speedup_vs_dense']:>8.2f}x "
+              f"{r['decode_tokens_per_cpu_s']:>9.0f} {r['speedup_vs_dense_cpu']:>8.2f}x {extra}")  # fmt: skip
     print(f"wrote {len(rows)} lines to {args.out} (load average {load:.1f} before the run)", file=sys.stderr)
     return rows
 

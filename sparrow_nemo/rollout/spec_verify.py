@@ -5,8 +5,8 @@ layer densely and without the LoRA adapter (the dense policy): per layer their k
 the draft's at the same positions of the paged cache, then causal attention of the T queries over the
 cache (query i of a row sees cache positions 0 .. start + i). Two attention backends with one contract:
 
-- :class:`TorchVerify`: the cache as contiguous keys/values, one masked softmax of the T * G queries of
-  each KV head (numerics as :func:`sparrow_nemo.sparse.attention.decode_attention`: fp32, scale 1/sqrt(D));
+- :class:`TorchVerify`: the cache as contiguous keys/values, one masked SDPA of the T * G queries of each
+  KV head (fp32, scale 1/sqrt(D));
 - :class:`KernelVerify`: ``sparrow_kernels.verify_attention_paged`` (Triton, GQA-aware, reads each K/V
   tile once for all T queries), which needs every row's pages reserved up to ``start + T``.
 
@@ -18,10 +18,10 @@ length are ignored by every reader (masked by the sequence length) and overwritt
 
 from __future__ import annotations
 
-import math
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
 from sparrow_nemo.rollout.paged_cache import PagedKVCache
 from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder
@@ -37,7 +37,8 @@ class VerifyAttention(Protocol):
 
 
 class TorchVerify:
-    """The plain-torch verify attention (CPU, and GPUs without the kernels)."""
+    """The plain-torch verify attention (CPU, and GPUs without the kernels): the cache as contiguous keys and
+    values, one masked SDPA of the T * G queries of each KV head (each key read once for all of them)."""
 
     def attend(
         self, q: torch.Tensor, cache: PagedKVCache, layer: int, block_table: torch.Tensor, start: torch.Tensor
@@ -48,13 +49,12 @@ class TorchVerify:
         group = hq // hkv
         q_pos = start[:, None] + torch.arange(t, device=q.device)  # [B, T]
         visible = torch.arange(length, device=q.device)[None, None, :] <= q_pos[:, :, None]  # [B, T, L]
-        qg = q.float().view(batch, t, hkv, group, d).permute(0, 2, 1, 3, 4)  # [B, Hkv, T, G, D]
-        logits = torch.einsum("bhtgd,bhld->bhtgl", qg, k_all.float()).div_(math.sqrt(d))
-        probs = torch.softmax(logits.masked_fill_(~visible[:, None, :, None, :], -math.inf), dim=-1)
+        mask = visible[:, :, None, :].expand(batch, t, group, length).reshape(batch, 1, t * group, length)
+        qg = q.view(batch, t, hkv, group, d).permute(0, 2, 1, 3, 4).reshape(batch, hkv, t * group, d)
         # slots past a row's visible range (its rejected drafts, pages of other rows) hold finite keys and
-        # values written by the model (pools start at zero), and get probability exactly 0
-        out = torch.einsum("bhtgl,bhld->bhtgd", probs, v_all.float())  # [B, Hkv, T, G, D]
-        return out.permute(0, 2, 1, 3, 4).reshape(batch, t, hq, d).to(q.dtype)
+        # values written by the model (pools start at zero) and get probability exactly 0
+        out = F.scaled_dot_product_attention(qg.float(), k_all.float(), v_all.float(), attn_mask=mask)
+        return out.view(batch, hkv, t, group, d).permute(0, 2, 1, 3, 4).reshape(batch, t, hq, d).to(q.dtype)
 
 
 class KernelVerify:
