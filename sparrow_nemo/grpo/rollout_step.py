@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sparrow_nemo.grpo.process_model import SampleShare
 from sparrow_nemo.policy import packing
 from sparrow_nemo.policy.batch import PolicyBatch
 from sparrow_nemo.policy.logprobs import LogprobOutput
@@ -37,6 +38,16 @@ class RolloutTensors:
     response_mask: torch.Tensor
     rollout_logprobs: torch.Tensor
     advantages: torch.Tensor
+
+    def rows(self, index: slice) -> RolloutTensors:
+        """The rows ``index`` (same width)."""
+        return RolloutTensors(
+            self.tokens[index],
+            self.lengths[index],
+            self.response_mask[index],
+            self.rollout_logprobs[index],
+            self.advantages[index],
+        )
 
 
 def pad_pairs(
@@ -65,6 +76,14 @@ def collate(samples: Sequence[RolloutSample], advantages: torch.Tensor, pad_id: 
     rollout_lp = torch.zeros(mask.shape, dtype=torch.float32)
     rollout_lp[mask] = torch.cat([s.logprobs.float() for s in samples])
     return RolloutTensors(tokens, lengths, mask, rollout_lp, advantages.float())
+
+
+def collate_share(share: SampleShare, pad_id: int = 0) -> RolloutTensors:
+    """:func:`collate` of samples that arrived as flat tensors (:class:`SampleShare`)."""
+    tokens, lengths, mask = pad_pairs(share.split_prompts(), share.split_responses(), pad_id)
+    rollout_lp = torch.zeros(mask.shape, dtype=torch.float32)
+    rollout_lp[mask] = share.logprobs.float()
+    return RolloutTensors(tokens, lengths, mask, rollout_lp, share.advantages.float())
 
 
 def micro_batches(

@@ -349,7 +349,8 @@ class TrtllmRolloutEngine:
         spec = SparrowSparseSpec.from_recipe(config)
         shape = shape_from_hf_config(SafetensorsDir(model_dir).config())
         lora = config.distill.target_modules if config.distill.enabled else ()
-        return cls(shape, spec, llm_kwargs(config, model_dir, spec), resolve_dtype(config.model.dtype), lora)
+        kwargs = llm_kwargs(config, model_dir, spec, config.rollout.tensor_parallel_size)
+        return cls(shape, spec, kwargs, resolve_dtype(config.model.dtype), lora)
 
     # ----------------------------------------------------------------- RolloutEngine API
     def generate(
