@@ -54,7 +54,14 @@ from sparrow_nemo.grpo.evaluation import evaluate
 from sparrow_nemo.grpo.metrics import MetricsWriter, merge_metrics, progress, rollout_progress
 from sparrow_nemo.grpo.objective import grpo_loss_fn, policy_loss_config
 from sparrow_nemo.grpo.preemption import Preempted, PreemptionGuard
-from sparrow_nemo.grpo.process_model import RankPlan, broadcast_object, reduce_max, replica_mean
+from sparrow_nemo.grpo.process_model import (
+    RankPlan,
+    broadcast_object,
+    distributed,
+    object_group,
+    reduce_max,
+    replica_mean,
+)
 from sparrow_nemo.grpo.prompts import PromptItem, build_prompt_source
 from sparrow_nemo.grpo.refit import engine_weights, refit
 from sparrow_nemo.grpo.rollout_step import concat_outputs, micro_batches, reference_logprobs
@@ -75,6 +82,15 @@ logger = logging.getLogger(__name__)
 SCHEDULER_KEY = "TailMismatchScheduler"
 #: checkpoint key of the speculative planner's state (beside the callbacks')
 PLANNER_KEY = "SpeculativePlanner"
+
+
+def _gather_objects(obj: Any) -> list[Any]:
+    """``obj`` of every rank, by global rank (a small-object all-gather over the gloo group). Collective."""
+    if not distributed():
+        return [obj]
+    out: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, obj, group=object_group())
+    return out
 
 
 class NonFiniteTrainingError(RuntimeError):
@@ -403,17 +419,16 @@ class GrpoTrainer:
         return getattr(self.rollout_engine, "planner", None)
 
     def _observe_speculative(self, batch: StepBatch) -> dict[str, float]:
-        """rollout.mode=speculative: the ``spec/*`` metrics of rank 0's rollouts, and rank 0's re-plan (from
-        their measured acceptance) on every engine, so all ranks draft alike. Collective (one small object
-        broadcast: the acceptance table and plan)."""
+        """rollout.mode=speculative: the ``spec/*`` metrics of rank 0's rollouts; every rank's acceptance goes
+        into every planner's table, which re-plans (one plan on all ranks). Collective (a small all-gather)."""
         if self.config.rollout.mode != "speculative":
             return {}
         planner = self._speculative_planner()
-        metrics = planner.observe(batch.local.samples, batch.schedule) if self.is_main and planner else {}
-        state = broadcast_object(planner.state_dict() if self.is_main and planner else None)
-        if planner is not None and not self.is_main and state is not None:
-            planner.load_state_dict(state)
-        return metrics
+        if planner is None:  # no engine on this rank: nothing drafted here, but it takes part in the gather
+            _gather_objects(({}, -1))
+            return {}
+        metrics = planner.observe(batch.local.samples, batch.schedule, gather=_gather_objects)
+        return metrics if self.is_main else {}
 
     def _report(self, batch: StepBatch) -> StepReport:
         """What callbacks and the tail scheduler see of the step (the same on every rank)."""

@@ -18,7 +18,7 @@ into the ``spec/*`` metrics.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -97,25 +97,48 @@ class SpeculativePlanner:
         )
         return SpeculativeConfig(draft_tokens=self.plan.draft_tokens, draft_schedule=draft)
 
-    def observe(self, samples: Sequence[RolloutSample], schedule: BudgetSchedule) -> dict[str, float]:
-        """The step's ``spec/*`` metrics under the plan it used; then the table update and (with adapt) a re-plan."""
+    def observe(
+        self,
+        samples: Sequence[RolloutSample],
+        schedule: BudgetSchedule,
+        gather: Callable[[Any], list[Any]] | None = None,
+    ) -> dict[str, float]:
+        """The step's ``spec/*`` metrics of ``samples`` under the plan it used; then the table update and (with
+        adapt) a re-plan.
+
+        ``gather``: with several ranks, an all-gather of a small object (collective): every rank's acceptance
+        sums per (bin, budget) go into every rank's table, so all planners hold one table and pick one plan
+        (the one a single rank would pick from all the step's samples); the metrics stay this rank's.
+        """
         config = self.config_for(schedule)
-        logs = [s.draft for s in samples if getattr(s, "draft", None) is not None]
-        if not logs:
-            return {}
-        metrics = speculative_metrics(samples, logs, config, self.table.bin_tokens)
-        lengths = [s.response_ids.numel() for s in samples]
-        prompts = [s.prompt_ids.numel() for s in samples]
         used = _plan_of(config, self.table.bin_tokens)
-        alpha = _alpha_per_bin(logs, self.table.bin_tokens, len(used.budgets))
-        metrics["spec/predicted_speedup"] = self.cost.predicted_speedup(used, alpha, lengths, prompts)
-        self.table.update(
-            *(torch.cat([getattr(d, f) for d in logs]) for f in ("cached_len", "budget", "alpha"))
-        )
-        if self.adapt:
-            seen = int(
-                max(int(d.round_len.max()) for d in logs if d.round_len.numel()) // self.table.bin_tokens
+        logs = [s.draft for s in samples if getattr(s, "draft", None) is not None]
+        metrics: dict[str, float] = {}
+        cells: dict[tuple[int, int], tuple[float, float]] = {}
+        seen = -1  # the largest bin of cached length a round started in
+        if logs:
+            metrics = speculative_metrics(samples, logs, config, self.table.bin_tokens)
+            lengths = [s.response_ids.numel() for s in samples]
+            prompts = [s.prompt_ids.numel() for s in samples]
+            alpha = _alpha_per_bin(logs, self.table.bin_tokens, len(used.budgets))
+            metrics["spec/predicted_speedup"] = self.cost.predicted_speedup(used, alpha, lengths, prompts)
+            cells = self.table.cell_sums(
+                *(torch.cat([getattr(d, f) for d in logs]) for f in ("cached_len", "budget", "alpha"))
             )
+            rounds = [int(d.round_len.max()) for d in logs if d.round_len.numel()]
+            seen = max(rounds) // self.table.bin_tokens if rounds else -1
+        if gather is not None:
+            parts = gather((cells, seen))
+            cells = {}
+            for part, _ in parts:  # rank order: every rank sums alike
+                for key, (s, n) in part.items():
+                    total = cells.get(key, (0.0, 0.0))
+                    cells[key] = (total[0] + s, total[1] + n)
+            seen = max(s for _, s in parts)
+        if not cells and seen < 0:  # no draft anywhere (e.g. only dense schedules)
+            return metrics
+        self.table.add(cells)
+        if self.adapt and seen >= 0:
             bins = max(seen + 1, len(used.budgets))
             self.plan = pick_plan(
                 self.cost, self.table, bins, self.candidates, self.max_draft_tokens, self.batch

@@ -215,18 +215,31 @@ class AcceptanceTable:
 
     def update(self, cached_len: torch.Tensor, budget: torch.Tensor, alpha: torch.Tensor) -> None:
         """Decay the old sums, then add the tests ``alpha [n]`` at ``cached_len [n]`` under ``budget [n]``."""
-        for cell in self.sums.values():
-            cell[0] *= self.decay
-            cell[1] *= self.decay
+        self.add(self.cell_sums(cached_len, budget, alpha))
+
+    def cell_sums(
+        self, cached_len: torch.Tensor, budget: torch.Tensor, alpha: torch.Tensor
+    ) -> dict[tuple[int, int], tuple[float, float]]:
+        """(bin, budget) -> (sum of alpha, number of tests) of the tests ``alpha [n]`` (one step's, one rank's)."""
         if alpha.numel() == 0:
-            return
+            return {}
         bins = cached_len.to(torch.int64) // self.bin_tokens
         keys = torch.stack([bins, budget.to(torch.int64)], dim=1)
         cells, inverse = torch.unique(keys, dim=0, return_inverse=True)
         sums = torch.zeros(len(cells), dtype=torch.float64).index_add_(0, inverse, alpha.double())
         counts = torch.bincount(inverse, minlength=len(cells)).double()
-        for (b, budget_tokens), s, n in zip(cells.tolist(), sums.tolist(), counts.tolist()):
-            cell = self.sums.setdefault((b, budget_tokens), [0.0, 0.0])
+        return {
+            (b, budget_tokens): (s, n)
+            for (b, budget_tokens), s, n in zip(cells.tolist(), sums.tolist(), counts.tolist())
+        }
+
+    def add(self, cells: dict[tuple[int, int], tuple[float, float]]) -> None:
+        """Decay the old sums, then add one step's :meth:`cell_sums` (of one rank, or summed over ranks)."""
+        for cell in self.sums.values():
+            cell[0] *= self.decay
+            cell[1] *= self.decay
+        for key, (s, n) in cells.items():
+            cell = self.sums.setdefault(key, [0.0, 0.0])
             cell[0] += s
             cell[1] += n
 
