@@ -481,7 +481,9 @@ class LossConfig:
     clip_low: float = _field(0.2, check=_interval(0, 1, hi_open=True))
     #: PPO ratio upper clip: ratio <= 1 + clip_high (DAPO clip-higher)
     clip_high: float = _field(0.28, check=NON_NEGATIVE)
-    #: token_mean (token-level, the paper) or seq_mean_token_mean
+    #: registered aggregation (sparrow_nemo.grpo.losses.AGGREGATIONS), each normalised by the optimizer step's
+    #: counts over all micro-batches and DP ranks: token_mean (token-level, the paper), seq_mean_token_mean,
+    #: seq_mean_token_sum
     aggregation: str = _field("token_mean", check=_registered(lambda: _grpo_aggregation))
     #: weight of the k3 KL to the frozen reference policy (the initial weights, kept on the host); 0 = none
     kl_coef: float = _field(0.0, check=NON_NEGATIVE)
@@ -519,6 +521,9 @@ class GrpoConfig:
     adv_estimator: str = _field("grpo", check=_registered(lambda: _grpo_advantages().get_advantage))
     #: divide group-centred rewards by the group std (grpo estimator)
     normalize_std: bool = True
+    #: optimizer steps per RL step: the step's samples in this many mini-batches, old logprobs computed once
+    #: before the first (1 = on-policy: PPO ratio exactly 1, the clip never acts; > 1: ratio and clip are real)
+    mini_batches_per_step: int = _field(2, check=AT_LEAST_ONE)
     #: the policy loss
     loss: LossConfig = field(default_factory=LossConfig)
 
