@@ -293,11 +293,35 @@ class PolicyConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeRolloutConfig:
+    """Speculative rollout (rollout.mode=speculative): sparse drafts, dense verify (sparrow_nemo.rollout.spec_rollout)."""
+
+    #: k, draft tokens per dense verify in every bin until the first re-plan (0 = plain dense decoding)
+    draft_tokens: int = _field(4, check=NON_NEGATIVE)
+    #: the largest k the planner may pick
+    max_draft_tokens: int = _field(8, check=NON_NEGATIVE)
+    #: after every step, re-plan the draft budget (among sparsity.calibration.candidate_budgets) and k per bin
+    #: from the acceptance measured so far, for the most predicted tokens/s (H200 cost model)
+    adapt: bool = True
+    #: weight of the earlier steps' acceptance in the planner's per-bin table (0 = the last step only)
+    decay: float = _field(0.5, check=UNIT)
+
+    def check(self) -> None:
+        if self.draft_tokens > self.max_draft_tokens:
+            raise _Problem("draft_tokens", f"<= max_draft_tokens ({self.max_draft_tokens})")
+
+
+@dataclass(frozen=True)
 class RolloutConfig:
     """Generation: engine, sampling and batching."""
 
     #: engine: torch (sparrow_nemo.rollout.torch_engine: paged KV cache, CPU or one GPU) or trtllm (cluster)
     backend: str = _field("torch", check=_one_of(("torch", "trtllm"), renamed={"reference": "torch"}))
+    #: how rollouts decode: sparse (the sparsity schedule), speculative (sparse drafts verified by dense
+    #: forwards: dense-distributed samples, the importance ratio exactly 1) or dense
+    mode: Literal["sparse", "speculative", "dense"] = "sparse"
+    #: speculative decoding's draft length and planner (rollout.mode=speculative)
+    speculative: SpeculativeRolloutConfig = field(default_factory=SpeculativeRolloutConfig)
     #: response cutoff, tokens
     max_new_tokens: int = _field(64, check=AT_LEAST_ONE)
     #: sampling temperature (> 0: RL needs sampled log-probabilities)
@@ -325,6 +349,12 @@ class RolloutConfig:
     #: policy.tensor_model_parallel_size) = one engine per k consecutive tensor-parallel ranks, for a model
     #: whose weights plus a useful KV cache do not fit one GPU (sparrow_nemo.grpo.process_model)
     tensor_parallel_size: int = _field(1, check=AT_LEAST_ONE)
+
+    def check(self) -> None:
+        if self.mode == "speculative" and self.backend != "torch":
+            raise _Problem(
+                "mode", "sparse or dense with backend trtllm (speculative rollout runs on the torch engine)"
+            )
 
 
 @dataclass(frozen=True)
