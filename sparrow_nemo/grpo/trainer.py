@@ -53,7 +53,7 @@ from sparrow_nemo.grpo.distill import DistillData, DistillSparse, Probe
 from sparrow_nemo.grpo.evaluation import evaluate
 from sparrow_nemo.grpo.metrics import MetricsWriter, merge_metrics, progress, rollout_progress
 from sparrow_nemo.grpo.preemption import Preempted, PreemptionGuard
-from sparrow_nemo.grpo.process_model import RankPlan, broadcast_object, reduce_max
+from sparrow_nemo.grpo.process_model import RankPlan, broadcast_object, gather_objects, reduce_max
 from sparrow_nemo.grpo.prompt_source import PromptItem
 from sparrow_nemo.grpo.prompts import build_prompt_source
 from sparrow_nemo.grpo.recipe import SparrowConfig
@@ -67,6 +67,7 @@ from sparrow_nemo.grpo.wandb_logger import open_wandb
 from sparrow_nemo.grpo.warmstart import ensure_warm_start
 from sparrow_nemo.rollout.oom_retry import OomRetryEngine
 from sparrow_nemo.rollout.sampling import sample_seed
+from sparrow_nemo.rollout.spec_rollout import with_rollout_mode
 from sparrow_nemo.sparse.cost_model import HARDWARE, DecodeCostModel
 from sparrow_nemo.sparse.pattern import SparsePattern
 from sparrow_nemo.sparse.schedule import BudgetSchedule
@@ -75,6 +76,8 @@ logger = logging.getLogger(__name__)
 
 #: checkpoint key of the tail scheduler's state (as when it was a callback)
 SCHEDULER_KEY = "TailMismatchScheduler"
+#: checkpoint key of the speculative planner's state (beside the callbacks')
+PLANNER_KEY = "SpeculativePlanner"
 
 
 class NonFiniteTrainingError(RuntimeError):
@@ -126,7 +129,9 @@ class GrpoTrainer:
         )
         weights = engine_weights(self.policy)  # collective: every rank takes part
         self.rollout_engine = (
-            OomRetryEngine(setup.build_engine(config, weights, self.prompts.tokenizer))
+            OomRetryEngine(
+                with_rollout_mode(config, setup.build_engine(config, weights, self.prompts.tokenizer))
+            )
             if self.plan.leads_engine
             else None
         )
@@ -300,6 +305,10 @@ class GrpoTrainer:
             self._stop_between_phases()
             with timer.phase("logprobs"):
                 batch.dense = self._dense_logprobs(batch)
+            # speculative samples are dense-distributed: the policy is the behaviour policy
+            if cfg.rollout.mode == "speculative":
+                data = batch.data
+                data.rollout_logprobs = torch.where(data.response_mask, batch.dense.logprobs.float(), 0.0)
             if cfg.grpo.loss.kl_coef > 0:
                 with timer.phase("reference"):
                     batch.ref_logprobs = reference_logprobs(
@@ -307,6 +316,7 @@ class GrpoTrainer:
                     )
             with timer.phase("stats"):
                 batch.stats = measure(batch, cfg.sparsity.quantile, cfg.sparsity.noise_z, self.cost_model)
+                speculative = self._observe_speculative(batch)  # spec/*, then the re-plan
             self._stop_between_phases()
         except _StopRequested:
             self.prompts.cursor = cursor  # the abandoned step's prompts come again after the resume
@@ -339,6 +349,7 @@ class GrpoTrainer:
         metrics = merge_metrics(
             batch.stats.metrics(batch.schedule, cfg.sparsity.quantile),
             {"timing/rollout_max": batch.stats.rollout_s_max},
+            speculative,
             train,
             distilled,
             self._logged,
@@ -398,6 +409,23 @@ class GrpoTrainer:
             data.tokens, data.lengths, {}, p.micro_batch_size, p.max_tokens_per_micro_batch
         )
         return concat_outputs([o.detach() for o in self.policy.logprobs(batches)])
+
+    def _speculative_planner(self):
+        """This rank's engine's :class:`~sparrow_nemo.rollout.spec_rollout.SpeculativePlanner` (None unless
+        rollout.mode=speculative)."""
+        return getattr(self.rollout_engine, "planner", None)
+
+    def _observe_speculative(self, batch: StepBatch) -> dict[str, float]:
+        """rollout.mode=speculative: the ``spec/*`` metrics of rank 0's rollouts; every rank's acceptance goes
+        into every planner's table, which re-plans (one plan on all ranks). Collective (a small all-gather)."""
+        if self.config.rollout.mode != "speculative":
+            return {}
+        planner = self._speculative_planner()
+        if planner is None:  # no engine on this rank: nothing drafted here, but it takes part in the gather
+            gather_objects(({}, -1))
+            return {}
+        metrics = planner.observe(batch.local.samples, batch.schedule, gather=gather_objects)
+        return metrics if self.is_main else {}
 
     def _report(self, batch: StepBatch) -> StepReport:
         """What callbacks and the tail scheduler see of the step (the same on every rank)."""
@@ -539,6 +567,9 @@ class GrpoTrainer:
                 distill_state = self.distill.state_dict(self.policy)  # collective
                 if distill_state:
                     states[DISTILL_KEY] = distill_state
+            planner = self._speculative_planner()
+            if self.is_main and planner is not None:
+                states[PLANNER_KEY] = planner.state_dict()
 
             def write_run_files(staging: Path) -> None:
                 write_run_state(staging, self.state.to_dict(), states)
@@ -568,6 +599,9 @@ class GrpoTrainer:
             self.scheduler.on_load_checkpoint(self, states.pop(SCHEDULER_KEY))
         if self.distill is not None and DISTILL_KEY in states:
             self.distill.load_state_dict(states.pop(DISTILL_KEY))
+        planner, planned = self._speculative_planner(), states.pop(PLANNER_KEY, None)
+        if planner is not None and planned is not None:  # every engine drafts with the saved plan
+            planner.load_state_dict(planned)
         if not self.is_main:  # this rank's callbacks are the collective ones
             keys = set(self.callbacks.state_keys())
             states = {k: v for k, v in states.items() if k in keys}

@@ -26,7 +26,7 @@ from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
-from sparrow_nemo.config.schema import AT_LEAST_ONE, NON_NEGATIVE, Section, interval, knob, one_of
+from sparrow_nemo.config.schema import AT_LEAST_ONE, NON_NEGATIVE, UNIT, Section, interval, knob, one_of
 from sparrow_nemo.hf_qwen3 import LoraAdapter
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
@@ -71,6 +71,33 @@ class SamplingParams(Section):
 
 
 @dataclass(frozen=True)
+class SpeculativeRolloutConfig(Section):
+    """Speculative rollout (``rollout.mode=speculative``): sparse drafts, dense verify; read by
+    :func:`sparrow_nemo.rollout.spec_rollout.with_rollout_mode` (the recipe's ``rollout.speculative``)."""
+
+    draft_tokens: int = knob(
+        4,
+        "k, draft tokens per dense verify in every bin until the first re-plan (0 = plain dense decoding)",
+        check=NON_NEGATIVE,
+    )
+    max_draft_tokens: int = knob(8, "the largest k the planner may pick", check=NON_NEGATIVE)
+    adapt: bool = knob(
+        True,
+        "after every step, re-plan the draft budget (among sparsity.calibration.candidate_budgets) and k per bin "
+        "from the acceptance measured so far, for the most predicted tokens/s (H200 cost model)",
+    )
+    decay: float = knob(
+        0.5,
+        "weight of the earlier steps' acceptance in the planner's per-bin table (0 = the last step only)",
+        check=UNIT,
+    )
+
+    def check(self) -> None:
+        if self.draft_tokens > self.max_draft_tokens:
+            raise self.invalid("draft_tokens", f"<= max_draft_tokens ({self.max_draft_tokens})")
+
+
+@dataclass(frozen=True)
 class RolloutConfig(SamplingParams):
     """The recipe's ``rollout`` section: the sampling settings plus the engine's own."""
 
@@ -78,6 +105,16 @@ class RolloutConfig(SamplingParams):
         "torch",
         "engine: torch (sparrow_nemo.rollout.torch_engine: paged KV cache, CPU or one GPU) or trtllm (cluster)",
         check=one_of(("torch", "trtllm"), renamed={"reference": "torch"}),
+    )
+    mode: Literal["sparse", "speculative", "dense"] = knob(
+        "sparse",
+        "how rollouts decode: sparse (the sparsity schedule), speculative (sparse drafts verified by dense "
+        "forwards: dense-distributed samples, the importance ratio exactly 1) or dense "
+        "(sparrow_nemo.rollout.spec_rollout)",
+    )
+    speculative: SpeculativeRolloutConfig = knob(
+        doc="speculative decoding's draft length and planner (rollout.mode=speculative)",
+        factory=SpeculativeRolloutConfig,
     )
     max_batch_size: int = knob(
         64, "sequences decoded together (the KV page pool is sized for it)", check=AT_LEAST_ONE
@@ -101,6 +138,10 @@ class RolloutConfig(SamplingParams):
         super().check()
         if self.temperature == 0:
             raise self.invalid("temperature", "a number > 0")
+        if self.mode == "speculative" and self.backend != "torch":
+            raise self.invalid(
+                "mode", "sparse or dense with backend trtllm (speculative rollout runs on the torch engine)"
+            )
 
     def sampling(self, seed: int | None = None) -> SamplingParams:
         """The :class:`SamplingParams` part; ``seed`` replaces ``self.seed`` (one per RL step)."""
