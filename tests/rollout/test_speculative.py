@@ -18,14 +18,13 @@ import itertools
 
 import pytest
 import torch
-from sparrow_nemo.rollout.lora import LoraAdapter
 
+from sparrow_nemo.hf_qwen3 import LoraAdapter, linear_in_out
 from sparrow_nemo.model_shapes import PRESETS
 from sparrow_nemo.rollout.decode_step import DecodeStep
 from sparrow_nemo.rollout.engine import SamplingParams
 from sparrow_nemo.rollout.paged_attention import TorchDecode
 from sparrow_nemo.rollout.paged_cache import PagedKVCache
-from sparrow_nemo.rollout.qwen3_torch import linear_in_out
 from sparrow_nemo.rollout.sampling import sample_seed, sample_tokens
 from sparrow_nemo.rollout.spec_decode import SpeculativeSample
 from sparrow_nemo.rollout.spec_verify import TorchVerify, rebuild_centroids, verify_forward
