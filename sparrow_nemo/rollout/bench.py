@@ -18,6 +18,7 @@ from sparrow_nemo.rollout.engine import SamplingParams
 from sparrow_nemo.rollout.scoring import measure_mismatch
 from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
 from sparrow_nemo.sparse.mismatch import summarize
+from sparrow_nemo.sparse.pattern import PAGE_SIZE
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 
@@ -42,7 +43,7 @@ def bench_rollout(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     dense_layers: int = 2,
-    page_size: int = 16,
+    page_size: int = PAGE_SIZE,
     sink_pages: int = 1,
     local_pages: int = 2,
     tail_bin_tokens: int | None = None,

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from sparrow_nemo.hf_qwen3 import LoraAdapter, linear_in_out
 from sparrow_nemo.model_shapes import Qwen3Shape
 from sparrow_nemo.rollout.decode_step import DecodeStep
 from sparrow_nemo.rollout.engine import (
@@ -34,10 +35,9 @@ from sparrow_nemo.rollout.engine import (
     TokenProgress,
     TokenTally,
 )
-from sparrow_nemo.rollout.lora import LoraAdapter
 from sparrow_nemo.rollout.paged_attention import KernelDecode, TorchDecode, causal_attention, choose_backend
 from sparrow_nemo.rollout.paged_cache import PagedKVCache
-from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder, linear_in_out
+from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder
 from sparrow_nemo.rollout.sampling import (
     batch_seeds,
     draw_uniforms,
@@ -50,6 +50,7 @@ from sparrow_nemo.rollout.spec_verify import KernelVerify, TorchVerify, VerifyAt
 from sparrow_nemo.rollout.speculative import SpeculativeConfig
 from sparrow_nemo.rollout.static_decode import StaticDecoder, decode_static
 from sparrow_nemo.rollout.stopping import Detokenizer, StopRule
+from sparrow_nemo.sparse.pattern import PAGE_SIZE
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET, BudgetSchedule
 
 #: decode steps between two ``on_tokens`` reports (a progress bar stays off the per-token path)
@@ -78,7 +79,7 @@ class TorchRolloutEngine:
         model: Qwen3Decoder,
         *,
         dense_layers: int = 2,
-        page_size: int = 16,
+        page_size: int = PAGE_SIZE,
         sink_pages: int = 1,
         local_pages: int = 2,
         attention_backend: str = "auto",

@@ -31,6 +31,9 @@ import string
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from sparrow_nemo.config.schema import AT_LEAST_ONE, NON_NEGATIVE, Section, interval, knob
+from sparrow_nemo.rewards.registry import register_reward
+
 NODE_NAMES = string.ascii_uppercase
 END = "."
 _ANSWER_RE = re.compile(r"!(\S*)")
@@ -50,33 +53,30 @@ class ChainProblem:
 
 
 @dataclass(frozen=True)
-class ChainTaskConfig:
-    """Difficulty knobs; each problem draws its sizes uniformly from the inclusive ranges.
+class ChainTaskConfig(Section):
+    """Difficulty knobs (the recipe's ``task`` section); each problem draws its sizes uniformly from the
+    inclusive ranges. Prompt length = 4 * num_nodes + 5 - (number of chains); trace length = 6 * num_hops + 6
+    characters (at most 156; with the prompt at most 260). The tiny recipes use (2, 4) nodes, (1, 2) hops."""
 
-    Attributes:
-        num_nodes: (min, max) table entries, 2..26. Prompt length = 4 * num_nodes + 5 - (number of chains).
-        num_hops: (min, max) pointer hops on the queried chain, clamped to num_nodes - 1 (no node repeats).
-            Trace length = 6 * num_hops + 6 characters (so at most 156; with the prompt at most 260).
-        seed: problems are a pure function of (seed, index).
-    """
+    num_nodes: tuple[int, ...] = knob(
+        (8, 26),
+        "(min, max) table entries per problem (one upper-case letter each, so 2..26)",
+        check=interval(2, 26),
+    )
+    num_hops: tuple[int, ...] = knob(
+        (2, 25),
+        "(min, max) pointer hops on the queried chain, clamped to num_nodes - 1 (6 response characters per hop)",
+        check=AT_LEAST_ONE,
+    )
+    seed: int = knob(0, "problems are a pure function of (seed, index)", check=NON_NEGATIVE)
 
-    num_nodes: tuple[int, int] = (8, 26)
-    num_hops: tuple[int, int] = (2, 25)
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        lo, hi = self.num_nodes
-        if not (2 <= lo <= hi <= len(NODE_NAMES)):
-            raise ValueError(
-                f"ChainTaskConfig.num_nodes must satisfy 2 <= min <= max <= 26, got {self.num_nodes}"
-            )
-        lo, hi = self.num_hops
-        if not (1 <= lo <= hi):
-            raise ValueError(f"ChainTaskConfig.num_hops must satisfy 1 <= min <= max, got {self.num_hops}")
+    def check(self) -> None:
+        for key in ("num_nodes", "num_hops"):
+            value = getattr(self, key)
+            if len(value) != 2 or value[0] > value[1]:
+                raise self.invalid(key, "two integers [min, max] with min <= max")
         if self.num_hops[0] > self.num_nodes[1] - 1:
-            raise ValueError(
-                f"ChainTaskConfig.num_hops min {self.num_hops[0]} needs more than num_nodes max {self.num_nodes[1]}"
-            )
+            raise self.invalid("num_hops", f"a minimum <= num_nodes max - 1 ({self.num_nodes[1] - 1})")
 
 
 def make_problem(rng: random.Random, num_nodes: int, num_hops: int) -> ChainProblem:
@@ -144,6 +144,7 @@ def parse_answer(completion: str) -> str | None:
     return found[-1] if found else None
 
 
+@register_reward("chain")
 def chain_reward(completion: str, answer: str) -> float:
     """1.0 when the completion's final answer equals ``answer`` exactly, else 0.0 (any text is accepted)."""
     return 1.0 if parse_answer(completion) == answer else 0.0

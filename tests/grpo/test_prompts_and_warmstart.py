@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from sparrow_nemo.config import load_config
 from sparrow_nemo.grpo.prompts import build_prompt_source
+from sparrow_nemo.grpo.recipe import load_config
 from sparrow_nemo.grpo.warmstart import cache_key, cache_root, warm_start_dir
 from sparrow_nemo.tasks.chain import ChainTask, ChainTaskConfig, solve
 
@@ -35,7 +35,7 @@ def test_synthetic_source_streams_task_problems_and_rewards_them() -> None:
 def test_file_source_needs_the_model_tokenizer(tmp_path: Path) -> None:
     rows = tmp_path / "p.jsonl"
     rows.write_text(json.dumps({"problem": "1+1?", "answer": "2"}) + "\n")
-    config = load_config(None, [f"data.train_path={rows}", "reward.type=math"])
+    config = load_config(None, [f"data.train_path={rows}", "reward.type=math", "sparsity.calibrate=false"])
     with pytest.raises(ValueError, match=r"model\.hf_checkpoint"):
         build_prompt_source(config)
 
