@@ -62,7 +62,7 @@ def _train(config, args: argparse.Namespace) -> int:
     from sparrow_nemo.grpo.summary import format_summary
     from sparrow_nemo.grpo.trainer import NonFiniteTrainingError, train
     from sparrow_nemo.grpo.world import rank
-    from sparrow_nemo.policy.checkpoint import CheckpointError
+    from sparrow_nemo.checkpoint.atomic import CheckpointError
     from sparrow_nemo.policy.train_step import NonFiniteWeightsError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")

@@ -1,7 +1,7 @@
 """One atomic checkpoint per saved step: policy shards + optimizer + RNG (every rank) and the run's state.
 
 Layout of ``<checkpoint root>/step_<8 digits>/`` (written as ``step_<n>.partial``, renamed when complete;
-:mod:`sparrow_nemo.policy.checkpoint`):
+:mod:`sparrow_nemo.checkpoint.atomic`):
 
 - ``policy_tp*_pp*_dp*.pt``: each rank's model shard, optimizer state and RNG states (python, numpy,
   torch, CUDA) - :mod:`sparrow_nemo.policy.resume`;
@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from sparrow_nemo.config.schema import AT_LEAST_ONE, NON_NEGATIVE, Section, knob
 from sparrow_nemo.grpo.process_model import distributed, object_group
-from sparrow_nemo.policy.checkpoint import (
+from sparrow_nemo.checkpoint.atomic import (
     MANIFEST,
     PARTIAL_SUFFIX,
     CheckpointError,

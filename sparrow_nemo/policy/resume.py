@@ -7,7 +7,7 @@ global generators are not stored: nothing on the training path draws from them (
 through a seeded ``torch.Generator`` or ``random.Random``), and storing their unseeded states made the
 files of two identical runs differ.
 
-Written through :mod:`sparrow_nemo.policy.checkpoint` (atomic directory + sha256 manifest), so an
+Written through :mod:`sparrow_nemo.checkpoint.atomic` (atomic directory + sha256 manifest), so an
 interrupted save never loads. On GPU the distributed optimizer's DP-sharded moments go in one extra
 file per TP x PP shard (megatron's ``save_parameter_state``; not exercised on the CPU test machine).
 These are plain per-rank torch files, not megatron's
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from sparrow_nemo.model_shapes import Qwen3Shape
-from sparrow_nemo.policy.checkpoint import (
+from sparrow_nemo.checkpoint.atomic import (
     CheckpointError,
     atomic_torch_save,
     finalize,

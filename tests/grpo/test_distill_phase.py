@@ -26,7 +26,7 @@ from sparrow_nemo.grpo.distill import DistillConfig, DistillData, DistillSparse,
 from sparrow_nemo.grpo.recipe import load_config
 from sparrow_nemo.model_shapes import PRESETS
 from sparrow_nemo.policy.batch import PolicyBatch
-from sparrow_nemo.policy.checkpoint import finalize, partial_dir
+from sparrow_nemo.checkpoint.atomic import finalize, partial_dir
 from sparrow_nemo.policy.logprobs import LogprobOutput
 from sparrow_nemo.policy.optim import OptimizerSettings
 from sparrow_nemo.policy.parallel import ParallelLayout

@@ -167,7 +167,7 @@ def train_save_crash(rank: int, tp: int, pp: int, ckpt: str, root: str, out_file
 
 def resume_and_step(rank: int, tp: int, pp: int, root: str, out_file: str) -> None:
     """A fresh process: random init, resume from the latest complete checkpoint, run step 2."""
-    from sparrow_nemo.policy.checkpoint import latest_checkpoint
+    from sparrow_nemo.checkpoint.atomic import latest_checkpoint
 
     policy = _setup(tp, pp, False, None)
     latest = latest_checkpoint(root)

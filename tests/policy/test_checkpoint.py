@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sparrow_nemo.model_shapes import PRESETS
-from sparrow_nemo.policy.checkpoint import (
+from sparrow_nemo.checkpoint.atomic import (
     CheckpointError,
     atomic_torch_save,
     finalize,

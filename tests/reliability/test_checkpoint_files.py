@@ -29,7 +29,7 @@ from sparrow_nemo.grpo.checkpointing import (
     write_run_state,
 )
 from sparrow_nemo.model_shapes import PRESETS
-from sparrow_nemo.policy.checkpoint import CheckpointError, finalize, partial_dir
+from sparrow_nemo.checkpoint.atomic import CheckpointError, finalize, partial_dir
 from sparrow_nemo.policy.parallel import ParallelLayout
 from sparrow_nemo.policy.policy import MegatronPolicy
 
