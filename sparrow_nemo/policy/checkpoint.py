@@ -26,7 +26,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from sparrow_nemo.model_shapes import Qwen3Shape
 from sparrow_nemo.checkpoint.atomic import (
     CheckpointError,
     atomic_torch_save,
@@ -36,6 +35,7 @@ from sparrow_nemo.checkpoint.atomic import (
     sha256_file,
     verify_checkpoint,
 )
+from sparrow_nemo.model_shapes import Qwen3Shape
 from sparrow_nemo.policy.model import PolicyModelSpec, unwrap_model
 
 #: 2: weights_only-loadable files, no python/numpy RNG states
