@@ -25,8 +25,8 @@ from sparrow_nemo.policy.memory import DEFAULT_MEMORY, MemorySettings
 from sparrow_nemo.policy.model import build_model
 from sparrow_nemo.policy.optim import OptimizerSettings, TorchPolicyOptimizer, wrap_for_training
 from sparrow_nemo.policy.parallel import ParallelLayout, destroy_parallel, initialize_parallel
+from sparrow_nemo.policy.pipeline import LossFn, compute_logprobs
 from sparrow_nemo.policy.reference import ReferenceWeights
-from sparrow_nemo.policy.schedule import LossFn, compute_logprobs
 from sparrow_nemo.policy.sparse_forward import (
     SparsePlan,
     compute_sparse_logprobs,
