@@ -495,8 +495,9 @@ class TorchRolloutEngine:
             end = min(t, start + chunk)
             positions = torch.arange(start, end, device=self.device)[None, :].expand(ids.shape[0], -1)
             h = self.model.embed(ids[:, start:end])
+            rope = self.model.rope(positions, h.dtype)
             for layer in range(self.shape.num_layers):
-                q, k, v = self.model.attention_inputs(layer, h, positions)
+                q, k, v = self.model.attention_inputs(layer, h, positions, rope)
                 cache.write_prefill(layer, block_table, k, v, lengths, start=start)
                 k_all, v_all = cache.contiguous(layer, block_table, lengths.clamp(max=end))  # [B, Hkv, L, D]
                 attn = causal_attention(

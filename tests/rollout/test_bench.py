@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from sparrow_nemo.rollout import SamplingParams, TorchRolloutEngine
-from sparrow_nemo.rollout.bench import bench_rollout
+from sparrow_nemo.rollout.bench import bench_rollout, make_engine
 from sparrow_nemo.rollout.scoring import measure_mismatch
 from sparrow_nemo.sparse.mismatch import acceptance_rate
 from sparrow_nemo.sparse.schedule import BudgetSchedule
@@ -49,12 +49,11 @@ def test_bench_rollout_rows_and_table() -> None:
     lines: list[str] = []
     step = BudgetSchedule(bin_tokens=32, budgets=(32, 48), name="step")
     rows = bench_rollout(
-        SHAPE,
+        make_engine(SHAPE, dense_layers=1),
         batch=3,
         prompt_len=20,
         gen_len=40,
         schedules=["fixed:32", step],
-        dense_layers=1,
         print_fn=lines.append,
     )
     assert [r["schedule"] for r in rows] == ["dense", "fixed:32", "step"]

@@ -1,0 +1,171 @@
+/* Paged decode attention on the CPU, reading the KV cache in place (sparrow_nemo/rollout/cpu_attention.py).
+ *
+ * Two passes per layer, each over every (sequence b, KV head h) of the batch:
+ *   sparrow_paged_scores: scores[b, h, g, j * P + s] = scale * <q[b, h * G + g], K[page j of (b, h), slot s]>
+ *   sparrow_paged_values: out[b, h * G + g, :]      = sum_t probs[b, h, g, t] * V[page of t, slot of t]
+ * where page j of (b, h) is the logical page page_idx[b, h, j] (or j itself when page_idx is NULL: every
+ * page, dense) and its physical page is block_table[b, logical]. Slots at or past seq_len[b], and padding
+ * entries (logical page < 0), get score -inf and are never read, so they may hold anything. The softmax in
+ * between runs in torch. Keys/values are fp32 with element strides (page, head, slot; the head dim is
+ * contiguous); q, scores, probs and out are contiguous fp32.
+ *
+ * Every key and value is read once. With a head dim that is a multiple of 16 and 16-token pages, a page's
+ * 16 dot products are 16-lane vector FMAs followed by one transpose-and-add tree (no per-token horizontal
+ * sums); other shapes take a plain loop. The summation order is fixed by this code, not by the data.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define LANES 16
+typedef float v16 __attribute__((vector_size(LANES * sizeof(float))));
+typedef int32_t i16 __attribute__((vector_size(LANES * sizeof(int32_t))));
+
+#if defined(__clang__)
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (i16){__VA_ARGS__})
+#endif
+
+static inline v16 load16(const float *p) {
+    v16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+
+/* The 16 lane-sums of acc[0..15], in order: out[i] = sum over lanes of acc[i]. */
+static inline v16 reduce16(v16 acc[LANES]) {
+    v16 c[8], e[4], f[2];
+    for (int i = 0; i < 8; ++i) /* lanes: 8 partials of acc[2i], then 8 of acc[2i+1] */
+        c[i] = SHUFFLE(acc[2 * i], acc[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               SHUFFLE(acc[2 * i], acc[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int i = 0; i < 4; ++i) /* 4 partials each of 4 consecutive slots */
+        e[i] = SHUFFLE(c[2 * i], c[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+               SHUFFLE(c[2 * i], c[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int i = 0; i < 2; ++i) /* 2 partials each of 8 consecutive slots */
+        f[i] = SHUFFLE(e[2 * i], e[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+               SHUFFLE(e[2 * i], e[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return SHUFFLE(f[0], f[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           SHUFFLE(f[0], f[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+/* Logical page j of row (b, h) and its number of valid slots (0 for padding or pages past seq_len). */
+static inline int64_t page_slots(const int64_t *page_idx, const int64_t *seq_len, int64_t b, int64_t h,
+                                 int64_t j, int64_t hkv, int64_t n, int64_t page_size, int64_t *logical) {
+    *logical = page_idx ? page_idx[(b * hkv + h) * n + j] : j;
+    if (*logical < 0) return 0;
+    int64_t valid = seq_len[b] - *logical * page_size;
+    return valid < 0 ? 0 : (valid > page_size ? page_size : valid);
+}
+
+/* Scores of one page: out[s] = scale * <q, key_s> for s < valid, -inf after; keys at k (slot stride ks). */
+static void page_scores(const float *restrict q, const float *restrict k, int64_t ks, int64_t head_dim,
+                        int64_t page_size, int64_t valid, float scale, float *restrict out) {
+    if (page_size == LANES && head_dim % LANES == 0 && valid == LANES) {
+        v16 acc[LANES];
+        for (int s = 0; s < LANES; ++s) {
+            v16 a = load16(q) * load16(k + s * ks);
+            for (int64_t d = LANES; d < head_dim; d += LANES) a += load16(q + d) * load16(k + s * ks + d);
+            acc[s] = a;
+        }
+        store16(out, reduce16(acc) * scale);
+        return;
+    }
+    for (int64_t s = 0; s < page_size; ++s) {
+        float acc = -INFINITY;
+        if (s < valid) {
+            acc = 0.0f;
+            for (int64_t d = 0; d < head_dim; ++d) acc += q[d] * k[s * ks + d];
+            acc *= scale;
+        }
+        out[s] = acc;
+    }
+}
+
+void sparrow_paged_scores(const float *q, const float *k_pages, int64_t stride_kp, int64_t stride_kh,
+                          int64_t stride_ks, const int32_t *block_table, int64_t stride_bt,
+                          const int64_t *seq_len, const int64_t *page_idx, int64_t n, int64_t batch,
+                          int64_t hkv, int64_t group, int64_t head_dim, int64_t page_size, float scale,
+                          float *scores) {
+    const int64_t width = n * page_size;
+    for (int64_t b = 0; b < batch; ++b) {
+        for (int64_t j = 0; j < n; ++j) { /* heads inside pages: a dense row streams its pages in order */
+            for (int64_t h = 0; h < hkv; ++h) {
+                const float *qh = q + (b * hkv + h) * group * head_dim;
+                float *row = scores + (b * hkv + h) * group * width;
+                int64_t logical;
+                const int64_t valid = page_slots(page_idx, seq_len, b, h, j, hkv, n, page_size, &logical);
+                const float *kp =
+                    valid ? k_pages + (int64_t)block_table[b * stride_bt + logical] * stride_kp + h * stride_kh
+                          : k_pages;
+                for (int64_t g = 0; g < group; ++g)
+                    page_scores(qh + g * head_dim, kp, stride_ks, head_dim, page_size, valid, scale,
+                                row + g * width + j * page_size);
+            }
+        }
+    }
+}
+
+void sparrow_paged_values(const float *probs, const float *v_pages, int64_t stride_vp, int64_t stride_vh,
+                          int64_t stride_vs, const int32_t *block_table, int64_t stride_bt,
+                          const int64_t *seq_len, const int64_t *page_idx, int64_t n, int64_t batch,
+                          int64_t hkv, int64_t group, int64_t head_dim, int64_t page_size, float *out) {
+    const int64_t width = n * page_size;
+    const int vec = head_dim % LANES == 0;
+    memset(out, 0, sizeof(float) * batch * hkv * group * head_dim);
+    for (int64_t b = 0; b < batch; ++b) {
+        for (int64_t j = 0; j < n; ++j) {
+            for (int64_t h = 0; h < hkv; ++h) {
+                const float *restrict prow = probs + (b * hkv + h) * group * width;
+                float *restrict oh = out + (b * hkv + h) * group * head_dim;
+                int64_t logical;
+                const int64_t valid = page_slots(page_idx, seq_len, b, h, j, hkv, n, page_size, &logical);
+                if (!valid) continue;
+                const float *restrict vp =
+                    v_pages + (int64_t)block_table[b * stride_bt + logical] * stride_vp + h * stride_vh;
+                for (int64_t g = 0; g < group; ++g) {
+                    const float *restrict p = prow + g * width + j * page_size;
+                    float *restrict og = oh + g * head_dim;
+                    if (vec) {
+                        for (int64_t d = 0; d < head_dim; d += LANES) {
+                            v16 acc = load16(og + d);
+                            for (int64_t s = 0; s < valid; ++s) acc += p[s] * load16(vp + s * stride_vs + d);
+                            store16(og + d, acc);
+                        }
+                    } else {
+                        for (int64_t s = 0; s < valid; ++s)
+                            for (int64_t d = 0; d < head_dim; ++d) og[d] += p[s] * vp[s * stride_vs + d];
+                    }
+                }
+            }
+        }
+    }
+}
+
+/* Store one token per row at positions[b] (its index = the row's old length) and update its page's
+ * centroid incrementally in fp32, c <- c + (k - c) / (n + 1) with n = keys already in the page: what
+ * PagedKVCache.append does. k_new, v_new: [B, Hkv, D] contiguous; centroids: (page, head) strides. */
+void sparrow_paged_append(float *k_pages, float *v_pages, int64_t stride_kp, int64_t stride_kh,
+                          int64_t stride_ks, int64_t stride_vp, int64_t stride_vh, int64_t stride_vs,
+                          float *centroids, int64_t stride_cp, int64_t stride_ch, const int32_t *block_table,
+                          int64_t stride_bt, const int64_t *positions, const float *k_new, const float *v_new,
+                          int64_t batch, int64_t hkv, int64_t head_dim, int64_t page_size) {
+    for (int64_t b = 0; b < batch; ++b) {
+        const int64_t pos = positions[b], slot = pos % page_size;
+        const int64_t page = block_table[b * stride_bt + pos / page_size];
+        const float count = (float)(slot + 1);
+        for (int64_t h = 0; h < hkv; ++h) {
+            const float *kn = k_new + (b * hkv + h) * head_dim, *vn = v_new + (b * hkv + h) * head_dim;
+            float *kd = k_pages + page * stride_kp + h * stride_kh + slot * stride_ks;
+            float *vd = v_pages + page * stride_vp + h * stride_vh + slot * stride_vs;
+            float *c = centroids + page * stride_cp + h * stride_ch;
+            for (int64_t d = 0; d < head_dim; ++d) {
+                kd[d] = kn[d];
+                vd[d] = vn[d];
+                c[d] = c[d] + (kn[d] - c[d]) / count;
+            }
+        }
+    }
+}
