@@ -599,12 +599,14 @@ class LoggingConfig:
 class TaskConfig:
     """The embedded synthetic task (reward.type=synthetic): chain following, sparrow_nemo.tasks.chain."""
 
-    #: (min, max) table entries per problem (one upper-case letter each, so at most 26)
-    num_nodes: tuple[int, ...] = _field((2, 4), check=_interval(2, 26))
-    #: (min, max) pointer hops on the queried chain (the response grows by 6 characters per hop)
+    #: (min, max) table entries per problem (at most 26 ** name_length: 26 with one-letter names)
+    num_nodes: tuple[int, ...] = _field((2, 4), check=_interval(2, 26**3))
+    #: (min, max) pointer hops on the queried chain (the response grows by 2 * name_length + 4 characters per hop)
     num_hops: tuple[int, ...] = _field((1, 2), check=AT_LEAST_ONE)
     #: problems are a pure function of (seed, index)
     seed: int = _field(0, check=NON_NEGATIVE)
+    #: letters per node name: 1 = single letters (at most 26 nodes), 2 = two-letter names (chains of hundreds)
+    name_length: int = _field(1, check=_interval(1, 3))
 
     def check(self) -> None:
         from sparrow_nemo.tasks.chain import ChainTaskConfig
@@ -614,7 +616,12 @@ class TaskConfig:
             if len(value) != 2 or value[0] > value[1]:
                 raise _Problem(key, "two integers [min, max] with min <= max")
         try:
-            ChainTaskConfig(num_nodes=tuple(self.num_nodes), num_hops=tuple(self.num_hops), seed=self.seed)
+            ChainTaskConfig(
+                num_nodes=tuple(self.num_nodes),
+                num_hops=tuple(self.num_hops),
+                seed=self.seed,
+                name_length=self.name_length,
+            )
         except ValueError as exc:
             raise _Problem("num_hops", f"a valid task size ({exc})") from None
 
@@ -635,6 +642,18 @@ class WarmstartConfig:
     batch_size: int = _field(16, check=AT_LEAST_ONE)
     #: learning rate, constant (the other optimizer settings come from policy.optimizer)
     lr: float = _field(5e-3, check=POSITIVE)
+    #: (min, max) hops of the warm-start problems; null = task.num_hops. Shorter than the task's = a
+    #: curriculum: RL then meets longer chains than the warm-start saw (sparrow_nemo.tasks.build_tasks)
+    num_hops: tuple[int, ...] | None = None
+    #: (min, max) table entries of the warm-start problems; null = task.num_nodes
+    num_nodes: tuple[int, ...] | None = None
+
+    def check(self) -> None:
+        for key in ("num_hops", "num_nodes"):
+            value = getattr(self, key)
+            if value is not None and (len(value) != 2 or value[0] > value[1] or value[0] < 1):
+                raise _Problem(key, "null or two integers [min, max] with 1 <= min <= max")
+
     #: cache folder; null = ~/.cache/sparrow_nemo/warmstart (or $SPARROW_CACHE/warmstart)
     cache_dir: str | None = _field(None, hashed=False)
 

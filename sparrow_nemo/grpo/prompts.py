@@ -141,11 +141,10 @@ def check_vocab(tokenizer: Any, vocab_size: int, what: str) -> None:
 
 
 def _synthetic_source(config: SparrowConfig) -> PromptSource:
-    from sparrow_nemo.tasks.chain import ChainTask, ChainTaskConfig
+    from sparrow_nemo.tasks.chain import build_tasks
     from sparrow_nemo.tasks.tokenizer import CharTokenizer
 
-    t = config.task
-    task = ChainTask(ChainTaskConfig(num_nodes=tuple(t.num_nodes), num_hops=tuple(t.num_hops), seed=t.seed))
+    task, warm_task = build_tasks(config.task, config.warmstart)
     tokenizer = CharTokenizer()
     check_vocab(tokenizer, config.model.shape().vocab_size, "the synthetic task's characters")
 
@@ -154,7 +153,7 @@ def _synthetic_source(config: SparrowConfig) -> PromptSource:
         return PromptItem(tokenizer.encode(problem.prompt, add_special_tokens=True), problem.answer)
 
     def pairs(start: int) -> Iterator[tuple[str, str]]:
-        return task.warm_start_pairs(WARMSTART_OFFSET + start)
+        return warm_task.warm_start_pairs(WARMSTART_OFFSET + start)
 
     return PromptSource(
         item,

@@ -4,7 +4,9 @@ RL needs a policy that already solves part of the task. For the synthetic task a
 (prompt, solution) pairs gives one: the loss is the mean NLL of the solution tokens (eos included) given
 the prompt. The result is written once, atomically (staging folder + rename), to
 ``<cache>/<key>/`` where ``key`` hashes everything that determines it (model shape, task, warm-start
-settings, seed, precision, tokenizer), and later runs load it without training.
+settings and sizes, optimizer settings, seed, precision, tokenizer; a CPU warm-start always trains with
+``WARMSTART_THREADS`` torch threads, so the thread count is not an input), and later runs load it without
+training.
 """
 
 from __future__ import annotations
@@ -29,7 +31,10 @@ from sparrow_nemo.grpo.rollout_step import micro_batches, pad_pairs
 logger = logging.getLogger(__name__)
 
 #: bump when the warm-start procedure changes what it produces
-WARMSTART_VERSION = 1
+WARMSTART_VERSION = 2
+#: torch intra-op threads of a CPU warm-start, whatever the run's setting: CPU matmul reductions split
+#: differently with other thread counts, so this keeps the weights a function of the cache key alone
+WARMSTART_THREADS = 1
 
 
 def cache_root(config: SparrowConfig) -> Path:
@@ -42,12 +47,16 @@ def cache_root(config: SparrowConfig) -> Path:
 
 def cache_key(config: SparrowConfig, tokenizer_name: str) -> str:
     """16 hex digits identifying the warm-start result (see the module docstring)."""
-    w = config.warmstart
+    from sparrow_nemo.tasks.chain import build_tasks
+
+    w, o = config.warmstart, config.policy.optimizer
     spec = {
         "version": WARMSTART_VERSION,
         "shape": asdict(config.model.shape()),
-        "task": asdict(config.task),
+        # the problems the warm-start trains on (warmstart.num_hops/num_nodes, else the task's sizes)
+        "task": asdict(build_tasks(config.task, w)[1].config),
         "warmstart": {"steps": w.steps, "batch_size": w.batch_size, "lr": w.lr},
+        "optimizer": {k: getattr(o, k) for k in ("betas", "eps", "weight_decay", "grad_clip")},
         "micro_batch_size": config.policy.micro_batch_size,
         "precision": config.policy.precision,
         "seed": config.trainer.seed,
@@ -110,7 +119,7 @@ def ensure_warm_start(config: SparrowConfig, source: PromptSource, show_progress
     Collective: every rank calls it; rank 0 writes the cache. Builds (and discards) its own policy with
     the warm-start learning rate, so the RL policy starts with fresh optimizer state.
     """
-    from sparrow_nemo.grpo.setup import broadcast_from_rank0, build_policy, rank
+    from sparrow_nemo.grpo.setup import broadcast_from_rank0, build_policy, device, rank
     from sparrow_nemo.policy.hf_import import save_hf_checkpoint
 
     target = warm_start_dir(config, source)
@@ -119,9 +128,15 @@ def ensure_warm_start(config: SparrowConfig, source: PromptSource, show_progress
         return target
     logger.info("warm-start: %d SFT steps (cached afterwards in %s)", config.warmstart.steps, target)
     torch.manual_seed(config.trainer.seed)
-    policy = build_policy(config, hf_dir=None, lr=config.warmstart.lr)
-    losses = run_warm_start(config, source, policy, show_progress)
-    weights = policy.export_hf()
+    threads = torch.get_num_threads()
+    if device(config).type == "cpu":
+        torch.set_num_threads(WARMSTART_THREADS)
+    try:
+        policy = build_policy(config, hf_dir=None, lr=config.warmstart.lr)
+        losses = run_warm_start(config, source, policy, show_progress)
+        weights = policy.export_hf()
+    finally:
+        torch.set_num_threads(threads)
     if rank() == 0:
         staging = target.parent / f".{target.name}.partial-{os.getpid()}"
         shutil.rmtree(staging, ignore_errors=True)

@@ -1,15 +1,20 @@
 """The synthetic verifiable task: follow a chain of pointers through a table given early in the prompt.
 
-Nodes are upper-case letters. The prompt holds a table of ``num_nodes`` entries in random order, then the
-start node. ``Kn5`` = node ``K`` points to node ``N`` (written lower-case) and the edge adds 5; ``K.`` = node
-``K`` ends its chain::
+Nodes are names of ``name_length`` upper-case letters (1: at most 26 nodes; 2: up to 676, for chains of
+hundreds of hops). The prompt holds a table of ``num_nodes`` entries in random order, then the start node.
+``Kn5`` = node ``K`` points to node ``N`` (written lower-case) and the edge adds 5; ``K.`` = node ``K``
+ends its chain::
 
-    (Ax3,Q.,Xq5,B.)\n?A\n
+    (Ax3,Q.,Xq5,B.)\n?A\n              two-letter names: (KQmb5,MB.,...)\n?KQ\n
 
 The reference solution walks the chain, copying each visited entry followed by the running sum mod 10 of
 the edge digits, and ends with the answer = the chain's last node + the final sum::
 
     Ax3=3 Xq5=8 Q.\n!Q8
+
+With two-letter names a hop is 8 characters of solution (``KQmb5=3 ``) and a table entry 6, so 150 hops
+make a ~1,200-token solution whose every hop reads its successor and digit from a table up to ~2,000
+tokens back: the long-context miniature (``recipes/tiny_cpu.yaml``).
 
 Why it suits sparse rollout: no node is visited twice, so each step's successor and digit (2 of its 6
 characters) can only be read from the table in the prompt, far back, while the other characters are local
@@ -25,6 +30,8 @@ successor; the lower-case successor occurs once in the table, followed by the di
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import random
 import re
 import string
@@ -34,7 +41,16 @@ from dataclasses import dataclass
 NODE_NAMES = string.ascii_uppercase
 END = "."
 _ANSWER_RE = re.compile(r"!(\S*)")
-_ENTRY_RE = re.compile(r"([A-Z])(?:([a-z])(\d)|\.)")
+
+
+def node_names(name_length: int) -> list[str]:
+    """Every node name of ``name_length`` upper-case letters, in order (26 ** name_length names)."""
+    return ["".join(letters) for letters in itertools.product(NODE_NAMES, repeat=name_length)]
+
+
+def _entry_re(name_length: int) -> re.Pattern[str]:
+    """A table entry: node name, then successor (lower case) and digit, or END."""
+    return re.compile(rf"([A-Z]{{{name_length}}})(?:([a-z]{{{name_length}}})(\d)|\.)")
 
 
 @dataclass(frozen=True)
@@ -54,21 +70,28 @@ class ChainTaskConfig:
     """Difficulty knobs; each problem draws its sizes uniformly from the inclusive ranges.
 
     Attributes:
-        num_nodes: (min, max) table entries, 2..26. Prompt length = 4 * num_nodes + 5 - (number of chains).
+        num_nodes: (min, max) table entries, 2 .. 26 ** name_length. With name length L the prompt has
+            (2L + 2) * num_nodes + L + 4 - L * (number of chains) characters.
         num_hops: (min, max) pointer hops on the queried chain, clamped to num_nodes - 1 (no node repeats).
-            Trace length = 6 * num_hops + 6 characters (so at most 156; with the prompt at most 260).
+            The trace has (2L + 4) * (num_hops + 1) characters.
         seed: problems are a pure function of (seed, index).
+        name_length: letters per node name (1 = the original single-letter task).
     """
 
     num_nodes: tuple[int, int] = (8, 26)
     num_hops: tuple[int, int] = (2, 25)
     seed: int = 0
+    name_length: int = 1
 
     def __post_init__(self) -> None:
+        if not 1 <= self.name_length <= 3:
+            raise ValueError(f"ChainTaskConfig.name_length must be 1, 2 or 3 letters, got {self.name_length}")
+        most = len(NODE_NAMES) ** self.name_length
         lo, hi = self.num_nodes
-        if not (2 <= lo <= hi <= len(NODE_NAMES)):
+        if not (2 <= lo <= hi <= most):
             raise ValueError(
-                f"ChainTaskConfig.num_nodes must satisfy 2 <= min <= max <= 26, got {self.num_nodes}"
+                f"ChainTaskConfig.num_nodes must satisfy 2 <= min <= max <= {most} "
+                f"({self.name_length}-letter names), got {self.num_nodes}"
             )
         lo, hi = self.num_hops
         if not (1 <= lo <= hi):
@@ -79,13 +102,15 @@ class ChainTaskConfig:
             )
 
 
-def make_problem(rng: random.Random, num_nodes: int, num_hops: int) -> ChainProblem:
-    """A problem with ``num_nodes`` table entries whose queried chain has ``num_hops`` hops (<= num_nodes - 1)."""
-    if not (1 <= num_hops <= num_nodes - 1 and num_nodes <= len(NODE_NAMES)):
+def make_problem(rng: random.Random, num_nodes: int, num_hops: int, name_length: int = 1) -> ChainProblem:
+    """A problem with ``num_nodes`` table entries whose queried chain has ``num_hops`` hops (<= num_nodes - 1),
+    nodes named by ``name_length`` letters."""
+    pool = NODE_NAMES if name_length == 1 else node_names(name_length)
+    if not (1 <= num_hops <= num_nodes - 1 and num_nodes <= len(pool)):
         raise ValueError(
-            f"need 1 <= num_hops <= num_nodes - 1 <= 25, got num_nodes={num_nodes}, num_hops={num_hops}"
+            f"need 1 <= num_hops <= num_nodes - 1 <= {len(pool) - 1}, got num_nodes={num_nodes}, num_hops={num_hops}"
         )
-    names = rng.sample(NODE_NAMES, num_nodes)
+    names = rng.sample(pool, num_nodes)
     digit = {k: rng.randrange(10) for k in names}
     succ: dict[str, str] = {}
     path, rest = names[: num_hops + 1], names[num_hops + 1 :]
@@ -125,7 +150,8 @@ def solve(prompt: str) -> str:
     table_line, _, query = prompt.partition("\n?")
     if not (table_line.startswith("(") and table_line.endswith(")")) or not query.strip():
         raise ValueError(f"not a chain prompt: {prompt[:40]!r}...")
-    table = {k: (int(d), n.upper()) if n else (0, END) for k, n, d in _ENTRY_RE.findall(table_line)}
+    entries = _entry_re(len(query.strip())).findall(table_line)
+    table = {k: (int(d), n.upper()) if n else (0, END) for k, n, d in entries}
     node, total, seen = query.strip(), 0, set()
     while True:
         if node not in table or node in seen:
@@ -160,7 +186,7 @@ class ChainTask:
         rng = random.Random(f"chain:{self.config.seed}:{index}")
         num_nodes = rng.randint(*self.config.num_nodes)
         num_hops = rng.randint(self.config.num_hops[0], min(self.config.num_hops[1], num_nodes - 1))
-        return make_problem(rng, num_nodes, num_hops)
+        return make_problem(rng, num_nodes, num_hops, self.config.name_length)
 
     def problems(self, count: int, start: int = 0) -> list[ChainProblem]:
         """Problems ``start .. start + count - 1``."""
@@ -178,3 +204,25 @@ class ChainTask:
     def reward(completion: str, answer: str) -> float:
         """See :func:`chain_reward`."""
         return chain_reward(completion, answer)
+
+
+def build_tasks(task, warmstart=None) -> tuple[ChainTask, ChainTask]:
+    """(RL task, warm-start task) from the recipe's ``task`` section and, optionally, its ``warmstart``
+    section, whose ``num_hops`` / ``num_nodes`` (when not null) give the warm-start problems other sizes.
+
+    Raises ValueError (naming the sizes) when either task's sizes are invalid.
+    """
+    rl = ChainTaskConfig(
+        num_nodes=tuple(task.num_nodes),
+        num_hops=tuple(task.num_hops),
+        seed=task.seed,
+        name_length=task.name_length,
+    )
+    hops = getattr(warmstart, "num_hops", None)
+    nodes = getattr(warmstart, "num_nodes", None)
+    ws = dataclasses.replace(
+        rl,
+        num_hops=tuple(hops) if hops is not None else rl.num_hops,
+        num_nodes=tuple(nodes) if nodes is not None else rl.num_nodes,
+    )
+    return ChainTask(rl), ChainTask(ws)

@@ -50,11 +50,59 @@ def test_warm_start_cache_key_tracks_what_changes_the_result(tmp_path: Path) -> 
         ["warmstart.steps=7"],
         ["warmstart.lr=0.1"],
         ["task.num_hops=[1, 3]"],
+        ["task.seed=4"],
+        ["policy.optimizer.weight_decay=0.1"],
+        ["policy.micro_batch_size=2"],
         ["model.preset=tiny-test", "rollout.max_new_tokens=512"],
     ):
         assert cache_key(load_config(None, change), "CharTokenizer") != key, change
-    for same in (["warmstart.cache_dir=/elsewhere"], ["trainer.max_steps=3"], ["grpo.loss.clip_high=0.3"]):
+    for same in (
+        ["warmstart.cache_dir=/elsewhere"],
+        ["trainer.max_steps=3"],
+        ["grpo.loss.clip_high=0.3"],
+        ["trainer.cpu_threads=2"],  # a CPU warm-start always runs on WARMSTART_THREADS threads
+        ["policy.optimizer.lr=0.5"],  # the warm-start has its own warmstart.lr
+    ):
         assert cache_key(load_config(None, same), "CharTokenizer") == key, same
+    # the warm-start's own sizes replace the task's in the key: RL sizes do not matter once they are set
+    pinned = ["warmstart.num_hops=[1, 2]", "warmstart.num_nodes=[2, 4]"]
+    assert cache_key(load_config(None, pinned), "CharTokenizer") == cache_key(
+        load_config(None, [*pinned, "task.num_hops=[1, 3]", "task.num_nodes=[3, 6]"]), "CharTokenizer"
+    )
+    assert cache_key(load_config(None, ["warmstart.num_hops=[1, 1]"]), "CharTokenizer") != key
     source = build_prompt_source(base)
     assert warm_start_dir(base, source) == tmp_path / key
     assert cache_root(base) == tmp_path
+
+
+def test_warm_start_weights_do_not_depend_on_the_thread_count(tmp_path: Path) -> None:
+    """Two cold warm-starts of the same key, one with 1 and one with 2 torch threads in the process, write
+    the same bytes (the key leaves the thread count out because the warm-start pins it)."""
+    import torch
+
+    from sparrow_nemo.grpo.setup import one_rank_world
+    from sparrow_nemo.grpo.warmstart import ensure_warm_start
+
+    before = torch.get_num_threads()
+    weights = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            config = load_config(
+                None,
+                [
+                    f"warmstart.cache_dir={tmp_path / str(threads)}",
+                    "warmstart.steps=4",
+                    "model.preset=tiny-test",
+                    "rollout.max_new_tokens=64",
+                    "task.num_hops=[4, 6]",
+                    "task.num_nodes=[8, 10]",
+                ],
+            )
+            with one_rank_world():
+                folder = ensure_warm_start(config, build_prompt_source(config), show_progress=False)
+            assert torch.get_num_threads() == threads  # restored after the warm-start
+            weights.append((folder / "model.safetensors").read_bytes())
+    finally:
+        torch.set_num_threads(before)
+    assert weights[0] == weights[1]
