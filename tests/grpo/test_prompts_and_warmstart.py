@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -106,3 +107,43 @@ def test_warm_start_weights_do_not_depend_on_the_thread_count(tmp_path: Path) ->
     finally:
         torch.set_num_threads(before)
     assert weights[0] == weights[1]
+
+
+def test_a_shipped_warm_start_is_hash_checked_and_used_instead_of_training(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sparrow_nemo.grpo import warmstart
+    from sparrow_nemo.grpo.setup import one_rank_world
+
+    small = ["model.preset=tiny-test", "rollout.max_new_tokens=64", "warmstart.steps=2"]
+    made = load_config(None, [*small, f"warmstart.cache_dir={tmp_path / 'made'}"])
+    with one_rank_world():
+        folder = warmstart.ensure_warm_start(made, build_prompt_source(made), show_progress=False)
+    shipped_root = tmp_path / "shipped"
+    shutil.copytree(folder, shipped_root / folder.name)
+    digests = {p.name: warmstart.file_sha256(p) for p in folder.iterdir()}
+    (shipped_root / folder.name / warmstart.MANIFEST).write_text(
+        json.dumps({"key": folder.name, "sha256": digests})
+    )
+    monkeypatch.setattr(warmstart, "SHIPPED_ROOT", shipped_root)
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("trained although a shipped checkpoint has the key")
+
+    monkeypatch.setattr(warmstart, "_train_and_cache", no_training)
+    fresh = load_config(None, [*small, f"warmstart.cache_dir={tmp_path / 'fresh'}"])
+    with one_rank_world():
+        got = warmstart.ensure_warm_start(fresh, build_prompt_source(fresh), show_progress=False)
+    assert got == tmp_path / "fresh" / folder.name
+    assert (got / "model.safetensors").read_bytes() == (folder / "model.safetensors").read_bytes()
+
+    damaged = shipped_root / folder.name / "model.safetensors"
+    data = bytearray(damaged.read_bytes())
+    data[-1] ^= 0xFF  # one flipped byte
+    damaged.write_bytes(bytes(data))
+    other = load_config(None, [*small, f"warmstart.cache_dir={tmp_path / 'other'}"])
+    with (
+        one_rank_world(),
+        pytest.raises(ValueError, match=r"model\.safetensors: sha256 .* the manifest says"),
+    ):
+        warmstart.ensure_warm_start(other, build_prompt_source(other), show_progress=False)
