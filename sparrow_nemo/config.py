@@ -607,6 +607,9 @@ class TaskConfig:
     seed: int = _field(0, check=NON_NEGATIVE)
     #: letters per node name: 1 = single letters (at most 26 nodes), 2 = two-letter names (chains of hundreds)
     name_length: int = _field(1, check=_interval(1, 3))
+    #: size of the names' alphabet: 26 = A-Z; more adds non-ASCII letters (sparrow_nemo.tasks.tokenizer:
+    #: one token each, two ids per letter, so the model's vocab_size must hold 80 + 2 * (letters - 26) ids)
+    letters: int = _field(26, check=_interval(26, 451))
 
     def check(self) -> None:
         from sparrow_nemo.tasks.chain import ChainTaskConfig
@@ -621,6 +624,7 @@ class TaskConfig:
                 num_hops=tuple(self.num_hops),
                 seed=self.seed,
                 name_length=self.name_length,
+                letters=self.letters,
             )
         except ValueError as exc:
             raise _Problem("num_hops", f"a valid task size ({exc})") from None

@@ -145,7 +145,7 @@ def _synthetic_source(config: SparrowConfig) -> PromptSource:
     from sparrow_nemo.tasks.tokenizer import CharTokenizer
 
     task, warm_task = build_tasks(config.task, config.warmstart)
-    tokenizer = CharTokenizer()
+    tokenizer = CharTokenizer(config.task.letters)
     check_vocab(tokenizer, config.model.shape().vocab_size, "the synthetic task's characters")
 
     def item(index: int) -> PromptItem:

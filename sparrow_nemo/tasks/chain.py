@@ -38,19 +38,24 @@ import string
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from sparrow_nemo.tasks.tokenizer import MAX_LETTERS, alphabet
+
 NODE_NAMES = string.ascii_uppercase
 END = "."
 _ANSWER_RE = re.compile(r"!(\S*)")
 
 
-def node_names(name_length: int) -> list[str]:
-    """Every node name of ``name_length`` upper-case letters, in order (26 ** name_length names)."""
-    return ["".join(letters) for letters in itertools.product(NODE_NAMES, repeat=name_length)]
+def node_names(name_length: int, letters: int = 26) -> list[str]:
+    """Every node name of ``name_length`` letters of :func:`~sparrow_nemo.tasks.tokenizer.alphabet`
+    ``(letters)``, in order (letters ** name_length names)."""
+    return ["".join(chars) for chars in itertools.product(alphabet(letters), repeat=name_length)]
 
 
-def _entry_re(name_length: int) -> re.Pattern[str]:
+def _entry_re(name_length: int, letters: int) -> re.Pattern[str]:
     """A table entry: node name, then successor (lower case) and digit, or END."""
-    return re.compile(rf"([A-Z]{{{name_length}}})(?:([a-z]{{{name_length}}})(\d)|\.)")
+    upper = re.escape(alphabet(letters))
+    lower = re.escape(alphabet(letters).lower())
+    return re.compile(rf"([{upper}]{{{name_length}}})(?:([{lower}]{{{name_length}}})(\d)|\.)")
 
 
 @dataclass(frozen=True)
@@ -76,22 +81,27 @@ class ChainTaskConfig:
             The trace has (2L + 4) * (num_hops + 1) characters.
         seed: problems are a pure function of (seed, index).
         name_length: letters per node name (1 = the original single-letter task).
+        letters: size of the names' alphabet: A-Z, then non-ASCII letters with a one-character lower
+            case (:func:`~sparrow_nemo.tasks.tokenizer.alphabet`; the tokenizer must have as many).
     """
 
     num_nodes: tuple[int, int] = (8, 26)
     num_hops: tuple[int, int] = (2, 25)
     seed: int = 0
     name_length: int = 1
+    letters: int = 26
 
     def __post_init__(self) -> None:
         if not 1 <= self.name_length <= 3:
             raise ValueError(f"ChainTaskConfig.name_length must be 1, 2 or 3 letters, got {self.name_length}")
-        most = len(NODE_NAMES) ** self.name_length
+        if not 26 <= self.letters <= MAX_LETTERS:
+            raise ValueError(f"ChainTaskConfig.letters must be in [26, {MAX_LETTERS}], got {self.letters}")
+        most = self.letters**self.name_length
         lo, hi = self.num_nodes
         if not (2 <= lo <= hi <= most):
             raise ValueError(
                 f"ChainTaskConfig.num_nodes must satisfy 2 <= min <= max <= {most} "
-                f"({self.name_length}-letter names), got {self.num_nodes}"
+                f"({self.name_length}-letter names of {self.letters} letters), got {self.num_nodes}"
             )
         lo, hi = self.num_hops
         if not (1 <= lo <= hi):
@@ -102,10 +112,12 @@ class ChainTaskConfig:
             )
 
 
-def make_problem(rng: random.Random, num_nodes: int, num_hops: int, name_length: int = 1) -> ChainProblem:
+def make_problem(
+    rng: random.Random, num_nodes: int, num_hops: int, name_length: int = 1, letters: int = 26
+) -> ChainProblem:
     """A problem with ``num_nodes`` table entries whose queried chain has ``num_hops`` hops (<= num_nodes - 1),
-    nodes named by ``name_length`` letters."""
-    pool = NODE_NAMES if name_length == 1 else node_names(name_length)
+    nodes named by ``name_length`` of the first ``letters`` letters."""
+    pool = NODE_NAMES if (name_length, letters) == (1, 26) else node_names(name_length, letters)
     if not (1 <= num_hops <= num_nodes - 1 and num_nodes <= len(pool)):
         raise ValueError(
             f"need 1 <= num_hops <= num_nodes - 1 <= {len(pool) - 1}, got num_nodes={num_nodes}, num_hops={num_hops}"
@@ -150,7 +162,7 @@ def solve(prompt: str) -> str:
     table_line, _, query = prompt.partition("\n?")
     if not (table_line.startswith("(") and table_line.endswith(")")) or not query.strip():
         raise ValueError(f"not a chain prompt: {prompt[:40]!r}...")
-    entries = _entry_re(len(query.strip())).findall(table_line)
+    entries = _entry_re(len(query.strip()), MAX_LETTERS).findall(table_line)
     table = {k: (int(d), n.upper()) if n else (0, END) for k, n, d in entries}
     node, total, seen = query.strip(), 0, set()
     while True:
@@ -186,7 +198,7 @@ class ChainTask:
         rng = random.Random(f"chain:{self.config.seed}:{index}")
         num_nodes = rng.randint(*self.config.num_nodes)
         num_hops = rng.randint(self.config.num_hops[0], min(self.config.num_hops[1], num_nodes - 1))
-        return make_problem(rng, num_nodes, num_hops, self.config.name_length)
+        return make_problem(rng, num_nodes, num_hops, self.config.name_length, self.config.letters)
 
     def problems(self, count: int, start: int = 0) -> list[ChainProblem]:
         """Problems ``start .. start + count - 1``."""
@@ -217,6 +229,7 @@ def build_tasks(task, warmstart=None) -> tuple[ChainTask, ChainTask]:
         num_hops=tuple(task.num_hops),
         seed=task.seed,
         name_length=task.name_length,
+        letters=task.letters,
     )
     hops = getattr(warmstart, "num_hops", None)
     nodes = getattr(warmstart, "num_nodes", None)

@@ -176,7 +176,7 @@ def test_two_letter_lookups_reach_hundreds_of_tokens_back() -> None:
 
 
 def test_build_tasks_gives_the_warm_start_its_own_sizes() -> None:
-    task_cfg = SimpleNamespace(num_nodes=(40, 120), num_hops=(20, 110), seed=5, name_length=2)
+    task_cfg = SimpleNamespace(num_nodes=(40, 120), num_hops=(20, 110), seed=5, name_length=2, letters=26)
     rl, warm = build_tasks(task_cfg, SimpleNamespace(num_hops=(4, 8), num_nodes=(10, 12)))
     assert rl.config == LONG.config
     assert (
@@ -186,4 +186,20 @@ def test_build_tasks_gives_the_warm_start_its_own_sizes() -> None:
     same, again = build_tasks(task_cfg, SimpleNamespace(num_hops=None, num_nodes=None))
     assert same.config == again.config == LONG.config
     with pytest.raises(ValueError, match="num_nodes"):
-        build_tasks(SimpleNamespace(num_nodes=(2, 700), num_hops=(1, 2), seed=0, name_length=2))
+        build_tasks(SimpleNamespace(num_nodes=(2, 700), num_hops=(1, 2), seed=0, name_length=2, letters=26))
+
+
+def test_single_token_names_from_a_large_alphabet() -> None:
+    """letters > 26: one-token names from non-ASCII letters too; the table lookups stay plain induction."""
+    task = ChainTask(ChainTaskConfig(num_nodes=(100, 250), num_hops=(90, 240), seed=2, letters=260))
+    tok = CharTokenizer(260)
+    for p in task.problems(20):
+        assert solve(p.prompt) == p.answer and chain_reward(p.trace, p.answer) == 1.0
+        assert len(tok.encode(p.prompt + p.trace)) == len(p.prompt + p.trace)
+        assert len(p.trace) == 6 * (p.num_hops + 1)
+        table = p.prompt[: p.prompt.index(")")]
+        for step in p.trace.split("\n")[0].split(" ")[:-1]:
+            node, succ = step[0], step[1]
+            assert table.count(node) == 1 and table[table.index(node) + 1] == succ
+    with pytest.raises(ValueError, match="letters"):
+        ChainTaskConfig(letters=10_000)
