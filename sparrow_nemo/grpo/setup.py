@@ -152,6 +152,7 @@ def build_engine(config: SparrowConfig, weights: Mapping[str, torch.Tensor], tok
         attention_backend=r.attention_impl,
         tokenizer=tokenizer,
         max_batch_size=r.max_batch_size,
+        prefill_chunk_tokens=r.prefill_chunk_tokens,
     )
 
 

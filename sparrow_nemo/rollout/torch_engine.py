@@ -296,14 +296,7 @@ class TorchRolloutEngine:
 
         t0 = self._now()
         cache.reserve(block_table, seq_len)
-        last = torch.empty(batch, self.shape.hidden_size, dtype=self.model.dtype, device=self.device)
-
-        def keep_last(start: int, h: torch.Tensor) -> None:  # the hidden state after each prompt's last token
-            ends_here = (seq_len - 1 >= start) & (seq_len - 1 < start + h.shape[1])
-            last[ends_here] = h[ends_here, (seq_len - 1 - start)[ends_here]]
-
-        self._prefill(cache, block_table, ids, seq_len, keep_last)
-        logits = self.model.logits(last)
+        logits = self._prefill_shared(cache, block_table, prompt_ids, ids, seq_len)
         if static:
             return self._decode_static(
                 prompt_ids,
@@ -474,6 +467,44 @@ class TorchRolloutEngine:
         for b, s in enumerate(seqs):
             ids[b, : s.numel()] = s
         return ids, lengths
+
+    def _prefill_shared(
+        self,
+        cache: PagedKVCache,
+        block_table: torch.Tensor,
+        prompt_ids: list[torch.Tensor],
+        ids: torch.Tensor,
+        seq_len: torch.Tensor,
+    ) -> torch.Tensor:
+        """Prefill each distinct prompt of the wave once (a GRPO group repeats its prompt) and copy its
+        keys, values and centroids into the pages of the rows that repeat it -> logits [B, V] of every
+        row's last prompt token. Pages for the prompts must be reserved."""
+        first: dict[tuple[int, ...], int] = {}
+        source = [first.setdefault(tuple(p.tolist()), row) for row, p in enumerate(prompt_ids)]
+        unique = sorted(set(source))
+        rows = torch.tensor(unique, device=self.device)
+        u_len = seq_len[rows]
+        last = torch.empty(len(unique), self.shape.hidden_size, dtype=self.model.dtype, device=self.device)
+
+        def keep_last(start: int, h: torch.Tensor) -> None:  # the hidden state after each prompt's last token
+            ends_here = (u_len - 1 >= start) & (u_len - 1 < start + h.shape[1])
+            last[ends_here] = h[ends_here, (u_len - 1 - start)[ends_here]]
+
+        unique_table = block_table[rows]
+        self._prefill(cache, unique_table, ids[rows, : int(u_len.max())], u_len, keep_last)
+        copies = [(row, src) for row, src in enumerate(source) if row != src]
+        if copies:
+            dst_rows = torch.tensor([r for r, _ in copies], device=self.device)
+            src_rows = torch.tensor([s for _, s in copies], device=self.device)
+            n_pages = math.ceil(int(seq_len.max()) / self.page_size)
+            live = block_table[dst_rows, :n_pages] >= 0  # the pages the prompt fills
+            dst = block_table[dst_rows, :n_pages][live].long()
+            src = block_table[src_rows, :n_pages][live].long()
+            for pool in (*cache.k_pages, *cache.v_pages, *cache.centroids):
+                pool[dst] = pool[src]
+        position = {row: i for i, row in enumerate(unique)}
+        index = torch.tensor([position[s] for s in source], device=self.device)
+        return self.model.logits(last.index_select(0, index))
 
     def _prefill(
         self,
