@@ -83,6 +83,8 @@ class ChainTaskConfig:
         name_length: letters per node name (1 = the original single-letter task).
         letters: size of the names' alphabet: A-Z, then non-ASCII letters with a one-character lower
             case (:func:`~sparrow_nemo.tasks.tokenizer.alphabet`; the tokenizer must have as many).
+        ramp_problems: warm-start pairs grow from the smallest sizes to the full ranges over this many
+            problems (:meth:`ChainTask.warm_start_pairs`); 0 = full ranges at once. ``problem(i)`` ignores it.
     """
 
     num_nodes: tuple[int, int] = (8, 26)
@@ -90,8 +92,11 @@ class ChainTaskConfig:
     seed: int = 0
     name_length: int = 1
     letters: int = 26
+    ramp_problems: int = 0
 
     def __post_init__(self) -> None:
+        if self.ramp_problems < 0:
+            raise ValueError(f"ChainTaskConfig.ramp_problems must be >= 0, got {self.ramp_problems}")
         if not 1 <= self.name_length <= 3:
             raise ValueError(f"ChainTaskConfig.name_length must be 1, 2 or 3 letters, got {self.name_length}")
         if not 26 <= self.letters <= MAX_LETTERS:
@@ -193,11 +198,17 @@ class ChainTask:
     def __init__(self, config: ChainTaskConfig | None = None) -> None:
         self.config = config or ChainTaskConfig()
 
-    def problem(self, index: int) -> ChainProblem:
-        """Problem number ``index`` (deterministic in (config.seed, index))."""
+    def problem(self, index: int, grown: float = 1.0) -> ChainProblem:
+        """Problem number ``index`` (deterministic in (config.seed, index, grown)).
+
+        ``grown`` in (0, 1] shrinks the size ranges toward their minimum: the upper ends become
+        ``min + grown * (max - min)`` (rounded), the warm-start's ramp.
+        """
         rng = random.Random(f"chain:{self.config.seed}:{index}")
-        num_nodes = rng.randint(*self.config.num_nodes)
-        num_hops = rng.randint(self.config.num_hops[0], min(self.config.num_hops[1], num_nodes - 1))
+        (n_lo, n_hi), (h_lo, h_hi) = self.config.num_nodes, self.config.num_hops
+        num_nodes = rng.randint(n_lo, n_lo + round(grown * (n_hi - n_lo)))
+        hops_hi = h_lo + round(grown * (h_hi - h_lo))
+        num_hops = rng.randint(min(h_lo, num_nodes - 1), min(hops_hi, num_nodes - 1))
         return make_problem(rng, num_nodes, num_hops, self.config.name_length, self.config.letters)
 
     def problems(self, count: int, start: int = 0) -> list[ChainProblem]:
@@ -205,10 +216,15 @@ class ChainTask:
         return [self.problem(i) for i in range(start, start + count)]
 
     def warm_start_pairs(self, start: int = 0) -> Iterator[tuple[str, str]]:
-        """Endless (prompt, reference trace) pairs for supervised warm-start, from index ``start`` on."""
-        index = start
+        """Endless (prompt, reference trace) pairs for supervised warm-start, from index ``start`` on.
+
+        With ``config.ramp_problems`` = R > 0 the n-th pair's sizes grow linearly from the ranges'
+        minimum to their full ranges over the first R pairs (a curriculum: a small model finds the
+        table look-up on small tables, then carries it to long ones).
+        """
+        index, ramp = start, self.config.ramp_problems
         while True:
-            p = self.problem(index)
+            p = self.problem(index, grown=min(1.0, (index - start + 1) / ramp) if ramp else 1.0)
             yield p.prompt, p.trace
             index += 1
 
@@ -220,7 +236,8 @@ class ChainTask:
 
 def build_tasks(task, warmstart=None) -> tuple[ChainTask, ChainTask]:
     """(RL task, warm-start task) from the recipe's ``task`` section and, optionally, its ``warmstart``
-    section, whose ``num_hops`` / ``num_nodes`` (when not null) give the warm-start problems other sizes.
+    section, whose ``num_hops`` / ``num_nodes`` (when not null) give the warm-start problems other sizes and
+    whose ``ramp_steps`` (x ``batch_size`` problems) grows them from their minimum.
 
     Raises ValueError (naming the sizes) when either task's sizes are invalid.
     """
@@ -237,5 +254,6 @@ def build_tasks(task, warmstart=None) -> tuple[ChainTask, ChainTask]:
         rl,
         num_hops=tuple(hops) if hops is not None else rl.num_hops,
         num_nodes=tuple(nodes) if nodes is not None else rl.num_nodes,
+        ramp_problems=getattr(warmstart, "ramp_steps", 0) * getattr(warmstart, "batch_size", 1),
     )
     return ChainTask(rl), ChainTask(ws)

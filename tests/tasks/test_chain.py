@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import random
 import re
@@ -203,3 +204,16 @@ def test_single_token_names_from_a_large_alphabet() -> None:
             assert table.count(node) == 1 and table[table.index(node) + 1] == succ
     with pytest.raises(ValueError, match="letters"):
         ChainTaskConfig(letters=10_000)
+
+
+def test_warm_start_ramp_grows_sizes_from_the_minimum() -> None:
+    """ramp_problems=R: the first pairs are the smallest tables, full ranges after R; RL problems unaffected."""
+    cfg = ChainTaskConfig(num_nodes=(2, 60), num_hops=(1, 50), seed=1, name_length=2, ramp_problems=200)
+    task = ChainTask(cfg)
+    pairs = task.warm_start_pairs(start=1000)
+    sizes = [solve(prompt) and prompt.count(",") + 1 for prompt, _ in (next(pairs) for _ in range(400))]
+    assert max(sizes[:20]) <= 2 + round(20 / 200 * 58) and max(sizes[300:]) > 40
+    assert statistics.mean(sizes[:100]) < statistics.mean(sizes[200:]) / 2
+    assert task.problem(5) == ChainTask(dataclasses.replace(cfg, ramp_problems=0)).problem(5)
+    with pytest.raises(ValueError, match="ramp_problems"):
+        ChainTaskConfig(ramp_problems=-1)
