@@ -15,6 +15,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define LANES 16
@@ -166,6 +167,48 @@ void sparrow_paged_append(float *k_pages, float *v_pages, int64_t stride_kp, int
                 vd[d] = vn[d];
                 c[d] = c[d] + (kn[d] - c[d]) / count;
             }
+        }
+    }
+}
+
+/* The Sparrow page choice given each page's score (select_pages_from_centroids' rule, exactly): a row
+ * (b, h) keeps every page when ceil(seq_len / P) <= budget / P, else its sink and local pages plus the
+ * top max(budget / P - sink - local, 0) middle pages by score, equal scores to the lower page index.
+ * scores: [B, Hkv, NP] contiguous fp32; out: [B, Hkv, NP] int64, the kept pages ascending then -1;
+ * counts: [B * Hkv] int64 pages kept per row. scratch: NP int64 per call (any contents). */
+static const float *g_scores;
+
+static int by_score(const void *a, const void *b) {
+    const int64_t i = *(const int64_t *)a, j = *(const int64_t *)b;
+    const float si = g_scores[i], sj = g_scores[j];
+    if (si != sj) return si > sj ? -1 : 1;
+    return i < j ? -1 : (i > j);
+}
+
+void sparrow_select_pages(const float *scores, const int64_t *seq_len, const int64_t *budget, int64_t batch,
+                          int64_t hkv, int64_t num_pages, int64_t page_size, int64_t sink, int64_t local,
+                          int64_t *out, int64_t *counts, int64_t *scratch, uint8_t *keep) {
+    for (int64_t b = 0; b < batch; ++b) {
+        const int64_t n = (seq_len[b] + page_size - 1) / page_size, pages = budget[b] / page_size;
+        int64_t top_k = pages - sink - local;
+        top_k = top_k < 0 ? 0 : top_k;
+        for (int64_t h = 0; h < hkv; ++h) {
+            const float *row = scores + (b * hkv + h) * num_pages;
+            int64_t *dst = out + (b * hkv + h) * num_pages;
+            for (int64_t p = 0; p < num_pages; ++p) keep[p] = p < n && (n <= pages || p < sink || p >= n - local);
+            if (n > pages) {
+                int64_t m = 0;
+                for (int64_t p = 0; p < n; ++p)
+                    if (!keep[p]) scratch[m++] = p;
+                g_scores = row;
+                qsort(scratch, (size_t)m, sizeof(int64_t), by_score);
+                for (int64_t i = 0; i < m && i < top_k; ++i) keep[scratch[i]] = 1;
+            }
+            int64_t c = 0;
+            for (int64_t p = 0; p < num_pages; ++p)
+                if (keep[p]) dst[c++] = p;
+            counts[b * hkv + h] = c;
+            for (int64_t p = c; p < num_pages; ++p) dst[p] = -1;
         }
     }
 }

@@ -110,8 +110,10 @@ def _library() -> ctypes.CDLL | None:
         _P,
         *[_I64] * 4,
     ]
+    lib.sparrow_select_pages.argtypes = [_P, _P, _P, *[_I64] * 6, _P, _P, _P, _P]
     for fn in (lib.sparrow_paged_scores, lib.sparrow_paged_values, lib.sparrow_paged_append):
         fn.restype = None
+    lib.sparrow_select_pages.restype = None
     return lib
 
 
@@ -131,6 +133,50 @@ def supports(q: torch.Tensor, cache: PagedKVCache) -> bool:
         and k.stride(-1) == 1
         and available()
     )
+
+
+def select_pages(
+    q: torch.Tensor,
+    cache: PagedKVCache,
+    layer: int,
+    block_table: torch.Tensor,
+    seq_len: torch.Tensor,
+    budget_tokens: torch.Tensor,
+    sink_pages: int,
+    local_pages: int,
+) -> torch.Tensor:
+    """The pages :func:`sparrow_nemo.sparse.attention.select_pages_from_centroids` keeps, on the cache's
+    centroids: [B, Hkv, n] int64 ascending, -1 padded. The scores are the method layer's (GQA-mean query .
+    centroid, fp32, the same torch ops), the top-k with its tie rule runs in the kernel (no sorts)."""
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("select_pages: the CPU kernel is not available (see available())")
+    cent = cache.gather_centroids(layer, block_table, seq_len)  # [B, Hkv, P, D] fp32
+    batch, hkv, num_pages, d = cent.shape
+    q_mean = q.float().view(batch, hkv, -1, d).mean(dim=2)  # as select_pages_from_centroids scores pages
+    scores = torch.einsum("bhd,bhpd->bhp", q_mean, cent).contiguous()
+    seq_len = seq_len.to(torch.int64).contiguous()
+    budget = budget_tokens.to(torch.int64).contiguous()
+    out = torch.empty(batch, hkv, num_pages, dtype=torch.int64)
+    counts = torch.empty(batch * hkv, dtype=torch.int64)
+    scratch = torch.empty(num_pages, dtype=torch.int64)
+    keep = torch.empty(num_pages, dtype=torch.uint8)
+    lib.sparrow_select_pages(
+        scores.data_ptr(),
+        seq_len.data_ptr(),
+        budget.data_ptr(),
+        batch,
+        hkv,
+        num_pages,
+        cache.page_size,
+        sink_pages,
+        local_pages,
+        out.data_ptr(),
+        counts.data_ptr(),
+        scratch.data_ptr(),
+        keep.data_ptr(),
+    )
+    return out[..., : int(counts.max())]
 
 
 def paged_append(

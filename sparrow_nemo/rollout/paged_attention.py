@@ -85,14 +85,18 @@ def decode_attention_torch(
         [B, Hq, D] in q.dtype (softmax in fp32, scale 1/sqrt(D)).
     """
     ps, hkv = cache.page_size, cache.k_pages[layer].shape[1]
-    page_idx = None
-    if budget_tokens is not None:
+    if cpu_attention.supports(q, cache):
+        page_idx = None
+        if budget_tokens is not None:
+            page_idx = cpu_attention.select_pages(
+                q, cache, layer, block_table, seq_len, budget_tokens, sink_pages, local_pages
+            )
+        return cpu_attention.paged_decode_attention(q, cache, layer, block_table, seq_len, page_idx)
+    if budget_tokens is None:
+        page_idx = all_pages(seq_len, hkv, ps)
+    else:
         cent = cache.gather_centroids(layer, block_table, seq_len)
         page_idx = select_pages_from_centroids(q, cent, seq_len, budget_tokens, ps, sink_pages, local_pages)
-    if cpu_attention.supports(q, cache):
-        return cpu_attention.paged_decode_attention(q, cache, layer, block_table, seq_len, page_idx)
-    if page_idx is None:
-        page_idx = all_pages(seq_len, hkv, ps)
     k, v, positions = cache.gather(layer, block_table, page_idx)
     mask = (positions >= 0) & (positions < seq_len[:, None, None])
     return decode_attention(q, k, v, mask)

@@ -103,3 +103,26 @@ def test_append_equals_the_cache_method() -> None:
         cpu_attention.paged_append(mine, 0, big, positions + step, k, v)
     for a, b in ((ref.k_pages, mine.k_pages), (ref.v_pages, mine.v_pages), (ref.centroids, mine.centroids)):
         assert torch.allclose(a[0], b[0], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("page_size", [16, 4])
+def test_selection_is_the_method_layers_exactly(page_size: int) -> None:
+    """The kernel's page choice equals select_pages_from_centroids on the same centroids, ties included."""
+    lengths = [300, 17, 160, 64, 1]
+    cache, table = filled_cache(lengths, 2, 32, page_size, seed=21)
+    seq_len = torch.tensor(lengths)
+    gen = torch.Generator().manual_seed(8)
+    for budget in ([64, 64, 64, 64, 64], [128, 16, 48, 1000, 64], [0, 0, 0, 0, 0]):
+        budget = torch.tensor(budget)
+        q = torch.randn(5, 4, 32, generator=gen)
+        mine = cpu_attention.select_pages(q, cache, 0, table, seq_len, budget, 1, 2)
+        cent = cache.gather_centroids(0, table, seq_len)
+        assert torch.equal(mine, select_pages_from_centroids(q, cent, seq_len, budget, page_size, 1, 2))
+    # equal scores (a zero query): lower page indices win, as in the method layer
+    zero = torch.zeros(5, 4, 32)
+    tie = cpu_attention.select_pages(zero, cache, 0, table, seq_len, torch.full((5,), 6 * page_size), 1, 2)
+    cent = cache.gather_centroids(0, table, seq_len)
+    expect = select_pages_from_centroids(
+        zero, cent, seq_len, torch.full((5,), 6 * page_size), page_size, 1, 2
+    )
+    assert torch.equal(tie, expect)
