@@ -651,8 +651,8 @@ class WarmstartConfig:
     num_hops: tuple[int, ...] | None = None
     #: (min, max) table entries of the warm-start problems; null = task.num_nodes
     num_nodes: tuple[int, ...] | None = None
-    #: steps over which the warm-start problems grow from the ranges' minimum to their full sizes (0 = none):
-    #: a small model finds the table look-up on small tables first (sparrow_nemo.tasks.chain)
+    #: steps over which the warm-start problems grow (geometrically) from the ranges' minimum to their full
+    #: sizes (0 = none): a small model finds the table look-up on small tables first (sparrow_nemo.tasks.chain)
     ramp_steps: int = _field(0, check=NON_NEGATIVE)
 
     def check(self) -> None:

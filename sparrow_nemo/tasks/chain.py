@@ -201,13 +201,14 @@ class ChainTask:
     def problem(self, index: int, grown: float = 1.0) -> ChainProblem:
         """Problem number ``index`` (deterministic in (config.seed, index, grown)).
 
-        ``grown`` in (0, 1] shrinks the size ranges toward their minimum: the upper ends become
-        ``min + grown * (max - min)`` (rounded), the warm-start's ramp.
+        ``grown`` in (0, 1] shrinks the size ranges toward their minimum, geometrically: the upper ends
+        become ``min * (max / min) ** grown`` (rounded), the warm-start's ramp (it stays on small tables
+        for a while, then grows faster).
         """
         rng = random.Random(f"chain:{self.config.seed}:{index}")
         (n_lo, n_hi), (h_lo, h_hi) = self.config.num_nodes, self.config.num_hops
-        num_nodes = rng.randint(n_lo, n_lo + round(grown * (n_hi - n_lo)))
-        hops_hi = h_lo + round(grown * (h_hi - h_lo))
+        num_nodes = rng.randint(n_lo, round(n_lo * (n_hi / n_lo) ** grown))
+        hops_hi = round(h_lo * (h_hi / h_lo) ** grown)
         num_hops = rng.randint(min(h_lo, num_nodes - 1), min(hops_hi, num_nodes - 1))
         return make_problem(rng, num_nodes, num_hops, self.config.name_length, self.config.letters)
 
@@ -218,7 +219,7 @@ class ChainTask:
     def warm_start_pairs(self, start: int = 0) -> Iterator[tuple[str, str]]:
         """Endless (prompt, reference trace) pairs for supervised warm-start, from index ``start`` on.
 
-        With ``config.ramp_problems`` = R > 0 the n-th pair's sizes grow linearly from the ranges'
+        With ``config.ramp_problems`` = R > 0 the n-th pair's sizes grow geometrically from the ranges'
         minimum to their full ranges over the first R pairs (a curriculum: a small model finds the
         table look-up on small tables, then carries it to long ones).
         """

@@ -212,7 +212,7 @@ def test_warm_start_ramp_grows_sizes_from_the_minimum() -> None:
     task = ChainTask(cfg)
     pairs = task.warm_start_pairs(start=1000)
     sizes = [solve(prompt) and prompt.count(",") + 1 for prompt, _ in (next(pairs) for _ in range(400))]
-    assert max(sizes[:20]) <= 2 + round(20 / 200 * 58) and max(sizes[300:]) > 40
+    assert max(sizes[:20]) <= round(2 * 30 ** (20 / 200)) and max(sizes[300:]) > 40
     assert statistics.mean(sizes[:100]) < statistics.mean(sizes[200:]) / 2
     assert task.problem(5) == ChainTask(dataclasses.replace(cfg, ramp_problems=0)).problem(5)
     with pytest.raises(ValueError, match="ramp_problems"):
