@@ -7,7 +7,7 @@ object per (context, schedule) is appended to ``benchmarks/results/cpu_decode.js
 the load average and the date; the table is printed.
 
 Example (the README's numbers):
-    python benchmarks/cpu_decode.py --shape tiny --batch 64 --contexts 512 1024 2048 4096 --fractions 0.1 0.25
+    python benchmarks/cpu_decode.py --shape tiny --batch 128 --contexts 512 1024 2048 4096 --fractions 0.1 0.25
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ RESULTS = Path(__file__).resolve().parent / "results" / "cpu_decode.jsonl"
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="tiny", help="Qwen3 shape preset (sparrow_nemo.model_shapes.PRESETS)")
-    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--batch", type=int, default=128)
     p.add_argument("--contexts", type=int, nargs="+", default=[512, 1024, 2048, 4096])
     p.add_argument("--steps", type=int, default=32, help="decode steps timed per configuration")
     p.add_argument(

@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[512, 1024, 2048, 4096],
         help="cached lengths for the throughput table (default 512 1024 2048 4096)",
     )
-    rollout.add_argument("--batch", type=int, default=64, help="rows decoded together (default 64)")
+    rollout.add_argument("--batch", type=int, default=128, help="rows decoded together (default 128)")
     rollout.add_argument("--steps", type=int, default=32, help="decode steps timed per context (default 32)")
     rollout.add_argument(
         "--sparse-fraction",

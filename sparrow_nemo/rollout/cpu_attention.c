@@ -15,7 +15,6 @@
  */
 #include <math.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 #define LANES 16
@@ -131,9 +130,13 @@ void sparrow_paged_values(const float *probs, const float *v_pages, int64_t stri
                     float *restrict og = oh + g * head_dim;
                     if (vec) {
                         for (int64_t d = 0; d < head_dim; d += LANES) {
-                            v16 acc = load16(og + d);
-                            for (int64_t s = 0; s < valid; ++s) acc += p[s] * load16(vp + s * stride_vs + d);
-                            store16(og + d, acc);
+                            /* four independent sums over the slots (s mod 4): no chain of dependent FMAs */
+                            v16 acc[4] = {load16(og + d), {0}, {0}, {0}};
+                            int64_t s = 0;
+                            for (; s + 4 <= valid; s += 4)
+                                for (int u = 0; u < 4; ++u) acc[u] += p[s + u] * load16(vp + (s + u) * stride_vs + d);
+                            for (; s < valid; ++s) acc[0] += p[s] * load16(vp + s * stride_vs + d);
+                            store16(og + d, (acc[0] + acc[1]) + (acc[2] + acc[3]));
                         }
                     } else {
                         for (int64_t s = 0; s < valid; ++s)
@@ -171,38 +174,46 @@ void sparrow_paged_append(float *k_pages, float *v_pages, int64_t stride_kp, int
     }
 }
 
-/* The Sparrow page choice given each page's score (select_pages_from_centroids' rule, exactly): a row
- * (b, h) keeps every page when ceil(seq_len / P) <= budget / P, else its sink and local pages plus the
- * top max(budget / P - sink - local, 0) middle pages by score, equal scores to the lower page index.
- * scores: [B, Hkv, NP] contiguous fp32; out: [B, Hkv, NP] int64, the kept pages ascending then -1;
- * counts: [B * Hkv] int64 pages kept per row. scratch: NP int64 per call (any contents). */
-static const float *g_scores;
-
-static int by_score(const void *a, const void *b) {
-    const int64_t i = *(const int64_t *)a, j = *(const int64_t *)b;
-    const float si = g_scores[i], sj = g_scores[j];
-    if (si != sj) return si > sj ? -1 : 1;
-    return i < j ? -1 : (i > j);
-}
-
-void sparrow_select_pages(const float *scores, const int64_t *seq_len, const int64_t *budget, int64_t batch,
-                          int64_t hkv, int64_t num_pages, int64_t page_size, int64_t sink, int64_t local,
-                          int64_t *out, int64_t *counts, int64_t *scratch, uint8_t *keep) {
+/* The Sparrow page choice (select_pages_from_centroids' rule) on the cache's centroids, read in place: page
+ * p of row (b, h) scores <q_mean[b, h], centroid of block_table[b, p], head h> (fp32); the row keeps every
+ * page when n = ceil(seq_len / P) <= budget / P, else its sink and local pages plus the top
+ * max(budget / P - sink - local, 0) middle pages by score, equal scores to the lower page index.
+ * q_mean: [B, Hkv, D] contiguous (the GQA group's mean query); centroids: (page, head) strides, head dim
+ * contiguous; out: [B, Hkv, NP] int64, the kept pages ascending then -1 (NP >= every row's n);
+ * counts: [B * Hkv] int64 pages kept per row; scores, scratch, keep: NP-element work space. */
+void sparrow_select_pages(const float *q_mean, const float *centroids, int64_t stride_cp, int64_t stride_ch,
+                          const int32_t *block_table, int64_t stride_bt, const int64_t *seq_len,
+                          const int64_t *budget, int64_t batch, int64_t hkv, int64_t head_dim,
+                          int64_t num_pages, int64_t page_size, int64_t sink, int64_t local, int64_t *out,
+                          int64_t *counts, float *scores, int64_t *scratch, uint8_t *keep) {
     for (int64_t b = 0; b < batch; ++b) {
         const int64_t n = (seq_len[b] + page_size - 1) / page_size, pages = budget[b] / page_size;
         int64_t top_k = pages - sink - local;
         top_k = top_k < 0 ? 0 : top_k;
         for (int64_t h = 0; h < hkv; ++h) {
-            const float *row = scores + (b * hkv + h) * num_pages;
             int64_t *dst = out + (b * hkv + h) * num_pages;
             for (int64_t p = 0; p < num_pages; ++p) keep[p] = p < n && (n <= pages || p < sink || p >= n - local);
             if (n > pages) {
-                int64_t m = 0;
-                for (int64_t p = 0; p < n; ++p)
-                    if (!keep[p]) scratch[m++] = p;
-                g_scores = row;
-                qsort(scratch, (size_t)m, sizeof(int64_t), by_score);
-                for (int64_t i = 0; i < m && i < top_k; ++i) keep[scratch[i]] = 1;
+                /* the best top_k middle pages so far, best first (scores[i], scratch[i]); pages come in
+                 * ascending order, so an equal score never displaces an earlier (lower) page */
+                const float *qm = q_mean + (b * hkv + h) * head_dim;
+                int64_t held = 0;
+                for (int64_t p = 0; p < n && top_k > 0; ++p) {
+                    if (keep[p]) continue;
+                    const float *c = centroids + (int64_t)block_table[b * stride_bt + p] * stride_cp + h * stride_ch;
+                    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+                    for (int64_t d = 0; d < head_dim; ++d) acc += qm[d] * c[d];
+                    if (held == top_k && !(acc > scores[held - 1])) continue;
+                    int64_t i = held < top_k ? held++ : held - 1;
+                    for (; i > 0 && acc > scores[i - 1]; --i) {
+                        scores[i] = scores[i - 1];
+                        scratch[i] = scratch[i - 1];
+                    }
+                    scores[i] = acc;
+                    scratch[i] = p;
+                }
+                for (int64_t i = 0; i < held; ++i) keep[scratch[i]] = 1;
             }
             int64_t c = 0;
             for (int64_t p = 0; p < num_pages; ++p)

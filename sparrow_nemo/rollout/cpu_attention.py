@@ -110,7 +110,22 @@ def _library() -> ctypes.CDLL | None:
         _P,
         *[_I64] * 4,
     ]
-    lib.sparrow_select_pages.argtypes = [_P, _P, _P, *[_I64] * 6, _P, _P, _P, _P]
+    lib.sparrow_select_pages.argtypes = [
+        _P,
+        _P,
+        _I64,
+        _I64,
+        _P,
+        _I64,
+        _P,
+        _P,
+        *[_I64] * 7,
+        _P,
+        _P,
+        _P,
+        _P,
+        _P,
+    ]
     for fn in (lib.sparrow_paged_scores, lib.sparrow_paged_values, lib.sparrow_paged_append):
         fn.restype = None
     lib.sparrow_select_pages.restype = None
@@ -145,34 +160,44 @@ def select_pages(
     sink_pages: int,
     local_pages: int,
 ) -> torch.Tensor:
-    """The pages :func:`sparrow_nemo.sparse.attention.select_pages_from_centroids` keeps, on the cache's
-    centroids: [B, Hkv, n] int64 ascending, -1 padded. The scores are the method layer's (GQA-mean query .
-    centroid, fp32, the same torch ops), the top-k with its tie rule runs in the kernel (no sorts)."""
+    """The pages :func:`sparrow_nemo.sparse.attention.select_pages_from_centroids` keeps, scored on the
+    cache's centroids in place (no gather): [B, Hkv, n] int64 ascending, -1 padded. Scores are fp32 dots of
+    the GQA group's mean query with each centroid; their summation order is the kernel's, so a choice
+    between two pages whose scores agree to the last bits may differ from the method layer's."""
     lib = _library()
     if lib is None:
         raise RuntimeError("select_pages: the CPU kernel is not available (see available())")
-    cent = cache.gather_centroids(layer, block_table, seq_len)  # [B, Hkv, P, D] fp32
-    batch, hkv, num_pages, d = cent.shape
-    q_mean = q.float().view(batch, hkv, -1, d).mean(dim=2)  # as select_pages_from_centroids scores pages
-    scores = torch.einsum("bhd,bhpd->bhp", q_mean, cent).contiguous()
+    cent = cache.centroids[layer]
+    batch, hq, d = q.shape
+    hkv = cent.shape[1]
+    q_mean = q.float().view(batch, hkv, hq // hkv, d).mean(dim=2).contiguous()  # [B, Hkv, D]
     seq_len = seq_len.to(torch.int64).contiguous()
+    table = block_table.to(torch.int32).contiguous()
+    num_pages = -(-int(seq_len.max()) // cache.page_size)
     budget = budget_tokens.to(torch.int64).contiguous()
     out = torch.empty(batch, hkv, num_pages, dtype=torch.int64)
     counts = torch.empty(batch * hkv, dtype=torch.int64)
+    scores = torch.empty(num_pages, dtype=torch.float32)
     scratch = torch.empty(num_pages, dtype=torch.int64)
     keep = torch.empty(num_pages, dtype=torch.uint8)
     lib.sparrow_select_pages(
-        scores.data_ptr(),
+        q_mean.data_ptr(),
+        cent.data_ptr(),
+        *cent.stride()[:2],
+        table.data_ptr(),
+        table.stride(0),
         seq_len.data_ptr(),
         budget.data_ptr(),
         batch,
         hkv,
+        d,
         num_pages,
         cache.page_size,
         sink_pages,
         local_pages,
         out.data_ptr(),
         counts.data_ptr(),
+        scores.data_ptr(),
         scratch.data_ptr(),
         keep.data_ptr(),
     )

@@ -106,8 +106,10 @@ def test_append_equals_the_cache_method() -> None:
 
 
 @pytest.mark.parametrize("page_size", [16, 4])
-def test_selection_is_the_method_layers_exactly(page_size: int) -> None:
-    """The kernel's page choice equals select_pages_from_centroids on the same centroids, ties included."""
+def test_selection_is_the_method_layers(page_size: int) -> None:
+    """The kernel's page choice (scores summed in its own order) equals select_pages_from_centroids on the
+    same centroids for random queries (no two scores within rounding of each other), and exact ties go to
+    the lower page index as there."""
     lengths = [300, 17, 160, 64, 1]
     cache, table = filled_cache(lengths, 2, 32, page_size, seed=21)
     seq_len = torch.tensor(lengths)
