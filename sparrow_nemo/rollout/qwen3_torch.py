@@ -68,10 +68,9 @@ def expected_weight_shapes(shape: Qwen3Shape) -> dict[str, tuple[int, ...]]:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim, statistics in fp32, result in ``x.dtype`` times ``weight``."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    """RMSNorm over the last dim, statistics in fp32, result in ``x.dtype`` times ``weight`` (HF Qwen3's
+    order of operations; torch's fused ``rms_norm`` on the fp32 copy, fewer ops per decode step)."""
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
