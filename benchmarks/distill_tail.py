@@ -1,7 +1,7 @@
 """Does DistillSparse close the tail gap on the tiny task? Fresh rollouts with and without the adapter.
 
 On the recipe's warm-started policy (held fixed), the adapter takes ``--rounds`` DistillSparse rounds on
-training rollouts under the recipe's starting schedule (``sparrow_nemo.callbacks.distill_report.distill_rounds``:
+training rollouts under the recipe's starting schedule (``sparrow_nemo.grpo.distill_report.distill_rounds``:
 sparse PG with GRPO advantages + k3 KL, ``distill.steps`` updates per round). Then, on held-out prompts
 the adapter never saw (``--eval-prompts`` x ``--samples`` fresh samples, fixed seeds):
 
@@ -28,10 +28,9 @@ from pathlib import Path
 
 import torch
 
-from sparrow_nemo.callbacks.distill_report import distill_rounds, measure_adapter
-from sparrow_nemo.callbacks.distill_sparse import DistillSparse
 from sparrow_nemo.config import load_config
 from sparrow_nemo.grpo import setup
+from sparrow_nemo.grpo.distill_report import distill_rounds, measure_adapter
 from sparrow_nemo.grpo.trainer import GrpoTrainer
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET
 
@@ -60,10 +59,10 @@ def run(args: argparse.Namespace, run_dir: Path) -> dict:
     start = time.time()
     trainer = GrpoTrainer(config, run_dir)
     try:
-        callback = DistillSparse()
-        callback.on_train_start(trainer)
+        phase = trainer.distill  # the recipe's DistillSparse phase (distill.enabled)
+        phase.start(trainer.policy, trainer.rollout_engine)
         schedule = trainer.schedule
-        losses = distill_rounds(trainer, callback, schedule, args.rounds)
+        losses = distill_rounds(trainer, phase, schedule, args.rounds)
         adapter = trainer.policy.lora.export_adapter()
         held_out = [
             i.prompt_ids for i in trainer.prompts.eval_batch(args.eval_prompts) for _ in range(args.samples)

@@ -2,8 +2,8 @@
 # Shared set-up of the prepared GPU checks (gpu_check.sh, gpu_rollout_check.sh); sourced, not run.
 # The caller sets CHECK_NAME (log file prefix) and GPU_RESULTS (result file globs copied to $OUT after
 # a GPU run), then sources this file with its own arguments. Defines MODE (gpu | tiny | dry), PY,
-# RESULTS, LOG, log, step (a time-limited, logged command) and an EXIT trap that writes the summary
-# and copies the outputs to $OUT when set.
+# RESULTS, LOG, log, step (a time-limited, logged command whose exit status and seconds also go to
+# <check>_<mode>_stages.jsonl) and an EXIT trap that writes the summary and copies the outputs to $OUT.
 # shellcheck disable=SC2034  # STATUS/FAILED/MODE/PY are read by the sourcing script
 
 MODE=gpu
@@ -25,19 +25,22 @@ mkdir -p "$RESULTS"
 LOG="$RESULTS/${CHECK_NAME}_${MODE}.log"
 : > "$LOG"
 log() { echo "$@" | tee -a "$LOG"; }
-step() { # step NAME TIMEOUT_S CMD...: run with a time limit, log output, record the exit status
+STAGES="$RESULTS/${CHECK_NAME}_${MODE}_stages.jsonl"
+: > "$STAGES"
+step() { # step NAME TIMEOUT_S CMD...: run with a time limit, log output, record exit status and seconds
   local name=$1 limit=$2; shift 2
-  log "=== $name (limit ${limit}s): $*"
+  log "=== $name (limit ${limit}s, $((SECONDS - CHECK_START))s into the check): $*"
   local start=$SECONDS
   timeout "$limit" "$@" 2>&1 | tee -a "$LOG"
   local rc=${PIPESTATUS[0]}
   log "=== $name: exit $rc after $((SECONDS - start))s"
+  echo "{\"stage\": \"$name\", \"rc\": $rc, \"seconds\": $((SECONDS - start)), \"limit_s\": $limit}" >> "$STAGES"
   STATUS+=("$name=$rc")
   [ "$rc" -eq 0 ] || FAILED=1
 }
 # shellcheck disable=SC2329  # called through the EXIT trap
 finish() {
-  log "=== summary: ${STATUS[*]:-none}"
+  log "=== summary: ${STATUS[*]:-none} (total $((SECONDS - CHECK_START))s)"
   if [ -n "${OUT:-}" ]; then
     mkdir -p "$OUT" && cp "$RESULTS"/"${CHECK_NAME}_${MODE}"* "$OUT"/ 2>/dev/null
     if [ "$MODE" = gpu ]; then
@@ -51,4 +54,5 @@ finish() {
 }
 STATUS=()
 FAILED=0
+CHECK_START=$SECONDS
 trap finish EXIT

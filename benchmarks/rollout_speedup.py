@@ -237,11 +237,11 @@ def stage_ms(
     arms = (("sparse", schedule.budgets_for(seq.long()).to(torch.int32)), ("dense", DENSE_BUDGET))
     for arm, budget in arms:
         args = (q, cent, block_table, seq, budget, ps, engine.sink_pages, engine.local_pages)
-        out[f"{arm}_select_ms"] = timer(lambda a=args: sk.select_pages_paged(*a))
-        attend = (q, k, v, block_table, seq, *sk.select_pages_paged(*args))
-        out[f"{arm}_attend_ms"] = timer(lambda a=attend: sk.sparse_decode_split(*a))
-        merge = (*sk.sparse_decode_split(*attend), q.dtype)
-        out[f"{arm}_merge_ms"] = timer(lambda a=merge: sk.merge_splits(*a))
+        # Dense layers launch no selection; the split merge is fused into the attention launch.
+        sel = sk.page_selection(*args) if arm == "sparse" else None
+        out[f"{arm}_select_ms"] = timer(lambda a=args: sk.page_selection(*a)) if arm == "sparse" else 0.0
+        out[f"{arm}_attend_ms"] = timer(lambda s=sel: sk.decode_attention_paged(q, k, v, block_table, seq, s))
+        out[f"{arm}_merge_ms"] = 0.0
     kv_new = torch.randn(batch, s.num_key_value_heads, s.head_dim, dtype=q.dtype, device=dev)
     pos = seq - 1
     out["append_ms"] = timer(lambda: sk.append_kv(k, v, cent, block_table, pos, kv_new, kv_new))

@@ -21,30 +21,18 @@ A cost-model estimate, not a measurement. Assumptions (each a knob or stated in 
 from __future__ import annotations
 
 import argparse
-import re
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import torch
 
+from sparrow_nemo.commands.plan import CLUSTER_LINE, documented_cluster
 from sparrow_nemo.config import SparrowConfig, load_config, recipes_dir
 from sparrow_nemo.sparse.cost_model import HARDWARE, DecodeCostModel, Hardware
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
-CLUSTER_LINE = re.compile(
-    r"^# cluster: (?P<nodes>\d+) nodes? x (?P<gpus>\d+) GPUs \(80 GB H100\) - (?P<submit>.*)$", re.M
-)
 #: passes of training work per token in units of one forward pass
 TRAIN_PASSES = 5
 MIN_RESPONSE = 1024
-
-
-def documented_cluster(recipe: Path) -> tuple[int, int, str]:
-    """(nodes, GPUs per node, how to submit) from the recipe's ``# cluster:`` comment line."""
-    match = CLUSTER_LINE.search(recipe.read_text())
-    if match is None:
-        raise ValueError(f"{recipe}: no '# cluster: N nodes x G GPUs (80 GB H100) - <submit>' line")
-    return int(match["nodes"]), int(match["gpus"]), match["submit"]
 
 
 def response_lengths(config: SparrowConfig, count: int) -> torch.Tensor:

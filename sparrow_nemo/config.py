@@ -264,14 +264,26 @@ class PolicyConfig:
     pipeline_model_parallel_size: int = _field(1, check=AT_LEAST_ONE)
     #: data-parallel ranks; null = world size / (tensor x pipeline)
     data_parallel_size: int | None = _field(None, check=AT_LEAST_ONE)
-    #: sequences per forward/backward micro-batch
+    #: sequences per forward/backward micro-batch (rows are cut to the micro-batch's longest sequence)
     micro_batch_size: int = _field(4, check=AT_LEAST_ONE)
+    #: token budget per micro-batch instead of a row count: rows sorted by length, each micro-batch
+    #: rows x its longest row <= this (sparrow_nemo.policy.packing); null = micro_batch_size rows
+    max_tokens_per_micro_batch: int | None = _field(None, check=AT_LEAST_ONE)
     #: training compute precision (bf16/fp16 keep fp32 master weights)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     #: Megatron sequence parallelism (needs tensor_model_parallel_size > 1)
     sequence_parallel: bool = False
-    #: megatron full activation recomputation (trades ~1/3 more compute for activation memory)
-    activation_recompute: bool = False
+    #: megatron activation recomputation: full (each layer's input kept, the layer recomputed in
+    #: backward), selective (the MLP recomputed), or none
+    recompute_granularity: Literal["none", "full", "selective"] = "none"
+    #: full recompute: uniform (every layer, in groups of recompute_num_layers) or block (only the first
+    #: recompute_num_layers layers of each pipeline stage)
+    recompute_method: Literal["uniform", "block"] = "uniform"
+    #: full recompute: layers per recomputed group (uniform) or recomputed layers per stage (block)
+    recompute_num_layers: int = _field(1, check=AT_LEAST_ONE)
+    #: positions per chunk of the fused output layer + logprobs/entropy/top-k: the [chunk, vocab / tp]
+    #: fp32 logits are the largest transient of a step (sparrow_nemo.policy.logprobs)
+    logprob_chunk_tokens: int = _field(4096, check=AT_LEAST_ONE)
     #: optimizer settings
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
 
@@ -308,6 +320,11 @@ class RolloutConfig:
     prefill_chunk_tokens: int = _field(512, check=AT_LEAST_ONE)
     #: decode attention: torch gather path, Triton kernels, or auto (Triton where it can run)
     attention_impl: Literal["auto", "torch", "triton"] = "auto"
+    #: GPUs per rollout engine (engine tensor parallelism). 1 = one engine per GPU, colocated with that
+    #: GPU's policy rank (the default). k > 1 (TensorRT-LLM only; must divide
+    #: policy.tensor_model_parallel_size) = one engine per k consecutive tensor-parallel ranks, for a model
+    #: whose weights plus a useful KV cache do not fit one GPU (sparrow_nemo.grpo.process_model)
+    tensor_parallel_size: int = _field(1, check=AT_LEAST_ONE)
 
 
 @dataclass(frozen=True)
@@ -504,6 +521,10 @@ class DistillConfig:
     kl_coef: float = _field(1.0, check=NON_NEGATIVE)
     #: weight of the sparse policy-gradient loss (same advantages as the policy step)
     pg_coef: float = _field(1.0, check=NON_NEGATIVE)
+    #: clip the adapter gradient's global L2 norm to this; 0 = off
+    grad_clip: float = _field(1.0, check=NON_NEGATIVE)
+    #: seed of the adapter initialisation and of the probe rollouts' sampling
+    seed: int = _field(0, check=NON_NEGATIVE)
 
     def check(self) -> None:
         from sparrow_nemo.rollout.qwen3_torch import ATTN_LINEARS, MLP_LINEARS
@@ -569,6 +590,9 @@ class CheckpointConfig:
     dir: str | None = _field(None, hashed=False)
     #: save every N steps (and at the end)
     every_n_steps: int = _field(10, check=AT_LEAST_ONE, hashed=False)
+    #: also save when this many minutes passed since the last save (rank 0's clock decides for all ranks),
+    #: so a preempted multi-hour attempt always has a recent checkpoint; 0 = off
+    every_n_minutes: float = _field(0.0, check=NON_NEGATIVE, hashed=False)
     #: checkpoints kept on disk
     keep_last: int = _field(2, check=AT_LEAST_ONE, hashed=False)
     #: auto (latest good one in dir if any, else a fresh run), never, or a checkpoint path
@@ -689,6 +713,10 @@ class TrainerConfig:
     cpu_threads: int = _field(1, check=NON_NEGATIVE, hashed=False)
     #: abort the run after this many steps in a row whose update was skipped for a NaN/inf loss or gradient
     max_consecutive_nonfinite: int = _field(3, check=AT_LEAST_ONE, hashed=False)
+    #: timeout of every collective (torch.distributed.init_process_group), minutes. A rank that finished its
+    #: rollout waits in the next collective for the slowest one: 60 covers a 40K-token rollout at a
+    #: pessimistic 50 ms per decode step (34 min) with room; NCCL's own default (10 min) does not
+    dist_timeout_minutes: float = _field(60.0, check=POSITIVE, hashed=False)
 
 
 _DOTTED = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
@@ -740,6 +768,18 @@ class SparrowConfig:
                 "rollout.max_new_tokens",
                 f"<= {shape.max_position_embeddings - self.data.max_prompt_tokens} (data.max_prompt_tokens "
                 f"+ rollout.max_new_tokens must fit the model's {shape.max_position_embeddings} positions)",
+            )
+        engine_tp = self.rollout.tensor_parallel_size
+        if engine_tp > 1 and self.rollout.backend != "trtllm":
+            raise _Problem(
+                "rollout.tensor_parallel_size",
+                "1 with rollout.backend=torch (the torch engine runs on one GPU)",
+            )
+        if policy.tensor_model_parallel_size % engine_tp:
+            raise _Problem(
+                "rollout.tensor_parallel_size",
+                f"a divisor of policy.tensor_model_parallel_size={policy.tensor_model_parallel_size} "
+                "(an engine spans tensor-parallel ranks of one policy replica)",
             )
         if self.rollout.backend == "trtllm" and self.trainer.device == "cpu":
             raise _Problem("rollout.backend", "torch when trainer.device=cpu (TensorRT-LLM needs CUDA)")

@@ -31,3 +31,13 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"{SHARED_DATA} not present")
     return SHARED_DATA
+
+
+@pytest.fixture
+def sandbox() -> None:
+    """Skips unless the code reward's OS sandbox starts here (bubblewrap and user namespaces)."""
+    from sparrow_nemo.rewards.sandbox_os import probe
+
+    iso = probe()
+    if not iso.available:
+        pytest.skip(f"no OS sandbox on this machine: {iso.missing}")

@@ -25,10 +25,9 @@ import pytest
 import torch
 from policy._helpers import free_port, single_rank_env
 
-from sparrow_nemo.callbacks.distill_report import distill_rounds, measure_adapter
-from sparrow_nemo.callbacks.distill_sparse import DistillSparse
 from sparrow_nemo.config import load_config
 from sparrow_nemo.grpo.checkpointing import read_run_state
+from sparrow_nemo.grpo.distill_report import distill_rounds, measure_adapter
 from sparrow_nemo.grpo.metrics import read_metrics
 from sparrow_nemo.grpo.prompts import build_prompt_source
 from sparrow_nemo.grpo.trainer import GrpoTrainer, train
@@ -60,10 +59,10 @@ def test_adapter_brings_the_failing_bin_to_the_threshold_and_a_tighter_schedule(
     with single_rank_env():
         trainer = GrpoTrainer(config, tmp_path)
         try:
-            callback = DistillSparse()
-            callback.on_train_start(trainer)
+            phase = trainer.distill  # the recipe's DistillSparse phase (distill.enabled)
+            phase.start(trainer.policy, trainer.rollout_engine)
             schedule = trainer.schedule
-            distill_rounds(trainer, callback, schedule, rounds=40)
+            distill_rounds(trainer, phase, schedule, rounds=40)
             adapter = trainer.policy.lora.export_adapter()
             held_out = [i.prompt_ids for i in trainer.prompts.eval_batch(32) for _ in range(2)]
             effect, calibrated = measure_adapter(

@@ -15,7 +15,7 @@ _CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _is_int(t: torch.Tensor) -> bool:
-    return not t.dtype.is_floating_point and not t.dtype.is_complex and t.dtype != torch.bool
+    return t.dtype in (torch.int32, torch.int64)
 
 
 def check_device(**tensors: torch.Tensor) -> torch.device:
@@ -70,12 +70,21 @@ def check_pages(k_pages: torch.Tensor, v_pages: torch.Tensor) -> tuple[int, int,
     return num_pages, num_kv_heads, page_size, head_dim
 
 
-def check_centroids(centroids: torch.Tensor, num_pages: int, num_kv_heads: int, head_dim: int) -> None:
-    """centroids float32 [num_pages, Hkv, D]."""
+def check_centroids(
+    centroids: torch.Tensor,
+    num_pages: int,
+    num_kv_heads: int,
+    head_dim: int,
+    key_dtype: torch.dtype | None = None,
+) -> None:
+    """centroids [num_pages, Hkv, D] in float32 or the key cache's dtype (any of the three when
+    key_dtype is None)."""
     expected = (num_pages, num_kv_heads, head_dim)
-    if tuple(centroids.shape) != expected or centroids.dtype != torch.float32:
+    allowed = _CACHE_DTYPES if key_dtype is None else tuple(dict.fromkeys((torch.float32, key_dtype)))
+    if tuple(centroids.shape) != expected or centroids.dtype not in allowed:
+        names = "/".join(str(d).removeprefix("torch.") for d in allowed)
         raise ValueError(
-            f"centroids must be float32 [num_pages, Hkv, D]={expected}, got {centroids.dtype} {tuple(centroids.shape)}"
+            f"centroids must be {names} [num_pages, Hkv, D]={expected}, got {centroids.dtype} {tuple(centroids.shape)}"
         )
 
 
@@ -84,16 +93,18 @@ def check_block_table(block_table: torch.Tensor, batch: int | None = None) -> in
     wrong_batch = batch is not None and block_table.dim() == 2 and block_table.shape[0] != batch
     if block_table.dim() != 2 or wrong_batch or not _is_int(block_table):
         raise ValueError(
-            f"block_table must be an integer [B={batch if batch is not None else 'B'}, max_pages_per_seq] tensor, "
+            f"block_table must be an int32/int64 [{'B' if batch is None else f'B={batch}'}, max_pages_per_seq] tensor, "
             f"got {block_table.dtype} {tuple(block_table.shape)}"
         )
     return block_table.shape[1]
 
 
 def check_per_seq(name: str, t: torch.Tensor, batch: int) -> None:
-    """An integer [B] tensor (seq_len, positions, budget_tokens)."""
+    """An integer [B] tensor (seq_len, positions, budget_tokens); int32 or int64 are read as they are."""
     if t.shape != (batch,) or not _is_int(t):
-        raise ValueError(f"{name} must be an integer [B]=[{batch}] tensor, got {t.dtype} {tuple(t.shape)}")
+        raise ValueError(
+            f"{name} must be an int32/int64 [B]=[{batch}] tensor, got {t.dtype} {tuple(t.shape)}"
+        )
 
 
 def check_query(q: torch.Tensor, num_kv_heads: int, head_dim: int) -> int:
@@ -119,22 +130,15 @@ def check_page_args(
         raise ValueError(f"sink_pages and local_pages must be >= 0, got {sink_pages} and {local_pages}")
 
 
-def budget_tensor(
-    budget_tokens: int | torch.Tensor, batch: int, max_tokens: int, device: torch.device
-) -> torch.Tensor:
-    """budget_tokens (int or integer [B]) as int32 [B] on ``device``, clipped to [0, max_tokens].
-
-    Clipping maps the dense schedule's huge budget onto "every page" without int32 overflow. A
-    negative int is an error; negative entries of a tensor are clipped to 0 (sink and local pages
-    only), since checking them would need a device sync.
-    """
+def check_budget(budget_tokens: int | torch.Tensor, batch: int) -> None:
+    """budget_tokens: an int >= 0 or an integer [B] tensor (tokens; the kernels clamp it to
+    [0, capacity] on the device, so a negative tensor entry keeps the sink and local pages only)."""
     if isinstance(budget_tokens, torch.Tensor):
         check_per_seq("budget_tokens", budget_tokens, batch)
-        return budget_tokens.to(device=device, dtype=torch.int64).clamp(0, max_tokens).to(torch.int32)
+        return
     if isinstance(budget_tokens, bool) or not isinstance(budget_tokens, int):
         raise ValueError(
             f"budget_tokens must be an int or an integer [B] tensor, got {type(budget_tokens).__name__}"
         )
     if budget_tokens < 0:
         raise ValueError(f"budget_tokens must be >= 0 tokens, got {budget_tokens}")
-    return torch.full((batch,), min(budget_tokens, max_tokens), dtype=torch.int32, device=device)

@@ -1,16 +1,25 @@
-"""Where the kernels can run, decided once at import time.
+"""Where the kernels can run (decided once at import time), and the one place they are launched.
 
 Triton picks interpreter or compiled mode when a ``@triton.jit`` function is defined, from the
 environment variable ``TRITON_INTERPRET``. So whether the kernels in this package run on CPU
 tensors (interpreter, for tests) or on CUDA tensors (compiled) is fixed by the environment at the
 moment ``sparrow_kernels`` is first imported. This module records that choice; it does not import
 triton itself, so ``available()`` answers even where triton is not installed.
+
+Every kernel launch of the package goes through :func:`launch`. Inside :func:`recorded_launches`
+the launches are recorded instead of run (the host-side checks, allocations and launch
+configuration still happen): ``sparrow_kernels.aot`` compiles exactly what the JIT would compile
+from those records, and tests count the launches of one decode step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -21,12 +30,27 @@ INTERPRETED: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
 HAS_TRITON: bool = importlib.util.find_spec("triton") is not None
 
 
+@dataclass
+class Launch:
+    """One recorded kernel launch: the ``@triton.jit`` function, its grid, positional arguments and
+    keyword arguments (constexprs and launch options such as num_warps / num_stages)."""
+
+    kernel: Any
+    grid: tuple[int, ...]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+_recording: list[list[Launch]] = []
+
+
 def available(device: torch.device | str) -> bool:
     """Whether the Triton kernels can run on tensors of ``device``.
 
     CUDA devices need a working CUDA runtime and compiled (not interpreted) kernels; CPU needs
     the kernels to have been imported under ``TRITON_INTERPRET=1``. Anything else (another
     device type, or triton missing) returns False, so callers fall back to the torch reference.
+    Inside :func:`recorded_launches` CPU tensors are accepted too (nothing runs).
     """
     device = torch.device(device)
     if not HAS_TRITON:
@@ -34,14 +58,37 @@ def available(device: torch.device | str) -> bool:
     if device.type == "cuda":
         return torch.cuda.is_available() and not INTERPRETED
     if device.type == "cpu":
-        return INTERPRETED
+        return INTERPRETED or bool(_recording)
     return False
 
 
+def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
+    """Run ``kernel[grid](*args, **kwargs)``, or record it inside :func:`recorded_launches`."""
+    if _recording:
+        _recording[-1].append(Launch(kernel, grid, args, kwargs))
+        return
+    kernel[grid](*args, **kwargs)
+
+
+@contextlib.contextmanager
+def recorded_launches() -> Iterator[list[Launch]]:
+    """Record (do not run) every kernel launch inside the block; yields the list of :class:`Launch`.
+
+    Host-side work still runs: argument checks, output allocation, launch sizing. Outputs stay
+    uninitialised. Torch ops the entry points issue themselves would still run (there are none on
+    the decode path: that is what the launch-count tests check).
+    """
+    _recording.append([])
+    try:
+        yield _recording[-1]
+    finally:
+        _recording.pop()
+
+
 def num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (1 for the CPU interpreter)."""
+    """Streaming multiprocessors of a CUDA device (132 = H100/H200 SXM, for sizing launches off-GPU)."""
     if device.type != "cuda":
-        return 1
+        return 132
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 

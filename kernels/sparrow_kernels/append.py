@@ -1,9 +1,14 @@
 """Append one decoded token's key and value to the paged KV cache and update the page centroid.
 
-Layout (shared with the reference rollout engine): k_pages, v_pages [num_pages, Hkv, page_size, D];
-centroids float32 [num_pages, Hkv, D]; block_table [B, max_pages_per_seq] maps logical page
--> physical page. Token t of sequence b lives at physical page block_table[b, t // page_size],
-slot t % page_size.
+Layout (shared with the reference rollout engine, ``sparrow_nemo.rollout.paged_cache``): k_pages,
+v_pages [num_pages, Hkv, page_size, D]; centroids [num_pages, Hkv, D] in the key dtype (or
+float32); block_table [B, max_pages_per_seq] maps logical page -> physical page. Token t of
+sequence b lives at physical page block_table[b, t // page_size], slot t % page_size.
+
+The centroid is recomputed from the page's stored keys at every append (a float32 mean of slots
+0..slot, rounded once to the centroid dtype), not updated as a running mean: a running mean kept
+in bfloat16 would round at every token. Reading the page's keys costs page_size * D elements per
+(sequence, KV head), a few MB per layer at batch 64: noise next to the attention's reads.
 """
 
 from __future__ import annotations
@@ -13,6 +18,20 @@ import triton
 import triton.language as tl
 
 from sparrow_kernels import _checks
+from sparrow_kernels._runtime import launch
+
+
+@triton.jit
+def round_to(x, dtype: tl.constexpr):
+    """float32 x -> dtype, rounding to nearest even also under the interpreter (whose float32 ->
+    bfloat16 cast truncates); on the GPU the bfloat16 branch equals ``cvt.rn.bf16.f32`` for finite x."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        out = bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
+    else:
+        out = x.to(dtype)
+    return out
 
 
 @triton.jit
@@ -25,7 +44,7 @@ def _append_kv_kernel(
     stride_knb, stride_knh, stride_vnb, stride_vnh,
     D: tl.constexpr, PAGE: tl.constexpr,
 ):  # fmt: skip
-    """One program per (sequence b, KV head h): store k, v at slot pos % PAGE; update the centroid."""
+    """One program per (sequence b, KV head h): store k, v at slot pos % PAGE; recompute the centroid."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     pos = tl.load(positions + b).to(tl.int64)
@@ -35,15 +54,16 @@ def _append_kv_kernel(
         d = tl.arange(0, D)
         k = tl.load(k_new + b * stride_knb + h * stride_knh + d).to(k_pages.dtype.element_ty)
         v = tl.load(v_new + b * stride_vnb + h * stride_vnh + d).to(v_pages.dtype.element_ty)
-        tl.store(k_pages + phys * stride_kp + h * stride_kh + slot * stride_ks + d, k)
+        page_k = k_pages + phys * stride_kp + h * stride_kh
+        tl.store(page_k + slot * stride_ks + d, k)
         tl.store(v_pages + phys * stride_vp + h * stride_vh + slot * stride_vs + d, v)
-        # Running mean over the page's valid slots, of the key as stored (after rounding to the
-        # cache dtype). Slot 0 starts the page afresh, so stale values of a reused page never leak.
-        c_ptrs = centroids + phys * stride_cp + h * stride_ch + d
-        k32 = k.to(tl.float32)
-        c = tl.load(c_ptrs)
-        c = tl.where(slot == 0, k32, c + (k32 - c) / (slot + 1).to(tl.float32))
-        tl.store(c_ptrs, c)
+        # Mean of the keys as stored: slots before this one from the page, this one from registers
+        # (no read-after-write across threads). Slot 0 restarts the page, so stale keys never leak.
+        s = tl.arange(0, PAGE)
+        earlier = tl.load(page_k + s[:, None] * stride_ks + d[None, :], mask=(s < slot)[:, None], other=0.0)
+        total = tl.sum(earlier.to(tl.float32), axis=0) + k.to(tl.float32)
+        mean = total / (slot + 1).to(tl.float32)
+        tl.store(centroids + phys * stride_cp + h * stride_ch + d, round_to(mean, centroids.dtype.element_ty))
 
 
 def append_kv(
@@ -55,23 +75,24 @@ def append_kv(
     k_new: torch.Tensor,
     v_new: torch.Tensor,
 ) -> None:
-    """Write one new token per sequence into the paged cache, in place.
+    """Write one new token per sequence into the paged cache, in place (one launch).
 
     Args:
-        k_pages, v_pages: [num_pages, Hkv, page_size, D] float32/float16/bfloat16 cache pages.
-        centroids: float32 [num_pages, Hkv, D]; the entry of the written page becomes the mean of
-            its valid keys: c <- c + (k - c) / (slot + 1), and c <- k when the slot is 0.
-        block_table: integer [B, max_pages_per_seq], logical -> physical page.
-        positions: integer [B], the new token's index in its sequence (= old seq_len). A negative
-            position skips that sequence (e.g. a finished one in a static batch).
+        k_pages, v_pages: [num_pages, Hkv, page_size, D] float32/float16/bfloat16 cache pages (any
+            strides with the last dimension contiguous, e.g. views of one K/V pool).
+        centroids: [num_pages, Hkv, D] in k_pages' dtype or float32; the entry of the written page
+            becomes round(mean over slots 0..slot of the stored keys), computed in float32.
+        block_table: int32/int64 [B, max_pages_per_seq], logical -> physical page.
+        positions: int32/int64 [B], the new token's index in its sequence (= old seq_len). A
+            negative position skips that sequence (e.g. a finished one in a static batch).
         k_new, v_new: [B, Hkv, D] the token's key (after q/k norm and rotary) and value, any float
-            dtype; they are rounded to the cache dtype when stored.
+            dtype; they are converted to the cache dtype when stored.
 
     The physical page must already be allocated in block_table; positions must lie below
     max_pages_per_seq * page_size (not checked on the device, to avoid a sync).
     """
     num_pages, num_kv_heads, page_size, head_dim = _checks.check_pages(k_pages, v_pages)
-    _checks.check_centroids(centroids, num_pages, num_kv_heads, head_dim)
+    _checks.check_centroids(centroids, num_pages, num_kv_heads, head_dim, key_dtype=k_pages.dtype)
     _checks.check_block_table(block_table)
     batch = block_table.shape[0]
     _checks.check_per_seq("positions", positions, batch)
@@ -91,7 +112,8 @@ def append_kv(
     _checks.check_last_dim_contiguous(k_new=k_new, v_new=v_new, positions=positions)
     if batch == 0:
         return
-    _append_kv_kernel[(batch, num_kv_heads)](
+    launch(
+        _append_kv_kernel, (batch, num_kv_heads),
         k_pages, v_pages, centroids, block_table, positions, k_new, v_new,
         k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
         v_pages.stride(0), v_pages.stride(1), v_pages.stride(2),

@@ -1,9 +1,11 @@
-"""Training callbacks with NeMo/Lightning-style hooks, built from the recipe's ``callbacks:`` list.
+"""Training callbacks with NeMo/Lightning-style hooks: user extras from the recipe's ``callbacks:`` list, and the
+tail scheduler the trainer builds from ``sparsity.*``.
 
 - :mod:`.base`: the hook protocol (:class:`Callback`, :class:`CallbackList`), what callbacks see
   (:class:`StepReport`, :class:`TrainerLike`) and :func:`instantiate_callbacks`.
 - :mod:`.tail_scheduler`: :class:`TailMismatchScheduler`, which keeps the per-bin acceptance-rate tail at
-  the threshold by moving the sparsity schedule's budgets, with a collapse guard.
+  the threshold by moving the sparsity schedule's budgets, with a collapse guard (a built-in);
+- :mod:`.tail_stats`: the per-bin tail with confidence bounds, on one rank or merged exactly over ranks.
 - :mod:`.rollout_report`: :func:`build_step_report` (a step's rollouts and mismatch -> StepReport).
 - :mod:`.calibration`: :func:`run_calibration`, the offline calibration pass (also used by ``sparrow calibrate``).
 """

@@ -1,20 +1,26 @@
 """Callback protocol: NeMo/Lightning-style hooks, what a callback sees, and building callbacks from a recipe.
 
-The trainer calls, once per run / step, in this order::
+``callbacks:`` in a recipe is for user extras. The components a recipe section configures are built by the
+trainer itself and may not be listed again (:func:`instantiate_callbacks` refuses them): the tail scheduler
+(``sparsity.*``) and DistillSparse (``distill.*``). The trainer calls, once per run / step, in this order::
 
     on_train_start(trainer)
+    [on_validation_end(trainer, metrics)]          after the start evaluation
     per step: on_rollout_end(trainer, report) -> on_train_batch_end(trainer, report, metrics)
-              [on_validation_end(trainer, metrics)] [on_save_checkpoint(trainer) -> state]
+              [on_save_checkpoint(trainer) -> state]
+    [on_validation_end(trainer, metrics)]          after the end evaluation
     on_train_end(trainer)
 
-and, when it resumes, ``on_load_checkpoint(trainer, state)`` before ``on_train_start``. A callback changes the sparsity of the
-next rollout by assigning ``trainer.schedule``; it reports numbers with ``trainer.log(metrics)``.
+and, when it resumes, ``on_load_checkpoint(trainer, state)`` before ``on_train_start``. ``report`` is a typed
+:class:`StepReport` (the step's statistics over all ranks), ``metrics`` plain numbers. A callback changes the
+sparsity of the next rollout by assigning ``trainer.schedule``; it reports numbers with ``trainer.log(metrics)``,
+which the trainer writes under the callback's own prefix ``callbacks/<key>/`` (``key``: its class name,
+suffixed ``_1``, ``_2`` ... for repeats, :meth:`CallbackList.state_keys`).
 
-Processes: the trainer runs callbacks on rank 0 only, except those whose class sets ``collective = True``
-(e.g. ``DistillSparse``, which trains on the policy's ranks): these run on every rank, all hooks in the
-same order, and ``on_save_checkpoint`` / ``on_load_checkpoint`` too (rank 0's returned state is the one
-saved; the loaded state reaches every rank). Rank 0 alone holds the rollout engine
-(``trainer.rollout_engine`` is None elsewhere).
+Processes: the trainer runs callbacks on rank 0 only, except those whose class sets ``collective = True``:
+these run on every rank, all hooks in the same order, ``on_save_checkpoint`` / ``on_load_checkpoint`` too
+(rank 0's returned state is the one saved; the loaded state reaches every rank). After a step's hooks, rank
+0's schedule is every rank's schedule.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import torch
+
+from sparrow_nemo.callbacks.tail_stats import BinTail
 
 if TYPE_CHECKING:
     from sparrow_nemo.sparse.schedule import BudgetSchedule
@@ -50,43 +58,76 @@ HOOKS: tuple[str, ...] = (
 
 @dataclass(frozen=True)
 class StepReport:
-    """What one RL step's rollouts looked like, as the callbacks see it.
+    """What one RL step's rollouts looked like, as the callbacks see it (the same on every rank).
 
     Attributes:
         step: the RL step (0-based) these rollouts belong to.
-        alpha: [N] floating, per-token acceptance rate ``sum_v min(p, q)`` in [0, 1] of every valid response
-            token of the step's rollouts (all samples pooled, padding removed).
-        cached_len: [N] integer, tokens in the KV cache when that token was sampled (prompt + earlier response).
+        schedule: the budget schedule the rollouts were generated with.
+        tails: the per-token acceptance rate's tail per bin of cached length over all of the step's response
+            tokens (every rank's; :func:`~sparrow_nemo.callbacks.tail_stats.merged_bin_tails`), ascending by
+            bin, bins of ``schedule.bin_tokens`` tokens; only bins that hold tokens.
+        quantile: the tail level of ``tails`` (0.05 = p5). noise_z: standard errors of their bounds.
         reward_mean: mean sequence reward over the step's samples.
         response_length_mean: mean response length over the step's samples, tokens.
-        schedule: the budget schedule the rollouts were generated with.
         accuracy: fraction of samples judged correct, when the reward has that notion.
     """
 
     step: int
-    alpha: torch.Tensor
-    cached_len: torch.Tensor
+    schedule: BudgetSchedule
+    tails: tuple[BinTail, ...]
+    quantile: float
+    noise_z: float
     reward_mean: float
     response_length_mean: float
-    schedule: BudgetSchedule
     accuracy: float | None = None
 
     def __post_init__(self) -> None:
-        if self.alpha.ndim != 1 or not self.alpha.is_floating_point():
-            raise ValueError(
-                f"StepReport.alpha: expected a 1-D floating tensor [N], got {tuple(self.alpha.shape)} "
-                f"{self.alpha.dtype}"
-            )
-        if self.cached_len.shape != self.alpha.shape or self.cached_len.is_floating_point():
-            raise ValueError(
-                f"StepReport.cached_len: expected an integer tensor shaped like alpha {tuple(self.alpha.shape)}, "
-                f"got {tuple(self.cached_len.shape)} {self.cached_len.dtype}"
-            )
-        if self.alpha.numel() and not bool(torch.isfinite(self.alpha).all()):
-            raise ValueError("StepReport.alpha: contains NaN or inf")
+        object.__setattr__(self, "tails", tuple(self.tails))
+        bins = [t.bin for t in self.tails]
+        if bins != sorted(set(bins)):
+            raise ValueError(f"StepReport.tails: expected ascending distinct bins, got {bins}")
+        for t in self.tails:
+            if not all(math.isfinite(v) for v in (t.value, t.lcb, t.ucb)) or t.tokens <= 0:
+                raise ValueError(f"StepReport.tails: bin {t.bin} has a non-finite value or no tokens ({t})")
+        if not 0.0 < self.quantile < 1.0:
+            raise ValueError(f"StepReport.quantile: expected a level in (0, 1), got {self.quantile}")
         for name in ("reward_mean", "response_length_mean"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"StepReport.{name}: expected a finite number, got {getattr(self, name)}")
+
+    @classmethod
+    def from_tokens(
+        cls,
+        step: int,
+        alpha: torch.Tensor,
+        cached_len: torch.Tensor,
+        reward_mean: float,
+        response_length_mean: float,
+        schedule: BudgetSchedule,
+        accuracy: float | None = None,
+        quantile: float = 0.05,
+        noise_z: float = 2.0,
+    ) -> StepReport:
+        """The report of per-token acceptance rates ``alpha`` [N] (floating) and their integer ``cached_len``
+        [N] held in one place (one rank; tests, calibration tools)."""
+        from sparrow_nemo.callbacks.tail_stats import bin_tails
+
+        if alpha.ndim != 1 or not alpha.is_floating_point():
+            raise ValueError(
+                f"StepReport.from_tokens: alpha must be a 1-D floating tensor [N], got {tuple(alpha.shape)} "
+                f"{alpha.dtype}"
+            )
+        if cached_len.shape != alpha.shape or cached_len.is_floating_point():
+            raise ValueError(
+                f"StepReport.from_tokens: cached_len must be an integer tensor shaped like alpha "
+                f"{tuple(alpha.shape)}, got {tuple(cached_len.shape)} {cached_len.dtype}"
+            )
+        if alpha.numel() and not bool(torch.isfinite(alpha).all()):
+            raise ValueError("StepReport.from_tokens: alpha contains NaN or inf")
+        tails = bin_tails(alpha, cached_len, schedule.bin_tokens, quantile, noise_z) if alpha.numel() else []
+        return cls(
+            step, schedule, tuple(tails), quantile, noise_z, reward_mean, response_length_mean, accuracy
+        )
 
 
 @runtime_checkable
@@ -128,9 +169,12 @@ class Callback:
     Attributes:
         collective: True = the trainer runs this callback on every rank (its hooks call the policy's
             collectives); False = rank 0 only.
+        built_in: the recipe section from which the trainer builds this component itself (then it cannot be
+            listed under ``callbacks:``); None for a user callback.
     """
 
     collective: ClassVar[bool] = False
+    built_in: ClassVar[str | None] = None
 
     def on_train_start(self, trainer: TrainerLike) -> None:
         """Before the first step (after a resume has loaded its state)."""
@@ -173,6 +217,17 @@ class CallbackList(Callback):
             if not isinstance(callback, Callback):
                 raise TypeError(f"callbacks[{index}]: expected a Callback, got {type(callback).__name__}")
         self.callbacks: list[Callback] = list(callbacks)
+        #: the key of the callback whose hook is running (None between hooks): whose metrics ``log`` gets
+        self.current: str | None = None
+
+    def _each(self):
+        """(key, callback) pairs; ``current`` names the callback while the caller runs its hook."""
+        for key, callback in zip(self.state_keys(), self.callbacks):
+            self.current = key
+            try:
+                yield key, callback
+            finally:
+                self.current = None
 
     def __len__(self) -> int:
         return len(self.callbacks)
@@ -192,26 +247,26 @@ class CallbackList(Callback):
         return keys
 
     def on_train_start(self, trainer: TrainerLike) -> None:
-        for callback in self.callbacks:
+        for _, callback in self._each():
             callback.on_train_start(trainer)
 
     def on_rollout_end(self, trainer: TrainerLike, report: StepReport) -> None:
-        for callback in self.callbacks:
+        for _, callback in self._each():
             callback.on_rollout_end(trainer, report)
 
     def on_train_batch_end(
         self, trainer: TrainerLike, report: StepReport, metrics: Mapping[str, float]
     ) -> None:
-        for callback in self.callbacks:
+        for _, callback in self._each():
             callback.on_train_batch_end(trainer, report, metrics)
 
     def on_validation_end(self, trainer: TrainerLike, metrics: Mapping[str, float]) -> None:
-        for callback in self.callbacks:
+        for _, callback in self._each():
             callback.on_validation_end(trainer, metrics)
 
     def on_save_checkpoint(self, trainer: TrainerLike) -> dict[str, Any]:
         states = {}
-        for key, callback in zip(self.state_keys(), self.callbacks):
+        for key, callback in self._each():
             state = callback.on_save_checkpoint(trainer)
             if state:
                 states[key] = state
@@ -219,7 +274,7 @@ class CallbackList(Callback):
 
     def on_load_checkpoint(self, trainer: TrainerLike, state: Mapping[str, Any]) -> None:
         keys = self.state_keys()
-        for key, callback in zip(keys, self.callbacks):
+        for key, callback in self._each():
             if key in state:
                 callback.on_load_checkpoint(trainer, state[key])
         unknown = sorted(set(state) - set(keys))
@@ -227,7 +282,7 @@ class CallbackList(Callback):
             logger.warning("checkpoint holds state for callbacks not configured in this run: %s", unknown)
 
     def on_train_end(self, trainer: TrainerLike) -> None:
-        for callback in self.callbacks:
+        for _, callback in self._each():
             callback.on_train_end(trainer)
 
 
@@ -258,6 +313,12 @@ def _import_target(where: str, target: Any) -> type:
             f"{where}._target_='{target}': module '{module_name}' has no attribute '{attr}'{_suggest(attr, public)}"
         )
     cls = getattr(module, attr)
+    built_in = getattr(cls, "built_in", None)
+    if isinstance(built_in, str):
+        raise CallbackConfigError(
+            f"{where}._target_='{target}': {attr} is built by the trainer from the recipe's {built_in}; "
+            "remove it from callbacks (the callbacks list is for user extras)"
+        )
     if not (isinstance(cls, type) and issubclass(cls, Callback)):
         raise CallbackConfigError(f"{where}._target_='{target}': is not a Callback subclass")
     return cls

@@ -19,8 +19,10 @@ def build_step_report(
     rewards: Sequence[float] | torch.Tensor,
     schedule: BudgetSchedule,
     correct: Sequence[bool] | torch.Tensor | None = None,
+    quantile: float = 0.05,
+    noise_z: float = 2.0,
 ) -> StepReport:
-    """The :class:`StepReport` of one RL step.
+    """The :class:`StepReport` of one RL step whose rollouts are all in one place (one rank).
 
     Args:
         step: RL step index.
@@ -29,6 +31,7 @@ def build_step_report(
             (``sparrow_nemo.rollout.scoring.measure_mismatch`` or the policy's dense top-K scores).
         rewards: [S] sequence rewards, one per sample. correct: optional [S] booleans (-> accuracy).
         schedule: the schedule the rollouts were generated with.
+        quantile, noise_z: the tail level and its bounds' standard errors (the tail scheduler's).
     """
     rewards = torch.as_tensor(rewards, dtype=torch.float64)
     if rewards.shape != (len(samples),):
@@ -44,12 +47,14 @@ def build_step_report(
         if correct.shape != (len(samples),):
             raise ValueError(f"build_step_report: correct {tuple(correct.shape)} for {len(samples)} samples")
         accuracy = float(correct.mean())
-    return StepReport(
-        step=step,
-        alpha=mismatch.alpha,
-        cached_len=mismatch.cached_len,
+    return StepReport.from_tokens(
+        step,
+        mismatch.alpha,
+        mismatch.cached_len,
         reward_mean=float(rewards.mean()),
         response_length_mean=tokens / len(samples),
         schedule=schedule,
         accuracy=accuracy,
+        quantile=quantile,
+        noise_z=noise_z,
     )

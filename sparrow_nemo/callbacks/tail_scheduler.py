@@ -1,8 +1,11 @@
 """TailMismatchScheduler: keep the per-bin tail of the acceptance rate at the threshold during training.
 
-Per step (in ``on_train_batch_end``, once the step's rollouts are scored dense), for every bin of cached
-length with at least ``min_bin_tokens`` tokens, the tail statistic (p5) and its confidence bounds come from
-:mod:`sparrow_nemo.callbacks.tail_stats`. Then, in this order:
+Built by the trainer from the recipe's ``sparsity`` section (:meth:`TailMismatchScheduler.from_sparsity`) when
+the run adapts, calibrates or starts sparse, and run on every rank (its decisions depend only on the step's
+report, which is the same everywhere; only rank 0 writes its files). Per step (in ``on_train_batch_end``,
+once the step's rollouts are scored dense), for every bin of cached length with at least ``min_bin_tokens``
+tokens, the tail statistic (p5) and its confidence bounds come from the :class:`StepReport` (computed once
+per step over all ranks, :mod:`sparrow_nemo.callbacks.tail_stats`). Then, in this order:
 
 1. collapse guard: when the mean response length or the mean reward fell by more than ``collapse_drop``
    (a fraction) below its best over the previous ``collapse_window`` steps AND some bin is below the
@@ -14,7 +17,8 @@ length with at least ``min_bin_tokens`` tokens, the tail statistic (p5) and its 
    ``patience`` consecutive steps moves down one rung (never below the previous bin's budget).
 
 The ladder is the sorted candidate budgets (tokens) followed by "dense" for that bin. The new schedule is
-assigned to ``trainer.schedule``, so the next rollout uses it. Optionally, before training
+assigned to ``trainer.schedule``, so the next rollout uses it, and logged as ``sparsity/next_budget/bin_<b>``
+(``sparsity/budget/bin_<b>`` is the trainer's: the budgets the step's rollouts used). Optionally, before training
 (``calibrate=True``), a calibration pass (:func:`sparrow_nemo.callbacks.calibration.run_calibration`) picks
 the starting schedule. State (schedule, counters, guard window, history) round-trips through checkpoints.
 """
@@ -31,7 +35,7 @@ from typing import Any, Literal
 from sparrow_nemo.callbacks.base import CalibratingTrainer, Callback, StepReport, TrainerLike
 from sparrow_nemo.callbacks.schedule_edit import bin_budget, lower_bin, pointwise_max, raise_bin
 from sparrow_nemo.callbacks.tail_report import plot_tail_history
-from sparrow_nemo.callbacks.tail_stats import BinTail, bin_tails
+from sparrow_nemo.callbacks.tail_stats import BinTail
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET, PAPER_SCHEDULES, RESERVED_PAGES, BudgetSchedule
 
 logger = logging.getLogger(__name__)
@@ -53,6 +57,8 @@ _STATE_VERSION = 1
 class TailMismatchScheduler(Callback):
     """Adapts the sparsity schedule so every bin's acceptance-rate tail stays at or above ``threshold``.
 
+    A built-in (``built_in``): the trainer makes it from ``sparsity.*``; it is not listed under ``callbacks:``.
+
     Args:
         threshold: required tail of the acceptance rate per bin (paper: 0.86).
         quantile: tail level (0.05 = p5).
@@ -72,6 +78,8 @@ class TailMismatchScheduler(Callback):
         write_files: write ``<run_dir>/sparsity/``: ``schedule.yaml`` (the schedule in force), ``tail_history.jsonl``
             (one line per step) and, at the end, ``tail_history.png``.
     """
+
+    built_in = "sparsity section (sparsity.adapt, sparsity.calibrate, a sparse sparsity.schedule)"
 
     def __init__(
         self,
@@ -194,7 +202,17 @@ class TailMismatchScheduler(Callback):
         if self.bin_tokens is None:
             raise RuntimeError("TailMismatchScheduler: on_train_start must run before the first step")
         self._check_bins(trainer.schedule)
-        tails = bin_tails(report.alpha, report.cached_len, self.bin_tokens, self.quantile, self.noise_z)
+        if (report.quantile, report.noise_z) != (self.quantile, self.noise_z):
+            raise ValueError(
+                f"TailMismatchScheduler: the step report's tails are at quantile {report.quantile}, noise_z "
+                f"{report.noise_z}; the scheduler needs quantile {self.quantile}, noise_z {self.noise_z}"
+            )
+        if report.schedule.bin_tokens != self.bin_tokens:
+            raise ValueError(
+                f"TailMismatchScheduler: the step report's tails use {report.schedule.bin_tokens}-token bins, "
+                f"the scheduler {self.bin_tokens}"
+            )
+        tails = list(report.tails)
         decided = [t for t in tails if t.tokens >= self.min_bin_tokens]
         below = [t.bin for t in decided if t.ucb < self.threshold]
         actions: list[dict[str, Any]] = []
@@ -343,18 +361,15 @@ class TailMismatchScheduler(Callback):
         }
         self.history.append(entry)
         metrics: dict[str, float] = {}
-        for t in tails:
-            metrics[f"acceptance/{self.stat_name}/bin_{t.bin}"] = t.value
-            metrics[f"acceptance/tokens/bin_{t.bin}"] = float(t.tokens)
         last_bin = max([len(schedule.budgets) - 1, *(t.bin for t in tails)])
         for b in range(last_bin + 1):
-            metrics[f"sparsity/budget/bin_{b}"] = float(bin_budget(schedule, b))
+            metrics[f"sparsity/next_budget/bin_{b}"] = float(bin_budget(schedule, b))
         metrics["sparsity/raised_bins"] = float(sum(a["action"] == "raise" for a in actions))
         metrics["sparsity/lowered_bins"] = float(sum(a["action"] == "lower" for a in actions))
         metrics["sparsity/below_bins"] = float(
             sum(t.tokens >= self.min_bin_tokens and t.ucb < self.threshold for t in tails)
         )
-        metrics["sparsity/dense"] = float(schedule.is_dense)
+        metrics["sparsity/next_dense"] = float(schedule.is_dense)
         metrics["sparsity/collapse_guard"] = float(guard_fired)
         trainer.log(metrics)
         if self.write_files:

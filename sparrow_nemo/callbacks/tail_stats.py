@@ -91,3 +91,167 @@ def bin_tails(
         value, lcb, ucb = table[:, 0].tolist()
         tails.append(BinTail(bin=b, tokens=tokens, value=value, lcb=lcb, ucb=ucb))
     return tails
+
+
+# ----------------------------------------------------------------------------------------- several ranks
+_INT64_MAX = (1 << 63) - 1
+_INT64_MIN = -(1 << 63)
+_DIGIT_BITS = 8
+_ROUNDS = 64 // _DIGIT_BITS
+
+
+def _sortable(values: torch.Tensor) -> torch.Tensor:
+    """float64 -> int64 bit patterns whose unsigned order is the float order (no NaN)."""
+    bits = values.to(torch.float64).contiguous().view(torch.int64)
+    return (bits ^ ((bits >> 63) & _INT64_MAX)) ^ _INT64_MIN
+
+
+def _unsortable(keys: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`_sortable`."""
+    signed = keys ^ _INT64_MIN
+    return (signed ^ ((signed >> 63) & _INT64_MAX)).view(torch.float64)
+
+
+def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
+    import torch.distributed as dist
+
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return t
+    device = (
+        torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else t.device
+    )
+    moved = t.to(device)
+    dist.all_reduce(moved, op=op, group=group)
+    return moved.to(t.device)
+
+
+def order_statistics(
+    values: torch.Tensor, bins: torch.Tensor, ranks: torch.Tensor, group=None
+) -> torch.Tensor:
+    """Exact order statistics per bin of the values of all ranks of ``group``, without moving the values.
+
+    Distributed radix select: the values' float64 bit patterns (order-preserving as integers) are decided
+    8 bits at a time, most significant first; each round every rank counts its values per (target, bin,
+    next byte) among those that match the target's bytes decided so far, and one all-reduce of a
+    [T, B, 256] count tensor picks the next byte. 8 rounds, 8 all-reduces of T * B * 256 int64 in all,
+    whatever the number of tokens.
+
+    Args:
+        values: [N] floating, this rank's values (no NaN); bins: [N] int64 bin of each value, in [0, B).
+        ranks: [T, B] int64, 0-based rank within bin b (in ascending order over all ranks' values) of the
+            statistic wanted; entries of bins that hold no value anywhere are ignored (their result is 0).
+        group: process group (None = this rank alone). Collective over it.
+
+    Returns:
+        [T, B] float64, the ``ranks[t, b]``-th smallest value of bin b over the group.
+    """
+    targets, num_bins = ranks.shape
+    keys = _sortable(values.detach().reshape(-1).cpu())
+    bin_of = bins.detach().reshape(-1).cpu().to(torch.int64)
+    prefix = torch.zeros(targets, num_bins, dtype=torch.int64)
+    remaining = ranks.to(torch.int64).clone()
+    buckets = 1 << _DIGIT_BITS
+    for r in range(_ROUNDS - 1, -1, -1):
+        shift = r * _DIGIT_BITS
+        high = 0 if r == _ROUNDS - 1 else -(1 << (shift + _DIGIT_BITS))  # bits already decided
+        digit = (keys >> shift) & (buckets - 1)
+        decided = keys & high
+        hist = torch.stack(
+            [
+                torch.bincount(
+                    (bin_of * buckets + digit)[decided == prefix[t, bin_of]], minlength=num_bins * buckets
+                )
+                for t in range(targets)
+            ]
+        ).view(targets, num_bins, buckets)
+        hist = _all_reduce(hist, _sum_op(), group)
+        cum = hist.cumsum(-1)
+        chosen = (cum <= remaining[..., None]).sum(-1).clamp(max=buckets - 1)
+        remaining = remaining - (cum - hist).gather(-1, chosen[..., None]).squeeze(-1)
+        prefix = prefix | (chosen << shift)
+    return _unsortable(prefix)
+
+
+def _sum_op():
+    import torch.distributed as dist
+
+    return dist.ReduceOp.SUM
+
+
+def bin_counts(bins: torch.Tensor, num_bins: int, group=None) -> torch.Tensor:
+    """[num_bins] int64 values per bin over the group. Collective."""
+    local = torch.bincount(bins.detach().reshape(-1).cpu().to(torch.int64), minlength=num_bins)
+    return _all_reduce(local, _sum_op(), group)
+
+
+def num_bins_of(bins: torch.Tensor, group=None) -> int:
+    """1 + the largest bin index over the group (0 when no rank has a value). Collective."""
+    import torch.distributed as dist
+
+    local = torch.tensor([int(bins.max()) + 1 if bins.numel() else 0], dtype=torch.int64)
+    return int(_all_reduce(local, dist.ReduceOp.MAX, group).item())
+
+
+def merged_quantiles(
+    values: torch.Tensor, bins: torch.Tensor, levels: torch.Tensor, counts: torch.Tensor, group=None
+) -> torch.Tensor:
+    """Linear-interpolation quantiles per bin of all ranks' values, exactly as :func:`binned_quantiles` of the
+    union computes them bin by bin (each bin on its own: position ``level * (n - 1)``).
+
+    Args:
+        values, bins: [N] this rank's values and their bins; levels: [Q, B] float64 quantile level per bin;
+        counts: [B] int64 values per bin over the group (:func:`bin_counts`). Collective over ``group``.
+
+    Returns:
+        [Q, B] float64 (0 for empty bins).
+    """
+    pos = torch.zeros((), dtype=torch.int64) + levels.to(torch.float64) * (counts[None, :] - 1)
+    lo = pos.floor().to(torch.int64).clamp(min=0)
+    hi = torch.minimum(lo + 1, (counts - 1).clamp(min=0)[None, :].expand_as(lo))
+    stats = order_statistics(values, bins, torch.cat([lo, hi]), group)
+    v_lo, v_hi = stats[: len(lo)], stats[len(lo) :]
+    out = v_lo + (pos - lo) * (v_hi - v_lo)
+    return torch.where(counts[None, :] > 0, out, torch.zeros_like(out))
+
+
+def merged_bin_tails(
+    alpha: torch.Tensor,
+    cached_len: torch.Tensor,
+    bin_tokens: int,
+    quantile: float = 0.05,
+    z: float = 2.0,
+    group=None,
+) -> list[BinTail]:
+    """:func:`bin_tails` of the union of every rank's tokens, each rank passing only its own. Collective.
+
+    Exact: every ``value`` / ``lcb`` / ``ucb`` equals what :func:`bin_tails` gives on all the tokens gathered
+    in one place (the same order statistics, the same interpolation), from one count all-reduce and the
+    :func:`order_statistics` rounds; no per-token data crosses ranks.
+    """
+    if not 0.0 < quantile < 1.0:
+        raise ValueError(f"merged_bin_tails: quantile must be in (0, 1), got {quantile}")
+    if bin_tokens <= 0:
+        raise ValueError(f"merged_bin_tails: bin_tokens must be positive, got {bin_tokens}")
+    if alpha.ndim != 1 or cached_len.shape != alpha.shape or cached_len.is_floating_point():
+        raise ValueError(
+            f"merged_bin_tails: alpha [N] and integer cached_len [N] expected, got {tuple(alpha.shape)} "
+            f"{alpha.dtype} and {tuple(cached_len.shape)} {cached_len.dtype}"
+        )
+    bins = torch.div(cached_len.cpu().to(torch.int64), bin_tokens, rounding_mode="floor")
+    num_bins = num_bins_of(bins, group)
+    if num_bins == 0:
+        return []
+    counts = bin_counts(bins, num_bins, group)
+    levels = torch.zeros(3, num_bins, dtype=torch.float64)
+    for b, n in enumerate(counts.tolist()):
+        if n:
+            low, high = confidence_levels(n, quantile, z)
+            levels[:, b] = torch.tensor((quantile, low, high), dtype=torch.float64)
+    table = merged_quantiles(alpha, bins, levels, counts, group)
+    return [
+        BinTail(
+            bin=b, tokens=int(n), value=float(table[0, b]), lcb=float(table[1, b]), ucb=float(table[2, b])
+        )
+        for b, n in enumerate(counts.tolist())
+        if n
+    ]

@@ -1,14 +1,35 @@
-"""``sparrow plan``: the parallel layout and per-GPU memory plan of a recipe on a given cluster."""
+"""``sparrow plan``: the parallel layout and per-GPU memory plan of a recipe on a given cluster.
+
+``sparrow plan --table`` prints the README's memory table instead: every shipped ``qwen3_*`` model recipe
+on the cluster its ``# cluster:`` line documents.
+"""
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
+from pathlib import Path
 
 from sparrow_nemo.commands._common import add_config_arguments, config_from_args
 
 NAME = "plan"
 HELP = "show the tensor/pipeline/data-parallel layout and per-GPU memory plan of a recipe"
+
+#: the cluster a model recipe documents: ``# cluster: <N> node(s) x <G> GPUs (80 GB H100) - <submit>``
+CLUSTER_LINE = re.compile(
+    r"^# cluster: (?P<nodes>\d+) nodes? x (?P<gpus>\d+) GPUs \(80 GB H100\) - (?P<submit>.*)$", re.M
+)
+#: memory of the documented clusters' GPUs, GiB (80 GB H100)
+DOCUMENTED_GPU_GIB = 80.0
+
+
+def documented_cluster(recipe: Path) -> tuple[int, int, str]:
+    """(nodes, GPUs per node, how to submit) from the recipe's ``# cluster:`` comment line."""
+    match = CLUSTER_LINE.search(recipe.read_text())
+    if match is None:
+        raise ValueError(f"{recipe}: no '# cluster: N nodes x G GPUs (80 GB H100) - <submit>' line")
+    return int(match["nodes"]), int(match["gpus"]), match["submit"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -17,30 +38,84 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--gpu-memory-gb", type=float, default=80.0, help="memory of one GPU, GiB (default 80: H100)"
     )
+    parser.add_argument(
+        "--table",
+        action="store_true",
+        help="the README's memory table: every shipped qwen3_* recipe on its documented cluster",
+    )
     add_config_arguments(parser)
+
+
+def plan_config(config, nodes: int, gpus_per_node: int, gpu_memory_gb: float):
+    """:class:`~sparrow_nemo.policy.plan.PlanReport` of a resolved recipe (LayoutError when it cannot run)."""
+    from sparrow_nemo.policy.lora import LoraConfig
+    from sparrow_nemo.policy.memory import MemorySettings
+    from sparrow_nemo.policy.plan import DistillSpec, RolloutSpec, plan
+
+    policy, d = config.policy, config.distill
+    distill = None
+    if d.enabled:
+        targets = LoraConfig.from_hf_targets(d.lora_rank, d.lora_alpha, d.target_modules).targets
+        distill = DistillSpec(d.lora_rank, targets, config.sparsity.dense_layers, config.sparsity.page_size)
+    return plan(
+        config.model.shape(),
+        nodes=nodes,
+        gpus_per_node=gpus_per_node,
+        tp=policy.tensor_model_parallel_size,
+        pp=policy.pipeline_model_parallel_size,
+        micro_batch=policy.micro_batch_size,
+        seq_len=config.data.max_prompt_tokens + config.rollout.max_new_tokens,
+        dtype=policy.precision,
+        optimizer="distributed_adam" if policy.optimizer.distributed else "adam",
+        gpu_memory_gb=gpu_memory_gb,
+        shape_name=config.model.preset or "custom",
+        memory=MemorySettings.from_policy_config(policy),
+        distill=distill,
+        rollout=RolloutSpec(
+            config.rollout.backend,
+            config.rollout.max_batch_size,
+            config.model.dtype,
+            config.sparsity.page_size,
+            config.sparsity.dense_layers,
+        ),
+    )
+
+
+def recipes_table() -> str:
+    """Markdown table: per shipped model recipe, the plan's per-GPU GiB on its documented cluster."""
+    from sparrow_nemo.config import load_config, recipes_dir
+    from sparrow_nemo.policy.plan import GIB
+
+    rows = [
+        "| recipe | nodes x GPUs | layout | weights | grads | optimizer | activations | recompute | logits "
+        "| distill | total GiB/GPU | rollout KV GiB (sequences) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for path in sorted(recipes_dir().glob("qwen3_*.yaml")):
+        if not CLUSTER_LINE.search(path.read_text()):
+            continue
+        nodes, gpus, _ = documented_cluster(path)
+        r = plan_config(load_config(path), nodes, gpus, DOCUMENTED_GPU_GIB)
+        m, lay = r.memory, r.layout
+        distill = "-" if r.distill is None else f"{(r.distill.total - m.total) / GIB:.1f}"
+        kv = "-" if r.rollout is None else f"{r.rollout.kv_pool / GIB:.1f} ({r.rollout.sequences})"
+        rows.append(
+            f"| `{path.stem}` | {nodes} x {gpus} | TP{lay.tp} PP{lay.pp} DP{lay.dp} | {m.weights / GIB:.1f} | "
+            f"{m.gradients / GIB:.1f} | {m.optimizer / GIB:.1f} | {m.activations / GIB:.1f} | "
+            f"{m.recompute / GIB:.1f} | {m.logits / GIB:.1f} | {distill} | {r.peak.total / GIB:.1f} | {kv} |"
+        )
+    return "\n".join(rows)
 
 
 def run(args: argparse.Namespace) -> int:
     from sparrow_nemo.policy.parallel import LayoutError
-    from sparrow_nemo.policy.plan import format_plan, plan
+    from sparrow_nemo.policy.plan import format_plan
 
-    config = config_from_args(args)
-    policy = config.policy
     try:
-        report = plan(
-            config.model.shape(),
-            nodes=args.nodes,
-            gpus_per_node=args.gpus_per_node,
-            tp=policy.tensor_model_parallel_size,
-            pp=policy.pipeline_model_parallel_size,
-            micro_batch=policy.micro_batch_size,
-            seq_len=config.data.max_prompt_tokens + config.rollout.max_new_tokens,
-            dtype=policy.precision,
-            optimizer="distributed_adam" if policy.optimizer.distributed else "adam",
-            gpu_memory_gb=args.gpu_memory_gb,
-            shape_name=config.model.preset or "custom",
-            recompute=policy.activation_recompute,
-        )
+        if args.table:
+            print(recipes_table())
+            return 0
+        report = plan_config(config_from_args(args), args.nodes, args.gpus_per_node, args.gpu_memory_gb)
     except LayoutError as exc:
         print(f"sparrow plan: {exc}", file=sys.stderr)
         return 2

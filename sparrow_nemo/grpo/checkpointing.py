@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from sparrow_nemo.grpo.process_model import distributed, object_group
 from sparrow_nemo.policy.checkpoint import (
     MANIFEST,
     PARTIAL_SUFFIX,
@@ -39,11 +40,64 @@ from sparrow_nemo.policy.checkpoint import (
     sha256_file,
     verify_checkpoint,
 )
+from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 logger = logging.getLogger(__name__)
 
 TRAINER_STATE = "trainer_state.json"
 CALLBACK_TENSORS = "callback_tensors.pt"
+
+
+@dataclass
+class TrainerState:
+    """Everything a resume needs besides the policy checkpoint and the callbacks' states (plain data).
+
+    Attributes:
+        step: RL steps completed.
+        schedule: the budget schedule the next rollout uses.
+        prompt_cursor: position in the prompt stream.
+        initial_schedule: the schedule the run started with (for the summary).
+        warm_start_dir: the HF checkpoint the policy started from, if any.
+        evals: evaluation results by tag ("start", "start_dense", "end", "end_dense").
+        prompt_stream: :meth:`PromptSource.state_dict` (cursor, epoch, seed) as of the last checkpoint.
+        metrics_rows: rows in ``metrics.jsonl`` as of the last checkpoint (a resumed run drops later ones).
+    """
+
+    step: int
+    schedule: BudgetSchedule
+    prompt_cursor: int = 0
+    initial_schedule: BudgetSchedule | None = None
+    warm_start_dir: str | None = None
+    evals: dict[str, dict[str, float]] = field(default_factory=dict)
+    prompt_stream: dict[str, Any] = field(default_factory=dict)
+    metrics_rows: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "schedule": self.schedule.to_dict(),
+            "prompt_cursor": self.prompt_cursor,
+            "initial_schedule": None if self.initial_schedule is None else self.initial_schedule.to_dict(),
+            "warm_start_dir": self.warm_start_dir,
+            "evals": self.evals,
+            "prompt_stream": self.prompt_stream,
+            "metrics_rows": self.metrics_rows,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainerState:
+        """Inverse of :meth:`to_dict`."""
+        initial = data["initial_schedule"]
+        return cls(
+            step=int(data["step"]),
+            schedule=BudgetSchedule.from_dict(data["schedule"]),
+            prompt_cursor=int(data["prompt_cursor"]),
+            initial_schedule=None if initial is None else BudgetSchedule.from_dict(initial),
+            warm_start_dir=data["warm_start_dir"],
+            evals=dict(data["evals"]),
+            prompt_stream=dict(data["prompt_stream"]),
+            metrics_rows=int(data["metrics_rows"]),
+        )
 
 
 @dataclass
@@ -153,11 +207,11 @@ def resume_candidates(resume: str, root: Path) -> list[Path]:
 
 
 def _gather(error: str | None) -> list[str | None]:
-    """Every rank's ``error`` (identity list without a multi-rank process group)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    """Every rank's ``error`` (identity list without a multi-rank process group; over gloo)."""
+    if not distributed():
         return [error]
     errors: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
+    dist.all_gather_object(errors, error, group=object_group())
     return errors
 
 

@@ -7,8 +7,9 @@ lists and JSON strings). The prompt goes through the tokenizer's chat template w
 (``tokenizer.apply_chat_template``, as a single user turn, with the generation prompt); otherwise the raw
 text is used and the tokenizer adds its own special tokens (e.g. bos).
 
-A bad row (invalid JSON or UTF-8, not an object, missing field, an answer ``parse_answer`` refuses, a prompt
-the tokenizer rejects or one longer than ``max_prompt_tokens``) is skipped and counted; the first
+A bad row (invalid JSON or UTF-8, a line over :data:`MAX_ROW_BYTES`, nesting deeper than :data:`MAX_ROW_DEPTH`,
+not an object, missing field, an answer ``parse_answer`` refuses, a prompt the tokenizer rejects or one
+longer than ``max_prompt_tokens``) is skipped and counted; the first
 ``report_first`` are logged with file and line. Loading fails with a one-line :class:`PromptDataError`
 naming the file when more than ``max_bad_fraction`` of the rows are bad, when no row is usable, when the
 file has no rows, is unreadable (corrupt gzip / Parquet), or is a Parquet file without the prompt or answer
@@ -28,6 +29,13 @@ from typing import Any, Protocol
 logger = logging.getLogger(__name__)
 
 SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
+#: a longer JSON line is a bad row, skipped without being parsed
+MAX_ROW_BYTES = 32 << 20
+#: rows nested deeper (lists / objects in each other) are bad rows
+MAX_ROW_DEPTH = 64
+#: prompts with more characters than this many per allowed token are refused before tokenizing (tokenizing
+#: a huge text costs memory in proportion to it; no real prompt averages this many characters per token)
+MAX_CHARS_PER_TOKEN = 32
 
 
 class PromptDataError(ValueError):
@@ -144,7 +152,10 @@ def _read_rows(path: Path, columns: tuple[str, ...]) -> Iterator[tuple[int, Any]
         return
     opener = gzip.open if name.endswith(".gz") else open
     with opener(path, "rb") as fh:
-        for i, raw in enumerate(fh, start=1):
+        for i, raw in enumerate(_lines(fh), start=1):
+            if raw is None:
+                yield i, _BadRowError(f"line longer than {MAX_ROW_BYTES} bytes")
+                continue
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
@@ -156,6 +167,37 @@ def _read_rows(path: Path, columns: tuple[str, ...]) -> Iterator[tuple[int, Any]
                 yield i, json.loads(line)
             except json.JSONDecodeError as exc:
                 yield i, _BadRowError(f"invalid JSON ({exc.msg} at column {exc.colno})")
+            except RecursionError:
+                yield (
+                    i,
+                    _BadRowError(
+                        f"JSON nested deeper than the parser allows (rows may nest {MAX_ROW_DEPTH} levels)"
+                    ),
+                )
+
+
+def _lines(fh: Any) -> Iterator[bytes | None]:
+    """The lines of a binary file, each read with a cap: a longer one is skipped to its end and is None."""
+    while raw := fh.readline(MAX_ROW_BYTES + 1):
+        if len(raw) > MAX_ROW_BYTES and not raw.endswith(b"\n"):
+            while (rest := fh.readline(1 << 20)) and not rest.endswith(b"\n"):
+                pass
+            yield None
+        else:
+            yield raw
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of lists/dicts in ``value`` (a scalar is 0), without recursion."""
+    deepest, todo = 0, [(value, 0)]
+    while todo:
+        item, depth = todo.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, depth + 1)
+            if deepest > MAX_ROW_DEPTH:
+                return deepest
+            todo += [(v, depth + 1) for v in (item.values() if isinstance(item, dict) else item)]
+    return deepest
 
 
 def _field(row: Any, key: str) -> Any:
@@ -194,10 +236,17 @@ def _example(
     config: PromptDataConfig,
     parse_answer: Callable[[Any], Any],
 ) -> PromptExample:
+    if not isinstance(row, _BadRowError) and _depth(row) > MAX_ROW_DEPTH:
+        raise _BadRowError(f"row nested deeper than {MAX_ROW_DEPTH} levels")
     prompt = _field(row, config.prompt_key)
     if not isinstance(prompt, str) or not prompt.strip():
         raise _BadRowError(
             f"field '{config.prompt_key}' must be a non-empty string, got {type(prompt).__name__}"
+        )
+    if config.max_prompt_tokens is not None and len(prompt) > MAX_CHARS_PER_TOKEN * config.max_prompt_tokens:
+        raise _BadRowError(
+            f"prompt has {len(prompt)} characters, more than {MAX_CHARS_PER_TOKEN} per allowed token "
+            f"(max_prompt_tokens={config.max_prompt_tokens}); refused before tokenizing"
         )
     raw_answer = _field(row, config.answer_key)
     try:

@@ -1,12 +1,20 @@
-"""Evaluate the current rollout policy on fixed held-out prompts: accuracy and rollout speed."""
+"""Evaluate the current rollout policy on fixed held-out prompts: accuracy and rollout speed.
+
+Split over every engine of the run (:meth:`~sparrow_nemo.grpo.process_model.RankPlan.eval_items`): each
+generates its contiguous part of the prompts, prompt ``i`` seeded ``sample_seed(sampling.seed, i)`` as on one
+rank, and the counts are summed over the ranks (:meth:`EvalTally.reduce`).
+"""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+from sparrow_nemo.grpo.process_model import reduce_max, reduce_sums
 from sparrow_nemo.grpo.prompts import PromptItem, PromptSource
 from sparrow_nemo.rollout.engine import RolloutEngine, SamplingParams
+from sparrow_nemo.rollout.sampling import sample_seed
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 
@@ -16,8 +24,8 @@ class EvalResult:
 
     Attributes:
         accuracy: fraction of samples with reward 1. reward_mean: mean reward.
-        response_length_mean: tokens. tokens_per_s: generated tokens per second of wall time.
-        schedule: the schedule's name. prompts: how many prompts.
+        response_length_mean: tokens. tokens_per_s: generated tokens per second of wall time (the slowest
+            engine's). schedule: the schedule's name. prompts: how many prompts.
     """
 
     accuracy: float
@@ -31,23 +39,61 @@ class EvalResult:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class EvalTally:
+    """One rank's part of an evaluation: sums over its prompts and its generation time (seconds)."""
+
+    prompts: int
+    correct: int
+    reward_sum: float
+    tokens: int
+    seconds: float
+    schedule: str
+
+    def reduce(self) -> EvalResult:
+        """The :class:`EvalResult` over every rank's tally. Collective."""
+        prompts, correct, reward_sum, tokens = reduce_sums(
+            [self.prompts, self.correct, self.reward_sum, self.tokens]
+        )
+        (seconds,) = reduce_max([self.seconds])
+        if prompts == 0:
+            raise ValueError("evaluate: no prompts")
+        return EvalResult(
+            accuracy=correct / prompts,
+            reward_mean=reward_sum / prompts,
+            response_length_mean=tokens / prompts,
+            tokens_per_s=tokens / seconds if seconds > 0 else float("nan"),
+            schedule=self.schedule,
+            prompts=int(prompts),
+        )
+
+
 def evaluate(
-    engine: RolloutEngine,
+    engine: RolloutEngine | None,
     source: PromptSource,
     items: Sequence[PromptItem],
+    indices: range,
     sampling: SamplingParams,
     schedule: BudgetSchedule,
-) -> EvalResult:
-    """Generate one response per item under ``schedule`` with ``sampling`` (fixed seed: paired comparisons)."""
+) -> EvalTally:
+    """Generate one response for each of ``items[i]``, ``i`` in ``indices`` (this rank's part), under
+    ``schedule`` with ``sampling``; item ``i`` is seeded ``sample_seed(sampling.seed, i)`` (fixed: paired
+    comparisons, the same samples on any layout). An empty part (or no engine) tallies nothing."""
     if not items:
         raise ValueError("evaluate: no prompts")
-    batch = engine.generate([i.prompt_ids for i in items], sampling, schedule)
-    rewards = [source.reward(s.response_ids.tolist(), i.answer) for s, i in zip(batch.samples, items)]
-    return EvalResult(
-        accuracy=sum(r >= 1.0 for r in rewards) / len(rewards),
-        reward_mean=sum(rewards) / len(rewards),
-        response_length_mean=batch.num_response_tokens / len(items),
-        tokens_per_s=batch.tokens_per_second(),
+    if engine is None or not indices:
+        return EvalTally(0, 0, 0.0, 0, 0.0, schedule.name)
+    mine = [items[i] for i in indices]
+    seeds = [sample_seed(sampling.seed, i) for i in indices]
+    start = time.perf_counter()
+    batch = engine.generate([i.prompt_ids for i in mine], sampling, schedule, sample_seeds=seeds)
+    seconds = time.perf_counter() - start
+    rewards = [source.reward(s.response_ids.tolist(), i.answer) for s, i in zip(batch.samples, mine)]
+    return EvalTally(
+        prompts=len(mine),
+        correct=sum(r >= 1.0 for r in rewards),
+        reward_sum=float(sum(rewards)),
+        tokens=batch.num_response_tokens,
+        seconds=seconds,
         schedule=schedule.name,
-        prompts=len(items),
     )

@@ -1,7 +1,7 @@
 """Step metrics: the numbers of one RL step (NeMo-RL / verl names), and where they are written.
 
-:func:`rollout_metrics` turns a step's rollouts, rewards, mismatch and schedule into flat ``"group/name"``
-scalars; :class:`MetricsWriter` appends one JSON line per step to ``<run_dir>/metrics.jsonl`` (and
+:func:`merge_metrics` joins the step's components' flat ``"group/name"`` scalars (the rollout statistics come
+from :meth:`sparrow_nemo.grpo.step_batch.StepStats.metrics`); :class:`MetricsWriter` appends one JSON line per step to ``<run_dir>/metrics.jsonl`` (and
 TensorBoard scalars when enabled and installed); :func:`progress` is the tqdm bar factory.
 """
 
@@ -11,77 +11,27 @@ import json
 import logging
 import math
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from sparrow_nemo.policy.checkpoint import atomic_write_bytes
-from sparrow_nemo.rollout.engine import RolloutSample
-from sparrow_nemo.rollout.scoring import TokenMismatch
-from sparrow_nemo.sparse.mismatch import tail_by_bin
-from sparrow_nemo.sparse.schedule import DENSE_BUDGET, BudgetSchedule
 
 logger = logging.getLogger(__name__)
 
 
-def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
-    v = values.double()
-    return {f"{prefix}/mean": float(v.mean()), f"{prefix}/std": float(v.std()) if v.numel() > 1 else 0.0}
+def merge_metrics(*parts: Mapping[str, float]) -> dict[str, float]:
+    """One row from the step's components (trainer, update, DistillSparse, scheduler, callbacks, timing).
 
-
-def rollout_metrics(
-    samples: Sequence[RolloutSample],
-    rewards: torch.Tensor,
-    mismatch: TokenMismatch,
-    schedule: BudgetSchedule,
-    quantile: float,
-    tokens_per_s: float,
-    predicted_speedup: float,
-) -> dict[str, float]:
-    """Rollout-side metrics of one step.
-
-    Args:
-        samples: the step's N rollouts. rewards: [N] float in [0, 1] (accuracy = reward == 1).
-        mismatch: per response token acceptance rate and cached length (dense policy vs sparse engine).
-        schedule: the schedule the rollouts used. quantile: tail level (0.05 -> ``acceptance/p5/bin_i``).
-        tokens_per_s: generated tokens per second of rollout wall time.
-        predicted_speedup: cost model, this schedule vs dense on the step's lengths.
+    Every name has one owner: a name that two parts both set is an error (no hidden precedence).
     """
-    lengths = torch.tensor([s.response_ids.numel() for s in samples], dtype=torch.float64)
-    truncated = torch.tensor([s.finish_reason == "length" for s in samples], dtype=torch.float64)
-    m: dict[str, float] = {
-        **_stats("reward", rewards),
-        "reward/accuracy": float((rewards >= 1.0).double().mean()),
-        "response_length/mean": float(lengths.mean()),
-        "response_length/max": float(lengths.max()),
-        "response_length/min": float(lengths.min()),
-        "response_length/truncation_rate": float(truncated.mean()),
-        "rollout/tokens": float(lengths.sum()),
-        "rollout/tokens_per_s": tokens_per_s,
-        "sparsity/predicted_speedup": predicted_speedup,
-        "sparsity/dense": float(schedule.is_dense),
-    }
-    if mismatch.alpha.numel():
-        stat = f"p{100 * quantile:g}"
-        m["acceptance/mean"] = float(mismatch.alpha.double().mean())
-        m[f"acceptance/{stat}"] = float(torch.quantile(mismatch.alpha.double(), quantile))
-        bins = tail_by_bin(mismatch.alpha, mismatch.cached_len, schedule.bin_tokens, quantile)
-        index = mismatch.cached_len // schedule.bin_tokens
-        counts = torch.bincount(index)
-        sums = torch.bincount(index, weights=mismatch.alpha.double())
-        for b, value in bins.items():
-            m[f"acceptance/{stat}/bin_{b}"] = float(value)
-            m[f"acceptance/mean/bin_{b}"] = float(sums[b] / counts[b])
-            m[f"acceptance/tokens/bin_{b}"] = float(counts[b])
-        diff = (mismatch.train_logprobs - mismatch.gen_logprobs).double()
-        m["token_mult_prob_error"] = float(torch.exp(diff.abs()).mean())
-        m["rollout_is/log_ppl_diff"] = float(diff.mean())
-        for b in range(max([len(schedule.budgets), *(k + 1 for k in bins)])):
-            budget = schedule.budget(b * schedule.bin_tokens)
-            m[f"sparsity/budget/bin_{b}"] = float("inf") if budget == DENSE_BUDGET else float(budget)
-    return m
+    out: dict[str, float] = {}
+    for part in parts:
+        clash = sorted(set(out) & set(part))
+        if clash:
+            raise ValueError(f"metrics: {clash} set twice in one step (each metric has one owner)")
+        out.update(part)
+    return out
 
 
 class MetricsWriter:

@@ -7,6 +7,13 @@ by any rank stops every rank after the same step. A signal that arrives while th
 written (:meth:`PreemptionGuard.saving`) or after the stop was already requested is logged and ignored;
 it does not interrupt the save. The trainer then raises :class:`Preempted`, which the CLI turns into
 exit status :data:`REQUEUE_EXIT` (the launcher's "checkpointed, requeue me").
+
+``sparrow train`` holds one more guard around the whole command (:func:`whole_run`), so that a signal is
+never left to its default action: one that arrives during start-up (config, warm-start, loading, before
+the trainer's guard is entered) raises :class:`StoppedDuringStartup` at once, as a kill would stop it (whatever it
+interrupts is what a kill -9 leaves, which every writer here tolerates); one that arrives while the
+trainer's guard is held is the trainer's (between steps, as above); one that arrives at the end (the
+final evaluation, the summary) lets the run finish and is reported by the command with exit 3 too.
 """
 
 from __future__ import annotations
@@ -46,6 +53,15 @@ class Preempted(Exception):
         self.checkpoint = checkpoint
 
 
+class StoppedDuringStartup(BaseException):
+    """A stop signal during start-up, raised by the handler of :func:`whole_run` where the program is; a
+    BaseException, so that no ``except Exception`` it passes through on its way out swallows it."""
+
+    def __init__(self, signal_name: str) -> None:
+        super().__init__(f"stopped by {signal_name} during start-up, before any step (nothing new to save)")
+        self.signal_name = signal_name
+
+
 class PreemptionGuard:
     """Signal handlers for :data:`STOP_SIGNALS` while in a ``with`` block.
 
@@ -58,8 +74,14 @@ class PreemptionGuard:
         self.signal_name: str | None = None
         self._saving = False
         self._previous: dict[signal.Signals, Any] = {}
+        self._outer: PreemptionGuard | None = None
+        self._interrupt = False  # raise Preempted from the handler (whole_run, during start-up)
 
     def __enter__(self) -> PreemptionGuard:
+        """Install the handlers (inside :func:`whole_run`: start-up is over, stops wait for a step's end)."""
+        self._outer = _whole_run if _whole_run is not self else None
+        if self._outer is not None:
+            self._outer._interrupt = False  # start-up is over: this guard stops the run between steps
         if threading.current_thread() is threading.main_thread():
             for sig in STOP_SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
@@ -72,6 +94,8 @@ class PreemptionGuard:
         for sig, handler in self._previous.items():
             signal.signal(sig, signal.SIG_IGN if self.signal_name is not None else handler)
         self._previous = {}
+        if self._outer is not None and self._outer.signal_name is None:
+            self._outer.signal_name = self.signal_name
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
@@ -80,6 +104,9 @@ class PreemptionGuard:
             logger.warning("%s: ignored, already stopping on %s%s", name, self.signal_name, during)
             return
         self.signal_name = name
+        if self._interrupt:
+            self._interrupt = False
+            raise StoppedDuringStartup(name)
         if self._saving:
             logger.warning("%s: the checkpoint being written completes, then the run stops", name)
         else:
@@ -106,3 +133,22 @@ class PreemptionGuard:
             yield
         finally:
             self._saving = False
+
+
+#: the guard of :func:`whole_run` while one is active
+_whole_run: PreemptionGuard | None = None
+
+
+@contextmanager
+def whole_run() -> Iterator[PreemptionGuard]:
+    """A guard over a whole command, start-up to exit; the trainer's own guard shares its stop (see the
+    module docstring). After the block, ``guard.signal_name`` is the stop signal that arrived, if any."""
+    global _whole_run
+    guard = PreemptionGuard()
+    guard._interrupt = True
+    with guard:
+        _whole_run = guard
+        try:
+            yield guard
+        finally:
+            _whole_run = None

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sparrow_nemo.grpo.process_model import SampleShare
+from sparrow_nemo.policy import packing
 from sparrow_nemo.policy.batch import PolicyBatch
 from sparrow_nemo.policy.logprobs import LogprobOutput
 from sparrow_nemo.rollout.engine import RolloutSample
@@ -36,6 +38,16 @@ class RolloutTensors:
     response_mask: torch.Tensor
     rollout_logprobs: torch.Tensor
     advantages: torch.Tensor
+
+    def rows(self, index: slice) -> RolloutTensors:
+        """The rows ``index`` (same width)."""
+        return RolloutTensors(
+            self.tokens[index],
+            self.lengths[index],
+            self.response_mask[index],
+            self.rollout_logprobs[index],
+            self.advantages[index],
+        )
 
 
 def pad_pairs(
@@ -66,45 +78,41 @@ def collate(samples: Sequence[RolloutSample], advantages: torch.Tensor, pad_id: 
     return RolloutTensors(tokens, lengths, mask, rollout_lp, advantages.float())
 
 
-def micro_batches(
-    tokens: torch.Tensor, lengths: torch.Tensor, extras: dict[str, torch.Tensor], micro_batch_size: int
-) -> list[PolicyBatch]:
-    """Split rows (tokens [N, S], lengths [N]) into :class:`PolicyBatch` es of ``micro_batch_size`` rows.
+def collate_share(share: SampleShare, pad_id: int = 0) -> RolloutTensors:
+    """:func:`collate` of samples that arrived as flat tensors (:class:`SampleShare`)."""
+    tokens, lengths, mask = pad_pairs(share.split_prompts(), share.split_responses(), pad_id)
+    rollout_lp = torch.zeros(mask.shape, dtype=torch.float32)
+    rollout_lp[mask] = share.logprobs.float()
+    return RolloutTensors(tokens, lengths, mask, rollout_lp, share.advantages.float())
 
-    N must be a multiple of ``micro_batch_size``. ``extras``: [N, ...] tensors split the same way and
-    attached to each batch (the loss reads them).
+
+def micro_batches(
+    tokens: torch.Tensor,
+    lengths: torch.Tensor,
+    extras: dict[str, torch.Tensor],
+    micro_batch_size: int,
+    max_tokens: int | None = None,
+    multiple_of: int = 1,
+) -> list[PolicyBatch]:
+    """Rows (tokens [N, S], lengths [N]) as :class:`PolicyBatch` es, each cut to its longest row.
+
+    ``micro_batch_size`` rows each (N must be a multiple of it), or with ``max_tokens``
+    (``policy.max_tokens_per_micro_batch``) length-sorted rows under a token budget; ``extras``
+    ([N] or [N, S-1, ...]) travel with their rows. See :func:`sparrow_nemo.policy.packing.micro_batches`.
     """
-    n = tokens.shape[0]
-    if n % micro_batch_size:
-        raise ValueError(
-            f"{n} sequences per step is not a multiple of policy.micro_batch_size={micro_batch_size} "
-            "(grpo.prompts_per_step x grpo.samples_per_prompt, or warmstart.batch_size, must divide evenly)"
-        )
-    return [
-        PolicyBatch(
-            tokens[lo : lo + micro_batch_size],
-            lengths[lo : lo + micro_batch_size],
-            {k: v[lo : lo + micro_batch_size] for k, v in extras.items()},
-        )
-        for lo in range(0, n, micro_batch_size)
-    ]
+    return packing.micro_batches(tokens, lengths, extras, micro_batch_size, max_tokens, multiple_of)
 
 
 def concat_outputs(outputs: Sequence[LogprobOutput]) -> LogprobOutput:
-    """Micro-batch outputs (each [b, S-1, ...]) stacked back to [N, S-1, ...]."""
-    return LogprobOutput(
-        *(
-            torch.cat([getattr(o, f) for o in outputs])
-            for f in ("logprobs", "entropy", "topk_ids", "topk_logprobs")
-        )
-    )
+    """Micro-batch outputs back to [N, S-1, ...] in the step's row order (:func:`packing.concat_outputs`)."""
+    return packing.concat_outputs(outputs)
 
 
 def reference_logprobs(policy, data: RolloutTensors, micro_batch_size: int) -> torch.Tensor:
     """[N, S-1] float32 log-probs of ``data``'s tokens under ``policy``'s frozen reference weights
     (:meth:`~sparrow_nemo.policy.policy.MegatronPolicy.reference_logprobs`; collective over the ranks)."""
     batches = micro_batches(data.tokens, data.lengths, {}, micro_batch_size)
-    return torch.cat([o.logprobs.detach().float() for o in policy.reference_logprobs(batches)])
+    return concat_outputs(policy.reference_logprobs(batches)).logprobs.detach().float()
 
 
 def token_mismatch(

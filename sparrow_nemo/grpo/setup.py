@@ -6,6 +6,7 @@ Shared by ``sparrow train`` (the trainer) and ``sparrow calibrate`` so both read
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import socket
 from collections.abc import Iterator, Mapping
@@ -52,21 +53,26 @@ def one_rank_world() -> Iterator[None]:
                 os.environ[key] = value
 
 
-def start_processes() -> None:
-    """The default process group (gloo on CPU, nccl on GPU) from the launcher's env, or a 1-rank one."""
+def start_processes(dist_timeout_minutes: float | None = None) -> None:
+    """The default process group (gloo on CPU, nccl on GPU) from the launcher's env, or a 1-rank one.
+
+    ``dist_timeout_minutes`` (``trainer.dist_timeout_minutes``) bounds every collective; None = torch's default.
+    """
+    from sparrow_nemo.grpo.process_model import forget_object_group
     from sparrow_nemo.policy.parallel import init_distributed
 
     single_process_defaults()
-    init_distributed()
+    if not dist.is_initialized():
+        forget_object_group()
+    timeout = None if dist_timeout_minutes is None else datetime.timedelta(minutes=dist_timeout_minutes)
+    init_distributed(timeout=timeout)
 
 
 def broadcast_from_rank0(obj: Any) -> Any:
-    """``obj`` as rank 0 has it, on every rank (identity without a multi-rank process group)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    """``obj`` as rank 0 has it, on every rank (over gloo; identity without a multi-rank process group)."""
+    from sparrow_nemo.grpo.process_model import broadcast_object
+
+    return broadcast_object(obj, src=0)
 
 
 def world_size() -> int:
@@ -100,6 +106,7 @@ def build_policy(config: SparrowConfig, hf_dir: str | Path | None, lr: float | N
     Args:
         lr: learning rate override (the warm-start uses its own); None = ``policy.optimizer.lr``.
     """
+    from sparrow_nemo.policy.memory import MemorySettings
     from sparrow_nemo.policy.optim import OptimizerSettings
     from sparrow_nemo.policy.parallel import ParallelLayout
     from sparrow_nemo.policy.policy import MegatronPolicy
@@ -122,7 +129,13 @@ def build_policy(config: SparrowConfig, hf_dir: str | Path | None, lr: float | N
         distributed=o.distributed,
     )
     return MegatronPolicy(
-        config.model.shape(), layout, settings, dtype=p.precision, hf_dir=hf_dir, seed=config.trainer.seed + 1
+        config.model.shape(),
+        layout,
+        settings,
+        dtype=p.precision,
+        hf_dir=hf_dir,
+        seed=config.trainer.seed + 1,
+        memory=MemorySettings.from_policy_config(p),
     )
 
 

@@ -31,6 +31,16 @@ def tail_per_bin(history: Sequence[dict[str, Any]]) -> dict[int, dict[str, float
     return dict(sorted(out.items()))
 
 
+def timing_per_phase(history: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Mean seconds per step of every ``timing/<phase>`` metric over the steps that logged it."""
+    values: dict[str, list[float]] = {}
+    for row in history:
+        for key, value in row.items():
+            if key.startswith("timing/") and value is not None:
+                values.setdefault(key.removeprefix("timing/"), []).append(value)
+    return {phase: sum(v) / len(v) for phase, v in values.items()}
+
+
 def build_summary(state, history: Sequence[dict[str, Any]], config: SparrowConfig) -> dict[str, Any]:
     """The summary dict (JSON-ready) of a finished run; ``state`` is the trainer's :class:`TrainerState`."""
     steps = [row for row in history if row["step"] >= 0]
@@ -53,6 +63,7 @@ def build_summary(state, history: Sequence[dict[str, Any]], config: SparrowConfi
         "initial_schedule": state.initial_schedule.to_dict() if state.initial_schedule else None,
         "final_schedule": state.schedule.to_dict(),
         "predicted_speedup_mean": sum(predicted) / len(predicted) if predicted else None,
+        "timing_mean_s": timing_per_phase(steps),
         "evals": evals,
     }
     end, dense = evals.get("end"), evals.get("end_dense")
@@ -87,6 +98,12 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"rollout speedup vs dense: predicted {_fmt(summary['predicted_speedup_mean'], '.2f')}x (H200 cost model), "
         f"measured {_fmt(summary.get('measured_rollout_speedup'), '.2f')}x (this machine)"
     )
+    timing = summary.get("timing_mean_s") or {}
+    if timing:
+        order = ["step", *sorted(k for k in timing if k != "step")]
+        lines.append(
+            "seconds per step (mean): " + ", ".join(f"{k} {timing[k]:.2f}" for k in order if k in timing)
+        )
     return "\n".join(lines)
 
 

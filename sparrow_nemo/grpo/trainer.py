@@ -1,69 +1,68 @@
-"""The GRPO trainer with sparse rollouts: one RL step = one short function calling the pieces.
+"""The GRPO trainer with sparse rollouts: one RL step = one page of phases over a :class:`StepBatch`.
 
 Boundaries (NeMo-RL): the algorithm lives here; generation goes through a
 :class:`~sparrow_nemo.rollout.engine.RolloutEngine`; the policy worker is
-:class:`~sparrow_nemo.policy.policy.MegatronPolicy`. Per step:
+:class:`~sparrow_nemo.policy.policy.MegatronPolicy`. Process model (:mod:`sparrow_nemo.grpo.process_model`):
+every rank holds a policy shard and a rollout engine on the same device and generates its share of the step.
+Per step (:meth:`GrpoTrainer.step`), each phase timed as ``timing/<phase>``:
 
-1. prompts -> ``engine.generate`` (sparse, ``grpo.samples_per_prompt`` samples per prompt, current schedule;
-   the batch is halved and retried on out-of-memory, :mod:`sparrow_nemo.rollout.oom_retry`)
-   -> rewards (rank 0; the rollouts are broadcast to the other ranks);
-2. group advantages -> padded micro-batches -> dense logprobs, entropy and top-20 from the policy;
-3. per-token acceptance rate (policy top-20 vs engine top-20) -> :class:`StepReport` -> callbacks
-   (the tail scheduler may change ``self.schedule`` for the next step);
-4. policy loss -> one optimizer step -> ``engine.update_weights(policy.export_hf())``; a step whose loss or
-   gradient is not finite changes nothing (no update, no refit), is logged and counted
-   (``train/skipped_nonfinite``), and ``trainer.max_consecutive_nonfinite`` of them in a row abort the run;
-5. metrics (JSONL, TensorBoard), checkpoint every ``checkpoint.every_n_steps`` and at the end.
+1. ``rollout``: this rank's engine samples its prompts' groups (halved and retried on out-of-memory,
+   :mod:`sparrow_nemo.rollout.oom_retry`), then sleeps; ``reward``: rewards and group advantages there;
+2. ``exchange``: the replica's samples on every rank of its model-parallel group -> the :class:`StepBatch`;
+3. ``logprobs`` / ``reference``: dense logprobs, entropy and top-20 (and the KL reference's) of the replica's
+   rows only; ``stats``: acceptance rate of each rank's own tokens, then the step's statistics and the tail per
+   bin merged over all ranks (:func:`~sparrow_nemo.grpo.step_batch.measure`) -> :class:`StepReport`;
+4. ``update``: the policy loss, one optimizer step on the replica's rows; a step whose loss or gradient is
+   not finite changes nothing, is logged and counted (``train/skipped_nonfinite``), and
+   ``trainer.max_consecutive_nonfinite`` of them in a row abort the run;
+5. ``refit``: the engine wakes and takes the new weights (:mod:`sparrow_nemo.grpo.refit`); ``distill``:
+   the DistillSparse phase when ``distill.enabled`` (:mod:`sparrow_nemo.grpo.distill`);
+6. the tail scheduler (built from ``sparsity.*``) picks the next schedule; user callbacks' hooks;
+7. ``checkpoint`` every ``checkpoint.every_n_steps`` steps or ``checkpoint.every_n_minutes`` minutes;
+   the step's row (JSONL, TensorBoard) with ``timing/step``.
 
 Resume and preemption: the constructor restores the newest usable checkpoint (``checkpoint.resume``;
-:mod:`sparrow_nemo.grpo.checkpointing`); between steps, SIGTERM / SIGUSR1 (:mod:`sparrow_nemo.grpo.preemption`)
-stop the run after a checkpoint with :class:`Preempted`.
-
-Process model: every rank builds the policy and runs logprobs / train_step (collectives); only rank 0
-holds the rollout engine, runs callbacks and writes files, except that callbacks marked ``collective``
-(DistillSparse) run on every rank. All run state is in :class:`TrainerState`.
+:mod:`sparrow_nemo.grpo.checkpointing`). SIGTERM / SIGUSR1 (:mod:`sparrow_nemo.grpo.preemption`) are agreed
+between steps and between the phases before the update: a stop there abandons the step (its prompts are
+drawn again on resume), checkpoints the last completed step and raises :class:`Preempted`.
+All run state is in :class:`TrainerState`; rank 0 writes the files.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from sparrow_nemo.callbacks import (
-    CallbackList,
-    TailMismatchScheduler,
-    build_step_report,
-    instantiate_callbacks,
-)
-from sparrow_nemo.callbacks.distill_sparse import DistillData
+from sparrow_nemo.callbacks import CallbackList, StepReport, TailMismatchScheduler, instantiate_callbacks
 from sparrow_nemo.config import SparrowConfig
 from sparrow_nemo.grpo import setup
 from sparrow_nemo.grpo.advantages import compute_advantages
 from sparrow_nemo.grpo.checkpointing import (
+    TrainerState,
     load_run_checkpoint,
     prune_checkpoints,
     resume_candidates,
     write_run_state,
 )
-from sparrow_nemo.grpo.evaluation import EvalResult, evaluate
-from sparrow_nemo.grpo.metrics import MetricsWriter, progress, rollout_metrics, rollout_progress
+from sparrow_nemo.grpo.distill import STATE_KEY as DISTILL_KEY
+from sparrow_nemo.grpo.distill import DistillData, DistillSparse, Probe
+from sparrow_nemo.grpo.evaluation import evaluate
+from sparrow_nemo.grpo.metrics import MetricsWriter, merge_metrics, progress, rollout_progress
 from sparrow_nemo.grpo.objective import grpo_loss_fn, policy_loss_config
 from sparrow_nemo.grpo.preemption import Preempted, PreemptionGuard
-from sparrow_nemo.grpo.prompts import build_prompt_source
-from sparrow_nemo.grpo.rollout_step import (
-    collate,
-    concat_outputs,
-    micro_batches,
-    reference_logprobs,
-    token_mismatch,
-)
+from sparrow_nemo.grpo.process_model import RankPlan, broadcast_object, reduce_max, replica_mean
+from sparrow_nemo.grpo.prompts import PromptItem, build_prompt_source
+from sparrow_nemo.grpo.refit import engine_weights, refit
+from sparrow_nemo.grpo.rollout_step import concat_outputs, micro_batches, reference_logprobs
 from sparrow_nemo.grpo.rundir import check_run_dir, make_run_dir
+from sparrow_nemo.grpo.step_batch import LocalRollout, StepBatch, generate, measure, score
+from sparrow_nemo.grpo.timing import PhaseTimer
 from sparrow_nemo.grpo.warmstart import ensure_warm_start
-from sparrow_nemo.rollout.engine import RolloutSample
+from sparrow_nemo.policy.sparse_forward import SparsePattern
 from sparrow_nemo.rollout.oom_retry import OomRetryEngine
 from sparrow_nemo.rollout.sampling import sample_seed
 from sparrow_nemo.sparse.cost_model import HARDWARE, DecodeCostModel
@@ -71,61 +70,16 @@ from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 logger = logging.getLogger(__name__)
 
+#: checkpoint key of the tail scheduler's state (as when it was a callback)
+SCHEDULER_KEY = "TailMismatchScheduler"
+
 
 class NonFiniteTrainingError(RuntimeError):
     """``trainer.max_consecutive_nonfinite`` RL steps in a row skipped their update (NaN/inf loss or gradient)."""
 
 
-@dataclass
-class TrainerState:
-    """Everything a resume needs besides the policy checkpoint and the callbacks' states (plain data).
-
-    Attributes:
-        step: RL steps completed.
-        schedule: the budget schedule the next rollout uses.
-        prompt_cursor: position in the prompt stream.
-        initial_schedule: the schedule the run started with (for the summary).
-        warm_start_dir: the HF checkpoint the policy started from, if any.
-        evals: evaluation results by tag ("start", "start_dense", "end", "end_dense").
-        prompt_stream: :meth:`PromptSource.state_dict` (cursor, epoch, seed) as of the last checkpoint.
-        metrics_rows: rows in ``metrics.jsonl`` as of the last checkpoint (a resumed run drops later ones).
-    """
-
-    step: int
-    schedule: BudgetSchedule
-    prompt_cursor: int = 0
-    initial_schedule: BudgetSchedule | None = None
-    warm_start_dir: str | None = None
-    evals: dict[str, dict[str, float]] = field(default_factory=dict)
-    prompt_stream: dict[str, Any] = field(default_factory=dict)
-    metrics_rows: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "schedule": self.schedule.to_dict(),
-            "prompt_cursor": self.prompt_cursor,
-            "initial_schedule": None if self.initial_schedule is None else self.initial_schedule.to_dict(),
-            "warm_start_dir": self.warm_start_dir,
-            "evals": self.evals,
-            "prompt_stream": self.prompt_stream,
-            "metrics_rows": self.metrics_rows,
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TrainerState:
-        """Inverse of :meth:`to_dict`."""
-        initial = data["initial_schedule"]
-        return cls(
-            step=int(data["step"]),
-            schedule=BudgetSchedule.from_dict(data["schedule"]),
-            prompt_cursor=int(data["prompt_cursor"]),
-            initial_schedule=None if initial is None else BudgetSchedule.from_dict(initial),
-            warm_start_dir=data["warm_start_dir"],
-            evals=dict(data["evals"]),
-            prompt_stream=dict(data["prompt_stream"]),
-            metrics_rows=int(data["metrics_rows"]),
-        )
+class _StopRequested(Exception):
+    """A stop signal was agreed between two phases of a step (internal: the step is abandoned)."""
 
 
 class GrpoTrainer:
@@ -143,6 +97,12 @@ class GrpoTrainer:
         self.is_main = setup.rank() == 0
         if run_dir is not None:
             check_run_dir(config, run_dir)  # before anything is built or written
+        user_callbacks = instantiate_callbacks(config.callbacks)  # a bad entry fails before any work
+        clash = {SCHEDULER_KEY, DISTILL_KEY} & set(user_callbacks.state_keys())
+        if clash:
+            raise ValueError(
+                f"callbacks: a user callback is named like a built-in component: {sorted(clash)}"
+            )
         self.show_progress = config.logging.progress_bar and self.is_main
         self.prompts = build_prompt_source(config)
         hf_dir = config.model.hf_checkpoint
@@ -150,28 +110,35 @@ class GrpoTrainer:
             hf_dir = str(ensure_warm_start(config, self.prompts, self.show_progress))
         torch.manual_seed(config.trainer.seed)  # the same start whether or not the warm-start was cached
         self.policy = setup.build_policy(config, hf_dir)
+        self.plan = RankPlan.current(config.rollout.tensor_parallel_size)
+        self._check_batch_split()
         if config.grpo.loss.kl_coef > 0:  # the KL penalty's reference: the initial weights (NeMo-RL style)
             self.policy.keep_reference()
         self.run_dir = Path(
             setup.broadcast_from_rank0(str(make_run_dir(config, run_dir)) if self.is_main else None)
         )
-        weights = self.policy.export_hf()
+        weights = engine_weights(self.policy)  # collective: every rank takes part
         self.rollout_engine = (
             OomRetryEngine(setup.build_engine(config, weights, self.prompts.tokenizer))
-            if self.is_main
+            if self.plan.leads_engine
             else None
         )
+        del weights
         self.sampling = setup.sampling_params(config)
         schedule = config.sparsity.build_schedule()
         if schedule.is_dense:  # the preset's pages and bins are nominal: use the engine's and the recipe's
             schedule = BudgetSchedule.dense(config.sparsity.bin_tokens, config.sparsity.page_size)
         self.state = TrainerState(step=0, schedule=schedule, initial_schedule=schedule, warm_start_dir=hf_dir)
-        self.callbacks = self._callbacks()
+        self.scheduler = self._scheduler()
+        self.distill = self._distill()
+        self.callbacks = CallbackList(
+            [c for c in user_callbacks if self.is_main or c.collective]
+        )  # user extras: rank 0, plus the collective ones everywhere
+        self._has_user_callbacks = len(user_callbacks) > 0  # the same on every rank
         self.metrics = MetricsWriter(
             self.run_dir, config.logging.jsonl, config.logging.tensorboard and self.is_main
         )
         self.loss_fn = grpo_loss_fn(policy_loss_config(config.grpo.loss))
-        self.distill_data: DistillData | None = None  # the last step's rollouts (see step)
         self.cost_model = DecodeCostModel(
             config.model.shape(), HARDWARE["h200"], dense_layers=config.sparsity.dense_layers
         )
@@ -179,7 +146,42 @@ class GrpoTrainer:
         self._nonfinite_streak = 0  # steps in a row whose update was skipped for a NaN/inf loss or gradient
         self.preemption = PreemptionGuard()
         self._saved: tuple[int, Path] | None = None  # (step, folder) of the last checkpoint written
+        self._last_save = time.monotonic()
         self._resume()
+
+    def _check_batch_split(self) -> None:
+        """Whole prompts per data-parallel rank, and (without a token budget per micro-batch) whole
+        micro-batches of its samples (one-line errors)."""
+        g, p = self.config.grpo, self.config.policy
+        mbs = p.micro_batch_size
+        rows = len(self.plan.replica_prompts(g.prompts_per_step)) * g.samples_per_prompt
+        if p.max_tokens_per_micro_batch is None and rows % mbs:
+            raise ValueError(
+                f"{rows} samples per data-parallel rank (grpo.prompts_per_step={g.prompts_per_step} x "
+                f"grpo.samples_per_prompt={g.samples_per_prompt} / {self.plan.dp} ranks) is not a multiple of "
+                f"policy.micro_batch_size={mbs}"
+            )
+
+    def _scheduler(self) -> TailMismatchScheduler | None:
+        """The tail scheduler the sparsity settings ask for (adapt, calibrate or a sparse start), every rank.
+
+        Only rank 0 calibrates and writes files; the calibrated schedule reaches the others at train start.
+        """
+        s = self.config.sparsity
+        if s.adapt == "off" and not s.calibrate and self.schedule.is_dense:
+            return None
+        return TailMismatchScheduler.from_sparsity(
+            s, write_files=self.is_main, calibrate=s.calibrate and self.is_main
+        )
+
+    def _distill(self) -> DistillSparse | None:
+        """The DistillSparse phase when ``distill.enabled``."""
+        c = self.config
+        if not c.distill.enabled:
+            return None
+        s = c.sparsity
+        pattern = SparsePattern(s.page_size, s.sink_pages, s.local_pages, s.dense_layers)
+        return DistillSparse(c.distill, c.policy.optimizer.lr, pattern, c.policy.micro_batch_size)
 
     # ----- TrainerLike ------------------------------------------------------------------------
     @property
@@ -191,8 +193,10 @@ class GrpoTrainer:
         self.state.schedule = value
 
     def log(self, metrics: dict[str, float]) -> None:
-        """Callbacks' metrics for the current step (written with the step's own)."""
-        self._logged.update(metrics)
+        """Metrics for the current step: a user callback's under ``callbacks/<key>/``, the built-ins' as named."""
+        key = self.callbacks.current
+        prefix = "" if key is None else f"callbacks/{key}/"
+        self._logged.update({prefix + k: float(v) for k, v in metrics.items()})
 
     @property
     def calibration_prompts(self) -> list[list[int]]:
@@ -202,40 +206,36 @@ class GrpoTrainer:
         return [item.prompt_ids for item in items for _ in range(c.samples_per_prompt)]
 
     # ----- the run ------------------------------------------------------------------------------
-    def _callbacks(self) -> CallbackList:
-        """The recipe's callbacks (+ the tail scheduler when the sparsity settings need one) on rank 0; the
-        ``collective`` ones alone on the other ranks."""
-        callbacks = list(instantiate_callbacks(self.config.callbacks))
-        if not self.is_main:
-            return CallbackList([c for c in callbacks if c.collective])
-        s = self.config.sparsity
-        wants_scheduler = s.adapt != "off" or s.calibrate or not self.schedule.is_dense
-        if wants_scheduler and not any(isinstance(c, TailMismatchScheduler) for c in callbacks):
-            callbacks.insert(0, TailMismatchScheduler.from_sparsity(s))
-        return CallbackList(callbacks)
-
     def fit(self) -> dict[str, Any]:
         """Run the RL steps up to ``trainer.max_steps``; returns the summary (:mod:`sparrow_nemo.grpo.summary`).
 
         Raises:
-            Preempted: SIGTERM / SIGUSR1 arrived; the run stopped between steps after a checkpoint.
+            Preempted: SIGTERM / SIGUSR1 arrived; the run stopped after a checkpoint.
         """
         with self.preemption:
             return self._fit()
+
+    def _start(self) -> None:
+        """Built-ins and callbacks' ``on_train_start`` (rank 0 may calibrate), then one schedule for all ranks."""
+        if self.scheduler is not None:
+            self.scheduler.on_train_start(self)
+        if self.distill is not None:
+            self.distill.start(self.policy, self.rollout_engine)
+        self.callbacks.on_train_start(self)
+        self._sync_schedule()
+        self._flush(-1, self._logged)  # e.g. the calibration's
+        self._logged = {}
 
     def _fit(self) -> dict[str, Any]:
         from sparrow_nemo.grpo.plots import write_plots
         from sparrow_nemo.grpo.summary import build_summary, write_summary
 
         cfg = self.config
-        self.callbacks.on_train_start(self)
-        self._flush_logged(step=-1)
+        self._start()
         if "start" not in self.state.evals:  # a resumed run has both already
             self.state.initial_schedule = self.schedule
             self._evaluate("start", self.schedule)
-            self._evaluate(
-                "start_dense", BudgetSchedule.dense(self.schedule.bin_tokens, self.schedule.page_size)
-            )
+            self._evaluate("start_dense", self._dense_schedule())
         bar = progress(
             range(self.state.step, cfg.trainer.max_steps),
             enabled=self.show_progress,
@@ -250,19 +250,20 @@ class GrpoTrainer:
             )
             if not self.show_progress and self.is_main:
                 logger.info(
-                    "step %d: reward %.3f, response length %.1f, %.0f tokens/s",
+                    "step %d: reward %.3f, response length %.1f, %.0f tokens/s, %.1f s",
                     self.state.step,
                     metrics["reward/mean"],
                     metrics["response_length/mean"],
                     metrics["rollout/tokens_per_s"],
+                    metrics["timing/step"],
                 )
-            if cfg.checkpoint.enabled and self.state.step % cfg.checkpoint.every_n_steps == 0:
-                self.save_checkpoint()
         self._stop_if_signalled()  # a stop during the last step: the next attempt only evaluates
         self._evaluate("end", self.schedule)
-        self._evaluate("end_dense", BudgetSchedule.dense(self.schedule.bin_tokens, self.schedule.page_size))
+        self._evaluate("end_dense", self._dense_schedule())
         if cfg.checkpoint.enabled and self._saved_step() != self.state.step:
             self.save_checkpoint()
+        if self.scheduler is not None:
+            self.scheduler.on_train_end(self)
         self.callbacks.on_train_end(self)
         summary = build_summary(self.state, self.metrics.history, cfg)
         if self.is_main:
@@ -273,39 +274,66 @@ class GrpoTrainer:
         return summary
 
     def step(self) -> dict[str, float]:
-        """One RL step (see the module docstring); returns its metrics."""
-        cfg, step = self.config, self.state.step
+        """One RL step (see the module docstring); returns its metrics (the row written to metrics.jsonl)."""
+        cfg, step, timer = self.config, self.state.step, PhaseTimer()
+        cursor = self.prompts.cursor
         items = self.prompts.next_batch(cfg.grpo.prompts_per_step)
+        try:
+            with timer.phase("rollout"):
+                local = self._generate([i.prompt_ids for i in items], step)
+            with timer.phase("reward"):
+                self.score_rollout(local, items)
+            with timer.phase("exchange"):
+                batch = StepBatch.assemble(step, self.schedule, local, self.plan)
+            self._stop_between_phases()
+            with timer.phase("logprobs"):
+                batch.dense = self._dense_logprobs(batch)
+            if cfg.grpo.loss.kl_coef > 0:
+                with timer.phase("reference"):
+                    batch.ref_logprobs = reference_logprobs(
+                        self.policy, batch.data, cfg.policy.micro_batch_size
+                    )
+            with timer.phase("stats"):
+                batch.stats = measure(batch, cfg.sparsity.quantile, cfg.sparsity.noise_z, self.cost_model)
+            self._stop_between_phases()
+        except _StopRequested:
+            self.prompts.cursor = cursor  # the abandoned step's prompts come again after the resume
+            if self.rollout_engine is not None:
+                self.rollout_engine.wake()
+            self._stop_now()
         self.state.prompt_cursor = self.prompts.cursor
-        samples, rewards, tokens_per_s = self._rollout(
-            [i.prompt_ids for i in items], [i.answer for i in items], step
-        )
-        advantages = compute_advantages(
-            cfg.grpo.adv_estimator, rewards, cfg.grpo.samples_per_prompt, **self._adv_options()
-        )
-        data = collate(samples, advantages.float(), pad_id=0)
-        batches = micro_batches(data.tokens, data.lengths, {}, cfg.policy.micro_batch_size)
-        dense = concat_outputs([o.detach() for o in self.policy.logprobs(batches)])
-        mismatch = token_mismatch(samples, dense, data)
-        report = build_step_report(step, samples, mismatch, rewards, self.schedule, correct=rewards >= 1.0)
-        lengths = [s.response_ids.numel() for s in samples]
-        prompt_lens = [s.prompt_ids.numel() for s in samples]
-        metrics = rollout_metrics(
-            samples,
-            rewards,
-            mismatch,
-            self.schedule,
-            cfg.sparsity.quantile,
-            tokens_per_s,
-            self.cost_model.predicted_speedup(self.schedule, lengths, prompt_lens),
-        )
+        report = self._report(batch)
         self.callbacks.on_rollout_end(self, report)
-        metrics.update(self._update(data, dense, advantages))
-        # DistillSparse's sparse PG term: this step's rollouts, advantages and (pre-update) dense logprobs
-        self.distill_data = DistillData(samples, advantages.float(), dense.logprobs)
-        self.callbacks.on_train_batch_end(self, report, metrics)
+        with timer.phase("update"):
+            train = self._update(batch)
+        with timer.phase("refit"):
+            self._refit(updated=train["train/skipped_nonfinite"] == 0.0)
+        distilled: dict[str, float] = {}
+        if self.distill is not None:
+            with timer.phase("distill"):
+                distilled = self.distill.run(
+                    self.policy, self.rollout_engine, self._distill_data(batch), self.schedule, self._probe()
+                )
+        if self.scheduler is not None:
+            self.scheduler.on_train_batch_end(self, report, train)
+        self.callbacks.on_train_batch_end(self, report, train)
+        if self._has_user_callbacks:  # a user callback on rank 0 may have changed the schedule
+            self._sync_schedule()
         self.state.step += 1
-        self._flush_logged(step, metrics)
+        with timer.phase("checkpoint"):
+            if self._checkpoint_due():
+                self.save_checkpoint(pending_rows=1)
+        metrics = merge_metrics(
+            batch.stats.metrics(batch.schedule, cfg.sparsity.quantile),
+            {"timing/rollout_max": batch.stats.rollout_s_max},
+            train,
+            distilled,
+            self._logged,
+            timer.metrics(),
+            {"timing/step": timer.elapsed()},
+        )
+        self._logged = {}
+        self._flush(step, metrics)
         if self._nonfinite_streak >= cfg.trainer.max_consecutive_nonfinite:
             raise NonFiniteTrainingError(
                 f"step {step}: {self._nonfinite_streak} steps in a row skipped for a non-finite loss or gradient "
@@ -313,7 +341,36 @@ class GrpoTrainer:
             )
         return metrics
 
-    # ----- pieces -------------------------------------------------------------------------------
+    # ----- phases -------------------------------------------------------------------------------
+    def _generate(self, prompts: list[list[int]], step: int) -> LocalRollout:
+        """This rank's share of the step's rollouts (:func:`generate`); the engine sleeps afterwards."""
+        engine = self.rollout_engine
+        if engine is None:
+            return generate(
+                None, self.plan, prompts, self.config.grpo.samples_per_prompt, self.sampling, self.schedule
+            )
+        g = self.config.grpo.samples_per_prompt
+        sampling = setup.sampling_params(self.config, seed=sample_seed(self.config.rollout.seed, step))
+        count = len(self.plan.engine_prompts(len(prompts))) * g
+        with rollout_progress(count, sampling.max_new_tokens, self.show_progress) as bar:
+            local = generate(engine, self.plan, prompts, g, sampling, self.schedule, on_tokens=bar.update)
+        engine.sleep()
+        return local
+
+    def score_rollout(self, local: LocalRollout, items: list[PromptItem]) -> None:
+        """Rewards and group advantages of this rank's samples, where they were generated."""
+        g = self.config.grpo
+        mine = self.plan.engine_prompts(len(items))
+        score(
+            local,
+            [items[j].answer for j in mine],
+            self.prompts.reward,
+            lambda rewards: compute_advantages(
+                g.adv_estimator, rewards, g.samples_per_prompt, **self._adv_options()
+            ),
+            g.samples_per_prompt,
+        )
+
     def _adv_options(self) -> dict[str, Any]:
         return (
             {"normalize_std": self.config.grpo.normalize_std}
@@ -321,68 +378,91 @@ class GrpoTrainer:
             else {}
         )
 
-    def _rollout(
-        self, prompts: list[list[int]], answers: list[Any], step: int
-    ) -> tuple[list[RolloutSample], torch.Tensor, float]:
-        """Rank 0 samples ``samples_per_prompt`` responses per prompt (grouped) and rewards them; broadcast."""
-        payload = None
-        if self.is_main:
-            n = self.config.grpo.samples_per_prompt
-            sampling = setup.sampling_params(self.config, seed=sample_seed(self.config.rollout.seed, step))
-            with rollout_progress(len(prompts) * n, sampling.max_new_tokens, self.show_progress) as bar:
-                batch = self.rollout_engine.generate(
-                    [p for p in prompts for _ in range(n)], sampling, self.schedule, on_tokens=bar.update
-                )
-            expanded = [a for a in answers for _ in range(n)]
-            rewards = [
-                self.prompts.reward(s.response_ids.tolist(), a) for s, a in zip(batch.samples, expanded)
-            ]
-            payload = (batch.samples, torch.tensor(rewards, dtype=torch.float32), batch.tokens_per_second())
-        return setup.broadcast_from_rank0(payload)
+    def _dense_logprobs(self, batch: StepBatch):
+        """Dense log-probs, entropy and top-20 of the replica's rows (collective over its model-parallel group)."""
+        data, p = batch.data, self.config.policy
+        batches = micro_batches(
+            data.tokens, data.lengths, {}, p.micro_batch_size, p.max_tokens_per_micro_batch
+        )
+        return concat_outputs([o.detach() for o in self.policy.logprobs(batches)])
 
-    def _update(self, data, dense, advantages: torch.Tensor) -> dict[str, float]:
-        """One optimizer step of the policy loss on this DP rank's micro-batches; engine refit."""
-        from megatron.core import parallel_state as ps
+    def _report(self, batch: StepBatch) -> StepReport:
+        """What callbacks and the tail scheduler see of the step (the same on every rank)."""
+        s, stats = self.config.sparsity, batch.stats
+        return StepReport(
+            step=batch.step,
+            schedule=batch.schedule,
+            tails=tuple(stats.tails),
+            quantile=s.quantile,
+            noise_z=s.noise_z,
+            reward_mean=stats.reward_mean,
+            response_length_mean=stats.length_mean,
+            accuracy=stats.accuracy,
+        )
 
+    def _update(self, batch: StepBatch) -> dict[str, float]:
+        """The policy-update phase: one optimizer step of the policy loss on this replica's rows."""
+        data, p = batch.data, self.config.policy
         extras = {
             "mask": data.response_mask,
-            "old_logprobs": dense.logprobs,
+            "old_logprobs": batch.dense.logprobs,
             "rollout_logprobs": data.rollout_logprobs,
-            "advantages": advantages.float(),
+            "advantages": data.advantages,
         }
-        if self.config.grpo.loss.kl_coef > 0:
-            extras["ref_logprobs"] = reference_logprobs(
-                self.policy, data, self.config.policy.micro_batch_size
-            )
-        batches = micro_batches(data.tokens, data.lengths, extras, self.config.policy.micro_batch_size)
-        dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-        if len(batches) % dp:
-            raise ValueError(
-                f"{len(batches)} micro-batches per step do not split over {dp} data-parallel ranks"
-            )
-        result = self.policy.train_step(batches[dp_rank::dp], self.loss_fn)
+        if batch.ref_logprobs is not None:
+            extras["ref_logprobs"] = batch.ref_logprobs
+        batches = micro_batches(
+            data.tokens, data.lengths, extras, p.micro_batch_size, p.max_tokens_per_micro_batch
+        )
+        result = self.policy.train_step(batches, self.loss_fn)
         if result.skipped is None:
             self._nonfinite_streak = 0
-            weights = self.policy.export_hf()
-            if self.is_main:
-                self.rollout_engine.update_weights(weights)
         else:  # weights unchanged: nothing to refit
             if result.skipped != "loss_scale":  # an fp16 overflow is the grad scaler's business, not a fault
                 self._nonfinite_streak += 1
             if self.is_main:
                 logger.warning("step %d: update skipped, %s", self.state.step, result.skip_detail)
-        out = {f"train/{k}": float(v) for k, v in result.metrics.items()}
+        out = {f"train/{k}": v for k, v in replica_mean(result.metrics).items()}
         out["train/loss"] = result.loss
         out["train/grad_norm"] = result.grad_norm
         out["train/skipped_nonfinite"] = float(result.skipped is not None)
         return out
 
+    def _refit(self, updated: bool) -> None:
+        """Wake the engine; when the weights changed, stream them into it (every rank takes part)."""
+        if self.rollout_engine is not None:
+            self.rollout_engine.wake()
+        if updated:
+            refit(
+                self.policy, self.rollout_engine.update_weights if self.rollout_engine is not None else None
+            )
+
+    def _distill_data(self, batch: StepBatch) -> DistillData:
+        return DistillData(batch.data, batch.prompt_lens, batch.kv_budgets, batch.dense.logprobs)
+
+    def _probe(self) -> Probe | None:
+        """Rank 0's fixed DistillSparse probe (the calibration prompts, the distill seed)."""
+        if not self.is_main or self.rollout_engine is None:
+            return None
+        return Probe(
+            self.calibration_prompts, self.sampling, self.config.distill.seed, self.config.sparsity.quantile
+        )
+
     def _evaluate(self, tag: str, schedule: BudgetSchedule) -> None:
-        """Sample the held-out prompts once each under ``schedule`` (rank 0); stored in the state."""
+        """Sample the held-out prompts once each under ``schedule``, split over every engine; stored in the
+        state and passed to the callbacks' ``on_validation_end``."""
+        items = self.prompts.eval_batch(self.config.evaluation.num_prompts)
+        tally = evaluate(
+            self.rollout_engine,
+            self.prompts,
+            items,
+            self.plan.eval_items(len(items)),
+            self.sampling,
+            schedule,
+        )
+        result = tally.reduce()
+        self.state.evals[tag] = result.to_dict()
         if self.is_main:
-            items = self.prompts.eval_batch(self.config.evaluation.num_prompts)
-            result: EvalResult = evaluate(self.rollout_engine, self.prompts, items, self.sampling, schedule)
-            self.state.evals[tag] = result.to_dict()
             logger.info(
                 "eval %s (%s): accuracy %.3f, %.0f tokens/s",
                 tag,
@@ -390,16 +470,20 @@ class GrpoTrainer:
                 result.accuracy,
                 result.tokens_per_s,
             )
-        self.state.evals = setup.broadcast_from_rank0(self.state.evals)
+        numbers = {k: float(v) for k, v in result.to_dict().items() if isinstance(v, int | float)}
+        self.callbacks.on_validation_end(self, {f"eval/{tag}/{k}": v for k, v in numbers.items()})
 
-    def _flush_logged(self, step: int, metrics: dict[str, float] | None = None) -> None:
-        """Write the step's metrics: callback values first, the trainer's own (rollout-time) values win."""
-        if not self.is_main:
-            return
-        merged = {**self._logged, **(metrics or {})}
-        self._logged = {}
-        if merged:
-            self.metrics.write(step, merged)
+    def _dense_schedule(self) -> BudgetSchedule:
+        return BudgetSchedule.dense(self.schedule.bin_tokens, self.schedule.page_size)
+
+    def _sync_schedule(self) -> None:
+        """Rank 0's schedule on every rank (after hooks that run only there)."""
+        self.schedule = BudgetSchedule.from_dict(broadcast_object(self.schedule.to_dict()))
+
+    def _flush(self, step: int, metrics: dict[str, float]) -> None:
+        """Write one row of ``metrics`` (rank 0; nothing when empty)."""
+        if self.is_main and metrics:
+            self.metrics.write(step, metrics)
 
     # ----- checkpoints, resume, preemption --------------------------------------------------------
     @property
@@ -407,24 +491,44 @@ class GrpoTrainer:
         """Folder of the step checkpoints: ``checkpoint.dir`` or ``<run_dir>/checkpoints``."""
         return Path(self.config.checkpoint.dir or self.run_dir / "checkpoints")
 
-    def save_checkpoint(self) -> Path:
-        """One atomic checkpoint ``step_<n>``: policy shards, optimizer and RNG of every rank, the trainer
-        state and every callback's state; then keep-last-N retention. Collective."""
-        self.state.prompt_stream = self.prompts.state_dict()
-        self.state.metrics_rows = len(self.metrics.history)
+    def _checkpoint_due(self) -> bool:
+        """Every ``checkpoint.every_n_steps`` steps, or ``every_n_minutes`` after the last save by rank 0's
+        clock (agreed by all ranks)."""
+        c = self.config.checkpoint
+        if not c.enabled:
+            return False
+        if self.state.step % c.every_n_steps == 0:
+            return True
+        if c.every_n_minutes <= 0:
+            return False
+        late = self.is_main and time.monotonic() - self._last_save >= 60.0 * c.every_n_minutes
+        return reduce_max([float(late)])[0] > 0
 
+    def save_checkpoint(self, pending_rows: int = 0) -> Path:
+        """One atomic checkpoint ``step_<n>``: policy shards, optimizer and RNG of every rank, the trainer
+        state, the built-ins' and every callback's state; then keep-last-N retention. Collective.
+
+        ``pending_rows``: metrics rows of completed steps not yet written (the current step's own).
+        """
+        self.state.prompt_stream = self.prompts.state_dict()
+        self.state.metrics_rows = len(self.metrics.history) + pending_rows
         with self.preemption.saving():
-            callback_states = self.callbacks.on_save_checkpoint(
-                self
-            )  # every rank: collective callbacks gather
+            states = self.callbacks.on_save_checkpoint(self)  # every rank: collective callbacks gather
+            if self.scheduler is not None:
+                states[SCHEDULER_KEY] = self.scheduler.on_save_checkpoint(self)
+            if self.distill is not None:
+                distill_state = self.distill.state_dict(self.policy)  # collective
+                if distill_state:
+                    states[DISTILL_KEY] = distill_state
 
             def write_run_files(staging: Path) -> None:
-                write_run_state(staging, self.state.to_dict(), callback_states)
+                write_run_state(staging, self.state.to_dict(), states)
 
             path = self.policy.save(self.checkpoint_root, self.state.step, write_run_files)
             if self.is_main:
                 prune_checkpoints(self.checkpoint_root, path, self.config.checkpoint.keep_last)
         self._saved = (self.state.step, path)
+        self._last_save = time.monotonic()
         return path
 
     def _saved_step(self) -> int | None:
@@ -440,25 +544,34 @@ class GrpoTrainer:
             return
         self.state = TrainerState.from_dict(setup.broadcast_from_rank0(loaded.trainer))
         self.prompts.load_state_dict(self.state.prompt_stream)
-        states = setup.broadcast_from_rank0(
-            loaded.callbacks
-        )  # read on rank 0; collective callbacks run everywhere
+        states = dict(setup.broadcast_from_rank0(loaded.callbacks))  # read on rank 0, needed everywhere
+        if self.scheduler is not None and SCHEDULER_KEY in states:
+            self.scheduler.on_load_checkpoint(self, states.pop(SCHEDULER_KEY))
+        if self.distill is not None and DISTILL_KEY in states:
+            self.distill.load_state_dict(states.pop(DISTILL_KEY))
         if not self.is_main:  # this rank's callbacks are the collective ones
             keys = set(self.callbacks.state_keys())
             states = {k: v for k, v in states.items() if k in keys}
         self.callbacks.on_load_checkpoint(self, states)
-        weights = self.policy.export_hf()
+        refit(self.policy, self.rollout_engine.update_weights if self.rollout_engine is not None else None)
         if self.is_main:
             self.metrics.keep_rows(self.state.metrics_rows)
-            self.rollout_engine.update_weights(weights)
             logger.info("resumed from %s: %d steps done", loaded.path, self.state.step)
         self._saved = (self.state.step, loaded.path)
 
+    def _stop_between_phases(self) -> None:
+        """Collective, inside a step before the update: raise :class:`_StopRequested` on an agreed stop."""
+        if self.preemption.stop_agreed() is not None:
+            raise _StopRequested
+
     def _stop_if_signalled(self) -> None:
         """Collective, between steps: on an agreed stop signal, checkpoint (unless just saved) and raise."""
-        signal_name = self.preemption.stop_agreed()
-        if signal_name is None:
-            return
+        if self.preemption.stop_agreed() is not None:
+            self._stop_now()
+
+    def _stop_now(self) -> None:
+        """Checkpoint the last completed step (unless saved already), close the metrics, raise :class:`Preempted`."""
+        signal_name = self.preemption.signal_name or "stop"
         path = None
         if self.config.checkpoint.enabled:
             path = self._saved[1] if self._saved_step() == self.state.step else self.save_checkpoint()
@@ -470,7 +583,7 @@ class GrpoTrainer:
 
 def train(config: SparrowConfig, run_dir: str | Path | None = None) -> tuple[dict[str, Any], Path]:
     """Build the trainer, run it, close the workers; returns (summary, run folder)."""
-    setup.start_processes()
+    setup.start_processes(config.trainer.dist_timeout_minutes)
     setup.apply_cpu_threads(config)
     trainer = GrpoTrainer(config, run_dir)
     try:

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 from dataclasses import asdict
 from pathlib import Path
 
@@ -151,6 +152,35 @@ def _publish(staging: Path, target: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
+def remove_stale_staging(target: Path) -> list[Path]:
+    """Remove the staging folders of ``target`` that a killed save left (``.<key>.partial-<host>-<pid>``
+    of this host whose process is gone; also the older ``.<key>.partial-<pid>``); returns them.
+
+    A staging folder of a live process, or of another host sharing the cache, is left alone.
+    """
+    removed = []
+    host = socket.gethostname()
+    for path in target.parent.glob(f".{target.name}.partial-*"):
+        owner = path.name.rsplit(".partial-", 1)[1]
+        where, _, pid = owner.rpartition("-")
+        if (where or host) == host and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    if removed:
+        logger.info("warm-start: removed %d staging folder(s) of killed saves: %s", len(removed), removed)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
 def ensure_warm_start(
     config: SparrowConfig, source: PromptSource, show_progress: bool = True, use_shipped: bool = True
 ) -> Path:
@@ -164,6 +194,8 @@ def ensure_warm_start(
     from sparrow_nemo.grpo.setup import broadcast_from_rank0, rank
 
     target = warm_start_dir(config, source)
+    if rank() == 0:
+        remove_stale_staging(target)
     if broadcast_from_rank0((target / "config.json").is_file()):
         logger.info("warm-start: using the cached checkpoint %s", target)
         return target
@@ -171,7 +203,7 @@ def ensure_warm_start(
     if shipped is not None:
         if rank() == 0:
             target.parent.mkdir(parents=True, exist_ok=True)
-            staging = target.parent / f".{target.name}.partial-{os.getpid()}"
+            staging = target.parent / f".{target.name}.partial-{socket.gethostname()}-{os.getpid()}"
             shutil.rmtree(staging, ignore_errors=True)
             shutil.copytree(shipped, staging)
             _publish(staging, target)
@@ -199,7 +231,7 @@ def _train_and_cache(config: SparrowConfig, source: PromptSource, target: Path, 
     finally:
         torch.set_num_threads(threads)
     if rank() == 0:
-        staging = target.parent / f".{target.name}.partial-{os.getpid()}"
+        staging = target.parent / f".{target.name}.partial-{socket.gethostname()}-{os.getpid()}"
         shutil.rmtree(staging, ignore_errors=True)
         save_hf_checkpoint(weights, config.model.shape(), staging)
         (staging / "warmstart.json").write_text(json.dumps({"losses": losses}) + "\n")

@@ -14,6 +14,7 @@ altered after the save fails its hash.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -43,8 +44,35 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _disk_full(path: Path, exc: BaseException) -> CheckpointError | None:
+    """A one-line CheckpointError when ``exc`` (raised writing ``path``) means the disk is full, else None.
+
+    Python reports ENOSPC / EDQUOT as an OSError; ``torch.save`` as a RuntimeError of its zip writer whose
+    context is that OSError (or, from C++, "file write failed", told apart by the free space left; checked
+    before the temp file goes).
+    """
+    free = shutil.disk_usage(path.parent).free
+    chain: list[BaseException] = []
+    while exc is not None and exc not in chain:
+        chain.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    full = any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in chain)
+    full = full or any(
+        isinstance(e, RuntimeError) and "write failed" in str(e) and free < 1 << 20 for e in chain
+    )
+    if not full:
+        return None
+    return CheckpointError(
+        f"{path}: the disk is full ({free} bytes free in {path.parent}); checkpoint not written"
+    )
+
+
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that a reader sees either the old file or the complete new one."""
+    """Write ``data`` to ``path`` so that a reader sees either the old file or the complete new one.
+
+    Raises:
+        CheckpointError: the disk is full (the temp file is removed).
+    """
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -53,14 +81,21 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
+        full = _disk_full(path, exc)
         Path(tmp).unlink(missing_ok=True)
+        if full is not None:
+            raise full from None
         raise
     _fsync_dir(path.parent)
 
 
 def atomic_torch_save(obj: Any, path: str | Path) -> None:
-    """``torch.save(obj)`` to ``path`` atomically (temp file in the same directory, then rename)."""
+    """``torch.save(obj)`` to ``path`` atomically (temp file in the same directory, then rename).
+
+    Raises:
+        CheckpointError: the disk is full (the temp file is removed).
+    """
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -69,8 +104,11 @@ def atomic_torch_save(obj: Any, path: str | Path) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
+        full = _disk_full(path, exc)
         Path(tmp).unlink(missing_ok=True)
+        if full is not None:
+            raise full from None
         raise
 
 

@@ -10,6 +10,10 @@ megatron-core 0.16 assumes CUDA in a few spots that the CPU path of this project
 - ``LanguageModule.setup_embeddings_and_output_layer`` (tied embeddings with pp > 1) moves the
   last stage's copy of the embedding to CUDA before the first/last-stage all-reduce that makes the
   two copies equal. On CPU the same all-reduce runs on the CPU tensor.
+- Activation recompute (``tensor_parallel.checkpoint``) saves and restores the CUDA RNG state
+  (``_get_cuda_rng_state`` / ``_set_cuda_rng_state`` in ``megatron.core.tensor_parallel.random``).
+  On CPU there is none: the state is an empty tensor and restoring it does nothing (the CPU RNG
+  state is saved and restored by megatron itself).
 - The CUDA RNG tracker: ``model_parallel_cuda_manual_seed`` is called with
   ``inference_rng_tracker=True`` on CPU (see :func:`seed_model_parallel`), whose ``fork()`` does not
   touch CUDA RNG state. Dropout is 0 in every Qwen3 config, so no random stream is lost.
@@ -44,6 +48,15 @@ def _cpu_get_emb(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
     return emb[:, None, None, :]
 
 
+def _cpu_get_cuda_rng_state(*_args, **_kwargs) -> torch.Tensor:
+    """``_get_cuda_rng_state`` without CUDA: an empty state."""
+    return torch.empty(0, dtype=torch.uint8)
+
+
+def _cpu_set_cuda_rng_state(*_args, **_kwargs) -> None:
+    """``_set_cuda_rng_state`` without CUDA: nothing to restore."""
+
+
 def _wrap_setup_embeddings(original):
     """``setup_embeddings_and_output_layer`` whose first/last-stage weight sync stays on CPU."""
 
@@ -71,12 +84,15 @@ def apply_cpu_shims() -> bool:
         return False
     if _APPLIED:
         return True
+    import megatron.core.tensor_parallel.random as mcore_random
     import megatron.core.utils as mcore_utils
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.models.common.language_module.language_module import LanguageModule
 
     mcore_utils.GlobalMemoryBuffer.get_tensor = _cpu_get_tensor
     RotaryEmbedding.get_emb = _cpu_get_emb
+    mcore_random._get_cuda_rng_state = _cpu_get_cuda_rng_state
+    mcore_random._set_cuda_rng_state = _cpu_set_cuda_rng_state
     LanguageModule.setup_embeddings_and_output_layer = _wrap_setup_embeddings(
         LanguageModule.setup_embeddings_and_output_layer
     )

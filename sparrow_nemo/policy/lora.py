@@ -125,6 +125,17 @@ def _in_out(shape: Qwen3Shape, target: str) -> tuple[int, int]:
     }[target]
 
 
+def lora_shapes(
+    shape: Qwen3Shape, target: str, rank: int, tp: int
+) -> tuple[tuple[int, int], tuple[int, int]]:
+    """``(A shape, B shape)`` of one adapted megatron linear on one TP rank: column-parallel layers split B's
+    rows, row-parallel ones A's columns (as the weight)."""
+    fan_in, fan_out = _in_out(shape, target)
+    if TARGETS[target][1]:
+        return (rank, fan_in), (fan_out // tp, rank)
+    return (rank, fan_in // tp), (fan_out, rank)
+
+
 def init_adapter(shape: Qwen3Shape, config: LoraConfig, seed: int = 0) -> LoraAdapter:
     """A fresh adapter in HF names: A ~ U(-1/sqrt(in), 1/sqrt(in)) (one per megatron linear), B = 0.
 
@@ -200,11 +211,8 @@ class MegatronLora(torch.nn.Module):
         for local, layer in enumerate(layers):
             block = inner.decoder.layers[local]
             for target in config.targets:
-                fan_in, fan_out = _in_out(spec.shape, target)
                 column = TARGETS[target][1]
-                tp = spec.layout.tp
-                a_shape = (config.rank, fan_in if column else fan_in // tp)
-                b_shape = (fan_out // tp if column else fan_out, config.rank)
+                a_shape, b_shape = lora_shapes(spec.shape, target, config.rank, spec.layout.tp)
                 key = self.key(layer, target)
                 a = torch.nn.Parameter(torch.zeros(a_shape, dtype=dtype, device=device))
                 b = torch.nn.Parameter(torch.zeros(b_shape, dtype=dtype, device=device))
@@ -213,6 +221,8 @@ class MegatronLora(torch.nn.Module):
                 self.params[key + "__a"], self.params[key + "__b"] = a, b
                 module = getattr(getattr(block, _PARENT[target]), target)
                 self._hooks.append(module.register_forward_hook(self._hook(key, column), with_kwargs=True))
+        if spec.pre_process:
+            self._hooks.append(inner.embedding.register_forward_hook(self._embedding_hook))
         self.load_adapter(adapter if adapter is not None else init_adapter(spec.shape, config, seed))
 
     @staticmethod
@@ -230,6 +240,14 @@ class MegatronLora(torch.nn.Module):
             return out + self._delta(x, key, column).to(out.dtype), bias
 
         return hook
+
+    def _embedding_hook(self, _module, _args, output):
+        """While the adapter trains, the (frozen) embedding output requires grad: megatron's activation
+        recompute only back-propagates through a recomputed block whose inputs require grad, and the
+        adapter's parameters are not among them."""
+        if self.enabled and torch.is_grad_enabled() and not output.requires_grad:
+            return output.detach().requires_grad_(True)
+        return output
 
     def _delta(self, x: torch.Tensor, key: str, column: bool) -> torch.Tensor:
         """``scaling * (x @ A.T) @ B.T`` with the TP collectives of the module doc."""

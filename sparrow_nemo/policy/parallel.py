@@ -6,6 +6,7 @@ adjacent, pipeline stages are the slowest-varying index.
 
 from __future__ import annotations
 
+import datetime
 import os
 from dataclasses import dataclass
 
@@ -114,10 +115,11 @@ def stage_layer_range(num_layers: int, pp: int, stage: int) -> range:
     return range(stage * per, (stage + 1) * per)
 
 
-def init_distributed(backend: str | None = None) -> None:
+def init_distributed(backend: str | None = None, timeout: datetime.timedelta | None = None) -> None:
     """Start the default process group from the usual env vars (RANK, WORLD_SIZE, MASTER_ADDR/PORT).
 
     A single process with no env vars gets a 1-rank group. Backend: ``nccl`` with CUDA, else ``gloo``.
+    ``timeout``: of every collective (None = torch's default).
     """
     if dist.is_initialized():
         return
@@ -128,7 +130,7 @@ def init_distributed(backend: str | None = None) -> None:
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
-    dist.init_process_group(backend, rank=rank, world_size=world)
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
 
 
 def initialize_parallel(layout: ParallelLayout, shape: Qwen3Shape, seed: int = 1234) -> None:

@@ -16,6 +16,7 @@ from sparrow_nemo.policy.batch import PolicyBatch
 from sparrow_nemo.policy.hf_import import export_hf_state_dict, load_hf_into_model
 from sparrow_nemo.policy.logprobs import TOP_K, LogprobOutput
 from sparrow_nemo.policy.lora import LoraConfig, MegatronLora, frozen
+from sparrow_nemo.policy.memory import DEFAULT_MEMORY, MemorySettings
 from sparrow_nemo.policy.model import build_model, resolve_dtype
 from sparrow_nemo.policy.optim import OptimizerSettings, TorchPolicyOptimizer, wrap_for_training
 from sparrow_nemo.policy.parallel import ParallelLayout, destroy_parallel, initialize_parallel
@@ -44,6 +45,7 @@ class MegatronPolicy:
         use_te: Transformer Engine layer spec (``None``: when a GPU and TE are present).
         fp8: FP8 recipe name for TE (``None``: off).
         seed: model-parallel RNG seed (used for the random init when there is no ``hf_dir``).
+        memory: activation recompute, sequence parallelism and the logprob chunk (the recipe's).
     """
 
     def __init__(
@@ -56,9 +58,10 @@ class MegatronPolicy:
         use_te: bool | None = None,
         fp8: str | None = None,
         seed: int = 1234,
+        memory: MemorySettings = DEFAULT_MEMORY,
     ) -> None:
         initialize_parallel(layout, shape, seed=seed)
-        model, self.spec = build_model(shape, layout, dtype, use_te=use_te, fp8=fp8)
+        model, self.spec = build_model(shape, layout, dtype, use_te=use_te, fp8=fp8, memory=memory)
         if hf_dir is not None:
             load_hf_into_model(model, self.spec, hf_dir)
         self.model, self.optimizer = wrap_for_training(

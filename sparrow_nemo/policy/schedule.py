@@ -9,7 +9,7 @@
 
 In both, the loss of each micro-batch is divided by the number of micro-batches (gradient
 accumulation = mean over micro-batches), and :class:`LogprobOutput` is computed on the last stage
-from vocab-parallel logits (see :mod:`sparrow_nemo.policy.logprobs`).
+from the final hidden states by the chunked output layer (see :mod:`sparrow_nemo.policy.logprobs`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from sparrow_nemo.policy.batch import PolicyBatch
-from sparrow_nemo.policy.logprobs import TOP_K, LogprobOutput, vocab_parallel_logprobs
+from sparrow_nemo.policy.logprobs import TOP_K, LogprobOutput, policy_outputs
 from sparrow_nemo.policy.model import PolicyModelSpec, unwrap_model
 
 #: loss_fn(outputs, batch) -> (scalar loss for this micro-batch, metrics)
@@ -34,17 +34,6 @@ def _device() -> torch.device:
         if torch.cuda.is_available()
         else torch.device("cpu")
     )
-
-
-def outputs_from_logits(
-    logits: torch.Tensor, batch: PolicyBatch, spec: PolicyModelSpec, top_k: int = TOP_K
-) -> LogprobOutput:
-    """Vocab-parallel outputs for ``batch``: position j scores token ``tokens[:, j+1]`` -> tensors [B, S-1]."""
-    from megatron.core import parallel_state
-
-    targets = batch.tokens[:, 1:].to(logits.device)
-    tp_group = parallel_state.get_tensor_model_parallel_group() if spec.layout.tp > 1 else None
-    return vocab_parallel_logprobs(logits[:, :-1], targets, spec.shape.vocab_size, top_k, tp_group)
 
 
 def _cpu_gpipe(
@@ -64,10 +53,11 @@ def _cpu_gpipe(
     saved: list[tuple[torch.Tensor | None, torch.Tensor]] = []
     results: list[tuple[torch.Tensor, dict, LogprobOutput]] = []
     for batch in batches:
-        tokens, pos, mask = batch.model_inputs()
+        tokens, pos, mask = batch.model_inputs(multiple=spec.sequence_multiple)
         inp = None
         if not spec.pre_process:
             b, s = tokens.shape
+            s //= spec.sequence_multiple  # sequence parallelism: this rank's share of the sequence
             inp = torch.empty((s, b, spec.shape.hidden_size), dtype=dtype)
             dist.recv(inp, src=ps.get_pipeline_model_parallel_prev_rank())
             inp.requires_grad_(not forward_only)
@@ -78,7 +68,7 @@ def _cpu_gpipe(
                 dist.send(out.detach().contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
                 saved.append((inp, out))
                 continue
-            lp = outputs_from_logits(out, batch, spec, top_k)
+            lp = policy_outputs(model, out, batch, spec, top_k)
             loss, metrics = loss_fn(lp, batch) if loss_fn is not None else (out.new_zeros(()), {})
         saved.append((inp, loss / n))
         results.append((loss.detach(), metrics, lp.detach()))
@@ -108,14 +98,14 @@ def _megatron_schedule(
 
     device = _device()
 
-    def loss_func(batch: PolicyBatch, logits: torch.Tensor):
-        lp = outputs_from_logits(logits, batch, spec, top_k)
-        loss, metrics = loss_fn(lp, batch) if loss_fn is not None else (logits.sum() * 0.0, {})
+    def loss_func(batch: PolicyBatch, hidden: torch.Tensor):
+        lp = policy_outputs(model, hidden, batch, spec, top_k)
+        loss, metrics = loss_fn(lp, batch) if loss_fn is not None else (hidden.sum() * 0.0, {})
         return loss, {"loss": loss.detach(), "metrics": metrics, "outputs": lp.detach()}
 
     def forward_step(data_iterator, step_model):
         batch = next(data_iterator)
-        tokens, pos, mask = batch.model_inputs(device)
+        tokens, pos, mask = batch.model_inputs(device, spec.sequence_multiple)
         return step_model(tokens, pos, mask), partial(loss_func, batch)
 
     b, s = batches[0].tokens.shape
@@ -143,7 +133,7 @@ def run_microbatches(
 ) -> list[tuple[torch.Tensor, dict, LogprobOutput]]:
     """Forward (+ backward unless ``forward_only``) of every micro-batch; gradients accumulate in the model.
 
-    Every micro-batch must have the same ``[B, S]`` (pipeline buffers are sized from it).
+    Micro-batches may differ in ``[B, S]`` (pipeline stages exchange shapes: ``variable_seq_lengths``).
 
     Returns:
         On the last pipeline stage, per micro-batch ``(loss, metrics, outputs)`` with ``outputs`` detached
@@ -151,9 +141,6 @@ def run_microbatches(
     """
     if not batches:
         raise ValueError("run_microbatches needs at least one micro-batch")
-    sizes = {tuple(b.tokens.shape) for b in batches}
-    if len(sizes) != 1:
-        raise ValueError(f"all micro-batches must have the same [B, S]; got {sorted(sizes)}")
     if not forward_only and loss_fn is None:
         raise ValueError("a training pass (forward_only=False) needs a loss_fn")
     run = _megatron_schedule if torch.cuda.is_available() else _cpu_gpipe

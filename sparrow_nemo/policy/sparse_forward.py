@@ -10,15 +10,21 @@ of the keys stored so far in each page: complete pages average their ``page_size
 Prompt positions (``t < prompt_len``) were dense prefill, and so are the first ``dense_layers``.
 
 Here the whole sequence runs through the megatron ``GPTModel`` in one pass: each sparse layer's
-core attention is swapped for :class:`SparseCoreAttention`, which builds a per-query boolean mask
-``[B, Hkv, S, S]`` from that layer's own queries and keys with the method layer's selection
-(:func:`sparrow_nemo.sparse.attention.select_pages_from_centroids`), then runs exact softmax
-attention over it. Selection is per KV head, so under tensor parallelism it is local to each rank.
-Gradients flow to everything upstream of the attention (e.g. LoRA adapters); the mask itself is not
-differentiable.
+core attention is swapped for :class:`SparseCoreAttention`, which works in blocks of
+:data:`QUERY_BLOCK` query positions (:func:`block_sparse_attention`): the method layer's selection
+(:func:`sparrow_nemo.sparse.attention.select_pages_from_scores`) for each query of the block, the union
+of the block's selected pages gathered from the keys and values, and exact softmax attention over them
+with a per-query mask. Memory per block is ``B x Hq x QUERY_BLOCK x (union of pages x page_size)``
+(at most ``QUERY_BLOCK x S`` per head); no ``S x S`` tensor exists. In training each block runs under
+``torch.utils.checkpoint``: its scores are recomputed in backward, so what a layer keeps for backward is
+its q, k, v (as any attention) plus the page centroids. Selection is per KV head, so under tensor
+parallelism it is local to each rank. Gradients flow to everything upstream of the attention (e.g.
+LoRA adapters); the selection itself is not differentiable.
 
-Memory is O(B * Hq * S^2) (a torch path for CPU and short sequences); long GPU sequences need a
-block-sparse attention kernel instead.
+Each micro-batch forward takes the next :class:`SparsePlan`; its backward (where activation recompute
+re-runs the layers, possibly after later micro-batches' forwards under 1F1B) takes the same plan back
+(a hook on the model output's gradient), so a recomputed forward always sees its own micro-batch's plan.
+Per block, sizing the gathered union costs one host sync (as the method layer's own index packing).
 """
 
 from __future__ import annotations
@@ -37,15 +43,14 @@ from sparrow_nemo.policy.batch import PolicyBatch
 from sparrow_nemo.policy.logprobs import TOP_K, LogprobOutput
 from sparrow_nemo.policy.model import PolicyModelSpec, unwrap_model
 from sparrow_nemo.policy.schedule import compute_logprobs
-from sparrow_nemo.sparse.attention import select_pages_from_centroids, selected_token_mask
+from sparrow_nemo.sparse.attention import select_pages_from_scores
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET, BudgetSchedule
 
 if TYPE_CHECKING:
     from sparrow_nemo.policy.lora import MegatronLora
 
-#: query positions per selection chunk: bounds the per-query centroid copies to
-#: QUERY_CHUNK * Hkv * P * D floats per sequence.
-QUERY_CHUNK = 64
+#: query positions per attention block: bounds a block's scores to B * Hq * QUERY_BLOCK * S floats
+QUERY_BLOCK = 64
 
 
 @dataclass(frozen=True)
@@ -102,6 +107,15 @@ class SparsePlan:
         if self.query_budget.numel() and int(self.query_budget.min()) < 0:
             raise ValueError("SparsePlan.query_budget must be >= 0 tokens")
 
+    def fit(self, width: int) -> SparsePlan:
+        """This plan for a micro-batch of ``width`` positions: cut, or extended with dense positions (a plan
+        made for the step's full width serves the micro-batch cut from the same rows)."""
+        have = self.query_budget.shape[1]
+        if width <= have:
+            return SparsePlan(self.prompt_lens, self.query_budget[:, :width])
+        extra = torch.full((self.query_budget.shape[0], width - have), DENSE_BUDGET, dtype=torch.int64)
+        return SparsePlan(self.prompt_lens, torch.cat([self.query_budget, extra], dim=1))
+
     @classmethod
     def from_schedule(cls, schedule: BudgetSchedule, prompt_lens: torch.Tensor, width: int) -> SparsePlan:
         """The engine's convention: the query at decode position t uses ``schedule.budget(t + 1)``.
@@ -143,107 +157,191 @@ class SparsePlan:
         return cls(torch.tensor(list(prompt_lens), dtype=torch.int64), budget)
 
 
-def sparse_attention_mask(
-    q: torch.Tensor, k: torch.Tensor, plan: SparsePlan, pattern: SparsePattern
+def _page_centroids(k: torch.Tensor, page_size: int) -> torch.Tensor:
+    """[B, Hkv, P, D] float32 mean key of every complete page (the last page padded with zero keys)."""
+    batch, heads, width, dim = k.shape
+    num_pages = math.ceil(width / page_size)
+    keys = F.pad(k.detach().float(), (0, 0, 0, num_pages * page_size - width))
+    return keys.view(batch, heads, num_pages, page_size, dim).cumsum(dim=3)[:, :, :, -1] / page_size
+
+
+def query_block_pages(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    centroids: torch.Tensor,
+    plan: SparsePlan,
+    pattern: SparsePattern,
+    lo: int,
+    hi: int,
 ) -> torch.Tensor:
-    """Which keys each query attends to under decode-time sparse attention.
+    """Which pages each query of positions ``lo .. hi-1`` attends to under decode-time sparse attention.
 
     Args:
         q: [B, Hq, S, D] queries and k: [B, Hkv, S, D] keys, as attention sees them (after q/k norm and
             rotary); query heads h*G .. h*G+G-1 share KV head h.
-        plan: prompt lengths and per-position budgets of this batch ([B], [B, S]).
+        centroids: [B, Hkv, P, D] complete-page centroids (:func:`_page_centroids` of ``k``).
+        plan: prompt lengths and per-position budgets ([B], [B, S]).
 
     Returns:
-        bool [B, Hkv, S, S], True where query t attends key u: causal (u <= t) for prompt positions,
-        and for decode positions the tokens of the pages selected for a cache of t + 1 tokens.
+        bool [B, n, Hkv, P] (n = hi - lo): for a prompt position every page up to its own (causal, the
+        query's own page included), for a decode position the pages the method layer selects for a
+        cache of t + 1 tokens (the current page's centroid is its keys up to t). Tokens after t inside a
+        kept page are not excluded here (see :func:`block_sparse_attention`).
     """
+    batch, num_q_heads, _, head_dim = q.shape
+    num_kv_heads, num_pages, ps = k.shape[1], centroids.shape[2], pattern.page_size
+    device, n = q.device, hi - lo
+    t = torch.arange(lo, hi, device=device)
+    page = torch.arange(num_pages, device=device)
+    keep = (page[None, :] <= (t // ps)[:, None])[None, :, None, :].expand(batch, n, num_kv_heads, num_pages)
+    prompt = t[None, :] < plan.prompt_lens.to(device)[:, None]  # [B, n]
+    if bool(prompt.all()):
+        return keep
+    group = num_q_heads // num_kv_heads
+    q_mean = (
+        q[:, :, lo:hi].float().view(batch, num_kv_heads, group, n, head_dim).mean(dim=2)
+    )  # [B, Hkv, n, D]
+    scores = torch.einsum("bhnd,bhpd->bnhp", q_mean, centroids)  # [B, n, Hkv, P]
+    # the current (partial) page's centroid: its keys up to t
+    p0, p1 = lo // ps, (hi - 1) // ps + 1
+    keys = k[:, :, p0 * ps : p1 * ps].detach().float()
+    span = F.pad(keys, (0, 0, 0, (p1 - p0) * ps - keys.shape[2]))
+    running = span.view(batch, num_kv_heads, p1 - p0, ps, head_dim).cumsum(dim=3)
+    running = running / torch.arange(1, ps + 1, device=device, dtype=torch.float32)[:, None]
+    current = running[:, :, t // ps - p0, t % ps]  # [B, Hkv, n, D]
+    # advanced indices on dims 1 and 3 (a slice between): the indexed view is [n, B, Hkv]
+    scores[:, torch.arange(n, device=device), :, t // ps] = torch.einsum("bhnd,bhnd->nbh", q_mean, current)
+    page_idx = select_pages_from_scores(
+        scores.reshape(batch * n, num_kv_heads, num_pages),
+        (t + 1).repeat(batch),
+        plan.query_budget[:, lo:hi].to(device).reshape(-1),
+        ps,
+        pattern.sink_pages,
+        pattern.local_pages,
+    )  # [B*n, Hkv, K], -1 padded
+    chosen = torch.zeros(batch * n, num_kv_heads, num_pages + 1, dtype=torch.bool, device=device)
+    chosen.scatter_(-1, torch.where(page_idx < 0, num_pages, page_idx), True)
+    chosen = chosen[..., :num_pages].view(batch, n, num_kv_heads, num_pages)
+    return torch.where(prompt[:, :, None, None], keep, chosen)
+
+
+def _sorted_true(mask: torch.Tensor) -> torch.Tensor:
+    """bool [..., P] -> int64 [..., U] ascending indices of the True entries, -1 padded (U = max count)."""
+    num = mask.shape[-1]
+    width = int(mask.sum(dim=-1).max())
+    index = torch.arange(num, device=mask.device).expand_as(mask)
+    picked = torch.sort(torch.where(mask, index, num), dim=-1).values[..., :width]
+    return torch.where(picked == num, -1, picked)
+
+
+def _block_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    centroids: torch.Tensor,
+    plan: SparsePlan,
+    pattern: SparsePattern,
+    lo: int,
+    hi: int,
+) -> torch.Tensor:
+    """Sparse attention of the queries ``lo .. hi-1``: [B, Hq, n, D] float32 (see :func:`block_sparse_attention`)."""
     batch, num_q_heads, width, head_dim = q.shape
-    num_kv_heads = k.shape[1]
-    if k.shape != (batch, num_kv_heads, width, head_dim) or plan.query_budget.shape != (batch, width):
-        raise ValueError(
-            f"sparse_attention_mask: q {tuple(q.shape)}, k {tuple(k.shape)} and plan.query_budget "
-            f"{tuple(plan.query_budget.shape)} must be [B, Hq, S, D], [B, Hkv, S, D] and [B, S]"
-        )
-    ps, device = pattern.page_size, q.device
-    pos = torch.arange(width, device=device)
-    mask = (pos[None, :] <= pos[:, None]).expand(batch, num_kv_heads, width, width).clone()
-    prompt_lens = plan.prompt_lens.to(device)
-    first = int(prompt_lens.min()) if batch else width
-    if first >= width:
-        return mask
-    num_pages = math.ceil(width / ps)
-    keys = F.pad(k.detach().float(), (0, 0, 0, num_pages * ps - width))
-    pages = keys.view(batch, num_kv_heads, num_pages, ps, head_dim)
-    running = pages.cumsum(dim=3) / torch.arange(1, ps + 1, device=device, dtype=torch.float32)[:, None]
-    complete = running[:, :, :, -1]  # [B, Hkv, P, D]: centroid of a full page
-    budget = plan.query_budget.to(device)
-    for lo in range(first, width, QUERY_CHUNK):
-        t = pos[lo : lo + QUERY_CHUNK]
-        n = t.numel()
-        cents = complete[:, :, None].expand(batch, num_kv_heads, n, num_pages, head_dim).clone()
-        cents[:, :, torch.arange(n, device=device), t // ps] = running[:, :, t // ps, t % ps]
-        page_idx = select_pages_from_centroids(
-            q[:, :, lo : lo + n].transpose(1, 2).reshape(batch * n, num_q_heads, head_dim),
-            cents.permute(0, 2, 1, 3, 4).reshape(batch * n, num_kv_heads, num_pages, head_dim),
-            (t + 1).repeat(batch),
-            budget[:, lo : lo + n].reshape(-1),
-            ps,
-            pattern.sink_pages,
-            pattern.local_pages,
-        )
-        chosen = selected_token_mask(page_idx, (t + 1).repeat(batch), width, ps)  # [B*n, Hkv, S]
-        decode = (t[None, :] >= prompt_lens[:, None])[:, None, :, None]  # [B, 1, n, 1]
-        chosen = chosen.view(batch, n, num_kv_heads, width).transpose(1, 2)
-        mask[:, :, lo : lo + n] = torch.where(decode, chosen, mask[:, :, lo : lo + n])
-    return mask
+    num_kv_heads, ps, n = k.shape[1], pattern.page_size, hi - lo
+    group = num_q_heads // num_kv_heads
+    with torch.no_grad():
+        keep = query_block_pages(q, k, centroids, plan, pattern, lo, hi).transpose(1, 2)  # [B, Hkv, n, P]
+        union = _sorted_true(keep.any(dim=2))  # [B, Hkv, U] pages any query of the block attends to
+        page = union.clamp(min=0)
+        tok = (page[..., None] * ps + torch.arange(ps, device=q.device)).flatten(2)  # [B, Hkv, U*ps]
+        member = keep.gather(3, page[:, :, None, :].expand(-1, -1, n, -1)) & (union >= 0)[:, :, None]
+        t = torch.arange(lo, hi, device=q.device)
+        allowed = member.repeat_interleave(ps, dim=3) & (tok[:, :, None, :] <= t[None, None, :, None])
+        flat = (
+            torch.arange(batch * num_kv_heads, device=q.device).view(batch, num_kv_heads, 1) * width
+            + tok.clamp(max=width - 1)
+        ).reshape(-1)
+    k_sel = k.view(-1, head_dim).index_select(0, flat).view(batch * num_kv_heads, 1, -1, head_dim)
+    v_sel = v.view(-1, head_dim).index_select(0, flat).view(batch * num_kv_heads, 1, -1, head_dim)
+    q_blk = q[:, :, lo:hi].float().reshape(batch * num_kv_heads, group, n, head_dim)
+    out = F.scaled_dot_product_attention(
+        q_blk,
+        k_sel,
+        v_sel,
+        attn_mask=allowed.reshape(batch * num_kv_heads, 1, n, -1),
+        scale=1.0 / math.sqrt(head_dim),
+        enable_gqa=True,
+    )
+    return out.view(batch, num_q_heads, n, head_dim)
 
 
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Exact softmax attention under a per-KV-head mask (differentiable in q, k, v).
+def block_sparse_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SparsePlan, pattern: SparsePattern
+) -> torch.Tensor:
+    """Decode-time sparse attention of every position, :data:`QUERY_BLOCK` queries at a time.
+
+    Per block: :func:`query_block_pages`, the union of those pages per (row, KV head) gathered from k and
+    v, and softmax attention with query t allowed exactly the tokens u <= t of its own pages.
 
     Args:
-        q: [B, Hq, S, D]; k, v: [B, Hkv, S, D]; mask: bool [B, Hkv, S, S], True = attend (every row needs
-            at least one True).
+        q: [B, Hq, S, D]; k, v: [B, Hkv, S, D] (differentiable); plan: [B] prompt lengths, [B, S] budgets.
 
     Returns:
         [B, Hq, S, D] float32; scale 1/sqrt(D), computed in float32.
     """
-    group = q.shape[1] // k.shape[1]
-    return F.scaled_dot_product_attention(
-        q.float(),
-        k.float().repeat_interleave(group, dim=1),
-        v.float().repeat_interleave(group, dim=1),
-        attn_mask=mask.repeat_interleave(group, dim=1),
-        scale=1.0 / math.sqrt(q.shape[-1]),
-    )
+    batch, _, width, _ = q.shape
+    if k.shape[0] != batch or k.shape[2] != width or plan.query_budget.shape != (batch, width):
+        raise ValueError(
+            f"block_sparse_attention: q {tuple(q.shape)}, k {tuple(k.shape)} and plan.query_budget "
+            f"{tuple(plan.query_budget.shape)} must be [B, Hq, S, D], [B, Hkv, S, D] and [B, S]"
+        )
+    centroids = _page_centroids(k, pattern.page_size)
+    k, v = k.float().contiguous(), v.float().contiguous()  # one copy per layer, gathered from by every block
+    blocks = []
+    for lo in range(0, width, QUERY_BLOCK):
+        hi = min(lo + QUERY_BLOCK, width)
+        args = (q, k, v, centroids, plan, pattern, lo, hi)
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            blocks.append(torch.utils.checkpoint.checkpoint(_block_attention, *args, use_reentrant=False))
+        else:
+            blocks.append(_block_attention(*args))
+    return torch.cat(blocks, dim=2)
 
 
 class _PlanQueue:
-    """Plans of the micro-batches still to run, in forward order, and the one running now."""
+    """Plans of the micro-batches still to run, in forward order, and the one whose layers run now."""
 
     def __init__(self, plans: Sequence[SparsePlan]) -> None:
         self.pending: deque[SparsePlan] = deque(plans)
         self.current: SparsePlan | None = None
 
-    def next(self, tokens: torch.Tensor) -> None:
-        """Start the next micro-batch (called before each model forward with its ``tokens [B, S]``)."""
+    def next(self, tokens: torch.Tensor) -> SparsePlan:
+        """Start the next micro-batch forward (its ``tokens [B, S]``); returns its plan, fitted to S."""
         if not self.pending:
             raise RuntimeError("sparse forward: more micro-batch forwards than SparsePlans were given")
         plan = self.pending.popleft()
-        if plan.query_budget.shape != tuple(tokens.shape):
+        if plan.query_budget.shape[0] != tokens.shape[0]:
             raise ValueError(
-                f"sparse forward: the plan is for [B, S]={tuple(plan.query_budget.shape)} but the "
-                f"micro-batch tokens are {tuple(tokens.shape)}"
+                f"sparse forward: the plan has {plan.query_budget.shape[0]} rows but the micro-batch tokens "
+                f"are {tuple(tokens.shape)}"
             )
-        self.current = plan
+        self.current = plan.fit(tokens.shape[1])
+        return self.current
+
+    def resume(self, plan: SparsePlan):
+        """A gradient hook that makes ``plan`` current again (the micro-batch's backward starts)."""
+
+        def hook(grad: torch.Tensor) -> None:
+            self.current = plan
+
+        return hook
 
 
 class SparseCoreAttention(torch.nn.Module):
     """Drop-in for megatron's core attention of one layer: decode-time sparse attention of a rollout.
 
     Takes megatron's ``query [sq, b, np, hn]``, ``key``/``value [sk, b, ng, hn]`` (this rank's heads)
-    and returns ``[sq, b, np * hn]`` in the query dtype. megatron's causal/padding ``attention_mask``
-    is not needed: the sparse mask is causal, and padded queries are never scored.
+    and returns ``[sq, b, np * hn]`` in the query dtype (:func:`block_sparse_attention`). megatron's
+    ``attention_mask`` is not needed: the sparse pattern is causal.
     """
 
     def __init__(self, queue: _PlanQueue, pattern: SparsePattern) -> None:
@@ -256,8 +354,7 @@ class SparseCoreAttention(torch.nn.Module):
         if plan is None:
             raise RuntimeError("SparseCoreAttention ran outside a sparse_forward() micro-batch")
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, hn]
-        mask = sparse_attention_mask(q, k, plan, self.pattern)
-        out = masked_attention(q, k, v, mask)  # [b, np, s, hn]
+        out = block_sparse_attention(q, k, v, plan, self.pattern)  # [b, np, s, hn]
         sq, b, heads, dim = query.shape
         return out.permute(2, 0, 1, 3).reshape(sq, b, heads * dim).to(query.dtype)
 
@@ -269,19 +366,18 @@ def sparse_forward(
     """Inside the block, forwards of ``model`` compute decode-time sparse attention.
 
     The i-th forward of the model (one per micro-batch, in order, on every pipeline stage) uses
-    ``plans[i]``. Layers with global index < ``pattern.dense_layers`` keep megatron's dense attention.
-    On exit the original core attention modules are restored; a RuntimeError is raised when fewer
-    forwards ran than plans were given.
+    ``plans[i]`` (fitted to the micro-batch's width, :meth:`SparsePlan.fit`), and so does that
+    micro-batch's backward (activation recompute included). Layers with global index <
+    ``pattern.dense_layers`` keep megatron's dense attention. On exit the original core attention
+    modules are restored; a RuntimeError is raised when fewer forwards ran than plans were given.
 
     Args:
         model: this rank's (possibly wrapped) megatron ``GPTModel``.
         plans: one :class:`SparsePlan` per micro-batch forward.
     """
     inner = unwrap_model(model)
-    if inner.config.sequence_parallel or inner.config.context_parallel_size > 1:
-        raise ValueError(
-            "sparse_forward: sequence/context parallelism is not supported (heads must be whole)"
-        )
+    if inner.config.context_parallel_size > 1:
+        raise ValueError("sparse_forward: context parallelism is not supported (the sequence must be whole)")
     queue = _PlanQueue(plans)
     swapped = []
     for layer in inner.decoder.layers:
@@ -289,13 +385,23 @@ def sparse_forward(
             attention = layer.self_attention
             swapped.append((attention, attention.core_attention))
             attention.core_attention = SparseCoreAttention(queue, pattern)
-    handle = inner.register_forward_pre_hook(
-        lambda _module, args, kwargs: queue.next(args[0] if args else kwargs["input_ids"]), with_kwargs=True
-    )
+
+    def start(_module, args, kwargs):
+        queue.next(args[0] if args else kwargs["input_ids"])
+
+    def finish(_module, _args, _kwargs, output):
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(queue.resume(queue.current))
+
+    handles = [
+        inner.register_forward_pre_hook(start, with_kwargs=True),
+        inner.register_forward_hook(finish, with_kwargs=True),
+    ]
     try:
         yield
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
         for attention, original in swapped:
             attention.core_attention = original
     if queue.pending:

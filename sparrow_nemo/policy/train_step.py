@@ -2,7 +2,10 @@
 
 Non-finite guard: a NaN/inf loss in any micro-batch on any rank, or a non-finite global gradient norm
 after the gradient sync, skips the update on every rank (weights and optimizer moments unchanged); the
-:class:`StepResult` names the offending statistic.
+:class:`StepResult` names the offending statistic. Finite gradients can still make non-finite weights (an
+infinite or huge learning rate): the weights are checked after every applied update (one flag per
+parameter, one host sync and one all-reduce per step) and :class:`NonFiniteWeightsError` names the first
+offending parameter and the learning rate; such weights cannot be undone, so the run stops there.
 """
 
 from __future__ import annotations
@@ -37,6 +40,37 @@ class StepResult:
     metrics: dict[str, float]
     skipped: str | None = None
     skip_detail: str = ""
+
+
+class NonFiniteWeightsError(FloatingPointError):
+    """An applied update left parameters that are not finite; the message names one and the learning rate."""
+
+
+def first_nonfinite_weight(model: torch.nn.Module) -> str | None:
+    """Collective: None when every parameter of every rank is finite; else the first offender, named.
+
+    One flag per parameter computed where it lives, one host sync, one all-reduce; the names are gathered
+    only when some rank has a non-finite parameter.
+    """
+    params = list(model.named_parameters())
+    flags = (
+        torch.stack([torch.isfinite(p).all() for _, p in params])
+        if params
+        else torch.ones(1, dtype=torch.bool)
+    )
+    where = None
+    if not bool(flags.all()):
+        name = params[int((~flags).nonzero()[0, 0])][0]
+        where = f"'{name}' on rank {dist.get_rank() if dist.is_initialized() else 0}"
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return where
+    any_bad = torch.tensor([int(where is not None)], device="cuda" if torch.cuda.is_available() else "cpu")
+    dist.all_reduce(any_bad, op=dist.ReduceOp.MAX)
+    if not any_bad.item():
+        return None
+    found: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(found, where)
+    return next(w for w in found if w is not None)
 
 
 #: all-reduce MIN sentinel: no non-finite loss on this rank
@@ -92,6 +126,14 @@ def train_step(
     else:
         outcome = optimizer.step()
         grad_norm, skipped = outcome.grad_norm, outcome.skipped
+        if skipped is None and (bad := first_nonfinite_weight(model)) is not None:
+            settings = getattr(optimizer, "settings", None)
+            lr = f"learning rate {settings.lr}" if settings is not None else "the learning rate"
+            raise NonFiniteWeightsError(
+                f"the update left non-finite weights (first: parameter {bad}) although the loss and the "
+                f"gradient norm {grad_norm:.4g} were finite; {lr} (policy.optimizer.lr) is too large or not "
+                "finite: lower it and resume from the last checkpoint"
+            )
         if skipped == "grad_norm":
             detail = f"grad_norm is {grad_norm}"
         elif skipped == "loss_scale":

@@ -3,12 +3,18 @@
 Test specs (the ``ground_truth`` of the reward registry), one dict per problem:
 
 - HumanEval: ``{"format": "humaneval", "prompt": str, "test": str, "entry_point": str}``. The program is
-  ``prompt + completion`` (or ``prompt`` followed by the completion's own ``def entry_point``), then
-  ``test`` and ``check(entry_point)``, in one process; one case.
-- stdin/stdout (TACO, code-r1 style): ``{"format": "stdio", "inputs": [str], "outputs": [str]}``; one process
-  per case; the output matches when its whitespace-separated tokens equal the expected ones.
+  ``prompt + completion`` (or ``prompt`` followed by the completion's own ``def entry_point``); ``check``
+  of ``test`` is called with it; one case.
+- stdin/stdout (TACO, code-r1 style): ``{"format": "stdio", "inputs": [str], "outputs": [str]}``; one
+  sandbox per case; the output matches when its whitespace-separated tokens equal the expected ones.
 - assert lists (MBPP, code-r1 style): ``{"format": "asserts", "tests": [str], "setup": str (optional)}``;
-  one process per assert statement, after the solution and ``setup``.
+  the program is the solution followed by ``setup``; one case per assert statement.
+
+Where verdicts are decided: a stdio program's output is compared here, in the trainer; tests (HumanEval
+checks, asserts) run in a checker sandbox that holds no model code, against the program in its own sandbox,
+through plain values only (:mod:`sparrow_nemo.rewards.code_checker`). The model's program never sees a
+test or an expected output. The ``prompt`` and ``setup`` of a spec run on both sides (the checker trusts
+the helpers they define); everything else the tests name is taken from the program.
 
 Shorthands (what code datasets store): a list of assert statements is an ``asserts`` spec, and a JSON string
 holding a spec or such a list (Parquet columns often do) is parsed; :func:`parse_test_spec` turns either into
@@ -16,7 +22,12 @@ the dict, checking it, so a prompt loader can refuse a bad row up front.
 
 Optional keys in every spec: ``"mode"`` ("fraction": passed cases / cases, the default; "all": 1.0 only if
 every case passes, stopping at the first failure) and ``"limits"`` (a dict of
-:class:`~sparrow_nemo.rewards.code_sandbox.SandboxLimits` fields).
+:class:`~sparrow_nemo.rewards.code_sandbox.SandboxLimits` fields, each a finite positive integer, ``wall_s``
+a finite positive number).
+
+The reward runs model code only in the OS sandbox (:mod:`sparrow_nemo.rewards.sandbox_os`); where that
+cannot be had it raises :class:`~sparrow_nemo.rewards.sandbox_os.SandboxUnavailable`, naming what is
+missing, unless the recipe sets ``reward.options.sandbox: unsafe_local`` (no isolation at all).
 
 The code is the last fenced ```python block of the completion (or the last fenced block of any language),
 else the whole completion.
@@ -30,10 +41,14 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from sparrow_nemo.rewards.code_checker import run_tests
 from sparrow_nemo.rewards.code_sandbox import SandboxLimits, run_python
+from sparrow_nemo.rewards.sandbox_os import require
 
 _FENCE_RE = re.compile(r"```([A-Za-z0-9_+-]*)[ \t]*\n(.*?)```", re.DOTALL)
 _MODES = ("fraction", "all")
+#: ``reward.options.sandbox``: "os" (the OS sandbox, required by default) or "unsafe_local" (none at all)
+SANDBOX_MODES = ("os", "unsafe_local")
 
 
 def extract_code(completion: str) -> str:
@@ -54,34 +69,39 @@ def _require(spec: dict, key: str, kind: type) -> Any:
     return value
 
 
+def _strings(spec: dict, key: str) -> list[str]:
+    values = _require(spec, key, list)
+    if not all(isinstance(v, str) for v in values):
+        raise ValueError(f"code test spec key '{key}' must be a list of strings")
+    return values
+
+
 def _humaneval_program(code: str, spec: dict) -> str:
-    prompt, test = _require(spec, "prompt", str), _require(spec, "test", str)
-    entry = _require(spec, "entry_point", str)
+    """The prompt with the completion: a whole function replaces the prompt's stub, a body completes it."""
+    prompt, entry = _require(spec, "prompt", str), _require(spec, "entry_point", str)
     if re.search(rf"^\s*def\s+{re.escape(entry)}\s*\(", code, re.MULTILINE):
-        body = f"{prompt}\n\n{code}"  # a whole function: it replaces the prompt's stub
-    else:
-        body = prompt + code
-    return f"{body}\n\n{test}\n\ncheck({entry})\n"
+        return f"{prompt}\n\n{code}\n"
+    return prompt + code + "\n"
 
 
-def _cases(code: str, spec: dict) -> list[tuple[str, str, str | None, bool]]:
-    """(program, stdin, expected stdout or None, exit_ok) per test case of ``spec``."""
+def _check_format(spec: dict) -> None:
+    """The spec's format and its keys (ValueError naming what is wrong)."""
     fmt = spec.get("format")
     if fmt == "humaneval":
-        return [(_humaneval_program(code, spec), "", None, False)]
-    if fmt == "stdio":
-        inputs, outputs = _require(spec, "inputs", list), _require(spec, "outputs", list)
+        _require(spec, "prompt", str), _require(spec, "test", str), _require(spec, "entry_point", str)
+    elif fmt == "stdio":
+        inputs, outputs = _strings(spec, "inputs"), _strings(spec, "outputs")
         if len(inputs) != len(outputs) or not inputs:
             raise ValueError(
                 f"stdio spec needs equally many inputs and outputs (> 0), got {len(inputs)}, {len(outputs)}"
             )
-        return [(code, str(i), str(o), True) for i, o in zip(inputs, outputs)]
-    if fmt == "asserts":
-        tests, setup = _require(spec, "tests", list), spec.get("setup", "")
-        if not tests:
+    elif fmt == "asserts":
+        if not _strings(spec, "tests"):
             raise ValueError("asserts spec has an empty 'tests' list")
-        return [(f"{code}\n\n{setup}\n\n{t}\n", "", None, False) for t in tests]
-    raise ValueError(f"unknown code test format {fmt!r}; expected 'humaneval', 'stdio' or 'asserts'")
+        if not isinstance(spec.get("setup", ""), str):
+            raise ValueError("code test spec key 'setup' must be str")
+    else:
+        raise ValueError(f"unknown code test format {fmt!r}; expected 'humaneval', 'stdio' or 'asserts'")
 
 
 def parse_test_spec(value: Any) -> dict:
@@ -116,7 +136,7 @@ def parse_test_spec(value: Any) -> dict:
         SandboxLimits(**limits)
     except TypeError as exc:
         raise ValueError(f"code test spec 'limits': {exc}") from None
-    _cases("", value)  # format and its keys
+    _check_format(value)
     return value
 
 
@@ -125,30 +145,78 @@ def outputs_match(actual: str, expected: str) -> bool:
     return actual.split() == expected.split()
 
 
-def code_reward(completion: str, spec: Any, mode: str | None = None) -> float:
+def _stdio_verdicts(code: str, spec: dict, limits: SandboxLimits, stop: bool, unsafe: bool) -> list[bool]:
+    verdicts = []
+    for stdin, expected in zip(spec["inputs"], spec["outputs"]):
+        result = run_python(code, stdin, limits, unsafe=unsafe)
+        verdicts.append(result.ok and outputs_match(result.stdout, expected))
+        if stop and not verdicts[-1]:
+            break
+    return verdicts
+
+
+def _job(code: str, spec: dict, stop: bool) -> tuple[str, dict]:
+    """(program for the program's sandbox, job for the checker's) of a humaneval or asserts spec."""
+    if spec["format"] == "humaneval":
+        job = {"kind": "humaneval", "prompt": spec["prompt"], "test": spec["test"], "cases": 1}
+        return _humaneval_program(code, spec), job | {
+            "entry_point": spec["entry_point"],
+            "stop_on_failure": stop,
+        }
+    setup = spec.get("setup", "")
+    job = {"kind": "asserts", "setup": setup, "tests": spec["tests"], "cases": len(spec["tests"])}
+    return f"{code}\n\n{setup}\n", job | {"stop_on_failure": stop}
+
+
+def check_sandbox(options: dict[str, Any]) -> None:
+    """Start-up check of ``reward.options`` (:func:`~sparrow_nemo.rewards.registry.bind_reward` calls it):
+    a known ``sandbox`` mode, and for "os" a sandbox that really starts here.
+
+    Raises:
+        ValueError: an unknown mode; SandboxUnavailable (a ValueError): no OS sandbox, naming what is missing.
+    """
+    sandbox = options.get("sandbox", "os")
+    if sandbox not in SANDBOX_MODES:
+        raise ValueError(f"reward.options.sandbox must be one of {SANDBOX_MODES}, got {sandbox!r}")
+    if sandbox == "os":
+        require()
+
+
+def code_reward(completion: str, spec: Any, mode: str | None = None, sandbox: str = "os") -> float:
     """Reward in [0, 1] of ``completion`` on ``spec`` (a dict, or a :func:`parse_test_spec` shorthand).
 
-    ``mode`` ("fraction" or "all", the recipe's ``reward.options.mode``) overrides the spec's own.
+    ``mode`` ("fraction" or "all", the recipe's ``reward.options.mode``) overrides the spec's own;
+    ``sandbox`` (``reward.options.sandbox``): see :data:`SANDBOX_MODES`.
+
+    Raises:
+        SandboxUnavailable: ``sandbox="os"`` and OS isolation cannot be had here (the message says why).
     """
     spec = parse_test_spec(spec)
     if mode is not None and mode not in _MODES:
         raise ValueError(f"code reward mode must be one of {_MODES}, got {mode!r}")
+    if sandbox not in SANDBOX_MODES:
+        raise ValueError(f"reward.options.sandbox must be one of {SANDBOX_MODES}, got {sandbox!r}")
     mode = mode or spec.get("mode", "fraction")
     limits = SandboxLimits(**spec.get("limits", {}))
-    cases = _cases(extract_code(completion), spec)
-    passed = 0
-    for program, stdin, expected, exit_ok in cases:
-        result = run_python(program, stdin, limits, exit_ok=exit_ok)
-        ok = result.passed and (expected is None or outputs_match(result.stdout, expected))
-        passed += ok
-        if mode == "all" and not ok:
-            return 0.0
-    return passed / len(cases) if mode == "fraction" else 1.0
+    code, stop, unsafe = extract_code(completion), mode == "all", sandbox == "unsafe_local"
+    if spec["format"] == "stdio":
+        verdicts = _stdio_verdicts(code, spec, limits, stop, unsafe)
+        cases = len(spec["inputs"])
+    else:
+        program, job = _job(code, spec, stop)
+        verdicts = [v is None for v in run_tests(program, job, limits, unsafe)]
+        cases = job["cases"]
+    passed = sum(verdicts)
+    if mode == "all":
+        return 1.0 if passed == cases else 0.0
+    return passed / cases
 
 
-def code_rewards(completions: Sequence[str], specs: Sequence[Any], workers: int = 2) -> list[float]:
+def code_rewards(
+    completions: Sequence[str], specs: Sequence[Any], workers: int = 2, sandbox: str = "os"
+) -> list[float]:
     """:func:`code_reward` for each (completion, spec) pair, ``workers`` sandboxes at a time."""
     if len(completions) != len(specs):
         raise ValueError(f"code_rewards: {len(completions)} completions but {len(specs)} specs")
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        return list(pool.map(code_reward, completions, specs))
+        return list(pool.map(lambda c, s: code_reward(c, s, sandbox=sandbox), completions, specs))

@@ -1,256 +1,398 @@
-"""Run an untrusted Python program in a sandboxed subprocess and report what happened.
+"""Start a harness in the OS sandbox (:mod:`sparrow_nemo.rewards.sandbox_os`), talk to it, and make it go.
 
-Isolation, strongest available first (see :func:`isolation`):
+A :class:`SandboxProcess` is one bubblewrap sandbox running a harness of this package
+(:mod:`~sparrow_nemo.rewards._sandbox_program` for model code, :mod:`~sparrow_nemo.rewards._sandbox_checker`
+for tests) under :class:`SandboxLimits`. Its caps, and who enforces them:
 
-- a fresh network namespace (``unshare -n``, needs root / CAP_SYS_ADMIN): no network at all;
-- privileges dropped to ``nobody`` (as root, when the interpreter's standard library is readable by others):
-  the program cannot write root's files, and ``RLIMIT_NPROC`` is enforced (it is not for root);
-- resource limits: CPU seconds (``RLIMIT_CPU``), address space (``RLIMIT_AS``), written file size
-  (``RLIMIT_FSIZE``, which also caps stdout/stderr since they go to files), processes, open files, no core;
-- a wall-clock limit; the program runs in its own session and the whole process group is killed after it;
-- an audit hook in the child (always on; :mod:`sparrow_nemo.rewards._sandbox_guard`): no process creation,
-  sockets, ctypes, signals or writes outside the work directory;
-- a fresh temporary work directory, removed afterwards.
+- wall clock (``wall_s``): the trainer kills the sandbox at its deadline;
+- memory of the whole program (``memory_mb``): the trainer sums the resident memory (anonymous + shared) of
+  every process of the sandbox every few milliseconds and kills it past the cap; each process is also
+  capped by ``RLIMIT_AS``; the work folder's tmpfs is capped separately (``disk_mb``);
+- processes (``max_processes``): ``RLIMIT_NPROC``, which the kernel counts per user namespace, so it caps
+  this sandbox's processes only; CPU seconds (``cpu_s``): ``RLIMIT_CPU`` per process;
+- output (``output_bytes``): stdout, every reply line and the total written to stderr (where a served
+  program's prints go) are read with that cap (the sandbox is killed past it); ``RLIMIT_FSIZE`` caps each
+  file written;
+- lifetime: killing the sandbox kills bwrap, whose PID-namespace init dies with it (``--die-with-parent``),
+  and the kernel then kills every process left in that namespace; :meth:`SandboxProcess.close` returns only
+  once that init is gone (a pidfd on it), so no process of the program outlives the reward.
 
-Audit hooks are not a security boundary against a determined attacker (C extensions can bypass them); with
-root the namespace, uid and rlimits are the real walls, without root the hook is what blocks sockets and
-writes. A run passes only when the guard reports that the whole program ran (see the guard's docstring).
+:func:`run_python` runs a stdin/stdout program this way. ``unsafe=True`` (the recipe's
+``reward.options.sandbox=unsafe_local``) runs the same harness as a plain child process with only the
+rlimits and a process-group kill: no isolation at all.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import json
+import math
 import os
-import pwd
-import secrets
+import select
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-_GUARD = Path(__file__).with_name("_sandbox_guard.py")
+from sparrow_nemo.rewards import sandbox_wire as wire
+from sparrow_nemo.rewards.sandbox_os import SANDBOX_DIR, bwrap_command, popen_user_args, require
+
+_HERE = Path(__file__).parent
+#: how often the trainer sums the sandbox's memory
+_MEMORY_POLL_S = 0.01
+#: stderr kept for diagnostics (the rest is read and dropped)
+_STDERR_KEEP = 64 * 1024
+#: how long a killed sandbox may take to vanish before that is an error
+_REAP_S = 30.0
 
 
 @dataclass(frozen=True)
 class SandboxLimits:
-    """Limits of one sandboxed run.
+    """Limits of one sandboxed program (all must be finite and positive; all but ``wall_s`` integers).
 
     Attributes:
-        wall_s: wall-clock seconds before the process group is killed.
-        cpu_s: CPU seconds (RLIMIT_CPU; whole seconds).
-        memory_mb: address-space limit in MiB (RLIMIT_AS).
-        output_bytes: cap on each of stdout and stderr, and on any file the program writes (RLIMIT_FSIZE).
-        max_processes: RLIMIT_NPROC for the sandbox user (enforced only after dropping root).
+        wall_s: wall-clock seconds (per test case) before the sandbox is killed.
+        cpu_s: CPU seconds per process (RLIMIT_CPU).
+        memory_mb: MiB of resident memory of all the program's processes together (and RLIMIT_AS of each).
+        disk_mb: MiB of the private work folder (a tmpfs), the only writable place.
+        output_bytes: cap on stdout, on each reply line and on any file written (RLIMIT_FSIZE).
+        max_processes: processes of the sandbox, its init and harness included (RLIMIT_NPROC).
     """
 
     wall_s: float = 10.0
     cpu_s: int = 5
     memory_mb: int = 1024
+    disk_mb: int = 64
     output_bytes: int = 1 << 20
     max_processes: int = 64
 
     def __post_init__(self) -> None:
-        for name in ("wall_s", "cpu_s", "memory_mb", "output_bytes", "max_processes"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"SandboxLimits.{name} must be positive, got {getattr(self, name)}")
+        for name, value in asdict(self).items():
+            integer = name != "wall_s"
+            ok_type = type(value) is int or (not integer and type(value) is float)
+            if not ok_type or not math.isfinite(value) or value <= 0:
+                kind = "a positive integer" if integer else "a finite positive number of seconds"
+                raise ValueError(f"code sandbox limit '{name}' must be {kind}, got {value!r}")
+
+
+class SandboxProcess:
+    """One harness running in a sandbox, with its stdin, stdout and stderr in the trainer's hands.
+
+    Args:
+        harness: the harness file of this package, e.g. ``"_sandbox_program.py"``.
+        args: its command-line arguments.
+        limits: the caps (see the module docstring).
+        files: ``{name: content}`` shown read-only next to the harness (e.g. ``program.py``).
+        stdin: the program's whole standard input; None = a pipe for :meth:`send`.
+        unsafe: no isolation (a plain child process; the recipe must have asked for it).
+
+    Raises:
+        SandboxUnavailable: OS isolation is missing here and ``unsafe`` is False.
+    """
+
+    def __init__(
+        self,
+        harness: str,
+        args: list[str],
+        limits: SandboxLimits,
+        files: dict[str, bytes],
+        stdin: bytes | None = None,
+        unsafe: bool = False,
+    ) -> None:
+        self.limits = limits
+        self.failure: str | None = None  # why the sandbox was stopped, when it was
+        self.stdout = b""
+        self._stderr = bytearray()
+        self._stderr_total = 0  # bytes read from stderr so far (only the first _STDERR_KEEP are kept)
+        self._pending = b""
+        self._tmp: Path | None = None
+        self._init_pidfd: int | None = None
+        self._next_memory_check = 0.0
+        contents = _harness_files() | files
+        stdin_fd = _memfd("stdin", stdin) if stdin is not None else subprocess.PIPE
+        keep: list[int] = []
+        try:
+            if unsafe:
+                self._tmp = Path(tempfile.mkdtemp(prefix="sparrow_unsafe_"))
+                (self._tmp / "work").mkdir()
+                for name, data in contents.items():
+                    (self._tmp / name).write_bytes(data)
+                cmd = [sys.executable, "-I", "-S", str(self._tmp / harness), *args]
+                popen = {"cwd": self._tmp / "work", "env": {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}}
+            else:
+                iso = require()
+                fds = {name: _memfd(name, data) for name, data in contents.items()}
+                keep += fds.values()
+                info_r, info_w = os.pipe()
+                keep.append(info_w)
+                argv = [iso.python, "-I", "-S", f"{SANDBOX_DIR}/{harness}", *args]
+                disk = limits.disk_mb << 20
+                cmd = bwrap_command(iso, argv, disk, fds, info_fd=info_w)
+                # bwrap's own environment is the PID-namespace init's, which the program can read in /proc/1:
+                # it gets none of the trainer's (tokens, paths)
+                popen = {"cwd": "/", "env": {"PATH": "/usr/bin:/bin"}, **popen_user_args(iso.run_as)}
+            self.proc = subprocess.Popen(
+                cmd,
+                stdin=stdin_fd,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                pass_fds=keep,
+                start_new_session=True,
+                **popen,
+            )
+        finally:
+            for fd in keep + ([stdin_fd] if isinstance(stdin_fd, int) and stdin_fd >= 0 else []):
+                os.close(fd)
+        if not unsafe:
+            self._init_pidfd = _init_pidfd(info_r)
+        self._exit_fd = os.pidfd_open(self.proc.pid)
+        for pipe in (self.proc.stdout, self.proc.stderr, self.proc.stdin):
+            if pipe is not None:
+                os.set_blocking(pipe.fileno(), False)
+
+    # ---- talking to it -------------------------------------------------------------------------------
+    def send(self, message: dict) -> None:
+        """Queue ``message`` for the harness's stdin (written while :meth:`receive` waits)."""
+        self._pending += wire.dumps(message)
+
+    def receive(self, deadline: float, cap: int) -> dict | None:
+        """The next message line (at most ``cap`` bytes) from the harness's stdout, by ``deadline``
+        (``time.monotonic()``).
+
+        None when there is none: the sandbox then is stopped and :attr:`failure` says why ("timed out",
+        "exited", "memory limit", "output limit", "bad message: ...").
+        """
+        while self.failure is None:
+            newline = self.stdout.find(b"\n")
+            if newline >= 0:
+                line, self.stdout = self.stdout[:newline], self.stdout[newline + 1 :]
+                try:
+                    return wire.loads(line)
+                except wire.WireError as exc:
+                    self.stop(f"bad message: {exc}")
+            elif len(self.stdout) > cap or self._stderr_total > self.limits.output_bytes:
+                self.stop("output limit")
+            elif self.proc.stdout.closed:
+                self.stop("exited")
+            elif time.monotonic() >= deadline:
+                self.stop("timed out")
+            else:
+                self._pump(deadline)
+        return None
+
+    def wait(self, deadline: float) -> bool:
+        """Collect stdout until the program has exited and closed its output (True), or it is stopped at a
+        limit (False; :attr:`failure` says which)."""
+        while self.failure is None:
+            if max(len(self.stdout), self._stderr_total) > self.limits.output_bytes:
+                self.stop("output limit")
+            elif self.proc.poll() is not None and self.proc.stdout.closed and self.proc.stderr.closed:
+                break
+            elif time.monotonic() >= deadline:
+                self.stop("timed out")
+            else:
+                self._pump(deadline)
+        return self.failure is None
+
+    @property
+    def stderr(self) -> str:
+        """What the harness wrote to stderr (the first 64 KiB), decoded."""
+        return self._stderr.decode("utf-8", errors="replace")
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode
+
+    def _pump(self, deadline: float) -> None:
+        """Wait (until ``deadline``, at most one memory-poll interval) and move what is ready between the
+        pipes; then check the memory of the whole sandbox."""
+        readers: list = [p for p in (self.proc.stdout, self.proc.stderr) if not p.closed]
+        if self.proc.returncode is None:
+            readers.append(self._exit_fd)  # wakes up when the sandbox exits
+        writers = [self.proc.stdin] if self._pending else []
+        timeout = min(max(0.0, deadline - time.monotonic()), _MEMORY_POLL_S)
+        ready_r, ready_w, _ = select.select(readers, writers, [], timeout)
+        for pipe in ready_r:
+            if pipe is self._exit_fd:
+                self.proc.poll()
+                continue
+            chunk = os.read(pipe.fileno(), 1 << 16)
+            if not chunk:
+                pipe.close()
+            elif pipe is self.proc.stdout:
+                self.stdout += chunk
+            else:
+                self._stderr_total += len(chunk)
+                if len(self._stderr) < _STDERR_KEEP:
+                    self._stderr += chunk[: _STDERR_KEEP - len(self._stderr)]
+        if ready_w:
+            try:
+                written = os.write(self.proc.stdin.fileno(), self._pending[: 1 << 16])
+                self._pending = self._pending[written:]
+            except BrokenPipeError:
+                self._pending = b""
+        now = time.monotonic()
+        if now >= self._next_memory_check:
+            self._next_memory_check = now + _MEMORY_POLL_S
+            if _tree_memory(self.proc.pid) > self.limits.memory_mb << 20:
+                self.stop("memory limit")
+
+    # ---- ending it -----------------------------------------------------------------------------------
+    def stop(self, why: str) -> None:
+        """Record ``why`` and kill the sandbox (every process in it)."""
+        if self.failure is None:
+            self.failure = why
+        self.close()
+
+    def close(self) -> None:
+        """Kill whatever still runs and return once every process of the sandbox is gone.
+
+        Raises:
+            RuntimeError: a sandbox process survived ``_REAP_S`` seconds after the kill (never expected).
+        """
+        if self.proc.returncode is None:
+            try:
+                if self._tmp is not None:
+                    os.killpg(self.proc.pid, signal.SIGKILL)  # unsafe mode: the process group
+                else:
+                    self.proc.kill()  # bwrap; its init and so the whole PID namespace die with it
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+        survived = self._init_pidfd is not None and not _wait_readable(
+            self._init_pidfd, time.monotonic() + _REAP_S
+        )
+        for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            if pipe is not None and not pipe.closed:
+                pipe.close()
+        for fd in (self._init_pidfd, self._exit_fd):
+            if fd is not None:
+                os.close(fd)
+        self._init_pidfd = self._exit_fd = None
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+        if survived:
+            raise RuntimeError("code sandbox: a process of the sandbox survived its kill")
+
+    def __enter__(self) -> SandboxProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@functools.cache
+def _harness_files() -> dict[str, bytes]:
+    """The files of this package every harness needs next to it (read once)."""
+    names = ("sandbox_wire.py", "_sandbox_program.py", "_sandbox_checker.py")
+    return {name: (_HERE / name).read_bytes() for name in names}
+
+
+def _memfd(name: str, data: bytes) -> int:
+    """An anonymous in-memory file holding ``data``, positioned at its start."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    os.write(fd, data)  # memfds take the whole write
+    os.lseek(fd, 0, os.SEEK_SET)
+    os.set_inheritable(fd, True)
+    return fd
+
+
+def _init_pidfd(info_r: int) -> int | None:
+    """pidfd of the sandbox's PID-namespace init, from bwrap's ``--info-fd`` JSON (None: already gone)."""
+    with os.fdopen(info_r, "rb") as fh:
+        text = fh.read()
+    try:
+        pid = int(wire.loads(text.replace(b"\n", b" "))["child-pid"])
+        return os.pidfd_open(pid)
+    except (wire.WireError, KeyError, ValueError, ProcessLookupError):
+        return None  # bwrap failed before starting it, or it has exited already
+
+
+def _wait_readable(fd: int, deadline: float) -> bool:
+    """Whether ``fd`` becomes readable (a pidfd: its process exited) before ``deadline``."""
+    ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+    return bool(ready)
+
+
+def _tree_memory(root: int) -> int:
+    """Bytes of anonymous + shared resident memory of ``root`` and all its descendants (0 once gone)."""
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        try:
+            with open(f"/proc/{pid}/status", "rb") as fh:
+                for line in fh:
+                    if line.startswith((b"RssAnon:", b"RssShmem:")):
+                        total += int(line.split()[1]) << 10
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{tid}/children", "rb") as fh:
+                    todo += [int(c) for c in fh.read().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # exited meanwhile
+    return total
 
 
 @dataclass(frozen=True)
 class SandboxResult:
-    """Outcome of one run.
+    """Outcome of one stdin/stdout run.
 
     Attributes:
-        passed: the program ran to the end without an uncaught exception (and, unless ``exit_ok``, without
-            ``sys.exit``), and the guard confirmed it.
-        returncode: exit status; negative = killed by that signal.
-        stdout / stderr: decoded output (UTF-8, errors replaced), at most ``output_bytes`` each.
-        timed_out: the wall-clock limit was hit.
-        output_limited: an output or a written file reached ``output_bytes`` (the program was killed).
+        returncode: exit status of the program (bwrap passes it through); negative = killed by that
+            signal; None when it was stopped at a limit.
+        stdout: its standard output (UTF-8, errors replaced), at most ``output_bytes``.
+        stderr: the first 64 KiB of its standard error.
+        failure: the limit it was stopped at ("timed out", "memory limit", "output limit"), else None.
         wall_s: seconds the run took.
     """
 
-    passed: bool
-    returncode: int
+    returncode: int | None
     stdout: str
     stderr: str
-    timed_out: bool
-    output_limited: bool
+    failure: str | None
     wall_s: float
 
-
-@functools.cache
-def _netns_available() -> bool:
-    """True when ``unshare -n`` works here (root with CAP_SYS_ADMIN and util-linux installed)."""
-    unshare = shutil.which("unshare")
-    if os.geteuid() != 0 or unshare is None:
-        return False
-    probe = subprocess.run([unshare, "-n", "true"], capture_output=True, timeout=10, check=False)
-    return probe.returncode == 0
-
-
-def _readable_by_others(path: Path) -> bool:
-    """Every directory from / to ``path`` is searchable by others and ``path`` is readable by others."""
-    path = path.resolve()
-    for part in [*reversed(path.parents), path]:
-        mode = part.stat().st_mode
-        if not mode & 0o001 or (part == path and not mode & 0o004):
-            return False
-    return True
-
-
-@functools.cache
-def _sandbox_python() -> tuple[str, bool]:
-    """(interpreter, can drop to nobody): this interpreter if ``nobody`` can read its standard library,
-    else the system ``python3`` of the same minor version if nobody can; else this one without dropping."""
-    try:
-        pwd.getpwnam("nobody")
-    except KeyError:
-        return sys.executable, False
-    if os.geteuid() != 0:
-        return sys.executable, False
-    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
-    candidates = [sys.executable, f"/usr/bin/{version}", f"/usr/local/bin/{version}"]
-    for exe in candidates:
-        if not os.access(exe, os.X_OK):
-            continue
-        probe = subprocess.run(
-            [exe, "-I", "-S", "-c", "import os; print(os.path.dirname(os.__file__))"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=False,
-        )
-        stdlib = Path(probe.stdout.strip())
-        if probe.returncode == 0 and _readable_by_others(stdlib) and _readable_by_others(Path(exe)):
-            return exe, True
-    return sys.executable, False
-
-
-def isolation() -> dict[str, bool | str]:
-    """Which isolation layers this machine gives (for logs and the tests)."""
-    exe, drops = _sandbox_python()
-    return {
-        "network_namespace": _netns_available(),
-        "drop_privileges": drops,
-        "python": exe,
-        "audit_hook": True,
-    }
-
-
-def _read_capped(path: Path, cap: int) -> tuple[str, bool]:
-    """(text of at most ``cap`` bytes, whether the file reached the cap: RLIMIT_FSIZE stops it there)."""
-    with open(path, "rb") as fh:
-        data = fh.read(cap + 1)
-    return data[:cap].decode("utf-8", errors="replace"), len(data) >= cap
-
-
-def _kill_group(pgid: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGKILL)
-
-
-def _write_config(
-    private: Path, workdir: Path, limits: SandboxLimits, marker_fd: int, token: str, exit_ok: bool, drop: bool
-) -> Path:
-    """Write the guard's config (root-only readable when ``drop``) and hand the work directory to nobody."""
-    nobody = pwd.getpwnam("nobody") if drop else None
-    if nobody is not None:  # private/ stays root's (0711: nobody may pass through, not list or write)
-        os.chmod(private, 0o711)
-        for p in (workdir, workdir / "program.py"):
-            os.chown(p, nobody.pw_uid, nobody.pw_gid)
-    config = private / "config.json"
-    fields = {
-        "workdir": str(workdir),
-        "program": str(workdir / "program.py"),
-        "cpu_s": int(limits.cpu_s),
-        "memory_bytes": limits.memory_mb << 20,
-        "file_size_bytes": limits.output_bytes,
-        "max_processes": limits.max_processes,
-        "uid": nobody.pw_uid if nobody else None,
-        "gid": nobody.pw_gid if nobody else None,
-        "marker_fd": marker_fd,
-        "token": token,
-        "exit_ok": exit_ok,
-    }
-    config.write_text(json.dumps(fields))
-    os.chmod(config, 0o600)
-    return config
-
-
-def _command(exe: str, config: Path) -> list[str]:
-    cmd = [exe, "-I", "-S", str(_GUARD), str(config)]
-    return [shutil.which("unshare") or "unshare", "-n", "--", *cmd] if _netns_available() else cmd
-
-
-def _read_marker(fd: int) -> bytes:
-    """What the guard wrote to the marker pipe (nothing if it never did), without blocking."""
-    os.set_blocking(fd, False)
-    try:
-        return os.read(fd, 64)
-    except BlockingIOError:
-        return b""
+    @property
+    def ok(self) -> bool:
+        """It ran to the end within its limits and exited with status 0."""
+        return self.failure is None and self.returncode == 0
 
 
 def run_python(
-    source: str, stdin: str = "", limits: SandboxLimits | None = None, exit_ok: bool = True
+    source: str, stdin: str = "", limits: SandboxLimits | None = None, unsafe: bool = False
 ) -> SandboxResult:
-    """Run ``source`` (a whole Python program) with ``stdin`` as its standard input, inside the sandbox.
-
-    ``exit_ok``: whether ``sys.exit(0)`` / ``exit()`` counts as passing (True for stdin/stdout programs;
-    False when tests follow the solution in the same program, so that exiting early cannot skip them).
-    """
+    """Run ``source`` (a whole Python program) with ``stdin`` as its standard input, in the sandbox."""
     limits = limits or SandboxLimits()
-    exe, drop = _sandbox_python()
-    private = Path(tempfile.mkdtemp(prefix="sparrow_sandbox_"))  # config and outputs; the program is in work/
-    workdir = private / "work"
-    workdir.mkdir(mode=0o700)
-    read_fd, write_fd = os.pipe()
-    token = secrets.token_hex(16)
-    try:
-        (workdir / "program.py").write_text(source, encoding="utf-8")
-        (private / "stdin").write_text(stdin, encoding="utf-8")
-        config = _write_config(private, workdir, limits, write_fd, token, exit_ok, drop)
-        env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8", "HOME": str(workdir)}
-        start = time.perf_counter()
-        with (
-            open(private / "stdin", "rb") as fin,
-            open(private / "stdout", "wb") as fout,
-            open(private / "stderr", "wb") as ferr,
-        ):
-            proc = subprocess.Popen(
-                _command(exe, config),
-                stdin=fin,
-                stdout=fout,
-                stderr=ferr,
-                cwd=workdir,
-                env=env,
-                pass_fds=(write_fd,),
-                start_new_session=True,
-            )
-        os.close(write_fd)
-        write_fd = -1
-        timed_out = False
-        try:
-            proc.wait(timeout=limits.wall_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-        _kill_group(proc.pid)  # the program and anything it left behind in its process group
-        proc.wait()
-        wall = time.perf_counter() - start
-        marker = _read_marker(read_fd)
-        stdout, out_capped = _read_capped(private / "stdout", limits.output_bytes)
-        stderr, err_capped = _read_capped(private / "stderr", limits.output_bytes)
-        limited = out_capped or err_capped or proc.returncode == -signal.SIGXFSZ
-        passed = marker == token.encode() and not timed_out and not limited and proc.returncode == 0
-        return SandboxResult(passed, proc.returncode, stdout, stderr, timed_out, limited, wall)
-    finally:
-        os.close(read_fd)
-        if write_fd >= 0:
-            os.close(write_fd)
-        shutil.rmtree(private, ignore_errors=True)
+    start = time.monotonic()
+    with SandboxProcess(
+        "_sandbox_program.py",
+        ["stdio", limits_json(limits)],
+        limits,
+        {"program.py": source.encode("utf-8", errors="surrogatepass")},
+        stdin=stdin.encode("utf-8", errors="surrogatepass"),
+        unsafe=unsafe,
+    ) as box:
+        box.wait(start + limits.wall_s)
+        box.close()
+        out = box.stdout[: limits.output_bytes].decode("utf-8", errors="replace")
+        code = None if box.failure else box.returncode
+        return SandboxResult(code, out, box.stderr, box.failure, time.monotonic() - start)
+
+
+def limits_json(limits: SandboxLimits) -> str:
+    """The harnesses' rlimits, as their JSON command-line argument."""
+    return (
+        wire.dumps(
+            {
+                "cpu_s": limits.cpu_s,
+                "memory_bytes": limits.memory_mb << 20,
+                "file_bytes": limits.output_bytes,
+                "processes": limits.max_processes,
+            }
+        )
+        .decode()
+        .strip()
+    )

@@ -25,6 +25,8 @@ _BUILTIN: dict[str, str] = {
     "code": "sparrow_nemo.rewards.code:code_reward",
     "chain": "sparrow_nemo.tasks.chain:chain_reward",
 }
+#: start-up checks of built-ins, ``fn(options)``: they raise before a run starts, not at its first reward
+_PREFLIGHT: dict[str, str] = {"code": "sparrow_nemo.rewards.code:check_sandbox"}
 _REGISTERED: dict[str, RewardFn] = {}
 
 
@@ -59,9 +61,13 @@ def bind_reward(name: str, options: dict[str, Any]) -> RewardFn:
     """:func:`get_reward` with ``options`` bound as keyword arguments (the recipe's ``reward.options``).
 
     Raises:
-        ValueError: an option the reward function does not accept; names it and the accepted ones.
+        ValueError: an option the reward function does not accept (names it and the accepted ones), or a
+            failed start-up check of the reward (e.g. the code reward's sandbox cannot be had here).
     """
     fn = get_reward(name)
+    if name in _PREFLIGHT and name not in _REGISTERED:
+        module, attr = _PREFLIGHT[name].split(":")
+        getattr(importlib.import_module(module), attr)(options)
     if not options:
         return fn
     params = list(inspect.signature(fn).parameters.values())[2:]  # after (completion, ground_truth)

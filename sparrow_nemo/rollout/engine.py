@@ -4,6 +4,13 @@ Backends (``reference``: plain torch with a paged KV cache; ``trtllm``: TensorRT
 implement :class:`RolloutEngine`. Results come back as a :class:`RolloutBatch` of per-sample
 :class:`RolloutSample` records (variable-length 1-D/2-D tensors per sample, no padding).
 
+Process model (the trainer's, :mod:`sparrow_nemo.grpo.process_model`): one engine per GPU, colocated with
+that GPU's policy rank (``rollout.tensor_parallel_size = 1``), each generating its own share of the step; with
+engine tensor parallelism ``k > 1`` one engine spans ``k`` consecutive tensor-parallel ranks and its first rank
+holds the engine object. Per step the trainer calls, on every rank holding an engine:
+``generate`` (its prompts) -> ``sleep`` (before training) -> ``wake`` -> ``update_weights`` (the refit, when
+the update changed the weights) [-> ``set_lora`` with DistillSparse] -> the next ``generate``.
+
 Conventions:
 - Logprobs are natural-log probabilities of the model's next-token distribution (softmax of the raw
   logits, i.e. temperature 1, before top-k/top-p filtering); that is the distribution the dense policy
@@ -189,7 +196,15 @@ class RolloutEngine(Protocol):
         ...
 
     def update_weights(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Refit from the policy's exported weights (HF names), in place, without rebuilding."""
+        """Refit in place, without rebuilding, from a piece of the policy's new weights.
+
+        The contract (:mod:`sparrow_nemo.grpo.refit`): called once per piece of the model (the embedding,
+        each decoder layer, the final norm and output layer), in that order, on every rank that holds an
+        engine; ``state`` maps HF Qwen3 names to the *full* tensors (gathered within the policy's TP group
+        and across its pipeline stages) on this rank's own device, in the policy's dtype; they are valid only
+        during the call (copy what is kept). With engine tensor parallelism ``k > 1`` the engine takes its
+        own slice of each full tensor. Called while awake.
+        """
         ...
 
     def set_lora(self, adapter: LoraAdapter | None) -> None:
@@ -197,9 +212,10 @@ class RolloutEngine(Protocol):
         ...
 
     def sleep(self) -> None:
-        """Release accelerator memory (KV cache; weights move off the GPU) before training."""
+        """Release accelerator memory (KV cache; weights move off the GPU) before training: the trainer calls
+        it after every rollout, so the KV cache and the training activations never coexist."""
         ...
 
     def wake(self) -> None:
-        """Take the memory back; generation after wake() equals generation before sleep()."""
+        """Take the memory back (before the refit); generation after wake() equals generation before sleep()."""
         ...

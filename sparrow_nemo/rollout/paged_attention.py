@@ -161,7 +161,7 @@ class KernelDecode:
             cache.v_pages[layer],
             cache.centroids[layer],
             block_table,
-            positions.to(torch.int32),
+            positions,
             k_new.to(cache.k_pages[layer].dtype),
             v_new.to(cache.v_pages[layer].dtype),
         )
@@ -177,15 +177,16 @@ class KernelDecode:
         sink_pages: int,
         local_pages: int,
     ) -> torch.Tensor:
-        """Kernel version of :func:`decode_attention_torch`; None = dense (every page, no scoring pass)."""
-        budget = DENSE_BUDGET if budget_tokens is None else budget_tokens.to(torch.int32)
+        """Kernel version of :func:`decode_attention_torch`; None = dense (every page, no scoring pass).
+        Two launches (one for dense); int64 lengths and budgets are read as they are, no casts."""
+        budget = DENSE_BUDGET if budget_tokens is None else budget_tokens
         return self._k.sparse_decode_attention_paged(
             q,
             cache.k_pages[layer],
             cache.v_pages[layer],
             cache.centroids[layer],
             block_table,
-            seq_len.to(torch.int32),
+            seq_len,
             budget,
             page_size=cache.page_size,
             sink_pages=sink_pages,

@@ -2,7 +2,8 @@
 
 Per decoder layer, preallocated pools:
     k_pages, v_pages: [num_pages, Hkv, page_size, D] in the model dtype,
-    centroids:        [num_pages, Hkv, D] float32, mean of the keys stored so far in each page.
+    centroids:        [num_pages, Hkv, D] in the model dtype (``centroid_dtype`` to override), the
+                      float32 mean of the keys stored so far in each page, rounded once.
 A sequence owns a row of a block table ``[B, max_pages_per_seq]`` int32 (logical page -> physical
 page, -1 where nothing is allocated yet); token t lives in page ``block_table[b, t // page_size]`` at
 slot ``t % page_size``. Keys are stored after q/k RMSNorm and rotary embedding.
@@ -27,6 +28,7 @@ class PagedKVCache:
         page_size: int = 16,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        centroid_dtype: torch.dtype | None = None,  # None: the K/V dtype (bf16 halves the scoring bytes)
     ) -> None:
         if num_pages <= 0 or page_size <= 0:
             raise ValueError(
@@ -38,7 +40,7 @@ class PagedKVCache:
         self.k_pages = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_pages = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.centroids = [
-            torch.zeros(num_pages, num_kv_heads, head_dim, dtype=torch.float32, device=device)
+            torch.zeros(num_pages, num_kv_heads, head_dim, dtype=centroid_dtype or dtype, device=device)
             for _ in range(num_layers)
         ]
         self._free = list(range(num_pages - 1, -1, -1))  # stack: pops 0, 1, 2, ... first
@@ -115,7 +117,7 @@ class PagedKVCache:
         self.k_pages[layer][phys] = stored
         self.v_pages[layer][phys] = v_pg[used].to(self.v_pages[layer].dtype)
         sums = stored.float().sum(dim=2)  # [N, Hkv, D]: centroids average the keys as stored
-        self.centroids[layer][phys] = sums / counts[used][:, None, None]
+        self.centroids[layer][phys] = (sums / counts[used][:, None, None]).to(self.centroids[layer].dtype)
 
     def append(
         self,
@@ -127,17 +129,20 @@ class PagedKVCache:
     ) -> None:
         """Store one token per sequence at ``positions [B]`` (its index = the old length).
 
-        ``k_new, v_new``: [B, Hkv, D]. The page's centroid is updated incrementally,
-        ``c <- c + (k - c) / (n + 1)`` with n = keys already in the page (fp32).
+        ``k_new, v_new``: [B, Hkv, D]. The page's centroid becomes the fp32 mean of its stored keys
+        (slots 0 .. slot), rounded once to the centroid dtype (as ``sparrow_kernels.append_kv``).
         """
         rows = torch.arange(positions.shape[0], device=positions.device)
         page = block_table[rows, positions // self.page_size].long()
         slot = positions % self.page_size
         self.k_pages[layer][page, :, slot] = k_new.to(self.k_pages[layer].dtype)
         self.v_pages[layer][page, :, slot] = v_new.to(self.v_pages[layer].dtype)
-        c = self.centroids[layer][page]  # [B, Hkv, D]
-        stored = self.k_pages[layer][page, :, slot].float()
-        self.centroids[layer][page] = c + (stored - c) / (slot + 1).to(torch.float32)[:, None, None]
+        upto = torch.arange(self.page_size, device=slot.device)[None, :] <= slot[:, None]  # [B, ps]
+        stored = torch.where(
+            upto[:, None, :, None], self.k_pages[layer][page].float(), 0.0
+        )  # [B, Hkv, ps, D]
+        mean = stored.sum(dim=2) / (slot + 1).to(torch.float32)[:, None, None]
+        self.centroids[layer][page] = mean.to(self.centroids[layer].dtype)
 
     # ----------------------------------------------------------------- reads
     def gather_centroids(self, layer: int, block_table: torch.Tensor, seq_len: torch.Tensor) -> torch.Tensor:

@@ -1,50 +1,71 @@
 """TensorRT-LLM classes of the "sparrow" sparse-attention algorithm (needs ``tensorrt_llm``; cluster only).
 
-Written against tensorrt-llm 1.2.0 (PyTorch backend), following its sparse-attention developer guide:
+Written against the 1.2 line of TensorRT-LLM (PyTorch backend) and never run: TensorRT-LLM cannot be
+installed where this repository is tested. Every tensor computation these classes make is a plain
+function of ``trtllm_kv_cache`` / ``trtllm_layout`` / ``trtllm_decode``, tested on CPU on tensors laid
+out as TensorRT-LLM lays them out; this module only wires them to TensorRT-LLM's hooks:
 
-- :class:`SparrowSparseAttentionConfig`: the user-facing config, ``algorithm: "sparrow"``;
-- :class:`SparrowTrtllmAttention`: a ``TrtllmAttention`` whose ``sparse_kv_predict`` writes the prompt's
-  page centroids (it evicts nothing: prefill stays dense) and whose ``sparse_attn_predict`` appends the new
-  key to its page centroid and returns the pages of :func:`~sparrow_nemo.rollout.trtllm_sparse.predict_pages`
-  (the method layer's rule, or the ``sparrow_kernels`` Triton kernel on CUDA) in TensorRT-LLM's
-  ``(indices [Hkv, total], offsets [B + 1])`` layout, indices in units of ``page_size``-token blocks;
-- :class:`SparrowWorkerExtension`: the RL worker extension (``update_weights`` from TensorRT-LLM) plus
-  ``set_sparrow_schedule`` / ``reset_sparrow_centroids`` for the schedule the trainer adapts each step.
+- :class:`SparrowSparseAttentionConfig`: the ``sparse_attention_config`` class, ``algorithm: "sparrow"``
+  (``tensorrt_llm/llmapi/llm_args.py`` ``BaseSparseAttentionConfig``);
+- :class:`SparrowKVCacheManager`: a ``KVCacheManager`` that owns the page centroids (RocketKV's pattern,
+  ``tensorrt_llm/_torch/attention_backend/sparse/rocket.py`` ``RocketKVCacheManager``): allocated in its
+  ``__init__`` for ``blocks_in_primary_pool`` blocks, counted per token in the KV-cache budget
+  (static ``get_cache_size_per_token(model_config, mapping, **kwargs)``), indexed by the KV block ids;
+- :class:`SparrowTrtllmAttention`: a ``TrtllmAttention`` (``tensorrt_llm/_torch/attention_backend/trtllm.py``)
+  whose ``sparse_kv_predict`` writes the prompts' page centroids and whose generation phase is sparse on
+  every GPU: on the SM100 family ``sparse_attn_predict`` hands TensorRT-LLM the selected pages; elsewhere
+  (Hopper) ``forward`` runs TensorRT-LLM's op on the context tokens only
+  (``attention_input_type=context_only``, as its MLA module does in ``tensorrt_llm/_torch/modules/attention.py``)
+  and the generation tokens through ``sparrow_kernels`` over TensorRT-LLM's own KV pool;
+- :class:`SparrowWorkerExtension`: TensorRT-LLM's RL worker extension plus the schedule, the sampler seed
+  and the device UUID of the worker.
 
-Registration: 1.2.0 dispatches sparse algorithms with hard-coded ``if algorithm == ...`` functions and a
-closed pydantic union for ``sparse_attention_config``. :func:`register` (run when this module is imported,
-which the Ray workers do because the worker extension lives here) widens that union and wraps the
-dispatch functions so "sparrow" resolves to the classes above and every other algorithm is unchanged.
+Registration: 1.2 dispatches sparse algorithms with hard-coded functions
+(``tensorrt_llm/_torch/attention_backend/sparse/utils.py`` ``get_sparse_attn_kv_cache_manager``,
+``get_trtllm_sparse_attn_attention_backend``) and a closed pydantic union for ``sparse_attention_config``.
+:func:`register` (run on import, which the Ray workers do because the worker extension lives here)
+widens the union and wraps the dispatch functions so "sparrow" resolves to the classes above.
 
-Assumptions (from reading the 1.2.0 source; not yet run on a GPU in this repository):
-- the q/k the attention backend receives for Qwen3 are after q/k RMSNorm and rotary embedding
-  (Qwen3 applies them in the module, not fused into the attention op);
-- ``metadata.kv_lens_cuda_runtime`` counts the current token; one new token per generation request
-  (no speculative decoding); KV cache with ``tokens_per_block == page_size``, no block reuse, no
-  chunked prefill (the engine's LLM kwargs set all three).
+Assumptions (read in the sources, not run):
+- Qwen3's attention module fuses q/k RMSNorm and RoPE before the backend (``QKNormRoPEAttention``,
+  ``fuse_qk_norm_rope=True``: ``rope_fusion`` off, so the backend gets ``pos_embd_params=None`` and a fused
+  qkv after RoPE); :class:`SparrowTrtllmAttention` refuses a backend with RoPE fusion;
+- ``metadata.kv_lens_cuda_runtime`` counts the current token; one new token per generation request (no
+  speculative decoding); ``tokens_per_block == page_size``, no block reuse, no chunked prefill (the
+  engine's LLM kwargs set all three); one KV-cache pool (no variable sliding windows).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import operator
 import typing
+import weakref
 from typing import Any, Literal
 
 import torch
 from pydantic import Field
+from tensorrt_llm._torch.attention_backend.interface import AttentionInputType
 from tensorrt_llm._torch.attention_backend.trtllm import TrtllmAttention
+from tensorrt_llm._torch.pyexecutor.resource_manager import KVCacheManager
 from tensorrt_llm.llmapi import llm_args
 from tensorrt_llm.llmapi.rlhf_utils import WorkerExtension
 
-from sparrow_nemo.rollout.trtllm_sparse import (
-    ALGORITHM,
-    CentroidPool,
-    SparrowSparseSpec,
-    flatten_page_indices,
-    predict_pages,
+from sparrow_nemo.rollout.trtllm_decode import (
+    BudgetTable,
+    generation_path,
+    predict_native_indices,
+    sparse_decode_step,
     split_fused_qkv,
 )
+from sparrow_nemo.rollout.trtllm_kv_cache import (
+    CentroidPool,
+    centroid_bytes_per_token,
+    context_token_positions,
+)
+from sparrow_nemo.rollout.trtllm_layout import block_table_from_offsets, layers_per_pool
+from sparrow_nemo.rollout.trtllm_sparse import ALGORITHM, SparrowSparseSpec
 
 
 class SparrowSparseAttentionConfig(llm_args.BaseSparseAttentionConfig):
@@ -73,42 +94,80 @@ class SparrowSparseAttentionConfig(llm_args.BaseSparseAttentionConfig):
 
 
 class _Runtime:
-    """Per-process state shared by the attention layers: the current spec and the centroid pool."""
+    """Per-process state: the current spec (the trainer's schedule) and the live KV-cache managers."""
 
     def __init__(self) -> None:
         self.spec: SparrowSparseSpec | None = None
-        self.pool: CentroidPool | None = None
-        self.use_kernel: bool | None = None
-        self.tables: dict[
-            tuple, torch.Tensor
-        ] = {}  # this step's block tables (context rows, generation rows)
+        self.managers: weakref.WeakSet[SparrowKVCacheManager] = weakref.WeakSet()
 
-    def pool_for(self, kv_cache_manager: Any, layer: TrtllmAttention, q: torch.Tensor) -> CentroidPool:
-        if self.pool is None:
-            assert self.spec is not None
-            self.pool = CentroidPool(
-                kv_cache_manager.blocks_in_primary_pool,
-                layer.num_kv_heads,
-                layer.head_dim,
-                self.spec.page_size,
-                kv_dtype=q.dtype,
-                device=q.device,
-            )
-        if self.use_kernel is None:
-            try:
-                import sparrow_kernels
-
-                self.use_kernel = bool(sparrow_kernels.available(q.device))
-            except ImportError:
-                self.use_kernel = False
-        return self.pool
+    def use(self, spec: SparrowSparseSpec) -> None:
+        self.spec = spec
+        for manager in list(self.managers):
+            manager.budget_table.update(spec.schedule)
 
 
 _RUNTIME = _Runtime()
 
 
+class SparrowKVCacheManager(KVCacheManager):
+    """``KVCacheManager`` that also owns the page centroids of the sparse layers (module docstring)."""
+
+    def __init__(self, *args: Any, sparse_attn_config: SparrowSparseAttentionConfig, **kwargs: Any) -> None:
+        kv_cache_config = args[0] if args else kwargs["kv_cache_config"]
+        if kv_cache_config.enable_block_reuse:
+            raise ValueError("the sparrow algorithm needs kv_cache_config.enable_block_reuse=False")
+        super().__init__(*args, **kwargs)
+        spec = _RUNTIME.spec or sparse_attn_config.spec()
+        _RUNTIME.spec = spec
+        if self.tokens_per_block != spec.page_size:
+            raise ValueError(
+                f"kv_cache_config.tokens_per_block={self.tokens_per_block} must equal the sparrow page_size "
+                f"{spec.page_size} (one centroid per KV block)"
+            )
+        pools = layers_per_pool(self.kv_cache_pool_mapping)
+        if len(pools) != 1:
+            raise ValueError(f"the sparrow algorithm supports one KV-cache pool, this model has {len(pools)}")
+        ((self.sparrow_pool_index, self.sparrow_layers_in_pool),) = pools.items()
+        layers = [layer for layer in self.layer_offsets if spec.keeps_centroids(layer)]
+        heads = {self.num_kv_heads_per_layer[self.layer_offsets[layer]] for layer in layers}
+        if len(heads) > 1:
+            raise ValueError(
+                f"the sparrow algorithm needs one KV head count for all layers, got {sorted(heads)}"
+            )
+        kv_dtype = self.get_buffers(next(iter(self.layer_offsets)), kv_layout="HND").dtype
+        self.centroids = CentroidPool(
+            self.blocks_in_primary_pool,
+            layers,
+            heads.pop() if heads else 1,
+            self.head_dim,
+            spec.page_size,
+            kv_dtype=kv_dtype,
+            device="cuda",
+        )
+        self.budget_table = BudgetTable(spec.schedule, self.max_seq_len, "cuda")
+        _RUNTIME.managers.add(self)
+
+    def shutdown(self) -> None:
+        _RUNTIME.managers.discard(self)
+        self.centroids = None
+        super().shutdown()
+
+    @staticmethod
+    def get_cache_size_per_token(model_config: Any, mapping: Any, **kwargs: Any) -> float:
+        """KV bytes per token (``KVCacheManager.get_cache_size_per_token``) plus the centroid bytes."""
+        base = KVCacheManager.get_cache_size_per_token(model_config, mapping, **kwargs)
+        spec = model_config.sparse_attention_config.spec()
+        config = model_config.pretrained_config
+        layers = mapping.pp_layers(model_config.get_num_attention_layers())
+        tp = 1 if mapping.enable_attention_dp else mapping.tp_size
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        heads = max(config.num_key_value_heads // tp, 1)
+        sparse = sum(1 for layer in layers if spec.keeps_centroids(layer))
+        return base + centroid_bytes_per_token(sparse, heads, head_dim, spec.page_size)
+
+
 class SparrowTrtllmAttention(TrtllmAttention):
-    """``TrtllmAttention`` with Sparrow's decode page selection (see the module docstring)."""
+    """``TrtllmAttention`` with Sparrow's sparse decode (see the module docstring)."""
 
     def __init__(
         self,
@@ -118,11 +177,17 @@ class SparrowTrtllmAttention(TrtllmAttention):
         num_kv_heads: int | None = None,
         quant_config: Any = None,
         q_scaling: float | None = None,
+        pos_embd_params: Any = None,
         sparse_attention_config: SparrowSparseAttentionConfig | None = None,
         **kwargs: Any,
     ) -> None:
         if sparse_attention_config is None:
             raise ValueError("SparrowTrtllmAttention needs sparse_attention_config (algorithm 'sparrow')")
+        if pos_embd_params is not None:
+            raise ValueError(
+                "SparrowTrtllmAttention needs q/k after RoPE (the module's fused qk-norm+RoPE), but this "
+                "attention backend was built with RoPE fusion"
+            )
         super().__init__(
             layer_idx,
             num_heads,
@@ -135,86 +200,158 @@ class SparrowTrtllmAttention(TrtllmAttention):
         )
         if _RUNTIME.spec is None:
             _RUNTIME.spec = sparse_attention_config.spec()
+        major, minor = torch.cuda.get_device_capability()
+        self.sparrow_path = generation_path(10 * major + minor)
+        self.sparrow_scale = 1.0 / ((q_scaling or 1.0) * math.sqrt(head_dim))
 
-    def _q_k(self, q: torch.Tensor, k: torch.Tensor | None, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+    # ------------------------------------------------------------------ shared pieces
+    def _sparse_now(self) -> bool:
+        spec = _RUNTIME.spec
+        return spec is not None and spec.is_sparse_layer(self.layer_idx)
+
+    def _split(
+        self, q: torch.Tensor, k: torch.Tensor | None, rows: slice
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Queries [T, Hq, D] and keys [T, Hkv, D] of token rows ``rows`` (fused qkv when k is None)."""
         if k is None:
-            return split_fused_qkv(q[rows], self.num_heads, self.num_kv_heads, self.head_dim)
+            q_rows, k_rows, _ = split_fused_qkv(q[rows], self.num_heads, self.num_kv_heads, self.head_dim)
+            return q_rows, k_rows
         return (
             q[rows].reshape(-1, self.num_heads, self.head_dim),
             k[rows].reshape(-1, self.num_kv_heads, self.head_dim),
         )
 
-    @staticmethod
-    def _block_table(metadata: Any, rows: slice, device: torch.device) -> torch.Tensor:
-        """[n, max_blocks] int32 physical KV block per logical page of requests ``rows``, -1 padded.
+    def _table(self, metadata: Any, first_row: int, num_rows: int) -> torch.Tensor:
+        manager = metadata.kv_cache_manager
+        return block_table_from_offsets(
+            metadata.kv_cache_block_offsets,
+            manager.sparrow_pool_index,
+            first_row,
+            num_rows,
+            manager.sparrow_layers_in_pool,
+        )
 
-        Built once per step (all layers share it): cached on the request ids and their KV lengths.
-        """
-        request_ids = list(metadata.request_ids[rows])
-        key = (tuple(request_ids), tuple(metadata.kv_lens[rows].tolist()), str(device))
-        table = _RUNTIME.tables.get(key)
-        if table is None:
-            blocks = metadata.kv_cache_manager.get_batch_cache_indices(request_ids)
-            width = max((len(b) for b in blocks), default=0)
-            table = torch.full((len(blocks), width), -1, dtype=torch.int32)
-            for i, b in enumerate(blocks):
-                table[i, : len(b)] = torch.tensor(b, dtype=torch.int32)
-            if len(_RUNTIME.tables) >= 4:  # older steps' tables
-                _RUNTIME.tables.clear()
-            table = _RUNTIME.tables[key] = table.to(device)
-        return table
+    def _generation_inputs(self, metadata: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(block table int32 [G, P], seq_len int32 [G] incl. the current token, budgets int32 [G])."""
+        table = self._table(metadata, metadata.num_contexts, metadata.num_generations)
+        seq_len = metadata.kv_lens_cuda_runtime[metadata.num_contexts : metadata.num_seqs].to(torch.int32)
+        return table, seq_len, metadata.kv_cache_manager.budget_table.budgets(seq_len)
 
+    # ------------------------------------------------------------------ TensorRT-LLM hooks
     def sparse_kv_predict(
         self, q: torch.Tensor, k: torch.Tensor | None, metadata: Any, **kwargs: Any
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Prefill: write the prompts' page centroids; keep every prompt token (returns no eviction)."""
-        spec = _RUNTIME.spec
-        if metadata.num_contexts == 0 or spec is None or not spec.is_sparse_layer(self.layer_idx):
+        """Context phase: write the prompts' page centroids; evict nothing (prefill stays dense)."""
+        if metadata.num_contexts == 0 or not self._sparse_now():
             return None, None
-        pool = _RUNTIME.pool_for(metadata.kv_cache_manager, self, q)
-        _, keys = self._q_k(q, k, slice(0, metadata.num_ctx_tokens))
-        lengths = metadata.context_lens[: metadata.num_contexts].tolist()
-        table = self._block_table(metadata, slice(0, metadata.num_contexts), q.device)
-        start = 0
-        for i, n in enumerate(lengths):
-            pool.write_prefill(self.layer_idx, keys[start : start + n], table[i])
-            start += n
+        _, keys = self._split(q, k, slice(0, metadata.num_ctx_tokens))
+        rows, positions = context_token_positions(
+            metadata.seq_lens_cuda[: metadata.num_contexts], metadata.num_ctx_tokens
+        )
+        table = self._table(metadata, 0, metadata.num_contexts)
+        metadata.kv_cache_manager.centroids.write_prefill(self.layer_idx, keys, rows, positions, table)
         return None, None
 
     def sparse_attn_predict(
         self, q: torch.Tensor, k: torch.Tensor | None, metadata: Any, **kwargs: Any
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Decode: update the centroids with the new keys and select the pages to attend to."""
-        spec = _RUNTIME.spec
-        if metadata.num_generations == 0 or spec is None or not spec.is_sparse_layer(self.layer_idx):
+        """SM100 family: the pages TensorRT-LLM's generation kernels attend to (elsewhere: none, see forward)."""
+        if self.sparrow_path != "native" or metadata.num_generations == 0 or not self._sparse_now():
             return None, None
-        pool = _RUNTIME.pool_for(metadata.kv_cache_manager, self, q)
-        q_gen, k_gen = self._q_k(q, k, slice(metadata.num_ctx_tokens, None))
-        gen = slice(metadata.num_contexts, metadata.num_seqs)
-        seq_len = metadata.kv_lens_cuda_runtime[gen].to(torch.int64)
-        table = self._block_table(metadata, gen, q.device)
-        pool.append(self.layer_idx, k_gen, table, seq_len - 1)
-        page_idx = predict_pages(q_gen, pool, self.layer_idx, table, seq_len, spec, bool(_RUNTIME.use_kernel))
-        return flatten_page_indices(page_idx)
+        q_gen, k_gen = self._split(q, k, slice(metadata.num_ctx_tokens, None))
+        table, seq_len, budgets = self._generation_inputs(metadata)
+        spec = _RUNTIME.spec
+        return predict_native_indices(
+            q_gen,
+            k_gen,
+            metadata.kv_cache_manager.centroids,
+            self.layer_idx,
+            table,
+            seq_len,
+            budgets,
+            sink_pages=spec.sink_pages,
+            local_pages=spec.local_pages,
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        metadata: Any,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        """Off the SM100 family, a sparse layer's generation tokens go through ``sparrow_kernels``."""
+        if self.sparrow_path == "native" or metadata.num_generations == 0 or not self._sparse_now():
+            return super().forward(q, k, v, metadata, *args, **kwargs)
+        input_type = kwargs.get("attention_input_type", AttentionInputType.mixed)
+        unsupported = [
+            name
+            for name in ("output_sf", "out_scale", "out_scale_sf", "kv_scales_sf")
+            if kwargs.get(name) is not None
+        ]
+        if k is not None or args or unsupported or input_type != AttentionInputType.mixed:
+            raise ValueError(
+                "sparrow decode on this GPU takes a fused bf16/fp16 qkv in a mixed batch; got "
+                f"k={'set' if k is not None else None}, {len(args)} positional extras, {unsupported}, {input_type}"
+            )
+        num_ctx = metadata.num_ctx_tokens
+        output = kwargs.pop("output", None)
+        if output is None:
+            output = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
+        if metadata.num_contexts:
+            kwargs["attention_input_type"] = AttentionInputType.context_only
+            super().forward(q[:num_ctx], None, None, metadata, output=output[:num_ctx], **kwargs)
+        manager = metadata.kv_cache_manager
+        table, seq_len, budgets = self._generation_inputs(metadata)
+        spec = _RUNTIME.spec
+        output[num_ctx:] = sparse_decode_step(
+            q[num_ctx:],
+            manager.get_buffers(self.layer_idx, kv_layout="HND"),
+            manager.centroids.layer(self.layer_idx),
+            table,
+            seq_len,
+            budgets,
+            num_heads=self.num_heads,
+            sink_pages=spec.sink_pages,
+            local_pages=spec.local_pages,
+            scale=self.sparrow_scale,
+        )
+        return output
 
 
 class SparrowWorkerExtension(WorkerExtension):
-    """TensorRT-LLM's RL worker extension plus the Sparrow schedule controls (called by collective RPC)."""
+    """TensorRT-LLM's RL worker extension plus the Sparrow controls (called by collective RPC).
+
+    ``self.engine`` (the PyExecutor) and ``self.device_id`` are the worker's, as
+    ``tensorrt_llm/llmapi/rlhf_utils.py`` ``WorkerExtension.update_weights`` uses them.
+    """
 
     def set_sparrow_schedule(self, config: dict[str, Any]) -> None:
         """Use the spec of ``config`` (a ``SparrowSparseSpec.to_config_dict()``) from the next step on."""
-        _RUNTIME.spec = SparrowSparseSpec.from_config_dict(config)
+        _RUNTIME.use(SparrowSparseSpec.from_config_dict(config))
 
-    def reset_sparrow_centroids(self) -> None:
-        """Drop the centroid pool (after sleep: the KV cache it mirrors was released)."""
-        _RUNTIME.pool = None
-        _RUNTIME.tables.clear()
+    def sparrow_device_uuid(self) -> str:
+        """UUID of this worker's GPU (the key its ``update_weights`` looks up)."""
+        from tensorrt_llm._torch.utils import get_device_uuid
+
+        return get_device_uuid(self.device_id)
+
+    def sparrow_seed_sampler(self, seed: int) -> None:
+        """Re-seed TorchSampler's one generator (``TorchSampler.get_generator`` rebuilds it from
+        ``_global_seed`` when ``_generator`` is None)."""
+        sampler = getattr(self.engine, "sampler", None)
+        if sampler is None or not hasattr(sampler, "_global_seed"):
+            raise RuntimeError(f"the executor's sampler {type(sampler).__name__} is not a TorchSampler")
+        sampler._global_seed = int(seed)
+        sampler._generator = None
 
 
 # --------------------------------------------------------------------------------------- registration
 _DISPATCH_MODULES = (
     "tensorrt_llm._torch.attention_backend.sparse.utils",
+    "tensorrt_llm._torch.attention_backend.sparse",
     "tensorrt_llm._torch.attention_backend.utils",
     "tensorrt_llm._torch.pyexecutor._util",
 )
@@ -234,10 +371,8 @@ def register() -> None:
     """Make TensorRT-LLM accept ``algorithm: sparrow`` (idempotent; see the module docstring)."""
     import importlib
 
-    from tensorrt_llm._torch.pyexecutor.resource_manager import KVCacheManager
-
     ours = {
-        "get_sparse_attn_kv_cache_manager": KVCacheManager,
+        "get_sparse_attn_kv_cache_manager": SparrowKVCacheManager,
         "get_trtllm_sparse_attn_attention_backend": SparrowTrtllmAttention,
     }
     for module_name in _DISPATCH_MODULES:

@@ -209,12 +209,36 @@ def select_pages_from_centroids(
             f"{int(seq_len.max())} needs"
         )
     group = _check_query(q, centroids)
-    device = centroids.device
-    seq_len = seq_len.to(device=device, dtype=torch.int64)
-    budget_pages = _budget_tensor(budget_tokens, batch, device) // page_size
-
     q_mean = q.float().view(batch, num_kv_heads, group, head_dim).mean(dim=2)  # [B, Hkv, D]
     scores = torch.einsum("bhd,bhpd->bhp", q_mean, centroids.float())  # [B, Hkv, P]
+    return select_pages_from_scores(scores, seq_len, budget_tokens, page_size, sink_pages, local_pages)
+
+
+def select_pages_from_scores(
+    scores: torch.Tensor,
+    seq_len: torch.Tensor,
+    budget_tokens: int | torch.Tensor,
+    page_size: int = 16,
+    sink_pages: int = 1,
+    local_pages: int = 2,
+) -> torch.Tensor:
+    """:func:`select_pages` given each page's score (GQA-averaged query . page centroid).
+
+    Args:
+        scores: [B, Hkv, P] float page scores (entries of pages past seq_len are ignored);
+        seq_len: [B] integer tokens; budget_tokens: int or [B] integer tokens.
+
+    Returns:
+        [B, Hkv, n] int64 logical page indices, ascending, -1 padded (as :func:`select_pages`).
+    """
+    _check_page_args(page_size, sink_pages, local_pages)
+    if scores.dim() != 3:
+        raise ValueError(f"scores must be [B, Hkv, P], got shape {tuple(scores.shape)}")
+    batch, num_kv_heads, num_pages = scores.shape
+    _check_seq_len(seq_len, batch)
+    device = scores.device
+    seq_len = seq_len.to(device=device, dtype=torch.int64)
+    budget_pages = _budget_tensor(budget_tokens, batch, device) // page_size
 
     page = torch.arange(num_pages, device=device)[None, :]  # [1, P]
     n_pages = ((seq_len + page_size - 1) // page_size)[:, None]  # [B, 1]

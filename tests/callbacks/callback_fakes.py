@@ -61,3 +61,15 @@ class OpenKwargsCallback(Callback):
 
     def __init__(self, **options: object) -> None:
         self.options = options
+
+
+class ThresholdCallback(Callback):
+    """A user callback with checked keyword arguments (instantiation errors name the entry)."""
+
+    def __init__(self, threshold: float = 0.5, mode: str = "watch") -> None:
+        if not 0.0 < threshold < 1.0:
+            raise ValueError(f"ThresholdCallback: invalid threshold={threshold!r}")
+        if mode not in ("watch", "act"):
+            raise ValueError(f"ThresholdCallback: mode={mode!r}, expected one of watch, act")
+        self.threshold = threshold
+        self.mode = mode

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 import torch
-from callback_fakes import FakeTrainer, RecordingCallback
+from callback_fakes import FakeTrainer, RecordingCallback, ThresholdCallback
 
 from sparrow_nemo.callbacks import (
     HOOKS,
@@ -14,7 +14,6 @@ from sparrow_nemo.callbacks import (
     CallbackConfigError,
     CallbackList,
     StepReport,
-    TailMismatchScheduler,
     TrainerLike,
     instantiate_callbacks,
 )
@@ -22,8 +21,8 @@ from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 
 def _report(step: int = 0, n: int = 4) -> StepReport:
-    return StepReport(
-        step=step,
+    return StepReport.from_tokens(
+        step,
         alpha=torch.ones(n),
         cached_len=torch.arange(n),
         reward_mean=0.5,
@@ -88,40 +87,43 @@ def test_callback_list_rejects_non_callbacks() -> None:
 
 
 @pytest.mark.parametrize(
-    ("field", "kwargs", "match"),
+    ("kwargs", "match"),
     [
-        ("alpha", {"alpha": torch.ones(2, 2)}, "StepReport.alpha"),
-        ("alpha", {"alpha": torch.ones(4, dtype=torch.int64)}, "StepReport.alpha"),
-        ("cached_len", {"cached_len": torch.arange(3)}, "StepReport.cached_len"),
-        ("cached_len", {"cached_len": torch.ones(4)}, "StepReport.cached_len"),
-        ("alpha", {"alpha": torch.tensor([1.0, float("nan"), 1.0, 1.0])}, "NaN"),
-        ("reward_mean", {"reward_mean": float("nan")}, "reward_mean"),
+        ({"alpha": torch.ones(2, 2)}, "alpha must be a 1-D floating"),
+        ({"alpha": torch.ones(4, dtype=torch.int64)}, "alpha must be a 1-D floating"),
+        ({"cached_len": torch.arange(3)}, "cached_len must be an integer tensor"),
+        ({"cached_len": torch.ones(4)}, "cached_len must be an integer tensor"),
+        ({"alpha": torch.tensor([1.0, float("nan"), 1.0, 1.0])}, "NaN"),
+        ({"reward_mean": float("nan")}, "reward_mean"),
+        ({"quantile": 1.5}, "quantile"),
     ],
 )
-def test_step_report_rejects_bad_fields(field, kwargs, match) -> None:
+def test_step_report_rejects_bad_fields(kwargs, match) -> None:
     base = dict(alpha=torch.ones(4), cached_len=torch.arange(4), reward_mean=0.0, response_length_mean=1.0)
     base.update(kwargs)
     with pytest.raises(ValueError, match=match):
-        StepReport(step=0, schedule=BudgetSchedule.dense(), **base)
+        StepReport.from_tokens(0, schedule=BudgetSchedule.dense(), **base)
+
+
+def test_step_report_carries_the_tail_of_its_tokens() -> None:
+    alpha = torch.cat([torch.full((90,), 0.99), torch.full((10,), 0.5), torch.ones(50)])
+    cached = torch.cat([torch.zeros(100, dtype=torch.int64), torch.full((50,), 20)])
+    report = StepReport.from_tokens(3, alpha, cached, 0.5, 10.0, BudgetSchedule.dense(16, 4), quantile=0.05)
+    assert [(t.bin, t.tokens) for t in report.tails] == [(0, 100), (1, 50)]
+    assert report.tails[0].value == pytest.approx(0.5) and report.tails[1].value == 1.0
+    with pytest.raises(ValueError, match="ascending distinct bins"):
+        StepReport(0, BudgetSchedule.dense(), (report.tails[1], report.tails[0]), 0.05, 2.0, 0.0, 1.0)
 
 
 def test_instantiate_builds_in_order_with_kwargs() -> None:
     cbs = instantiate_callbacks(
         [
-            {
-                "_target_": "sparrow_nemo.callbacks.TailMismatchScheduler",
-                "threshold": 0.9,
-                "mode": "raise_and_lower",
-            },
+            {"_target_": "callback_fakes.ThresholdCallback", "threshold": 0.9, "mode": "act"},
             {"_target_": "callback_fakes.RecordingCallback", "name": "r"},
         ]
     )
     first, second = list(cbs)
-    assert (
-        isinstance(first, TailMismatchScheduler)
-        and first.threshold == 0.9
-        and first.mode == "raise_and_lower"
-    )
+    assert isinstance(first, ThresholdCallback) and first.threshold == 0.9 and first.mode == "act"
     assert isinstance(second, RecordingCallback) and second.name == "r"
     assert len(instantiate_callbacks(None)) == 0
     (open_cb,) = instantiate_callbacks([{"_target_": "callback_fakes.OpenKwargsCallback", "anything": 1}])
@@ -132,7 +134,7 @@ def test_instantiate_builds_in_order_with_kwargs() -> None:
     ("entries", "expected"),
     [
         (
-            [{"_target_": "sparrow_nemo.callbacks.TailMismatchScheduler", "treshold": 0.9}],
+            [{"_target_": "callback_fakes.ThresholdCallback", "treshold": 0.9}],
             ["callbacks[0]", "unknown argument 'treshold'", "did you mean 'threshold'"],
         ),
         (
@@ -150,15 +152,23 @@ def test_instantiate_builds_in_order_with_kwargs() -> None:
         ([{"_target_": "collections.OrderedDict"}], ["callbacks[0]", "not a Callback subclass"]),
         ([{"_target_": "TailMismatchScheduler"}], ["callbacks[0]", "dotted path"]),
         ([{"threshold": 0.9}], ["callbacks[0]", "missing '_target_'", "threshold"]),
-        (["sparrow_nemo.callbacks.TailMismatchScheduler"], ["callbacks[0]", "expected a mapping"]),
+        (["callback_fakes.ThresholdCallback"], ["callbacks[0]", "expected a mapping"]),
         ([{"_target_": "callback_fakes.RecordingCallback"}], ["callbacks[0]", "needs argument(s) name"]),
         (
-            [{"_target_": "sparrow_nemo.callbacks.TailMismatchScheduler", "threshold": 1.5}],
-            ["callbacks[0] (sparrow_nemo.callbacks.TailMismatchScheduler)", "threshold=1.5"],
+            [{"_target_": "callback_fakes.ThresholdCallback", "threshold": 1.5}],
+            ["callbacks[0] (callback_fakes.ThresholdCallback)", "threshold=1.5"],
         ),
         (
-            [{"_target_": "sparrow_nemo.callbacks.TailMismatchScheduler", "mode": "sometimes"}],
-            ["callbacks[0]", "mode='sometimes'", "raise_and_lower"],
+            [{"_target_": "callback_fakes.ThresholdCallback", "mode": "sometimes"}],
+            ["callbacks[0]", "mode='sometimes'", "watch, act"],
+        ),
+        (
+            [{"_target_": "sparrow_nemo.callbacks.TailMismatchScheduler", "threshold": 0.9}],
+            ["callbacks[0]", "built by the trainer from the recipe's sparsity section", "remove it"],
+        ),
+        (
+            [{"_target_": "sparrow_nemo.grpo.distill.DistillSparse"}],
+            ["callbacks[0]", "built by the trainer from the recipe's distill section", "remove it"],
         ),
     ],
 )

@@ -34,8 +34,8 @@ def make_report(
         n_low = round(tokens * low_frac)
         alphas.append(torch.cat([torch.full((n_low,), low), torch.full((tokens - n_low,), 0.99)]))
         lens.append(b * BIN + torch.arange(tokens) % BIN)
-    return StepReport(
-        step=step,
+    return StepReport.from_tokens(
+        step,
         alpha=torch.cat(alphas),
         cached_len=torch.cat(lens),
         reward_mean=reward,
@@ -57,8 +57,11 @@ def _start(tmp_path, **kwargs) -> tuple[TailMismatchScheduler, FakeTrainer]:
 
 
 def _step(scheduler, trainer, report) -> dict[str, float]:
+    """The scheduler's metrics of the step, plus the tails it decided on (as ``tail/<bin>``, ``tokens/<bin>``)."""
     scheduler.on_train_batch_end(trainer, report, {})
-    return trainer.logged[-1]
+    tails = {f"tail/{t['bin']}": t["value"] for t in scheduler.history[-1]["bins"]}
+    tokens = {f"tokens/{t['bin']}": t["tokens"] for t in scheduler.history[-1]["bins"]}
+    return {**trainer.logged[-1], **tails, **tokens}
 
 
 def test_bin_below_threshold_is_raised_and_later_bins_stay_monotone(tmp_path) -> None:
@@ -66,11 +69,15 @@ def test_bin_below_threshold_is_raised_and_later_bins_stay_monotone(tmp_path) ->
     metrics = _step(scheduler, trainer, make_report(0, {0: OK, 1: BAD, 2: OK}))
     assert trainer.schedule.budgets == (512, 1024, 1024)
     assert trainer.schedule.bin_tokens == BIN
-    assert metrics["acceptance/p5/bin_1"] == pytest.approx(0.70)
-    assert metrics["acceptance/p5/bin_0"] == pytest.approx(0.99)
-    assert metrics["acceptance/tokens/bin_1"] == 400
-    assert [metrics[f"sparsity/budget/bin_{b}"] for b in range(3)] == [512, 1024, 1024]
-    assert (metrics["sparsity/raised_bins"], metrics["sparsity/below_bins"], metrics["sparsity/dense"]) == (
+    assert metrics["tail/1"] == pytest.approx(0.70)
+    assert metrics["tail/0"] == pytest.approx(0.99)
+    assert metrics["tokens/1"] == 400
+    assert [metrics[f"sparsity/next_budget/bin_{b}"] for b in range(3)] == [512, 1024, 1024]
+    assert (
+        metrics["sparsity/raised_bins"],
+        metrics["sparsity/below_bins"],
+        metrics["sparsity/next_dense"],
+    ) == (
         1,
         1,
         0,
@@ -97,7 +104,7 @@ def test_noise_margin_shrinks_with_token_count(tmp_path) -> None:
     """5.5% of tokens at 0.80: p5 = 0.80 < 0.86 in both cases, but only 40,000 tokens make it significant."""
     scheduler, trainer = _start(tmp_path)
     metrics = _step(scheduler, trainer, make_report(0, {1: (400, 0.055, 0.80)}))
-    assert metrics["acceptance/p5/bin_1"] == pytest.approx(0.80)
+    assert metrics["tail/1"] == pytest.approx(0.80)
     assert trainer.schedule == START and metrics["sparsity/below_bins"] == 0
     _step(scheduler, trainer, make_report(1, {1: (40_000, 0.055, 0.80)}))
     assert trainer.schedule.budgets == (512, 1024, 1024)
@@ -107,7 +114,7 @@ def test_bins_with_too_few_tokens_get_no_decision(tmp_path) -> None:
     scheduler, trainer = _start(tmp_path, min_bin_tokens=200)
     metrics = _step(scheduler, trainer, make_report(0, {1: (150, 0.5, 0.1)}))
     assert trainer.schedule == START
-    assert metrics["acceptance/p5/bin_1"] == pytest.approx(0.1) and metrics["sparsity/below_bins"] == 0
+    assert metrics["tail/1"] == pytest.approx(0.1) and metrics["sparsity/below_bins"] == 0
 
 
 def test_lowering_needs_patience_consecutive_steps_and_respects_previous_bin(tmp_path) -> None:
@@ -157,7 +164,7 @@ def test_collapse_guard_switches_to_dense_and_stays_there(tmp_path, caplog) -> N
     with caplog.at_level(logging.WARNING):
         metrics = _step(scheduler, trainer, make_report(3, {1: BAD}, length=80.0))  # 80 < 0.7 * 120
     assert trainer.schedule.is_dense and trainer.schedule.bin_tokens == BIN
-    assert metrics["sparsity/dense"] == 1 and metrics["sparsity/collapse_guard"] == 1
+    assert metrics["sparsity/next_dense"] == 1 and metrics["sparsity/collapse_guard"] == 1
     assert "collapse guard: step 3: response length 80.0" in caplog.text and "[1]" in caplog.text
     assert scheduler.history[-1]["actions"][0]["action"] == "dense"
     metrics = _step(scheduler, trainer, make_report(4, {1: BAD}, length=10.0))

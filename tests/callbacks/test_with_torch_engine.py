@@ -25,6 +25,7 @@ from sparrow_nemo.callbacks import (
     run_calibration,
 )
 from sparrow_nemo.callbacks.calibration_report import CSV_COLUMNS
+from sparrow_nemo.callbacks.tail_stats import bin_tails
 from sparrow_nemo.model_shapes import PRESETS
 from sparrow_nemo.rollout import SamplingParams, TorchRolloutEngine
 from sparrow_nemo.rollout.scoring import measure_mismatch
@@ -204,7 +205,7 @@ def test_online_scheduler_raises_until_every_bin_passes(engine, prompts, tmp_pat
         seen.append(schedule.budgets)
         batch = engine.generate(prompts, SAMPLING, schedule)
         mismatch = measure_mismatch(engine, batch)
-        report = build_step_report(step, batch.samples, mismatch, [1.0] * len(prompts), schedule)
+        report = build_step_report(step, batch.samples, mismatch, [1.0] * len(prompts), schedule, noise_z=0.0)
         scheduler.on_train_batch_end(trainer, report, {})
         if trainer.schedule == schedule:
             break
@@ -223,7 +224,7 @@ def test_build_step_report(engine, prompts) -> None:
     report = build_step_report(
         7, batch.samples, mismatch, [1.0, 0.0, 0.5], schedule, correct=[True, False, False]
     )
-    assert report.alpha is mismatch.alpha and report.cached_len is mismatch.cached_len
+    assert list(report.tails) == bin_tails(mismatch.alpha, mismatch.cached_len, BIN, 0.05, 2.0)
     assert (report.step, report.reward_mean, report.accuracy) == (7, 0.5, pytest.approx(1 / 3))
     assert report.response_length_mean == pytest.approx(
         np.mean([s.response_ids.numel() for s in batch.samples])

@@ -1,11 +1,18 @@
-"""`sparrow plan` on the shipped Qwen3 recipes: every one fits 4 nodes x 8 80-GiB GPUs; bad layouts refused."""
+"""`sparrow plan` on the shipped Qwen3 recipes: every one fits 4 nodes x 8 80-GiB GPUs and prints its memory
+breakdown; bad layouts refused; the README's memory table is ``sparrow plan --table``'s output."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+from sparrow_nemo.commands.plan import CLUSTER_LINE
+
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def _plan(*args: str) -> subprocess.CompletedProcess[str]:
@@ -20,6 +27,30 @@ def test_shipped_recipe_fits_four_nodes(recipe: str) -> None:
     assert done.returncode == 0, done.stderr
     assert "of 80 GiB" in done.stdout
     assert "dp=" in done.stdout or "DP" in done.stdout
+    for term in ("weights", "gradients", "optimizer", "activations", "recompute", "logits"):
+        assert re.search(rf"^  {term} +[\d.]+ GiB", done.stdout, re.M), term
+    assert re.search(r"KV cache [\d.]+ GiB = \d+ sequences", done.stdout)
+
+
+def test_distill_recipe_counts_the_adapter_phase() -> None:
+    done = _plan("--config", "qwen3_1p7b_math_distill")
+    assert done.returncode == 0, done.stderr
+    assert re.search(r"^  distill +[\d.]+ GiB +\(DistillSparse step: adapter", done.stdout, re.M)
+
+
+def test_readme_memory_table_is_the_plan_output() -> None:
+    done = _plan("--table")
+    assert done.returncode == 0, done.stderr
+    table = done.stdout.strip().splitlines()
+    lines = README.read_text().splitlines()
+    start = lines.index(table[0])
+    assert lines[start : start + len(table)] == table, (
+        "regenerate the README table with `sparrow plan --table`"
+    )
+    documented = [
+        p for p in (README.parent / "recipes").glob("qwen3_*.yaml") if CLUSTER_LINE.search(p.read_text())
+    ]
+    assert len(table) == 2 + len(documented) >= 2 + 5
 
 
 def test_layout_that_does_not_fit_memory_is_refused() -> None:

@@ -59,7 +59,7 @@ def test_unknown_key_without_close_match_lists_the_allowed_keys() -> None:
     with pytest.raises(
         ConfigError,
         match=r"unknown key 'trainer\.zzz' .* allowed keys under 'trainer': max_steps, "
-        r"seed, device, cpu_threads, max_consecutive_nonfinite$",
+        r"seed, device, cpu_threads, max_consecutive_nonfinite, dist_timeout_minutes$",
     ):
         load_config(None, ["trainer.zzz=1"])
 

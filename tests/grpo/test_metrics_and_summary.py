@@ -8,13 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from sparrow_nemo.grpo.metrics import MetricsWriter, read_metrics, rollout_metrics, rollout_progress
+from sparrow_nemo.grpo.metrics import MetricsWriter, merge_metrics, read_metrics, rollout_progress
 from sparrow_nemo.grpo.plots import write_plots
-from sparrow_nemo.grpo.summary import format_summary, tail_per_bin
+from sparrow_nemo.grpo.step_batch import LocalRollout, measure_tokens
+from sparrow_nemo.grpo.summary import format_summary, tail_per_bin, timing_per_phase
 from sparrow_nemo.model_shapes import PRESETS
 from sparrow_nemo.rollout.engine import RolloutSample, SamplingParams
 from sparrow_nemo.rollout.scoring import TokenMismatch
 from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
+from sparrow_nemo.sparse.cost_model import DecodeCostModel
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 
@@ -31,35 +33,50 @@ def _sample(n: int, reason: str) -> RolloutSample:
     )
 
 
-def test_rollout_metrics_hand_computed() -> None:
+def test_step_metrics_hand_computed() -> None:
     samples = [_sample(2, "stop_token"), _sample(4, "length")]
-    rewards = torch.tensor([1.0, 0.0])
+    local = LocalRollout(samples, range(0, 2), seconds=0.48, rewards=torch.tensor([1.0, 0.0]))
     # 6 tokens: alpha in bins of 4 tokens of cached length: cached 2,3 | 2,3,4,5 -> bin 0: 2,3,2,3; bin 1: 4,5
     alpha = torch.tensor([1.0, 0.9, 0.8, 0.7, 0.6, 0.5])
     cached = torch.tensor([2, 3, 2, 3, 4, 5])
     train = torch.tensor([0.0, -1.0, 0.0, 0.0, 0.0, 0.0])
     gen = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, -0.5])
     schedule = BudgetSchedule(bin_tokens=4, budgets=(32, 48), page_size=16, name="s")
-    m = rollout_metrics(samples, rewards, TokenMismatch(alpha, cached, train, gen), schedule, 0.5, 12.5, 1.7)
+    cost = DecodeCostModel.for_preset("qwen3-1.7b", "h200")
+    stats = measure_tokens(local, TokenMismatch(alpha, cached, train, gen), schedule, 0.5, 2.0, cost)
+    m = stats.metrics(schedule, 0.5)
     assert m["reward/mean"] == 0.5 and m["reward/std"] == pytest.approx(math.sqrt(0.5))
     assert m["reward/accuracy"] == 0.5
     assert (m["response_length/mean"], m["response_length/max"], m["response_length/min"]) == (3.0, 4.0, 2.0)
     assert m["response_length/truncation_rate"] == 0.5
-    assert m["rollout/tokens"] == 6.0 and m["rollout/tokens_per_s"] == 12.5
-    assert m["sparsity/predicted_speedup"] == 1.7
+    assert m["rollout/tokens"] == 6.0 and m["rollout/tokens_per_s"] == pytest.approx(12.5)
+    assert m["rollout/tokens_rank_0"] == 6.0
+    assert m["sparsity/predicted_speedup"] == pytest.approx(cost.predicted_speedup(schedule, [2, 4], [2, 2]))
     assert m["acceptance/mean"] == pytest.approx(0.75)
+    assert m["acceptance/p50"] == pytest.approx(0.75)
     assert m["acceptance/p50/bin_0"] == pytest.approx(0.85)  # median of 1.0, 0.9, 0.8, 0.7
     assert m["acceptance/p50/bin_1"] == pytest.approx(0.55)
+    assert m["acceptance/mean/bin_0"] == pytest.approx(0.85) and m["acceptance/mean/bin_1"] == pytest.approx(
+        0.55
+    )
     assert (m["acceptance/tokens/bin_0"], m["acceptance/tokens/bin_1"]) == (4.0, 2.0)
     assert m["sparsity/budget/bin_0"] == 32.0 and m["sparsity/budget/bin_1"] == 48.0
     assert m["token_mult_prob_error"] == pytest.approx((4 + math.e + math.exp(0.5)) / 6)
+    assert m["rollout_is/log_ppl_diff"] == pytest.approx((-1.0 + 0.5) / 6)
 
 
 def test_dense_schedule_budget_is_logged_as_infinite() -> None:
     samples = [_sample(2, "stop_token"), _sample(2, "stop_token")]
+    local = LocalRollout(samples, range(0, 2), seconds=1.0, rewards=torch.zeros(2))
     mm = TokenMismatch(torch.ones(4), torch.tensor([2, 3, 2, 3]), torch.zeros(4), torch.zeros(4))
-    m = rollout_metrics(samples, torch.zeros(2), mm, BudgetSchedule.dense(4), 0.05, 1.0, 1.0)
+    m = measure_tokens(local, mm, BudgetSchedule.dense(4), 0.05, 2.0).metrics(BudgetSchedule.dense(4), 0.05)
     assert m["sparsity/budget/bin_0"] == math.inf and m["sparsity/dense"] == 1.0
+
+
+def test_a_metric_has_one_owner() -> None:
+    assert merge_metrics({"a": 1.0}, {"b": 2.0}) == {"a": 1.0, "b": 2.0}
+    with pytest.raises(ValueError, match=r"\['sparsity/budget/bin_0'\] set twice"):
+        merge_metrics({"sparsity/budget/bin_0": 16.0}, {"sparsity/budget/bin_0": 24.0})
 
 
 def test_metrics_writer_jsonl_rows_and_nulls(tmp_path: Path) -> None:
@@ -79,6 +96,8 @@ def test_tail_per_bin_summary_and_plots(tmp_path: Path) -> None:
             "acceptance/p5/bin_0": 0.9,
             "acceptance/p5/bin_1": 0.7,
             "sparsity/budget/bin_0": 64.0,
+            "timing/step": 2.0,
+            "timing/rollout": 1.5,
         },
         {
             "step": 1,
@@ -86,8 +105,11 @@ def test_tail_per_bin_summary_and_plots(tmp_path: Path) -> None:
             "acceptance/p5/bin_0": 0.88,
             "acceptance/p5/bin_1": 0.9,
             "sparsity/budget/bin_0": 96.0,
+            "timing/step": 4.0,
+            "timing/rollout": 2.5,
         },
     ]
+    assert timing_per_phase(history) == {"step": 3.0, "rollout": 2.0}
     tails = tail_per_bin(history)
     assert tails == {
         0: {"last": 0.88, "min": 0.88, "steps": 2, "tokens": 0},
@@ -103,13 +125,14 @@ def test_tail_per_bin_summary_and_plots(tmp_path: Path) -> None:
         "final_schedule": {"budgets": [96]},
         "predicted_speedup_mean": 1.5,
         "measured_rollout_speedup": 1.1,
+        "timing_mean_s": timing_per_phase(history),
     }
     text = format_summary(summary)
     assert (
         "start 0.250 -> end 0.500 (sparse schedule), n/a -> n/a (dense)" in text
         and "bin   1: 0.900 / 0.700  ok  [0 tokens]" in text
     )
-    assert "1.50x" in text
+    assert "1.50x" in text and "seconds per step (mean): step 3.00, rollout 2.00" in text
     paths = write_plots(history, 0.86, tmp_path / "plots")
     assert sorted(p.name for p in paths) == [
         "response_length.png",

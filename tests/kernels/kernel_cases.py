@@ -4,7 +4,8 @@ cases, and the selection check against the method layer.
 Physical pages are assigned in random order and the pool has spare pages, so a kernel that
 ignores the block table or reads a page it should not is caught. Every cache slot that holds no
 valid token (past seq_len, or in an unassigned page) is filled with NaN: touching one poisons the
-result. Centroids come from the method layer's ``page_centroids`` (the specification).
+result. Centroids come from the method layer's ``page_centroids`` (the specification), rounded to
+the centroid dtype under test.
 """
 
 from __future__ import annotations
@@ -13,15 +14,20 @@ import math
 from dataclasses import dataclass
 
 import torch
-from sparrow_kernels import select_pages_paged
+from sparrow_kernels import page_selection
 
-from sparrow_nemo.sparse.attention import page_centroids, select_pages, selected_page_count
+from sparrow_nemo.sparse.attention import (
+    page_centroids,
+    select_pages,
+    select_pages_from_centroids,
+    selected_page_count,
+)
 
 
 @dataclass
 class PagedCache:
-    """k_pages, v_pages [num_pages, Hkv, page_size, D]; centroids float32 [num_pages, Hkv, D];
-    block_table int32 [B, P]; seq_len int32 [B]."""
+    """k_pages, v_pages [num_pages, Hkv, page_size, D]; centroids [num_pages, Hkv, D] (float32 or the
+    cache dtype); block_table int32 [B, P]; seq_len int32 [B]."""
 
     k_pages: torch.Tensor
     v_pages: torch.Tensor
@@ -32,7 +38,7 @@ class PagedCache:
 
 def empty_paged_cache(
     batch: int, num_kv_heads: int, max_pages: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-    page_size: int = 16, spare_pages: int = 3, seed: int = 0,
+    page_size: int = 16, spare_pages: int = 3, seed: int = 0, centroid_dtype: torch.dtype = torch.float32,
 ) -> PagedCache:  # fmt: skip
     """A NaN-filled pool of batch * max_pages + spare_pages pages and a random block table."""
     gen = torch.Generator().manual_seed(seed)
@@ -42,23 +48,26 @@ def empty_paged_cache(
     return PagedCache(
         k_pages=torch.full(shape, math.nan, dtype=dtype, device=device),
         v_pages=torch.full(shape, math.nan, dtype=dtype, device=device),
-        centroids=torch.full((num_pages, num_kv_heads, head_dim), math.nan, device=device),
+        centroids=torch.full(
+            (num_pages, num_kv_heads, head_dim), math.nan, dtype=centroid_dtype, device=device
+        ),
         block_table=order.view(batch, max_pages).to(device=device, dtype=torch.int32),
         seq_len=torch.zeros(batch, dtype=torch.int32, device=device),
     )
 
 
 def paged_from_contiguous(
-    k: torch.Tensor, v: torch.Tensor, seq_len: torch.Tensor, page_size: int = 16, seed: int = 0
-) -> PagedCache:
-    """Copy the first seq_len[b] tokens of k, v [B, Hkv, L, D] into a shuffled paged cache."""
+    k: torch.Tensor, v: torch.Tensor, seq_len: torch.Tensor, page_size: int = 16, seed: int = 0,
+    centroid_dtype: torch.dtype = torch.float32,
+) -> PagedCache:  # fmt: skip
+    """Copy the first seq_len[b] tokens of k, v [B, Hkv, L, D] into a shuffled paged cache; the
+    centroids are the method layer's float32 page means rounded to ``centroid_dtype``."""
     batch, num_kv_heads, max_len, head_dim = k.shape
     max_pages = math.ceil(max_len / page_size)
-    cache = empty_paged_cache(
-        batch, num_kv_heads, max_pages, head_dim, k.dtype, k.device, page_size, seed=seed
-    )
+    cache = empty_paged_cache(batch, num_kv_heads, max_pages, head_dim, k.dtype, k.device, page_size, seed=seed,
+                              centroid_dtype=centroid_dtype)  # fmt: skip
     cache.seq_len = seq_len.to(device=k.device, dtype=torch.int32)
-    centroids = page_centroids(k, seq_len, page_size)  # [B, Hkv, P, D]
+    centroids = page_centroids(k, seq_len, page_size).to(centroid_dtype)  # [B, Hkv, P, D]
     for b in range(batch):
         n = int(seq_len[b])
         for p in range(math.ceil(n / page_size)):
@@ -86,6 +95,7 @@ class DecodeCase:
 def random_case(
     seq_lens: list[int], budgets: list[int], num_kv_heads: int = 2, group: int = 2, head_dim: int = 32,
     dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", seed: int = 0,
+    centroid_dtype: torch.dtype = torch.float32,
 ) -> DecodeCase:  # fmt: skip
     """Gaussian q, k, v (L = max(seq_lens)) and the paged copy of k, v."""
     gen = torch.Generator().manual_seed(seed)
@@ -95,18 +105,29 @@ def random_case(
     q = torch.randn(batch, num_kv_heads * group, head_dim, generator=gen).to(device=device, dtype=dtype)
     seq_len = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     budget = torch.tensor(budgets, dtype=torch.int32, device=device)
-    return DecodeCase(q, k, v, seq_len, budget, paged_from_contiguous(k, v, seq_len, seed=seed))
+    paged = paged_from_contiguous(k, v, seq_len, seed=seed, centroid_dtype=centroid_dtype)
+    return DecodeCase(q, k, v, seq_len, budget, paged)
 
 
 def check_selection(case: DecodeCase, budget: torch.Tensor | int, **kw: int) -> None:
-    """select_pages_paged on case.paged equals select_pages on the contiguous cache (same pages, order,
-    -1 padding) and its counts equal selected_page_count."""
+    """page_selection on case.paged equals the method layer's select_pages_from_centroids on the
+    contiguous cache's page means in the same centroid dtype (same pages, order, -1 padding); its
+    counts equal selected_page_count, its physical ids are the block table's, its tickets are 0."""
     c = case.paged
-    page_idx, counts = select_pages_paged(case.q, c.centroids, c.block_table, c.seq_len, budget, **kw)
-    ref = select_pages(case.q, case.k, case.seq_len, budget, **kw)
+    selection = page_selection(case.q, c.centroids, c.block_table, c.seq_len, budget, **kw)
+    page_idx, counts = selection.page_idx, selection.counts
+    centroids = page_centroids(case.k, case.seq_len).to(c.centroids.dtype)
+    ref = select_pages_from_centroids(case.q, centroids, case.seq_len, budget, **kw)
+    if c.centroids.dtype == torch.float32:  # and the specification from the keys themselves
+        assert torch.equal(ref, select_pages(case.q, case.k, case.seq_len, budget, **kw))
     width = ref.shape[-1]
     assert page_idx.dtype == torch.int32 and page_idx.shape[:2] == ref.shape[:2]
     assert torch.equal(page_idx[..., :width].long().cpu(), ref.cpu())
     assert bool((page_idx[..., width:] == -1).all())
     expected_counts = selected_page_count(case.seq_len, budget, **kw)
     assert torch.equal(counts.long().cpu(), expected_counts[:, None].expand_as(counts).cpu())
+    for b in range(counts.shape[0]):
+        for h in range(counts.shape[1]):
+            n = int(counts[b, h])
+            assert torch.equal(selection.physical[b, h, :n], c.block_table[b, page_idx[b, h, :n].long()])
+    assert bool((selection.tickets == 0).all())

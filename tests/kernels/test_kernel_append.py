@@ -1,9 +1,10 @@
 """append_kv: token-by-token writes into a shuffled, NaN-filled page pool.
 
-After appending, every valid slot must hold the token, untouched
-slots must still be NaN, and each live page's centroid must equal the method layer's
-``page_centroids`` of the stored keys within 1e-5 (incremental vs direct float32 mean). Then the
-cache built this way must give the reference's sparse attention (the rollout engine's use).
+After appending, every valid slot must hold the token, untouched slots must still be NaN, and
+each live page's centroid must equal the method layer's ``page_centroids`` of the stored keys
+rounded to the centroid dtype (float32: within 1e-5, a reordered sum; bfloat16: within one ulp,
+the same float32 mean rounded to nearest on both sides) and the rollout cache's torch append.
+Then the cache built this way must give the reference's sparse attention (the engine's use).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 from kernel_cases import empty_paged_cache
 from sparrow_kernels import append_kv, sparse_decode_attention_paged
 
+from sparrow_nemo.rollout.paged_cache import PagedKVCache
 from sparrow_nemo.sparse.attention import page_centroids, sparse_decode_attention
 
 SEQ_LENS = [40, 17, 33]  # mixed lengths: partial last pages, one sequence stops early
@@ -27,28 +29,36 @@ def _gather(pages: torch.Tensor, block_table: torch.Tensor, b: int, n: int) -> t
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_append_then_attend(device: torch.device, dtype: torch.dtype) -> None:
+    """Centroids in the cache dtype (the engine's layout): float32 for float32, bfloat16 for bfloat16."""
     batch, num_kv_heads, head_dim, max_len = len(SEQ_LENS), 2, 32, max(SEQ_LENS)
     gen = torch.Generator().manual_seed(1)
     # New keys/values arrive in the cache dtype, as the engine computes them (Triton's interpreter
     # truncates float32 -> bfloat16 where the GPU rounds to nearest, so rounding is not tested here).
     k_src = torch.randn(batch, num_kv_heads, max_len, head_dim, generator=gen).to(device=device, dtype=dtype)
     v_src = torch.randn(batch, num_kv_heads, max_len, head_dim, generator=gen).to(device=device, dtype=dtype)
-    cache = empty_paged_cache(batch, num_kv_heads, 3, head_dim, dtype, device, seed=2)
+    cache = empty_paged_cache(batch, num_kv_heads, 3, head_dim, dtype, device, seed=2, centroid_dtype=dtype)
+    torch_cache = PagedKVCache(1, cache.k_pages.shape[0], num_kv_heads, head_dim, dtype=dtype, device=device)
     lengths = torch.tensor(SEQ_LENS, device=device)
     for t in range(max_len):
         positions = torch.where(lengths > t, t, -1).to(torch.int32)  # -1: this sequence is done
         append_kv(cache.k_pages, cache.v_pages, cache.centroids, cache.block_table, positions,
                   k_src[:, :, t], v_src[:, :, t])  # fmt: skip
+        live = lengths > t
+        torch_cache.append(0, cache.block_table[live], positions[live], k_src[live, :, t], v_src[live, :, t])
 
-    stored_centroids = page_centroids(k_src, lengths)  # [B, Hkv, P, D] float32
+    stored_centroids = page_centroids(k_src, lengths).to(dtype)  # [B, Hkv, P, D]
+    ulp = {torch.float32: 1e-5, torch.bfloat16: 2**-7}[dtype]
     for b, n in enumerate(SEQ_LENS):
         assert torch.equal(_gather(cache.k_pages, cache.block_table, b, n), k_src[b, :, :n])
         assert torch.equal(_gather(cache.v_pages, cache.block_table, b, n), v_src[b, :, :n])
         last = cache.k_pages[int(cache.block_table[b, (n - 1) // 16]), :, (n - 1) % 16 + 1 :]
         assert bool(last.isnan().all()), "slots past seq_len must stay untouched"
         for p in range((n + 15) // 16):
+            phys = int(cache.block_table[b, p])
+            assert cache.centroids[phys].dtype == dtype
+            torch.testing.assert_close(cache.centroids[phys], stored_centroids[b, :, p], rtol=ulp, atol=1e-5)
             torch.testing.assert_close(
-                cache.centroids[int(cache.block_table[b, p])], stored_centroids[b, :, p], rtol=1e-5, atol=1e-5
+                cache.centroids[phys], torch_cache.centroids[0][phys], rtol=ulp, atol=1e-5
             )
 
     q = torch.randn(batch, num_kv_heads * 4, head_dim, generator=gen).to(device=device, dtype=dtype)

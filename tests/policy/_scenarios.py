@@ -11,6 +11,7 @@ from sparrow_nemo.model_shapes import PRESETS
 from sparrow_nemo.policy.batch import PolicyBatch
 from sparrow_nemo.policy.hf_import import export_hf_state_dict, load_hf_into_model
 from sparrow_nemo.policy.logprobs import LogprobOutput
+from sparrow_nemo.policy.memory import DEFAULT_MEMORY, MemorySettings
 from sparrow_nemo.policy.model import build_model
 from sparrow_nemo.policy.optim import OptimizerSettings
 from sparrow_nemo.policy.parallel import ParallelLayout, destroy_parallel, initialize_parallel
@@ -41,10 +42,12 @@ def pg_loss(out: LogprobOutput, batch: PolicyBatch) -> tuple[torch.Tensor, dict[
     return loss, {"entropy": float((out.entropy.detach() * mask).sum() / n)}
 
 
-def _setup(tp: int, pp: int, tied: bool, ckpt: str | None) -> MegatronPolicy:
+def _setup(
+    tp: int, pp: int, tied: bool, ckpt: str | None, memory: MemorySettings = DEFAULT_MEMORY
+) -> MegatronPolicy:
     shape = PRESETS["tiny-test"].replace(tie_word_embeddings=tied)
     layout = ParallelLayout.for_world(int(os.environ.get("WORLD_SIZE", "1")), tp=tp, pp=pp)
-    return MegatronPolicy(shape, layout, SETTINGS, "float32", hf_dir=ckpt)
+    return MegatronPolicy(shape, layout, SETTINGS, "float32", hf_dir=ckpt, memory=memory)
 
 
 def _my_batches(batches: list[PolicyBatch], layout: ParallelLayout) -> list[PolicyBatch]:
@@ -55,9 +58,11 @@ def _my_batches(batches: list[PolicyBatch], layout: ParallelLayout) -> list[Poli
     return batches[r * per : (r + 1) * per]
 
 
-def train_once(rank: int, tp: int, pp: int, tied: bool, ckpt: str, out_file: str) -> None:
+def train_once(
+    rank: int, tp: int, pp: int, tied: bool, ckpt: str, out_file: str, memory: MemorySettings = DEFAULT_MEMORY
+) -> None:
     """Logprobs, one train step over NUM_MICRO micro-batches (split over DP), logprobs again, export."""
-    policy = _setup(tp, pp, tied, ckpt)
+    policy = _setup(tp, pp, tied, ckpt, memory)
     batches = make_batches(policy.spec.shape.vocab_size)
     before = policy.logprobs(batches[:2])
     result = policy.train_step(_my_batches(batches, policy.spec.layout), pg_loss)
@@ -103,6 +108,26 @@ def logprobs_tp(rank: int, logits: torch.Tensor, targets: torch.Tensor, vocab: i
     out = vocab_parallel_logprobs(shard, targets, vocab, top_k=5, tp_group=dist.group.WORLD)
     (out.logprobs.sum() + 0.5 * out.entropy.sum()).backward()
     torch.save({"out": out.detach(), "grad": shard.grad}, Path(out_dir) / f"lp_rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def chunked_head_tp(
+    rank: int, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab: int, out_dir: str
+) -> None:
+    """The fused chunked head on this rank's weight shard: outputs and the gradients of (logprob + entropy)."""
+    import torch.distributed as dist
+
+    from sparrow_nemo.policy.logprobs import chunked_head_logprobs
+    from sparrow_nemo.policy.parallel import init_distributed
+
+    init_distributed("gloo")
+    world = dist.get_world_size()
+    h = hidden.clone().requires_grad_(True)
+    shard = weight.chunk(world, dim=0)[rank].clone().requires_grad_(True)
+    out = chunked_head_logprobs(h, shard, targets, vocab, chunk=3, top_k=5, tp_group=dist.group.WORLD)
+    (out.logprobs.sum() + 0.5 * out.entropy.sum()).backward()
+    saved = {"out": out.detach(), "grad_hidden": h.grad, "grad_weight": shard.grad}
+    torch.save(saved, Path(out_dir) / f"head_rank{rank}.pt")
     dist.destroy_process_group()
 
 

@@ -19,7 +19,7 @@ from sparrow_nemo.policy.checkpoint import (
 )
 from sparrow_nemo.policy.model import PolicyModelSpec
 from sparrow_nemo.policy.parallel import ParallelLayout
-from sparrow_nemo.policy.resume import load_policy_checkpoint
+from sparrow_nemo.policy.resume import FORMAT_VERSION, load_policy_checkpoint
 
 
 def _save(root, step: int, value: float):
@@ -73,7 +73,7 @@ def test_resume_refuses_another_layout(tmp_path):
     path.mkdir()
 
     meta = {
-        "format_version": 1,
+        "format_version": FORMAT_VERSION,
         "step": 1,
         "layout": ParallelLayout(2, 1, 1).to_dict(),
         "shape": dataclasses.asdict(shape),

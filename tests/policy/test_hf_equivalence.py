@@ -9,6 +9,7 @@ from policy._helpers import make_hf_checkpoint
 from sparrow_nemo.model_shapes import PRESETS
 from sparrow_nemo.policy.batch import PolicyBatch
 from sparrow_nemo.policy.hf_import import load_hf_into_model
+from sparrow_nemo.policy.logprobs import output_weight
 from sparrow_nemo.policy.model import build_model
 from sparrow_nemo.policy.parallel import ParallelLayout
 
@@ -33,7 +34,8 @@ def test_logits_match_transformers_with_padding(tmp_path, single_rank, tied):
     tokens[torch.arange(11).unsqueeze(0) >= lengths.unsqueeze(1)] = 0  # right padding
     batch = PolicyBatch(tokens, lengths)
     with torch.no_grad():
-        logits = model(*batch.model_inputs())[..., : shape.vocab_size]
+        hidden = model(*batch.model_inputs())  # [S, B, H]: the output layer runs fused with the logprobs
+        logits = (hidden.transpose(0, 1) @ output_weight(model).T)[..., : shape.vocab_size]
         for row, n in enumerate(lengths.tolist()):  # each sequence alone, unpadded
             ref = hf(tokens[row : row + 1, :n]).logits[0]
             diff = (logits[row, :n] - ref).abs().max().item()

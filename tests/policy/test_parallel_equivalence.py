@@ -1,8 +1,11 @@
-"""Two gloo processes (TP=2, PP=2 with tied embeddings, DP=2) match one process.
+"""Two gloo processes (TP=2, TP=2 with full recompute and a 5-position logprob chunk, PP=2 with tied
+embeddings, DP=2) match one process.
 
 Checked: logprobs / entropy / top-k before and after one optimizer step, the step's loss and grad
 norm, and every updated weight (exported to HF names). Also the vocab-parallel logprobs and their
-gradients against a full-vocab ``torch.log_softmax``. All jobs share one 2-process spawn.
+gradients against a full-vocab ``torch.log_softmax``, and the fused chunked output layer + logprobs
+on two vocab shards against the unchunked path on one (values and gradients of hidden states and
+weight). All jobs share one 2-process spawn.
 """
 
 from __future__ import annotations
@@ -13,10 +16,19 @@ import torch
 from policy._helpers import free_port, make_hf_checkpoint, run_distributed, single_rank_env
 from policy._scenarios import train_once, two_rank_suite
 from sparrow_nemo.model_shapes import PRESETS
+from sparrow_nemo.policy.logprobs import vocab_parallel_logprobs
+from sparrow_nemo.policy.memory import DEFAULT_MEMORY, MemorySettings
 from sparrow_nemo.policy.plan import stage_parameters
 
 ATOL = 1e-5  # fp32, different reduction orders
-LAYOUTS = {"tp2": (2, 1, False), "pp2-tied": (1, 2, True), "dp2": (1, 1, False)}
+FULL_RECOMPUTE = MemorySettings(recompute_granularity="full", logprob_chunk_tokens=5)
+LAYOUTS = {
+    "tp2": (2, 1, False, DEFAULT_MEMORY),
+    "tp2-recompute": (2, 1, False, FULL_RECOMPUTE),
+    "pp2-tied": (1, 2, True, DEFAULT_MEMORY),
+    "dp2": (1, 1, False, DEFAULT_MEMORY),
+}
+ROUNDTRIP = ("tp2", "pp2-tied")
 LP_VOCAB, LP_PADDED = 40, 48  # real vocab, logits columns (8 padding columns on the last rank)
 
 
@@ -35,20 +47,31 @@ def runs(tmp_path_factory):
     g = torch.Generator().manual_seed(5)
     logits = torch.randn(2, 6, LP_PADDED, generator=g) * 3
     targets = torch.randint(0, LP_VOCAB, (2, 6), generator=g)
-    jobs = [("logprobs_tp", free_port(), (logits, targets, LP_VOCAB, str(root)))]
-    for name, (tp, pp, tied) in LAYOUTS.items():
-        jobs.append(("train_once", free_port(), (tp, pp, tied, str(ckpts[tied]), str(root / f"{name}.pt"))))
-    for name, (tp, pp, tied) in LAYOUTS.items():
-        if name != "dp2":
-            jobs.append(
-                ("roundtrip", free_port(), (tp, pp, tied, str(ckpts[tied]), str(root / f"rt_{name}.pt")))
-            )
+    hidden, weight = torch.randn(11, 8, generator=g), torch.randn(LP_PADDED, 8, generator=g)
+    head_targets = torch.randint(0, LP_VOCAB, (11,), generator=g)
+    jobs = [
+        ("logprobs_tp", free_port(), (logits, targets, LP_VOCAB, str(root))),
+        ("chunked_head_tp", free_port(), (hidden, weight, head_targets, LP_VOCAB, str(root))),
+    ]
+    for name, (tp, pp, tied, memory) in LAYOUTS.items():
+        out = str(root / f"{name}.pt")
+        jobs.append(("train_once", free_port(), (tp, pp, tied, str(ckpts[tied]), out, memory)))
+    for name in ROUNDTRIP:
+        tp, pp, tied, _ = LAYOUTS[name]
+        jobs.append(("roundtrip", free_port(), (tp, pp, tied, str(ckpts[tied]), str(root / f"rt_{name}.pt"))))
     run_distributed(two_rank_suite, 2, jobs)
-    return {"root": root, "ckpts": ckpts, "refs": refs, "logits": logits, "targets": targets}
+    return {
+        "root": root,
+        "ckpts": ckpts,
+        "refs": refs,
+        "logits": logits,
+        "targets": targets,
+        "head": (hidden, weight, head_targets),
+    }
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("layout", ["tp2", "pp2-tied"])
+@pytest.mark.parametrize("layout", ROUNDTRIP)
 def test_import_export_round_trip_is_bit_exact(runs, layout):
     from safetensors.torch import load_file
 
@@ -78,6 +101,27 @@ def test_vocab_parallel_logprobs_match_full_softmax(runs):
     grad = torch.cat([s["grad"] for s in shards], dim=-1)
     torch.testing.assert_close(grad[..., :LP_VOCAB], logits.grad[..., :LP_VOCAB], atol=1e-5, rtol=0)
     assert torch.count_nonzero(grad[..., LP_VOCAB:]) == 0  # padding columns get no gradient
+
+
+@pytest.mark.multiproc
+def test_chunked_head_on_two_shards_matches_the_unchunked_path(runs):
+    hidden, weight, targets = runs["head"]
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    ref = vocab_parallel_logprobs((h @ w.T)[None], targets[None], LP_VOCAB, top_k=5)
+    (ref.logprobs.sum() + 0.5 * ref.entropy.sum()).backward()
+    shards = [torch.load(runs["root"] / f"head_rank{r}.pt", weights_only=False) for r in range(2)]
+    for shard in shards:
+        out = shard["out"]
+        torch.testing.assert_close(out.logprobs, ref.logprobs[0].detach(), atol=1e-5, rtol=0)
+        torch.testing.assert_close(out.entropy, ref.entropy[0].detach(), atol=1e-5, rtol=0)
+        torch.testing.assert_close(out.topk_logprobs, ref.topk_logprobs[0], atol=1e-5, rtol=0)
+        assert torch.equal(out.topk_ids, ref.topk_ids[0])
+    # hidden is replicated over TP: its gradient is the sum of the ranks' partials (megatron's
+    # copy_to_tensor_model_parallel_region does that all-reduce in the model)
+    torch.testing.assert_close(shards[0]["grad_hidden"] + shards[1]["grad_hidden"], h.grad, atol=1e-5, rtol=0)
+    grad_w = torch.cat([s["grad_weight"] for s in shards])
+    torch.testing.assert_close(grad_w, w.grad, atol=1e-5, rtol=0)
+    assert torch.count_nonzero(grad_w[LP_VOCAB:]) == 0
 
 
 @pytest.mark.multiproc

@@ -5,9 +5,20 @@ from __future__ import annotations
 import pytest
 
 from sparrow_nemo.model_shapes import PRESETS
+from sparrow_nemo.policy.memory import MemorySettings
 from sparrow_nemo.policy.model import padded_vocab_size
 from sparrow_nemo.policy.parallel import LayoutError, ParallelLayout, stage_layer_range
-from sparrow_nemo.policy.plan import GIB, format_plan, plan, stage_parameters
+from sparrow_nemo.policy.plan import (
+    GIB,
+    DistillSpec,
+    RolloutSpec,
+    estimate_memory,
+    format_plan,
+    head_bytes,
+    layer_activations,
+    plan,
+    stage_parameters,
+)
 
 
 @pytest.mark.parametrize(
@@ -67,16 +78,106 @@ def test_plan_memory_terms_by_hand():
     assert r.layout == ParallelLayout(2, 2, 8)
     assert r.memory.weights == 2 * params and r.memory.gradients == 4 * params
     assert r.memory.optimizer == -(-12 * params // 8)
-    full_layer = 5 * 4096 + (2 * 32 + 3 * 8) * 128 // 2 + 3 * 12288 // 2
-    stage0 = full_layer * 2 * 4096 * 18 * 2  # 18 layers, 2 micro-batches in flight on stage 0
-    stage1 = full_layer * 2 * 4096 * 18 + 8 * 4096 * padded_vocab_size(151_936, 2) // 2
-    assert r.memory.activations == max(stage0, stage1)
+    # per token and layer: 6h + ((Hq + 2Hkv) D + 4 Hq D + 2 Hkv D + 5 I) / tp in bf16, fp32 tables and stats
+    h, d, hq, hkv, i = 4096, 128, 32 // 2, 8 // 2, 12288 // 2
+    per_layer = (6 * h + (hq + 2 * hkv) * d + 4 * hq * d + 2 * hkv * d + 5 * i) * 2 + 4 * (
+        4 * d + 2 + 2 * hq + hkv
+    )
+    assert layer_activations(shape, 2, 2, False).full == per_layer
+    stage0 = per_layer * 4096 * 18 * 2  # 18 layers, 2 micro-batches in flight on stage 0 (1F1B)
+    stage1 = per_layer * 4096 * 18 + 2 * h * 2 * 4096  # + the final norm
+    assert r.memory.activations in (stage0, stage1) and r.memory.recompute == 0
+    local_v = padded_vocab_size(151_936, 2) // 2
+    head = head_bytes(shape, r.layout, 4096, 2, 4096)
+    assert head > 1.25 * 4096 * local_v * 4  # one fp32 chunk of logits and a quarter of it, at least
     text = format_plan(r)
     assert "TP=2 PP=2 DP=8" in text and f"{r.memory.total / GIB:8.2f} GiB of 141 GiB" in text
+    for line in ("weights", "gradients", "optimizer", "activations", "recompute", "logits"):
+        assert f"  {line}" in text
     rank_lines = [ln for ln in text.splitlines() if ln.startswith("  ") and ln.split()[0].isdigit()]
     assert len(rank_lines) == 32
     # rank 31: node 3, gpu 7, tp 1, pp 1, dp 7, the second half of the layers
     assert rank_lines[-1].split() == ["31", "3", "7", "1", "1", "7", "18-35"]
+
+
+def test_recompute_sequence_parallel_and_chunk_change_the_plan_as_built():
+    shape, tokens = PRESETS["qwen3-1.7b"], 32768
+    layout = ParallelLayout(2, 1, 4)
+
+    def est(**kwargs):
+        return estimate_memory(
+            shape, layout, tokens, tokens, "bf16", "distributed_adam", 0, MemorySettings(**kwargs)
+        )
+
+    none, full, selective = est(), est(recompute_granularity="full"), est(recompute_granularity="selective")
+    per = layer_activations(shape, 2, 2, False)
+    assert (
+        full.activations == (28 * per.layer_input + 2 * 2048 * 2) * tokens
+        and full.recompute == per.full * tokens
+    )
+    assert selective.activations == (28 * (per.full - per.mlp) + 2 * 2048 * 2) * tokens
+    assert full.total < selective.total < none.total
+    sp = est(recompute_granularity="full", sequence_parallel=True)
+    assert sp.activations < full.activations and sp.recompute < full.recompute
+    block = est(recompute_granularity="full", recompute_method="block", recompute_num_layers=4)
+    assert block.activations == (4 * per.layer_input + 24 * per.full + 2 * 2048 * 2) * tokens
+    assert est(logprob_chunk_tokens=1024).logits < est(logprob_chunk_tokens=8192).logits
+    # the same object configures megatron
+    kwargs = MemorySettings(recompute_granularity="full", sequence_parallel=True).transformer_config_kwargs()
+    assert kwargs == {
+        "sequence_parallel": True,
+        "recompute_granularity": "full",
+        "recompute_method": "uniform",
+        "recompute_num_layers": 1,
+    }
+    assert MemorySettings(recompute_granularity="selective").transformer_config_kwargs()[
+        "recompute_modules"
+    ] == ["mlp"]
+    with pytest.raises(LayoutError, match="recompute_num_layers=3 does not divide the 28 layers"):
+        MemorySettings(recompute_granularity="full", recompute_num_layers=3).validate(28, layout)
+
+
+def test_distill_and_rollout_terms():
+    shape = PRESETS["qwen3-1.7b"]
+    distill = DistillSpec(
+        rank=8,
+        targets=("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"),
+        sparse_layers_from=2,
+        page_size=16,
+    )
+    common = dict(nodes=1, gpus_per_node=8, tp=2, pp=1, micro_batch=1, seq_len=39_936)
+    memory = MemorySettings(recompute_granularity="full")
+    trtllm = RolloutSpec("trtllm", 256, "bf16", 16, dense_layers=2)
+    r = plan(shape, memory=memory, distill=distill, rollout=trtllm, **common)
+    assert r.distill is not None and r.distill.lora > 0 and r.distill.sparse_attention > 0
+    assert r.distill.total > r.memory.total and r.peak is r.distill
+    # layers x KV heads x head_dim x bf16 K and V, + one fp32 centroid per page in the 26 sparse layers
+    kv_token = 28 * 8 * 128 * 2 * 2 + 26 * 8 * 128 * 4 / 16
+    assert r.rollout.kv_per_sequence == int(kv_token * 39_936)
+    assert r.rollout.engine_weights == shape.num_parameters() * 2  # one whole engine per GPU
+    assert r.rollout.sequences == r.rollout.kv_pool // r.rollout.kv_per_sequence > 0
+    text = format_plan(r)
+    assert "distill" in text and "KV cache" in text and "sequences of 39936 tokens" in text
+    # the torch engine stays awake on rank 0: its KV cache gets what the training peak leaves
+    torch_engine = plan(shape, memory=memory, rollout=RolloutSpec("torch", 256, "bf16", 16), **common).rollout
+    free = 80 * GIB - r.memory.total - torch_engine.engine_weights
+    assert torch_engine.sequences == free // torch_engine.kv_per_sequence > 0
+    small = plan(shape, memory=memory, rollout=RolloutSpec("torch", 4, "bf16", 16), **common).rollout
+    assert small.sequences == 4 and small.kv_pool == 4 * small.kv_per_sequence
+    with pytest.raises(LayoutError, match="no room for one 39936-token sequence"):
+        plan(
+            shape,
+            memory=memory,
+            rollout=RolloutSpec("torch", 4, "bf16", 16),
+            **{**common, "gpu_memory_gb": 20},
+        )
+    assert plan(shape, memory=memory, **common).distill is None
+    with pytest.raises(LayoutError, match="below the longest sequence"):
+        plan(shape, memory=MemorySettings(max_tokens_per_micro_batch=4096), **common)
+    packed = plan(
+        shape, memory=MemorySettings(recompute_granularity="full", max_tokens_per_micro_batch=65536), **common
+    )
+    assert packed.tokens_per_micro_batch == 65536
 
 
 def test_plan_refuses_what_does_not_fit_or_divide():
@@ -97,7 +198,7 @@ def test_plan_refuses_what_does_not_fit_or_divide():
         micro_batch=1,
         seq_len=32768,
         gpu_memory_gb=141,
-        recompute=True,
+        memory=MemorySettings(recompute_granularity="full"),
     )
     assert fits.memory.total < 141 * GIB
     cross = plan(PRESETS["qwen3-8b"], 2, 4, tp=8, pp=1, micro_batch=1, seq_len=4096, gpu_memory_gb=141)

@@ -1,7 +1,9 @@
 """The policy's sparse teacher-forced forward reproduces the sparse rollout engine (fp32, CPU).
 
-- the per-query mask equals the method layer's ``select_pages`` run on each position's own cache
-  prefix (integer-valued q/k: exact scores, ties included);
+- the pages each query attends to equal the method layer's ``select_pages`` run on each position's own
+  cache prefix (integer-valued q/k: exact scores, ties included), block by block;
+- the block attention over the gathered pages equals softmax attention under the full per-query mask
+  (values and gradients);
 - policy sparse logprobs == the torch rollout engine's sampled-token logprobs (max abs diff < 1e-4),
   with and without a LoRA adapter exported to the engine, for local_pages 2 and 0 (0 makes the
   current partial page's centroid matter), while the dense logprobs differ clearly.
@@ -15,12 +17,14 @@ import torch
 from policy._helpers import make_hf_checkpoint, single_rank_env
 from sparrow_nemo.grpo.rollout_step import pad_pairs
 from sparrow_nemo.model_shapes import PRESETS
+from sparrow_nemo.policy import sparse_forward
 from sparrow_nemo.policy.batch import PolicyBatch
 from sparrow_nemo.policy.lora import LoraConfig, init_adapter
+from sparrow_nemo.policy.memory import MemorySettings
 from sparrow_nemo.policy.optim import OptimizerSettings
 from sparrow_nemo.policy.parallel import ParallelLayout
 from sparrow_nemo.policy.policy import MegatronPolicy
-from sparrow_nemo.policy.sparse_forward import SparsePattern, SparsePlan, sparse_attention_mask
+from sparrow_nemo.policy.sparse_forward import SparsePattern, SparsePlan
 from sparrow_nemo.rollout.engine import SamplingParams
 from sparrow_nemo.rollout.lora import LoraAdapter
 from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
@@ -33,18 +37,37 @@ SCHEDULE = BudgetSchedule(bin_tokens=16, budgets=(12, 16, 20), page_size=PAGE, n
 SHAPE = PRESETS["tiny-test"]
 
 
-def test_mask_equals_method_layer_selection_per_position():
+def _token_mask(q, k, plan, pattern) -> torch.Tensor:
+    """bool [B, Hkv, S, S] from :func:`query_block_pages`, block by block (the test's dense reference)."""
+    s = q.shape[2]
+    centroids = sparse_forward._page_centroids(k, pattern.page_size)
+    rows = []
+    for lo in range(0, s, sparse_forward.QUERY_BLOCK):
+        hi = min(lo + sparse_forward.QUERY_BLOCK, s)
+        pages = sparse_forward.query_block_pages(q, k, centroids, plan, pattern, lo, hi)  # [B, n, Hkv, P]
+        tokens = pages.repeat_interleave(pattern.page_size, dim=3)[..., :s]
+        causal = torch.arange(s)[None, :] <= torch.arange(lo, hi)[:, None]
+        rows.append((tokens & causal[None, :, None, :]).transpose(1, 2))
+    return torch.cat(rows, dim=2)
+
+
+def _random_plan(g, b, s, prompt_lens) -> SparsePlan:
+    budget = torch.randint(0, 7, (b, s), generator=g) * PAGE
+    budget[1, 20] = DENSE_BUDGET
+    return SparsePlan(prompt_lens, torch.where(torch.arange(s) < prompt_lens[:, None], DENSE_BUDGET, budget))
+
+
+def test_pages_equal_method_layer_selection_per_position(monkeypatch):
+    monkeypatch.setattr(sparse_forward, "QUERY_BLOCK", 8)  # several blocks, one straddling a page
     g = torch.Generator().manual_seed(0)
     b, hq, hkv, s, d = 2, 4, 2, 37, 8
     q = torch.randint(-3, 4, (b, hq, s, d), generator=g).float()
     k = torch.randint(-3, 4, (b, hkv, s, d), generator=g).float()
     prompt_lens = torch.tensor([5, 9])
-    budget = torch.randint(0, 7, (b, s), generator=g) * PAGE
-    budget[1, 20] = DENSE_BUDGET
-    plan = SparsePlan(prompt_lens, torch.where(torch.arange(s) < prompt_lens[:, None], DENSE_BUDGET, budget))
+    plan = _random_plan(g, b, s, prompt_lens)
     for local in (2, 0):
         pattern = SparsePattern(page_size=PAGE, sink_pages=1, local_pages=local)
-        mask = sparse_attention_mask(q, k, plan, pattern)
+        mask = _token_mask(q, k, plan, pattern)
         for row in range(b):
             for t in range(s):
                 got = mask[row, :, t]
@@ -56,7 +79,7 @@ def test_mask_equals_method_layer_selection_per_position():
                     q[row : row + 1, :, t],
                     k[row : row + 1, :, : t + 1],
                     seq,
-                    budget[row, t : t + 1],
+                    plan.query_budget[row, t : t + 1],
                     PAGE,
                     1,
                     local,
@@ -66,6 +89,27 @@ def test_mask_equals_method_layer_selection_per_position():
                 assert not got[:, t + 1 :].any()
     n_kept = mask[:, :, 20:].sum(-1)
     assert (n_kept < torch.arange(21, s + 1)).any(), "some decode rows must drop pages"
+
+
+def test_block_attention_equals_dense_masked_attention_values_and_gradients(monkeypatch):
+    """The gathered-pages block attention == softmax attention under the full [S, S] per-query mask."""
+    monkeypatch.setattr(sparse_forward, "QUERY_BLOCK", 8)
+    g = torch.Generator().manual_seed(1)
+    b, hq, hkv, s, d = 2, 4, 2, 37, 8
+    q, k, v = (torch.randn(b, h, s, d, generator=g, requires_grad=True) for h in (hq, hkv, hkv))
+    plan = _random_plan(g, b, s, torch.tensor([5, 9]))
+    pattern = SparsePattern(page_size=PAGE, sink_pages=1, local_pages=0)
+    out = sparse_forward.block_sparse_attention(q, k, v, plan, pattern)
+    weights = torch.randn(out.shape, generator=g)
+    grads = torch.autograd.grad((out * weights).sum(), (q, k, v))
+    mask = _token_mask(q.detach(), k.detach(), plan, pattern).repeat_interleave(hq // hkv, dim=1)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1), attn_mask=mask
+    )
+    ref_grads = torch.autograd.grad((ref * weights).sum(), (q, k, v))
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
 def _rollout(engine: TorchRolloutEngine, prompts: list[torch.Tensor]):
@@ -160,3 +204,56 @@ def test_plan_and_pattern_refuse_bad_input():
         SparsePattern(page_size=0)
     with pytest.raises(ValueError, match="dense_layers"):
         SparsePattern(dense_layers=-1)
+
+
+def _two_micro_batches() -> tuple[list[PolicyBatch], list[SparsePlan]]:
+    """Two micro-batches of one shape whose plans differ (the schedule vs a fixed 2-page budget)."""
+    g = torch.Generator().manual_seed(4)
+    batches, plans = [], []
+    for fixed in (False, True):
+        lengths = torch.tensor([30, 26])
+        tokens = torch.randint(0, SHAPE.vocab_size, (2, 30), generator=g)
+        tokens[torch.arange(30) >= lengths[:, None]] = 0
+        prompt_lens = torch.tensor([6, 4])
+        plan = SparsePlan.from_schedule(SCHEDULE, prompt_lens, 30)
+        if fixed:
+            plan = SparsePlan(
+                prompt_lens, torch.where(plan.query_budget == DENSE_BUDGET, DENSE_BUDGET, 2 * PAGE)
+            )
+        batches.append(PolicyBatch(tokens, lengths, {"adv": torch.randn(2, generator=g)}))
+        plans.append(plan)
+    return batches, plans
+
+
+def _adv_loss(out, batch):
+    mask = batch.target_mask().float()
+    return -(batch.extras["adv"][:, None] * out.logprobs * mask).sum() / mask.sum(), {}
+
+
+def _adapter_step(checkpoint, memory: MemorySettings):
+    batches, plans = _two_micro_batches()
+    pattern = SparsePattern(page_size=PAGE, sink_pages=1, local_pages=1, dense_layers=1)
+    with single_rank_env():
+        policy = MegatronPolicy(
+            SHAPE, ParallelLayout(), OptimizerSettings(lr=1e-3), "float32", hf_dir=checkpoint, memory=memory
+        )
+        try:
+            policy.enable_lora(*random_lora(seed=5))
+            optimizer = policy.lora_optimizer(OptimizerSettings(lr=1e-2, weight_decay=0.0, grad_clip=0.0))
+            result = policy.lora_train_step(batches, plans, pattern, _adv_loss, optimizer)
+            return result.loss, policy.lora.export_adapter(grads=True).weights
+        finally:
+            policy.close()
+
+
+def test_recomputed_layers_see_their_own_micro_batch_plan(checkpoint):
+    """Full recompute re-runs each sparse layer in the backward, after every forward (GPipe on CPU, 1F1B on
+    GPU): the recomputed attention must use its own micro-batch's plan, not the last one started."""
+    loss, grads = _adapter_step(checkpoint, MemorySettings())
+    loss_rc, grads_rc = _adapter_step(checkpoint, MemorySettings(recompute_granularity="full"))
+    assert loss_rc == pytest.approx(loss, abs=1e-6)
+    assert set(grads_rc) == set(grads)
+    for name, (a, b) in grads.items():
+        torch.testing.assert_close(grads_rc[name][0], a, atol=1e-6, rtol=0, msg=name)
+        torch.testing.assert_close(grads_rc[name][1], b, atol=1e-6, rtol=0, msg=name)
+    assert max(float(b.abs().max()) for _, b in grads.values()) > 1e-4, "the adapter must get gradients"

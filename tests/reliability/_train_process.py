@@ -95,4 +95,4 @@ def metric_rows(run_dir: Path) -> list[dict]:
 
 def checkpoint_state(folder: Path) -> dict:
     """The one-rank policy file of a checkpoint folder: ``model``, ``optimizer``, ``rng``, ``step``."""
-    return torch.load(folder / "policy_tp00_pp00_dp000.pt", map_location="cpu", weights_only=False)
+    return torch.load(folder / "policy_tp00_pp00_dp000.pt", map_location="cpu", weights_only=True)

@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from sparrow_nemo.config import load_config
+from sparrow_nemo.grpo import data
 from sparrow_nemo.grpo.data import PromptDataConfig, PromptDataError, load_prompts
 from sparrow_nemo.grpo.prompts import build_prompt_source
 from sparrow_nemo.rewards.code import parse_test_spec
@@ -158,3 +159,41 @@ def test_tokenizer_larger_than_the_model_vocab_names_both_sizes(tmp_path: Path) 
         ValueError, match=rf"^tokenizer \({ckpt}\) has 159 token ids but the model's vocab_size is 128: "
     ):
         build_prompt_source(config)
+
+
+def test_deep_huge_and_overlong_rows_are_bad_rows_not_crashes(tmp_path: Path) -> None:
+    """100,000-deep JSON, a row nested past MAX_ROW_DEPTH, a 60 MB line (over MAX_ROW_BYTES: never parsed)
+    and a 20 MB prompt (refused on its characters before the tokenizer sees it) are bad rows with their line."""
+    path = tmp_path / "p.jsonl"
+    deep = "[" * 100_000 + "]" * 100_000
+    nested = json.dumps({"problem": "x", "answer": "2", "extra": []}).replace("[]", "[" * 70 + "]" * 70)
+    line_60mb = json.dumps({"problem": "7" * 60_000_000, "answer": "2"})
+    prompt_20mb = json.dumps({"problem": "7" * 20_000_000, "answer": "2"})
+    with path.open("w") as fh:
+        fh.write("\n".join([GOOD, deep, nested, line_60mb, prompt_20mb, GOOD, GOOD]) + "\n")
+    tokenizer = _CountingTokenizer()
+    ds = load_prompts(path, tokenizer, PromptDataConfig(max_prompt_tokens=64, max_bad_fraction=0.6))
+    assert len(ds) == 3
+    assert [(b.source.rsplit(":", 1)[1], b.reason) for b in ds.bad_rows] == [
+        ("2", f"JSON nested deeper than the parser allows (rows may nest {data.MAX_ROW_DEPTH} levels)"),
+        ("3", f"row nested deeper than {data.MAX_ROW_DEPTH} levels"),
+        ("4", f"line longer than {data.MAX_ROW_BYTES} bytes"),
+        (
+            "5",
+            f"prompt has 20000000 characters, more than {data.MAX_CHARS_PER_TOKEN} per allowed token "
+            "(max_prompt_tokens=64); refused before tokenizing",
+        ),
+    ]
+    assert max(tokenizer.lengths) < 100  # the tokenizer never saw a long prompt
+
+
+class _CountingTokenizer(CharTokenizer):
+    """Records the length of every text it is asked to encode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lengths: list[int] = []
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        self.lengths.append(len(text))
+        return super().encode(text, add_special_tokens=add_special_tokens)

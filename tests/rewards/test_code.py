@@ -30,7 +30,7 @@ def _spec(row: dict, **extra: object) -> dict:
 GENEROUS = {"wall_s": 60.0, "cpu_s": 30}
 
 
-def test_every_canonical_humaneval_solution_passes(shared_data: Path) -> None:
+def test_every_canonical_humaneval_solution_passes(sandbox: None, shared_data: Path) -> None:
     rows = _humaneval(shared_data)
     assert len(rows) == 164
     specs = [_spec(r, limits=GENEROUS) for r in rows]
@@ -38,16 +38,16 @@ def test_every_canonical_humaneval_solution_passes(shared_data: Path) -> None:
     assert [r["task_id"] for r, x in zip(rows, rewards) if x != 1.0] == []
 
 
-def test_a_solution_to_another_task_fails(shared_data: Path) -> None:
+def test_a_solution_to_another_task_fails(sandbox: None, shared_data: Path) -> None:
     rows = _humaneval(shared_data)
     wrong = [rows[(i + 1) % len(rows)]["canonical_solution"] for i in range(len(rows))]
     rewards = code_rewards(wrong, [_spec(r, limits=GENEROUS) for r in rows], workers=2)
     assert [r["task_id"] for r, x in zip(rows, rewards) if x != 0.0] == []
 
 
-def test_whole_function_in_a_fence_and_hostile_completions(shared_data: Path) -> None:
+def test_whole_function_in_a_fence_and_hostile_completions(sandbox: None, shared_data: Path) -> None:
     row = _humaneval(shared_data)[2]  # truncate_number(number) -> number % 1.0
-    spec = _spec(row, limits={"wall_s": 3.0, "cpu_s": 2, "output_bytes": 65536})
+    spec = _spec(row, limits={"wall_s": 30.0, "cpu_s": 2, "output_bytes": 65536})  # the CPU limit ends loops
     fenced = "Here:\n```python\ndef truncate_number(number: float) -> float:\n    return number % 1.0\n```\n"
     assert code_reward(fenced, spec) == 1.0
     for hostile in (
@@ -66,7 +66,7 @@ SUM_SPEC = {"format": "stdio", "inputs": ["1 2\n", "3 4\n", "10 -5\n"], "outputs
 SUM = "a, b = map(int, input().split())\nprint(a + b)\n"
 
 
-def test_stdio_fraction_and_all_modes() -> None:
+def test_stdio_fraction_and_all_modes(sandbox: None) -> None:
     assert code_reward(SUM, SUM_SPEC) == pytest.approx(2 / 3)  # the third expected output is wrong
     assert code_reward(SUM, SUM_SPEC | {"mode": "all"}) == 0.0
     good = SUM_SPEC | {"outputs": ["3", "7", "5"], "mode": "all"}
@@ -75,7 +75,7 @@ def test_stdio_fraction_and_all_modes() -> None:
     assert code_reward("print(", good) == 0.0
 
 
-def test_asserts_fraction() -> None:
+def test_asserts_fraction(sandbox: None) -> None:
     spec = {
         "format": "asserts",
         "setup": "import math",
@@ -88,6 +88,36 @@ def test_asserts_fraction() -> None:
     }
     assert code_reward("def sq(x):\n    return x * x\n", spec) == pytest.approx(3 / 4)
     assert code_reward("def sq(x):\n    return x * x\nimport sys\nsys.exit(0)\n", spec) == 0.0
+
+
+def test_tests_reach_program_objects_only_as_plain_values_and_handles(sandbox: None) -> None:
+    """Classes and instances stay in the program's sandbox (handles), in-place changes of list arguments
+    come back, exceptions arrive by builtin name, standard modules are the checker's own."""
+    program = (
+        "class Pair:\n"
+        "    def __init__(self, a, b):\n"
+        "        self.a, self.b = a, b\n"
+        "    def total(self):\n"
+        "        return self.a + self.b\n"
+        "def longest(pairs):\n"
+        "    return max(p.total() for p in pairs)\n"
+        "def sort_in_place(xs):\n"
+        "    xs.sort()\n"
+        "def check_positive(x):\n"
+        "    if x <= 0:\n"
+        "        raise ValueError('not positive')\n"
+        "    return math.sqrt(x)\n"
+        "import math\n"
+    )
+    tests = [
+        "assert Pair(2, 3).total() == 5 and Pair(2, 3).a == 2",
+        "assert longest([Pair(1, 2), Pair(5, 5)]) == 10",
+        "xs = [3, 1, 2]\nsort_in_place(xs)\nassert xs == [1, 2, 3]",
+        "try:\n    check_positive(-1)\n    raise AssertionError('no error')\nexcept ValueError:\n    pass",
+        "assert math.isclose(check_positive(2.0), math.sqrt(2))",
+        "assert Pair(1, 1) != Pair(1, 1)",  # identities of two remote objects: never equal here
+    ]
+    assert code_reward(program, {"format": "asserts", "tests": tests}) == 1.0
 
 
 def test_extract_code_and_output_matching() -> None:
@@ -107,6 +137,24 @@ def test_extract_code_and_output_matching() -> None:
         ({"format": "asserts", "tests": "assert 1"}, "must be list"),
         ({"format": "java"}, "unknown code test format"),
         ({"format": "asserts", "tests": ["assert 1"], "mode": "best"}, "mode"),
+        (
+            {"format": "asserts", "tests": ["assert 1"], "limits": {"memory_mb": 512.5}},
+            "'memory_mb' must be a pos",
+        ),
+        (
+            {"format": "asserts", "tests": ["assert 1"], "limits": {"output_bytes": 1e6}},
+            "'output_bytes' must be",
+        ),
+        (
+            {"format": "asserts", "tests": ["assert 1"], "limits": {"wall_s": float("nan")}},
+            "'wall_s' must be a fin",
+        ),
+        (
+            {"format": "asserts", "tests": ["assert 1"], "limits": {"wall_s": float("inf")}},
+            "'wall_s' must be a fin",
+        ),
+        ({"format": "asserts", "tests": ["assert 1"], "limits": {"swap_mb": 1}}, "unexpected keyword"),
+        ({"format": "stdio", "inputs": [1], "outputs": ["1"]}, "list of strings"),
     ],
 )
 def test_bad_specs(spec: dict, match: str) -> None:

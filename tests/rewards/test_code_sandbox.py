@@ -1,141 +1,105 @@
-"""The sandbox: hostile programs fail, are contained, and leave the test process unharmed."""
+"""The sandbox runner: limits end a program, output is capped, stdin reaches it, bad limits are refused."""
 
 from __future__ import annotations
 
-import os
+import math
 import signal
-import socket
-import tempfile
 import time
-from pathlib import Path
 
 import pytest
 
-from sparrow_nemo.rewards.code_sandbox import SandboxLimits, isolation, run_python
+from sparrow_nemo.rewards.code_sandbox import SandboxLimits, run_python
 
-FAST = SandboxLimits(wall_s=3.0, cpu_s=2, memory_mb=512, output_bytes=64 * 1024)
-
-
-def _sandbox_dirs() -> set[str]:
-    return {p for p in os.listdir(tempfile.gettempdir()) if p.startswith("sparrow_sandbox_")}
+#: wall clock wide enough for a sandbox start on a loaded machine; the other limits end hostile programs
+FAST = SandboxLimits(wall_s=30.0, cpu_s=2, memory_mb=256, disk_mb=8, output_bytes=64 * 1024, max_processes=16)
 
 
-def test_plain_program_with_stdin_and_files() -> None:
+def test_plain_program_with_stdin_and_files(sandbox: None) -> None:
     src = "n = int(input())\nopen('scratch.txt', 'w').write(str(n * 2))\nprint(open('scratch.txt').read())\n"
     r = run_python(src, "21\n", FAST)
-    assert r.passed and r.returncode == 0 and r.stdout == "42\n" and not r.timed_out
+    assert r.ok and r.returncode == 0 and r.stdout == "42\n" and r.failure is None
 
 
 @pytest.mark.parametrize(
-    ("src", "exit_ok", "passed"),
+    ("src", "ok"),
     [
-        ("import sys; sys.exit(0)", True, True),
-        ("import sys; sys.exit(0)", False, False),  # tests that follow would be skipped
-        ("raise SystemExit(3)", True, False),
-        ("import os; os._exit(0)", True, False),  # exit status 0, but the guard never confirmed
-        ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", True, False),
-        ("assert 1 == 2", True, False),
+        ("import sys; sys.exit(0)", True),
+        ("exit()", True),
+        ("raise SystemExit(3)", False),
+        ("import os; os._exit(4)", False),
+        ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", False),
+        ("assert 1 == 2", False),
+        ("print(", False),
     ],
 )
-def test_early_exits_do_not_pass(src: str, exit_ok: bool, passed: bool) -> None:
-    assert run_python(src, "", FAST, exit_ok=exit_ok).passed is passed
+def test_exit_status(sandbox: None, src: str, ok: bool) -> None:
+    assert run_python(src, "", FAST).ok is ok
 
 
-def test_infinite_loop_hits_the_wall_clock() -> None:
-    t0 = time.perf_counter()
-    r = run_python("while True:\n    pass\n", "", SandboxLimits(wall_s=1.5, cpu_s=30))
-    assert not r.passed and r.timed_out and r.returncode == -signal.SIGKILL
-    assert time.perf_counter() - t0 < 10.0  # 1.5 s limit plus start-up on a shared CPU
+def test_infinite_sleep_hits_the_wall_clock(sandbox: None) -> None:
+    t0 = time.monotonic()
+    r = run_python("import time\ntime.sleep(100)\n", "", SandboxLimits(wall_s=1.5, cpu_s=30))
+    assert not r.ok and r.failure == "timed out" and r.returncode is None
+    assert time.monotonic() - t0 < 15.0  # 1.5 s limit plus start-up on a loaded CPU
 
 
-def test_cpu_limit_kills_a_busy_loop() -> None:
-    t0 = time.perf_counter()
+def test_cpu_limit_kills_a_busy_loop(sandbox: None) -> None:
     r = run_python("while True:\n    pass\n", "", SandboxLimits(wall_s=60, cpu_s=1))
-    assert not r.passed and not r.timed_out
-    assert r.returncode in (-signal.SIGXCPU, -signal.SIGKILL)
-    assert time.perf_counter() - t0 < 30.0
+    assert not r.ok and r.failure is None
+    assert r.returncode in (-signal.SIGXCPU, -signal.SIGKILL, 128 + signal.SIGXCPU, 128 + signal.SIGKILL)
+    assert r.wall_s < 30.0
 
 
-def test_huge_output_is_capped() -> None:
+def test_huge_output_is_capped(sandbox: None) -> None:
     r = run_python("while True:\n    print('x' * 10000)\n", "", FAST)
-    assert not r.passed and r.output_limited
+    assert not r.ok and r.failure == "output limit"
     assert len(r.stdout.encode()) <= FAST.output_bytes
 
 
-def test_memory_limit() -> None:
+def test_memory_of_one_process_and_of_all_together(sandbox: None) -> None:
     r = run_python("x = bytearray(2 * 1024 ** 3)\nprint('allocated')\n", "", FAST)
-    assert not r.passed and "MemoryError" in r.stderr and "allocated" not in r.stdout
+    assert not r.ok and "MemoryError" in r.stderr and "allocated" not in r.stdout
+    forks = (
+        "import os, time\n"
+        "for _ in range(4):\n"
+        "    if os.fork() == 0:\n"
+        "        b = bytearray(120 << 20)\n"
+        "        time.sleep(30)\n"
+        "time.sleep(30)\n"
+    )
+    r = run_python(forks, "", FAST)
+    assert r.failure == "memory limit"
+
+
+def test_work_folder_is_a_capped_tmpfs(sandbox: None) -> None:
+    src = (
+        "n = 0\n"
+        "try:\n"
+        "    for i in range(1000):\n"
+        "        open(f'f{i}', 'wb').write(b'x' * 60000)\n"
+        "        n += 1\n"
+        "except OSError as exc:\n"
+        "    print(exc.errno, n)\n"
+    )
+    r = run_python(src, "", FAST)
+    errno, written = map(int, r.stdout.split())
+    assert errno == 28 and written * 60000 <= FAST.disk_mb << 20  # ENOSPC at the cap
 
 
 @pytest.mark.parametrize(
-    "src",
+    ("field", "value"),
     [
-        "import os\nwhile True:\n    os.fork()\n",
-        "import subprocess\nsubprocess.run(['sh', '-c', ':(){ :|:& };:'])\n",
-        "import multiprocessing as mp\nps = [mp.Process(target=print) for _ in range(100)]\n[p.start() for p in ps]\n",
-        "import os\nos.system('sleep 100 &')\n",
+        ("wall_s", 0),
+        ("wall_s", math.nan),
+        ("wall_s", math.inf),
+        ("wall_s", True),
+        ("cpu_s", 1.5),
+        ("memory_mb", 512.0),
+        ("output_bytes", 1e6),
+        ("disk_mb", -1),
+        ("max_processes", "8"),
     ],
 )
-def test_process_creation_is_refused(src: str) -> None:
-    before = _sandbox_dirs()
-    r = run_python(src, "", FAST)
-    assert not r.passed and "not allowed" in r.stderr
-    assert _sandbox_dirs() <= before  # its work directory is gone
-
-
-def test_writing_outside_the_work_directory_is_refused(tmp_path: Path) -> None:
-    shared = tmp_path / "world_writable"
-    shared.mkdir()
-    os.chmod(tmp_path, 0o755)
-    os.chmod(shared, 0o777)
-    for src in (
-        f"open({str(shared / 'a.txt')!r}, 'w').write('x')",
-        f"import os\nos.close(os.open({str(shared / 'b.txt')!r}, os.O_CREAT | os.O_WRONLY))",
-        "import os\nos.symlink('/etc/passwd', 'link')\nopen('link', 'a').write('x')",
-        f"import os\nos.mkdir({str(shared / 'd')!r})",
-        f"import shutil\nshutil.rmtree({str(tmp_path)!r})",
-        "open('../escape.txt', 'w').write('x')",
-    ):
-        r = run_python(src, "", FAST)
-        assert not r.passed, src
-    assert sorted(os.listdir(shared)) == []
-    assert shared.is_dir()
-
-
-def test_network_is_unreachable() -> None:
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(1)
-    listener.settimeout(0.2)
-    port = listener.getsockname()[1]
-    try:
-        for src in (
-            f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=1)\n",
-            f"import _socket\ns = _socket.socket()\ns.connect(('127.0.0.1', {port}))\n",
-            "import urllib.request\nurllib.request.urlopen('http://example.com', timeout=1)\n",
-        ):
-            assert not run_python(src, "", FAST).passed, src
-        with pytest.raises(TimeoutError):
-            listener.accept()  # nobody ever connected
-    finally:
-        listener.close()
-
-
-def test_os_layers_when_available() -> None:
-    """With root: a fresh network namespace (only loopback) and uid nobody, seen from inside."""
-    iso = isolation()
-    if not (iso["network_namespace"] and iso["drop_privileges"]):
-        pytest.skip(f"OS isolation not available here: {iso}")
-    src = (
-        "import os\n"
-        "names = sorted(line.split(':')[0].strip() for line in open('/proc/net/dev').readlines()[2:])\n"
-        "print(os.getuid(), os.getgid(), names)\n"
-    )
-    r = run_python(src, "", FAST)
-    assert r.passed, r.stderr
-    assert r.stdout.split() == ["65534", "65534", "['lo']"]
-
-
-def test_bad_limits() -> None:
-    with pytest.raises(ValueError, match="wall_s"):
-        SandboxLimits(wall_s=0)
+def test_bad_limits(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=f"'{field}' must be a"):
+        SandboxLimits(**{field: value})

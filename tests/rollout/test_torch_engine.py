@@ -390,12 +390,12 @@ def test_backend_choice_is_logged_once(caplog: pytest.LogCaptureFixture) -> None
 
 
 def test_bf16_engine_tracks_fp32(hf_dir: Path) -> None:
-    """The dtype path a GPU uses (bf16 weights and cache, fp32 centroids/softmax/logits) on CPU."""
+    """The dtype path a GPU uses (bf16 weights, cache and centroids; fp32 softmax/logits) on CPU."""
     p, params = prompts([40, 11]), greedy(12)
     sched = BudgetSchedule(bin_tokens=48, budgets=(32, 48), name="t")
     fp32 = TorchRolloutEngine.from_hf_dir(hf_dir, dense_layers=1)
     bf16 = TorchRolloutEngine.from_hf_dir(hf_dir, dtype=torch.bfloat16, dense_layers=1)
-    assert bf16._ensure_cache(1).centroids[0].dtype == torch.float32
+    assert bf16._ensure_cache(1).centroids[0].dtype == torch.bfloat16  # centroids follow the K dtype
     dense = bf16.generate(p, params, DENSE)
     scored = fp32.score([torch.cat([s.prompt_ids, s.response_ids]).tolist() for s in dense.samples])
     for s, d in zip(dense.samples, scored):

@@ -24,10 +24,16 @@ def test_config_class_and_registration() -> None:  # pragma: no cover - needs te
     assert config.spec() == spec
     assert config.get_indices_block_size() == 16 and config.supports_backend("pytorch")
     utils = importlib.import_module("tensorrt_llm._torch.attention_backend.sparse.utils")
-    assert utils.get_trtllm_sparse_attn_attention_backend(config) is plugin.SparrowTrtllmAttention
-    plugin.register()  # idempotent
-    assert utils.get_trtllm_sparse_attn_attention_backend(config) is plugin.SparrowTrtllmAttention
+    for _ in range(2):  # register() is idempotent
+        assert utils.get_trtllm_sparse_attn_attention_backend(config) is plugin.SparrowTrtllmAttention
+        assert utils.get_sparse_attn_kv_cache_manager(config) is plugin.SparrowKVCacheManager
+        plugin.register()
+    from tensorrt_llm._torch.pyexecutor.resource_manager import KVCacheManager
     from tensorrt_llm.llmapi.llm_args import TorchLlmArgs
 
+    assert issubclass(plugin.SparrowKVCacheManager, KVCacheManager)
     field = TorchLlmArgs.model_fields["sparse_attention_config"]
     assert "SparrowSparseAttentionConfig" in str(field.annotation)
+    from sparrow_nemo.rollout.trtllm_runtime import check_runtime, probe_runtime
+
+    check_runtime(probe_runtime(importlib.import_module("tensorrt_llm")))

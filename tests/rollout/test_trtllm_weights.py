@@ -1,4 +1,5 @@
-"""Weight mapping for the TensorRT-LLM engine: HF-named export checks, LoRA merge, IPC buckets.
+"""Weight mapping for the TensorRT-LLM engine: HF-named export checks, LoRA merge, IPC buckets, and what
+each GPU's policy rank sends to its engine's workers (keyed by its own device UUID).
 
 The merged-LoRA weights are checked against the torch rollout engine running the same adapter unmerged
 (its logits with the adapter == its logits without an adapter on the merged weights).
@@ -13,7 +14,15 @@ import torch
 
 from sparrow_nemo.rollout.lora import LoraAdapter
 from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder, expected_weight_shapes, linear_in_out
-from sparrow_nemo.rollout.trtllm_weights import buckets, merge_lora, refit_tensors
+from sparrow_nemo.rollout.trtllm_weights import (
+    IpcHandles,
+    buckets,
+    check_handles,
+    merge_handles,
+    merge_lora,
+    refit_messages,
+    refit_tensors,
+)
 
 from ._helpers import SHAPE
 
@@ -95,3 +104,52 @@ def test_buckets_keep_each_layer_whole() -> None:
         holding = [j for j, g in enumerate(groups) if any(n.startswith(f"model.layers.{i}.") for n, _ in g)]
         assert len(holding) == 1, (i, holding)
     assert all(sum(t.numel() * 4 for _, t in g) <= layer_bytes + 1 or len(g) == 1 for g in groups)
+
+
+def _handle(t: torch.Tensor) -> tuple[str, int, tuple[int, ...]]:
+    """Stands in for ``reduce_tensor`` (CUDA IPC cannot run here): which storage, which shape."""
+    return ("ipc", t.data_ptr(), tuple(t.shape))
+
+
+def _worker_loads(handles: IpcHandles | None, my_uuid: str) -> list[str]:
+    """The lookup of ``tensorrt_llm/llmapi/rlhf_utils.py`` ``WorkerExtension.update_weights`` on one worker."""
+    if handles is None:
+        return []  # finalise
+    if my_uuid not in handles:
+        raise ValueError(f"Device UUID {my_uuid} not found in ipc_handles")
+    return [name for name, _ in handles[my_uuid]]
+
+
+def test_each_gpu_refits_its_own_engine_by_its_own_uuid() -> None:
+    """A node of 4 colocated ranks, one engine (one worker) per GPU: each rank's messages are keyed by
+    its GPU only, cover every tensor once, end with the finalise message, and serve exactly its worker."""
+    named = refit_tensors(Qwen3Decoder.random(SHAPE).params, SHAPE, torch.float32)
+    layer_bytes = sum(t.numel() * 4 for n, t in named if n.startswith("model.layers.0."))
+    uuids = [f"GPU-{i}" for i in range(4)]
+    for rank, uuid in enumerate(uuids):
+        messages = list(refit_messages(named, uuid, torch.device("cpu"), layer_bytes, _handle))
+        assert messages[-1] is None and all(m is not None for m in messages[:-1])
+        assert len(messages) - 1 == len(buckets(named, layer_bytes)) > 1
+        assert all(set(m) == {uuid} for m in messages[:-1])
+        loaded = [n for m in messages for n in _worker_loads(check_handles(m, [uuid]) if m else m, uuid)]
+        assert loaded == [n for n, _ in named]
+        other = uuids[(rank + 1) % 4]
+        with pytest.raises(ValueError, match=f"Device UUID {other} not found"):
+            _worker_loads(messages[0], other)  # what TensorRT-LLM would do with a rank-0-only refit
+        with pytest.raises(ValueError, match=rf"workers run on devices \['{other}'\].*not an engine device"):
+            check_handles(messages[0], [other])  # caught before sending, naming both sides
+
+
+def test_an_engine_over_two_gpus_gets_both_ranks_handles() -> None:
+    named = refit_tensors(Qwen3Decoder.random(SHAPE).params, SHAPE, torch.float32)
+    total = sum(t.numel() * 4 for _, t in named)
+    per_rank = [list(refit_messages(named, uuid, torch.device("cpu"), total, _handle)) for uuid in ("A", "B")]
+    merged = merge_handles([per_rank[0][0], per_rank[1][0]])
+    check_handles(merged, ["A", "B"])
+    assert _worker_loads(merged, "A") == _worker_loads(merged, "B") == [n for n, _ in named]
+    with pytest.raises(ValueError, match=r"missing \['B'\]"):
+        check_handles(per_rank[0][0], ["A", "B"])  # the driver's own handles only: worker B would raise
+    with pytest.raises(ValueError, match="two ranks sent weights for device A"):
+        merge_handles([per_rank[0][0], per_rank[0][0]])
+    with pytest.raises(ValueError, match="device_uuid is empty"):
+        next(refit_messages(named, "", torch.device("cpu"), total, _handle))

@@ -3,9 +3,10 @@
 Each ``recipes/qwen3_*.yaml`` model recipe documents its cluster in one line,
 ``# cluster: <N> node(s) x <G> GPUs (80 GB H100) - <how to submit>``. Checked here:
 
-- ``sparrow plan --nodes N --gpus-per-node G`` accepts the recipe on 80 GiB GPUs, with the busiest rank
-  at most 64 GiB (the rest is headroom for the CUDA context, NCCL buffers and the sleeping rollout engine,
-  which the plan does not count);
+- ``sparrow plan --nodes N --gpus-per-node G`` accepts the recipe on 80 GiB GPUs (DistillSparse's
+  adapter phase counted for ``_distill``), with the busiest rank at most 64 GiB (the rest is headroom for
+  the CUDA context and NCCL buffers), and the colocated engine's KV pool holds at least one full-length
+  sequence next to the policy's state;
 - the ``slurm/train_*.sh`` wrapper that runs the recipe (its default RECIPE, or the one the recipe names)
   requests N nodes with G tasks and G GPUs per node.
 """
@@ -55,6 +56,8 @@ def test_recipe_fits_its_documented_cluster(recipe: str, capsys: pytest.CaptureF
     assert status == 0, err
     total = float(re.search(r"total\s+([\d.]+) GiB of 80 GiB", out).group(1))
     assert total <= HEADROOM_GIB, f"{recipe}: {total} GiB per GPU leaves too little headroom\n{out}"
+    assert int(re.search(r"KV cache [\d.]+ GiB = (\d+) sequences", out).group(1)) >= 1
+    assert ("  distill " in out) == recipe.endswith("_distill")
 
 
 @pytest.mark.parametrize("recipe", MODEL_RECIPES)

@@ -1,9 +1,9 @@
 """Measure what a DistillSparse adapter does to the sparse rollout: the same fresh rollouts with and without it.
 
 :func:`distill_rounds` trains the adapter as the trainer's steps would, with the policy held fixed: per
-round, sparse rollouts of the next training prompts (with the adapter), their rewards and group advantages,
-then :meth:`DistillSparse.train_adapter` (sparse PG + k3 KL). It isolates the adapter's effect from the
-policy's own RL updates.
+round, sparse rollouts of the next training prompts (with the adapter), their rewards and group advantages
+(the trainer's own rollout and reward phases), then :meth:`DistillSparse.train_adapter` (sparse PG + k3 KL).
+It isolates the adapter's effect from the policy's own RL updates.
 
 :func:`adapter_effect` generates the same prompts with the same per-sample seeds twice under one schedule,
 once with the adapter in the engine and once without (the base weights), scores both densely (no LoRA)
@@ -24,8 +24,7 @@ from typing import Any
 import torch
 
 from sparrow_nemo.callbacks.calibration import run_calibration
-from sparrow_nemo.callbacks.distill_sparse import DistillData, DistillSparse
-from sparrow_nemo.grpo.advantages import compute_advantages
+from sparrow_nemo.grpo.distill import DistillData, DistillSparse
 from sparrow_nemo.rollout.engine import RolloutEngine, SamplingParams
 from sparrow_nemo.rollout.lora import LoraAdapter
 from sparrow_nemo.rollout.sampling import sample_seed
@@ -36,32 +35,31 @@ from sparrow_nemo.sparse.mismatch import tail_by_bin
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 
-def distill_rounds(
-    trainer: Any, callback: DistillSparse, schedule: BudgetSchedule, rounds: int
-) -> list[float]:
+def distill_rounds(trainer: Any, phase: DistillSparse, schedule: BudgetSchedule, rounds: int) -> list[float]:
     """``rounds`` adapter rounds on fresh training rollouts under ``schedule``; returns each round's last loss.
 
-    ``trainer`` is a :class:`~sparrow_nemo.grpo.trainer.GrpoTrainer` (its prompts, engine, policy and
-    config: ``grpo.prompts_per_step`` x ``grpo.samples_per_prompt`` rollouts per round, seeds from
-    ``rollout.seed`` and the round); ``callback`` must have run ``on_train_start(trainer)``.
+    ``trainer`` is a one-rank :class:`~sparrow_nemo.grpo.trainer.GrpoTrainer`: each round draws the next
+    ``grpo.prompts_per_step`` prompts and generates and scores them as its step does
+    (:func:`~sparrow_nemo.grpo.step_batch.generate`, :func:`~sparrow_nemo.grpo.step_batch.score`), seeds from
+    ``rollout.seed`` and the round; ``phase`` must have been started (``phase.start``).
     """
-    g = trainer.config.grpo
+    from sparrow_nemo.grpo.step_batch import generate
+
     losses = []
     for r in range(rounds):
-        items = trainer.prompts.next_batch(g.prompts_per_step)
+        items = trainer.prompts.next_batch(trainer.config.grpo.prompts_per_step)
         sampling = replace(trainer.sampling, seed=sample_seed(trainer.config.rollout.seed, 1_000_000 + r))
-        batch = trainer.rollout_engine.generate(
-            [i.prompt_ids for i in items for _ in range(g.samples_per_prompt)], sampling, schedule
+        local = generate(
+            trainer.rollout_engine,
+            trainer.plan,
+            [i.prompt_ids for i in items],
+            trainer.config.grpo.samples_per_prompt,
+            sampling,
+            schedule,
         )
-        answers = [i.answer for i in items for _ in range(g.samples_per_prompt)]
-        rewards = torch.tensor(
-            [trainer.prompts.reward(s.response_ids.tolist(), a) for s, a in zip(batch.samples, answers)]
-        )
-        options = {"normalize_std": g.normalize_std} if g.adv_estimator == "grpo" else {}
-        advantages = compute_advantages(g.adv_estimator, rewards, g.samples_per_prompt, **options)
-        losses.append(
-            callback.train_adapter(trainer, DistillData(batch.samples, advantages.float()))[-1].loss
-        )
+        trainer.score_rollout(local, items)
+        data = DistillData.from_samples(local.samples, local.advantages)
+        losses.append(phase.train_adapter(trainer.policy, trainer.rollout_engine, data)[-1].loss)
     return losses
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from sparrow_nemo.callbacks.distill_report import adapter_effect, calibrated_speedups
+from sparrow_nemo.grpo.distill_report import adapter_effect, calibrated_speedups
 from sparrow_nemo.model_shapes import PRESETS
 from sparrow_nemo.policy.lora import LoraConfig, init_adapter
 from sparrow_nemo.rollout.engine import SamplingParams

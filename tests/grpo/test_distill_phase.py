@@ -1,10 +1,11 @@
-"""DistillSparse on a tiny random Qwen3 (fp32, CPU, one process; two ranks: ``tests/test_distill_e2e.py``).
+"""The DistillSparse phase on a tiny random Qwen3 (fp32, CPU, one process; two ranks: ``tests/test_distill_e2e.py``).
 
-A stand-in trainer holds what the callback uses (policy, torch rollout engine, probe prompts, schedule,
-the ``tiny_cpu_distill`` recipe's config). Checked: the adapter steps fit their batch (k3 falls) and
-the engine rolls out with the updated adapter, per-bin p5 and KL before/after are logged, the
-policy's own weights never move, the loss gradient is k3 + sparse PG with the advantages, and the
-adapter and its optimizer state survive a checkpoint (a different number of ranks is refused).
+The phase gets a megatron policy, a torch rollout engine, the ``tiny_cpu_distill`` recipe's ``distill`` section, a
+probe (random prompts) and rollouts of those prompts as its data (KL only). Checked: the adapter steps fit their
+batch (k3 falls) and the engine rolls out with the updated adapter, per-bin p5 and KL before/after are
+returned, the policy's own weights never move, the loss gradient is k3 + sparse PG with the advantages, bad
+settings are refused, and the adapter and its optimizer state survive a checkpoint (a different number of
+ranks is refused).
 
 Not checked here: that the probe p5 rises. On this random model it does not (the adapter fits its
 batch but the held-out KL grows: the sparse/dense mismatch of random weights is not systematic);
@@ -19,9 +20,9 @@ import pytest
 import torch
 from policy._helpers import make_hf_checkpoint, single_rank_env
 
-from sparrow_nemo.callbacks.distill_sparse import DistillSparse, distill_loss_fn, k3
-from sparrow_nemo.config import load_config
+from sparrow_nemo.config import ConfigError, load_config
 from sparrow_nemo.grpo.checkpointing import read_run_state, write_run_state
+from sparrow_nemo.grpo.distill import DistillData, DistillSparse, Probe, distill_loss_fn, k3
 from sparrow_nemo.model_shapes import PRESETS
 from sparrow_nemo.policy.batch import PolicyBatch
 from sparrow_nemo.policy.checkpoint import finalize, partial_dir
@@ -29,7 +30,9 @@ from sparrow_nemo.policy.logprobs import LogprobOutput
 from sparrow_nemo.policy.optim import OptimizerSettings
 from sparrow_nemo.policy.parallel import ParallelLayout
 from sparrow_nemo.policy.policy import MegatronPolicy
+from sparrow_nemo.policy.sparse_forward import SparsePattern
 from sparrow_nemo.rollout.engine import SamplingParams
+from sparrow_nemo.rollout.sampling import sample_seed
 from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
@@ -39,29 +42,37 @@ PAGE = 4
 AGGRESSIVE = BudgetSchedule(bin_tokens=16, budgets=(12,), page_size=PAGE, name="aggressive")
 
 
-class _Trainer:
-    """The part of GrpoTrainer that DistillSparse reads."""
+class _Run:
+    """A policy, an engine and a probe from one checkpoint, with the ``tiny_cpu_distill`` recipe's settings."""
 
-    def __init__(self, ckpt: Path, run_dir: Path, overrides: list[str], num_prompts: int = 8) -> None:
+    def __init__(self, ckpt: Path, overrides: list[str], num_prompts: int = 8) -> None:
         self.config = load_config("tiny_cpu_distill", overrides)
         self.policy = MegatronPolicy(
             SHAPE, ParallelLayout(), OptimizerSettings(lr=1e-3), "float32", hf_dir=ckpt
         )
-        self.rollout_engine = TorchRolloutEngine.from_hf_dir(
+        self.engine = TorchRolloutEngine.from_hf_dir(
             ckpt, dense_layers=1, page_size=PAGE, attention_backend="torch"
         )
-        self.sampling = SamplingParams(max_new_tokens=28, temperature=1.0, stop_token_ids=())
         g = torch.Generator().manual_seed(4)
-        self.calibration_prompts = [
+        prompts = [
             torch.randint(0, SHAPE.vocab_size, (n,), generator=g).tolist()
             for n in (6, 9) * (num_prompts // 2)
         ]
-        self.schedule = AGGRESSIVE
-        self.run_dir = run_dir
-        self.logged: list[dict[str, float]] = []
+        sampling = SamplingParams(max_new_tokens=28, temperature=1.0, stop_token_ids=())
+        self.probe = Probe(prompts, sampling, seed=0, quantile=0.05)
 
-    def log(self, metrics):
-        self.logged.append(dict(metrics))
+    def phase(self, **changes) -> DistillSparse:
+        from dataclasses import replace
+
+        c = self.config
+        pattern = SparsePattern(PAGE, c.sparsity.sink_pages, c.sparsity.local_pages, dense_layers=1)
+        return DistillSparse(replace(c.distill, **changes), 2e-3, pattern, c.policy.micro_batch_size)
+
+    def data(self) -> DistillData:
+        """The probe's own rollouts (its seeds, the current adapter), KL only."""
+        seeds = [sample_seed(self.probe.seed, i) for i in range(len(self.probe.prompts))]
+        batch = self.engine.generate(self.probe.prompts, self.probe.sampling, AGGRESSIVE, sample_seeds=seeds)
+        return DistillData.from_samples(batch.samples, None)
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +80,7 @@ def checkpoint(tmp_path_factory):
     return make_hf_checkpoint(SHAPE, tmp_path_factory.mktemp("distill") / "hf")
 
 
-def test_distill_steps_train_the_adapter_the_engine_uses(checkpoint, tmp_path):
+def test_distill_steps_train_the_adapter_the_engine_uses(checkpoint):
     overrides = [
         "policy.optimizer.lr=2e-3",
         "distill.steps=4",
@@ -77,21 +88,19 @@ def test_distill_steps_train_the_adapter_the_engine_uses(checkpoint, tmp_path):
         "policy.micro_batch_size=4",
     ]
     with single_rank_env():
-        trainer = _Trainer(checkpoint, tmp_path, overrides)
+        run = _Run(checkpoint, overrides)
         try:
-            weights = trainer.policy.export_hf()
-            callback = DistillSparse()
-            callback.on_train_start(trainer)
-            assert (
-                max(b.abs().max().item() for _, b in trainer.rollout_engine.model.lora.weights.values()) == 0
-            )
-            for _ in range(2):
-                callback.on_train_batch_end(trainer, None, {})
-            after = trainer.policy.export_hf()
-            adapter = trainer.policy.lora.export_adapter()
-            engine_adapter = trainer.rollout_engine.model.lora
+            weights = run.policy.export_hf()
+            phase = run.phase()
+            phase.start(run.policy, run.engine)
+            assert max(b.abs().max().item() for _, b in run.engine.model.lora.weights.values()) == 0
+            logged = [phase.run(run.policy, run.engine, run.data(), AGGRESSIVE, run.probe) for _ in range(2)]
+            after = run.policy.export_hf()
+            adapter = run.policy.lora.export_adapter()
+            engine_adapter = run.engine.model.lora
         finally:
-            trainer.policy.close()
+            run.policy.close()
+    callback = phase
     for entry in callback.history:  # the adapter fits its batch: k3 falls over the adapter steps
         assert entry["loss"] < 0.7 * entry["loss_first"], entry
         assert entry["p5_before"] and entry["p5_after"] and entry["kl_before"] > 0
@@ -101,7 +110,7 @@ def test_distill_steps_train_the_adapter_the_engine_uses(checkpoint, tmp_path):
             engine_adapter.weights[name][1], b
         )
     assert all(torch.equal(weights[n], w) for n, w in after.items()), "the policy must stay frozen"
-    logged = trainer.logged[-1]
+    logged = logged[-1]
     assert {
         "distill/kl_before",
         "distill/kl_after",
@@ -137,43 +146,46 @@ def test_loss_gradients_are_k3_and_sparse_pg():
 
 
 def test_settings_refuse_bad_values():
+    with pytest.raises(ConfigError, match=r"distill\.kl_coef"):
+        load_config("tiny_cpu_distill", ["distill.kl_coef=0", "distill.pg_coef=0"])
+    with pytest.raises(ConfigError, match=r"distill\.steps"):
+        load_config("tiny_cpu_distill", ["distill.steps=0"])
+    config = load_config("tiny_cpu_distill")
     with pytest.raises(ValueError, match="both 0"):
-        DistillSparse(kl_coef=0.0, pg_coef=0.0)
-    with pytest.raises(ValueError, match="steps"):
-        DistillSparse(steps=0)
+        from dataclasses import replace
+
+        DistillSparse(replace(config.distill, kl_coef=0.0, pg_coef=0.0), 1e-3, SparsePattern(), 4)
 
 
 def test_adapter_and_optimizer_survive_a_checkpoint(checkpoint, tmp_path):
     overrides = ["distill.steps=1", "distill.pg_coef=0", "policy.micro_batch_size=4"]
     with single_rank_env():
-        trainer = _Trainer(checkpoint, tmp_path, overrides, num_prompts=4)
+        run = _Run(checkpoint, overrides, num_prompts=4)
         try:
-            callback = DistillSparse(lora_rank=4)
-            callback.on_train_start(trainer)
-            callback.on_train_batch_end(trainer, None, {})
+            callback = run.phase(lora_rank=4)
+            callback.start(run.policy, run.engine)
+            callback.run(run.policy, run.engine, run.data(), AGGRESSIVE, run.probe)
             staging = partial_dir(tmp_path / "ckpt", "step_1")  # through the trainer's checkpoint files
-            write_run_state(staging, {}, {"DistillSparse": callback.on_save_checkpoint(trainer)})
+            write_run_state(staging, {}, {"DistillSparse": callback.state_dict(run.policy)})
             _, states = read_run_state(finalize(tmp_path / "ckpt", "step_1", {"step": 1}))
             state = states["DistillSparse"]
-            saved = trainer.policy.lora.export_adapter()
+            saved = run.policy.lora.export_adapter()
             saved_opt = callback.optimizer.state_dict()
         finally:
-            trainer.policy.close()
+            run.policy.close()
     with single_rank_env():
-        trainer = _Trainer(checkpoint, tmp_path, overrides, num_prompts=4)
+        run = _Run(checkpoint, overrides, num_prompts=4)
         try:
             with pytest.raises(ValueError, match="optimizer states of 2 ranks, this run has 1"):
-                DistillSparse(lora_rank=4).on_load_checkpoint(
-                    trainer, {**state, "optimizer": state["optimizer"] * 2}
-                )
-            resumed = DistillSparse(lora_rank=4)
-            resumed.on_load_checkpoint(trainer, state)
-            resumed.on_train_start(trainer)
-            loaded = trainer.policy.lora.export_adapter()
-            engine_adapter = trainer.rollout_engine.model.lora
+                run.phase(lora_rank=4).load_state_dict({**state, "optimizer": state["optimizer"] * 2})
+            resumed = run.phase(lora_rank=4)
+            resumed.load_state_dict(state)
+            resumed.start(run.policy, run.engine)
+            loaded = run.policy.lora.export_adapter()
+            engine_adapter = run.engine.model.lora
             loaded_opt = resumed.optimizer.state_dict()
         finally:
-            trainer.policy.close()
+            run.policy.close()
     assert resumed.step == 1 and resumed.history == callback.history
     assert set(loaded.weights) == set(saved.weights)
     for name, (a, b) in saved.weights.items():

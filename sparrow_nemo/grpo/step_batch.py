@@ -1,0 +1,347 @@
+"""The step as data: what this rank generated (:class:`LocalRollout`), its replica's share (:class:`StepBatch`),
+built once per step and read by every later phase, and the step's statistics over all ranks (:class:`StepStats`).
+
+Order within a step (see :mod:`sparrow_nemo.grpo.process_model` for what runs where):
+
+1. :func:`generate` - this rank's engine samples its prompts (whole groups, per-sample seeds by global index);
+2. :func:`score` - rewards and group advantages where the samples were generated;
+3. :meth:`StepBatch.assemble` - the replica's samples on every rank of its model-parallel group (tensors),
+   padded into :class:`~sparrow_nemo.grpo.rollout_step.RolloutTensors`;
+4. the logprobs / reference phases fill ``dense`` / ``ref_logprobs`` (this replica's rows only);
+5. :func:`measure` - acceptance rate of this rank's own tokens, then every step statistic merged over the
+   world: sums / maxima by all-reduce, the per-bin tail exactly (:func:`merged_bin_tails`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from sparrow_nemo.callbacks.tail_stats import BinTail, bin_counts, merged_bin_tails, merged_quantiles
+from sparrow_nemo.grpo.process_model import (
+    RankPlan,
+    SampleShare,
+    distributed,
+    gather_samples,
+    gather_scalars,
+    reduce_max,
+    reduce_sums,
+)
+from sparrow_nemo.grpo.rollout_step import RolloutTensors, collate_share, token_mismatch
+from sparrow_nemo.policy.logprobs import LogprobOutput
+from sparrow_nemo.rollout.engine import RolloutSample, SamplingParams, TokenProgress
+from sparrow_nemo.rollout.sampling import sample_seed
+from sparrow_nemo.rollout.scoring import TokenMismatch
+from sparrow_nemo.sparse.schedule import DENSE_BUDGET, BudgetSchedule
+
+
+@dataclass
+class LocalRollout:
+    """This rank's own samples of the step (empty on a rank that generates none).
+
+    Attributes:
+        samples: the engine's samples, in step order.
+        rows: their rows in the replica's :class:`StepBatch` (contiguous).
+        seconds: wall time of the generation.
+        rewards, advantages: [n] float32, filled by :func:`score`.
+    """
+
+    samples: list[RolloutSample]
+    rows: range
+    seconds: float
+    rewards: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    advantages: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+
+    @property
+    def tokens(self) -> int:
+        """Generated response tokens."""
+        return sum(int(s.response_ids.numel()) for s in self.samples)
+
+
+def generate(
+    engine: Any,
+    plan: RankPlan,
+    prompts: Sequence[Sequence[int]],
+    group_size: int,
+    sampling: SamplingParams,
+    schedule: BudgetSchedule,
+    on_tokens: TokenProgress | None = None,
+) -> LocalRollout:
+    """``group_size`` samples of each of this rank's prompts (``plan.engine_prompts``) with ``engine``.
+
+    Sample ``g`` of step prompt ``j`` is drawn with seed ``sample_seed(sampling.seed, j * group_size + g)``,
+    as a one-rank run draws it. ``prompts`` are all the step's prompts (every rank reads the same stream).
+    """
+    mine = plan.engine_prompts(len(prompts))
+    replica = plan.replica_prompts(len(prompts))
+    rows = range((mine.start - replica.start) * group_size, (mine.stop - replica.start) * group_size)
+    if not mine:
+        return LocalRollout([], rows, 0.0)
+    requests = [list(prompts[j]) for j in mine for _ in range(group_size)]
+    seeds = [sample_seed(sampling.seed, j * group_size + g) for j in mine for g in range(group_size)]
+    start = time.perf_counter()
+    batch = engine.generate(requests, sampling, schedule, sample_seeds=seeds, on_tokens=on_tokens)
+    return LocalRollout(batch.samples, rows, time.perf_counter() - start)
+
+
+def score(
+    local: LocalRollout,
+    answers: Sequence[Any],
+    reward: Callable[[list[int], Any], float],
+    advantages: Callable[[torch.Tensor], torch.Tensor],
+    group_size: int,
+) -> None:
+    """Rewards (``reward(response ids, answer)``) and group advantages of ``local``'s samples, in place.
+
+    ``answers`` are this rank's prompts' answers (one per prompt); ``advantages`` maps [n] rewards grouped by
+    prompt to [n] advantages (whole groups: a rank always holds all samples of its prompts).
+    """
+    expanded = [a for a in answers for _ in range(group_size)]
+    if len(expanded) != len(local.samples):
+        raise ValueError(f"score: {len(answers)} answers for {len(local.samples)} samples of {group_size}")
+    local.rewards = torch.tensor(
+        [reward(s.response_ids.tolist(), a) for s, a in zip(local.samples, expanded)], dtype=torch.float32
+    )
+    local.advantages = (
+        advantages(local.rewards).float() if local.samples else torch.zeros(0, dtype=torch.float32)
+    )
+
+
+@dataclass
+class StepBatch:
+    """One RL step's data on this rank: its data-parallel replica's share (n rows, width S), built once.
+
+    Attributes:
+        step: the RL step. schedule: the schedule the rollouts were generated with.
+        data: tokens [n, S], lengths, response_mask [n, S-1], rollout_logprobs [n, S-1], advantages [n].
+        rewards: [n] float32. prompt_lens: [n] int64. finish: [n] int64 (``process_model.FINISH_CODES``).
+        kv_budgets: per row [Lr] int64 KV budget of each response token (sparse teacher-forcing plans).
+        local: what this rank generated (its rows and samples, with their top-K).
+        dense: the policy's dense outputs for ``data`` (the logprobs phase), [n, S-1, ...].
+        ref_logprobs: [n, S-1] float32 reference-policy log-probs (when the KL penalty is on).
+        stats: the step's statistics over every rank (:func:`measure`).
+    """
+
+    step: int
+    schedule: BudgetSchedule
+    data: RolloutTensors
+    rewards: torch.Tensor
+    prompt_lens: torch.Tensor
+    finish: torch.Tensor
+    kv_budgets: list[torch.Tensor]
+    local: LocalRollout
+    dense: LogprobOutput | None = None
+    ref_logprobs: torch.Tensor | None = None
+    stats: StepStats | None = None
+
+    @classmethod
+    def assemble(cls, step: int, schedule: BudgetSchedule, local: LocalRollout, plan: RankPlan) -> StepBatch:
+        """The replica's share from every model-parallel rank's :class:`LocalRollout`. Collective over the
+        model-parallel group (:func:`~sparrow_nemo.grpo.process_model.gather_samples`)."""
+        from megatron.core import parallel_state as ps
+
+        mine = SampleShare.from_samples(local.samples, local.rewards, local.advantages)
+        group = ps.get_model_parallel_group() if plan.tp * plan.pp > 1 else None
+        share = gather_samples(mine, plan.slot, group)
+        if len(share) == 0:
+            raise ValueError(f"step {step}: no samples for data-parallel rank {plan.dp_rank}")
+        return cls(
+            step=step,
+            schedule=schedule,
+            data=collate_share(share),
+            rewards=share.rewards,
+            prompt_lens=share.prompt_lens,
+            finish=share.finish,
+            kv_budgets=share.split_kv_budget(),
+            local=local,
+        )
+
+    def __len__(self) -> int:
+        return int(self.data.tokens.shape[0])
+
+    def local_mismatch(self) -> TokenMismatch:
+        """Acceptance rate etc. of this rank's own tokens (policy dense top-K vs the engine's top-K)."""
+        if self.dense is None:
+            raise RuntimeError("StepBatch.local_mismatch: the logprobs phase has not run")
+        rows = slice(self.local.rows.start, self.local.rows.stop)
+        if not self.local.samples:
+            empty = torch.zeros(0)
+            return TokenMismatch(empty, torch.zeros(0, dtype=torch.int64), empty, empty)
+        dense = LogprobOutput(
+            *(getattr(self.dense, f)[rows] for f in ("logprobs", "entropy", "topk_ids", "topk_logprobs"))
+        )
+        return token_mismatch(self.local.samples, dense, self.data.rows(rows))
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """The step's statistics over all ranks (identical on every rank).
+
+    Attributes:
+        samples, tokens: samples and generated response tokens of the step.
+        reward_mean, reward_std, accuracy: over samples (accuracy = reward >= 1).
+        length_mean, length_max, length_min, truncation_rate: response lengths (tokens).
+        tokens_per_rank: generated tokens of each global rank.
+        rollout_s: generation wall time of rank 0; rollout_s_max: of the slowest rank.
+        tails: the acceptance-rate tail per bin of cached length (sparsity quantile, noise_z bounds).
+        alpha_mean, alpha_tail: mean and ``quantile`` of the acceptance rate over all tokens.
+        alpha_mean_per_bin: {bin: mean acceptance rate}.
+        token_mult_prob_error, log_ppl_diff: mean exp|train - gen| and mean (train - gen) logprob.
+        predicted_speedup: cost model, dense / schedule time of the slowest engine's batch.
+    """
+
+    samples: int
+    tokens: int
+    reward_mean: float
+    reward_std: float
+    accuracy: float
+    length_mean: float
+    length_max: float
+    length_min: float
+    truncation_rate: float
+    tokens_per_rank: list[float]
+    rollout_s: float
+    rollout_s_max: float
+    tails: list[BinTail]
+    alpha_mean: float
+    alpha_tail: float
+    alpha_mean_per_bin: dict[int, float]
+    token_mult_prob_error: float
+    log_ppl_diff: float
+    predicted_speedup: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens per second of the step's rollout (the slowest engine's wall time)."""
+        return self.tokens / self.rollout_s_max if self.rollout_s_max > 0 else math.nan
+
+    def metrics(self, schedule: BudgetSchedule, quantile: float) -> dict[str, float]:
+        """Flat ``group/name`` metrics (NeMo-RL / verl names); ``schedule``: the one the rollouts used."""
+        stat = f"p{100 * quantile:g}"
+        m: dict[str, float] = {
+            "reward/mean": self.reward_mean,
+            "reward/std": self.reward_std,
+            "reward/accuracy": self.accuracy,
+            "response_length/mean": self.length_mean,
+            "response_length/max": self.length_max,
+            "response_length/min": self.length_min,
+            "response_length/truncation_rate": self.truncation_rate,
+            "rollout/tokens": float(self.tokens),
+            "rollout/tokens_per_s": self.tokens_per_s,
+            "sparsity/predicted_speedup": self.predicted_speedup,
+            "sparsity/dense": float(schedule.is_dense),
+        }
+        m.update({f"rollout/tokens_rank_{r}": t for r, t in enumerate(self.tokens_per_rank)})
+        if self.tails:
+            m["acceptance/mean"] = self.alpha_mean
+            m[f"acceptance/{stat}"] = self.alpha_tail
+            m["token_mult_prob_error"] = self.token_mult_prob_error
+            m["rollout_is/log_ppl_diff"] = self.log_ppl_diff
+            for t in self.tails:
+                m[f"acceptance/{stat}/bin_{t.bin}"] = t.value
+                m[f"acceptance/mean/bin_{t.bin}"] = self.alpha_mean_per_bin[t.bin]
+                m[f"acceptance/tokens/bin_{t.bin}"] = float(t.tokens)
+            for b in range(max([len(schedule.budgets), *(t.bin + 1 for t in self.tails)])):
+                budget = schedule.budget(b * schedule.bin_tokens)
+                m[f"sparsity/budget/bin_{b}"] = float("inf") if budget == DENSE_BUDGET else float(budget)
+        return m
+
+
+def measure(batch: StepBatch, quantile: float, noise_z: float, cost_model: Any | None = None) -> StepStats:
+    """:func:`measure_tokens` of this rank's samples and the acceptance rate of their tokens. Collective."""
+    return measure_tokens(batch.local, batch.local_mismatch(), batch.schedule, quantile, noise_z, cost_model)
+
+
+def measure_tokens(
+    local: LocalRollout,
+    mm: TokenMismatch,
+    schedule: BudgetSchedule,
+    quantile: float,
+    noise_z: float,
+    cost_model: Any | None = None,
+) -> StepStats:
+    """The step's :class:`StepStats` from every rank's own samples (``local``, rewards scored) and the
+    mismatch of their response tokens (``mm``, sample-major). Collective over the world.
+
+    Each sample and token is counted on the rank that generated it (so nothing is counted twice however
+    many model-parallel ranks hold a copy): one all-reduce each of sums, maxima and minima, one all-gather
+    of per-rank token counts, the exact per-bin tail (:func:`merged_bin_tails`) and the overall quantile.
+    ``cost_model`` prices this engine's batch dense and under the step's schedule (the step's prediction is
+    the slowest engine's dense time over its slowest sparse time).
+    """
+    world = torch.distributed.group.WORLD if distributed() else None
+    rank0 = not distributed() or torch.distributed.get_rank() == 0
+    lengths = torch.tensor([s.response_ids.numel() for s in local.samples], dtype=torch.int64)
+    truncated = sum(s.finish_reason == "length" for s in local.samples)
+    rewards = local.rewards.double()
+    diff = (mm.train_logprobs - mm.gen_logprobs).double()
+    dense_s = sparse_s = 0.0
+    if cost_model is not None and local.samples:
+        prompt_lens = [s.prompt_ids.numel() for s in local.samples]
+        dense = BudgetSchedule.dense(schedule.bin_tokens, schedule.page_size)
+        dense_s = cost_model.rollout_cost(dense, lengths, prompt_lens).total_s
+        sparse_s = cost_model.rollout_cost(schedule, lengths, prompt_lens).total_s
+    n, r_sum, r_sq, correct, tokens, n_trunc, a_sum, a_count, tmpe, d_sum, rollout_s = reduce_sums(
+        [
+            len(local.samples),
+            float(rewards.sum()),
+            float((rewards**2).sum()),
+            float((rewards >= 1.0).sum()),
+            float(lengths.sum()),
+            truncated,
+            float(mm.alpha.double().sum()),
+            mm.alpha.numel(),
+            float(torch.exp(diff.abs()).sum()),
+            float(diff.sum()),
+            local.seconds if rank0 else 0.0,
+        ]
+    )
+    length_max, neg_length_min, rollout_max, dense_max, sparse_max = reduce_max(
+        [
+            float(lengths.max()) if lengths.numel() else -math.inf,
+            -float(lengths.min()) if lengths.numel() else -math.inf,
+            local.seconds,
+            dense_s,
+            sparse_s,
+        ]
+    )
+    tails = merged_bin_tails(mm.alpha, mm.cached_len, schedule.bin_tokens, quantile, noise_z, world)
+    bins = torch.div(mm.cached_len, schedule.bin_tokens, rounding_mode="floor")
+    num_bins = max([t.bin + 1 for t in tails], default=0)
+    local_bin_sums = torch.zeros(num_bins, dtype=torch.float64).index_add_(0, bins, mm.alpha.double())
+    bin_sums = reduce_sums(local_bin_sums.tolist())
+    one_bin = torch.zeros_like(mm.cached_len)
+    overall = merged_quantiles(
+        mm.alpha,
+        one_bin,
+        torch.tensor([[quantile]], dtype=torch.float64),
+        bin_counts(one_bin, 1, world),
+        world,
+    )
+    mean = r_sum / n
+    return StepStats(
+        samples=int(n),
+        tokens=int(tokens),
+        reward_mean=mean,
+        reward_std=math.sqrt(max(r_sq - n * mean * mean, 0.0) / (n - 1)) if n > 1 else 0.0,
+        accuracy=correct / n,
+        length_mean=tokens / n,
+        length_max=length_max,
+        length_min=-neg_length_min,
+        truncation_rate=n_trunc / n,
+        tokens_per_rank=gather_scalars(float(lengths.sum())),
+        rollout_s=rollout_s,
+        rollout_s_max=rollout_max,
+        tails=tails,
+        alpha_mean=a_sum / a_count if a_count else math.nan,
+        alpha_tail=float(overall[0, 0]) if a_count else math.nan,
+        alpha_mean_per_bin={t.bin: bin_sums[t.bin] / t.tokens for t in tails},
+        token_mult_prob_error=tmpe / a_count if a_count else math.nan,
+        log_ppl_diff=d_sum / a_count if a_count else math.nan,
+        predicted_speedup=dense_max / sparse_max if sparse_max > 0 else math.nan,
+    )

@@ -1,0 +1,61 @@
+"""``sparrow train`` of a recipe that also saves the final policy weights (HF names) for comparison.
+
+Run under torchrun (``torchrun --nproc_per_node=4 tests/distributed/_train_run.py RUN_DIR RECIPE [k=v ...]``)
+or called in-process on one rank (:func:`train_and_export`). Rank 0 writes ``RUN_DIR/final_weights.pt``; every
+rank writes ``RUN_DIR/refit_rank<r>.json``: the largest difference between its engine's weights and the
+policy's after the run (the last refit), over every HF tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from sparrow_nemo.callbacks import Callback
+from sparrow_nemo.config import load_config
+from sparrow_nemo.grpo import setup
+from sparrow_nemo.grpo.trainer import GrpoTrainer
+from sparrow_nemo.sparse.schedule import BudgetSchedule
+
+WEIGHTS = "final_weights.pt"
+
+
+class ScheduleBump(Callback):
+    """A user callback (rank 0 only) that raises every budget by one page after step 0: the next rollouts,
+    on every rank, must use the new schedule (the trainer hands rank 0's schedule to all ranks)."""
+
+    def on_train_batch_end(self, trainer, report, metrics) -> None:
+        if report.step == 0:
+            s = trainer.schedule
+            budgets = tuple(b + s.page_size for b in s.budgets)
+            trainer.schedule = BudgetSchedule(s.bin_tokens, budgets, s.page_size, name="bumped")
+            trainer.log({"bumped": 1.0})
+
+
+def train_and_export(run_dir: Path, recipe: str, overrides: list[str]) -> None:
+    """Train ``recipe`` with ``overrides`` into ``run_dir`` and save the final weights there (rank 0)."""
+    config = load_config(recipe, overrides)
+    setup.start_processes(config.trainer.dist_timeout_minutes)
+    setup.apply_cpu_threads(config)
+    trainer = GrpoTrainer(config, run_dir)
+    try:
+        trainer.fit()
+        weights = trainer.policy.export_hf()
+        engine = trainer.rollout_engine.model.params
+        gap = max(
+            float((engine[n].float() - w.float()).abs().max()) for n, w in weights.items() if n in engine
+        )
+        names = sorted(set(weights) & set(engine))
+        refit = {"max_abs_diff": gap, "tensors": len(names)}
+        (Path(run_dir) / f"refit_rank{setup.rank()}.json").write_text(json.dumps(refit))
+        if setup.rank() == 0:
+            torch.save(weights, Path(run_dir) / WEIGHTS)
+    finally:
+        trainer.policy.close()
+
+
+if __name__ == "__main__":
+    train_and_export(Path(sys.argv[1]), sys.argv[2], sys.argv[3:])

@@ -1,0 +1,161 @@
+"""The trainer's step as phases, in one process on the smoke recipe (random init, tiny batches).
+
+- every phase is timed into the step's row (``timing/*``), the tail scheduler's next budgets reach the row,
+  a user callback's metrics carry its own prefix and it sees each evaluation (``on_validation_end``);
+- a stop signal during a step's rollout abandons that step before the update: the run checkpoints the last
+  completed step (prompt cursor at that step's end), and the resumed run redoes the step and ends as an
+  uninterrupted run does;
+- ``checkpoint.every_n_minutes`` saves by the clock between the step-count saves;
+- ``trainer.dist_timeout_minutes`` is the process group's timeout.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from policy._helpers import single_rank_env
+
+from sparrow_nemo.callbacks import Callback
+from sparrow_nemo.config import load_config
+from sparrow_nemo.grpo import setup
+from sparrow_nemo.grpo.metrics import read_metrics
+from sparrow_nemo.grpo.preemption import Preempted
+from sparrow_nemo.grpo.trainer import GrpoTrainer, train
+from sparrow_nemo.policy.checkpoint import complete_checkpoints
+
+pytestmark = pytest.mark.slow
+
+FAST = [
+    "warmstart.enabled=false",
+    "grpo.prompts_per_step=2",
+    "grpo.samples_per_prompt=4",
+    "rollout.max_new_tokens=12",
+    "evaluation.num_prompts=2",
+    "logging.plots=false",
+    "trainer.max_steps=3",
+    "checkpoint.every_n_steps=100",
+]
+PHASES = ("rollout", "reward", "exchange", "logprobs", "stats", "update", "refit", "checkpoint", "step")
+
+
+class LoggingCallback(Callback):
+    """Logs ``{"seen": step}`` each step (the trainer writes it under the callback's prefix)."""
+
+    def on_train_batch_end(self, trainer, report, metrics):
+        trainer.log({"seen": float(report.step)})
+
+
+class Recorder(Callback):
+    """Keeps the metrics of every ``on_validation_end``."""
+
+    def __init__(self) -> None:
+        self.validations: list[dict[str, float]] = []
+
+    def on_validation_end(self, trainer, metrics):
+        self.validations.append(dict(metrics))
+
+
+@pytest.fixture
+def restore_stop_handlers():
+    """TERM / USR1 handlers as before the test (a stopped run leaves them ignored for the process)."""
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    yield
+    for sig, handler in before.items():
+        signal.signal(sig, handler)
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    return [r for r in read_metrics(run_dir / "metrics.jsonl") if r["step"] >= 0]
+
+
+def test_rows_carry_timings_next_budgets_and_prefixed_callback_metrics(tmp_path) -> None:
+    config = load_config(
+        "tiny_cpu_smoke",
+        [
+            *FAST,
+            "checkpoint.enabled=false",
+            "callbacks=[{_target_: test_trainer_phases.LoggingCallback}, {_target_: test_trainer_phases.Recorder}]",
+        ],
+    )
+    with single_rank_env():
+        trainer = GrpoTrainer(config, tmp_path)
+        try:
+            trainer.fit()
+        finally:
+            trainer.policy.close()
+    rows = _rows(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for row in rows:
+        for phase in PHASES:
+            assert row[f"timing/{phase}"] >= 0.0, phase
+        assert row["timing/step"] >= row["timing/rollout"] + row["timing/update"]
+        assert row["timing/rollout_max"] == pytest.approx(row["timing/rollout"], rel=0.5)
+        assert row["rollout/tokens_rank_0"] == row["rollout/tokens"]
+        assert row["callbacks/LoggingCallback/seen"] == row["step"]
+        assert "sparsity/next_budget/bin_0" in row and "sparsity/budget/bin_0" in row
+    validations = trainer.callbacks.callbacks[1].validations
+    assert [sorted(v)[0].split("/")[1] for v in validations] == ["start", "start_dense", "end", "end_dense"]
+    assert validations[0]["eval/start/prompts"] == 2.0
+
+
+def test_a_stop_during_the_rollout_abandons_the_step_and_the_resume_redoes_it(
+    tmp_path, restore_stop_handlers
+) -> None:
+    config = load_config("tiny_cpu_smoke", FAST)
+    with single_rank_env():
+        train(config, tmp_path / "straight")
+    with single_rank_env():
+        trainer = GrpoTrainer(config, tmp_path / "stopped")
+        generate = trainer.rollout_engine.generate
+
+        def signalled(*args, **kwargs):
+            if trainer.state.step == 1:  # step 1's rollout: the signal arrives mid-phase
+                os.kill(os.getpid(), signal.SIGUSR1)
+            return generate(*args, **kwargs)
+
+        trainer.rollout_engine.generate = signalled
+        try:
+            with pytest.raises(Preempted) as info:
+                trainer.fit()
+        finally:
+            trainer.policy.close()
+    assert info.value.step == 1 and info.value.signal_name == "SIGUSR1"
+    assert [s for s, _ in complete_checkpoints(tmp_path / "stopped" / "checkpoints")] == [1]
+    assert [r["step"] for r in _rows(tmp_path / "stopped")] == [0]  # step 1 was abandoned before its update
+    with single_rank_env():
+        train(config, tmp_path / "stopped")  # resumes at step 1
+    straight, resumed = _rows(tmp_path / "straight"), _rows(tmp_path / "stopped")
+    assert [r["step"] for r in resumed] == [0, 1, 2]
+    for a, b in zip(straight, resumed):
+        for key in ("reward/mean", "response_length/mean", "train/grad_norm", "acceptance/mean"):
+            assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-9), (a["step"], key)
+
+
+def test_time_based_checkpoints(tmp_path) -> None:
+    # 0.0001 minutes = 6 ms: every step takes longer, so every step saves; every_n_steps alone saves at the end
+    config = load_config(
+        "tiny_cpu_smoke", [*FAST, "checkpoint.every_n_minutes=0.0001", "checkpoint.keep_last=5"]
+    )
+    with single_rank_env():
+        train(config, tmp_path / "timed")
+    assert [s for s, _ in complete_checkpoints(tmp_path / "timed" / "checkpoints")] == [3, 2, 1]
+    with single_rank_env():
+        train(load_config("tiny_cpu_smoke", [*FAST, "checkpoint.keep_last=5"]), tmp_path / "steps")
+    assert [s for s, _ in complete_checkpoints(tmp_path / "steps" / "checkpoints")] == [3]
+
+
+def test_the_process_group_gets_the_recipe_timeout() -> None:
+    config = load_config("tiny_cpu_smoke", ["trainer.dist_timeout_minutes=7"])
+    with single_rank_env():
+        setup.start_processes(config.trainer.dist_timeout_minutes)
+        try:
+            backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+            assert backend.options._timeout == datetime.timedelta(minutes=7)
+        finally:
+            dist.destroy_process_group()

@@ -1,0 +1,72 @@
+"""Loading a checkpoint runs no code, and two identical policies write byte-identical checkpoint files.
+
+A tampered policy file whose manifest hash was recomputed (so the sha256 check passes) holds a pickle
+payload: ``torch.load(weights_only=True)`` refuses it with one line naming the file, and the payload never
+runs. The saved RNG states are torch's only, so nothing unseeded makes two equal runs' files differ.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from policy._helpers import single_rank_env
+
+from sparrow_nemo.model_shapes import PRESETS
+from sparrow_nemo.policy.checkpoint import MANIFEST, CheckpointError, sha256_file
+from sparrow_nemo.policy.optim import OptimizerSettings
+from sparrow_nemo.policy.parallel import ParallelLayout, destroy_parallel
+from sparrow_nemo.policy.policy import MegatronPolicy
+from sparrow_nemo.policy.resume import rng_state
+
+SHAPE = PRESETS["tiny-test"]
+
+
+class _Payload:
+    """Unpickling this runs ``os.system``: what a tampered checkpoint would carry."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _save_one(root: Path) -> Path:
+    with single_rank_env():
+        policy = MegatronPolicy(SHAPE, ParallelLayout(), OptimizerSettings(), "float32", seed=7)
+        try:
+            return policy.save(root, 1)
+        finally:
+            destroy_parallel()
+
+
+def test_a_pickle_payload_with_a_valid_hash_is_refused_and_never_runs(tmp_path: Path) -> None:
+    folder = _save_one(tmp_path / "ckpt")
+    (rank_file,) = folder.glob("policy_*.pt")
+    payload = torch.load(rank_file, weights_only=True)
+    marker = tmp_path / "payload_ran"
+    payload["rng"]["evil"] = _Payload(marker)
+    torch.save(payload, rank_file)
+    manifest = json.loads((folder / MANIFEST).read_text())
+    manifest["files"][rank_file.name] = sha256_file(rank_file)
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+    with single_rank_env():
+        policy = MegatronPolicy(SHAPE, ParallelLayout(), OptimizerSettings(), "float32", seed=7)
+        try:
+            with pytest.raises(CheckpointError, match=rf"^{rank_file}: refused, it holds more than tensors"):
+                policy.load(folder)
+        finally:
+            destroy_parallel()
+    assert not marker.exists()
+
+
+def test_identical_policies_write_byte_identical_files(tmp_path: Path) -> None:
+    assert set(rng_state()) <= {"torch", "cuda", "tracker"}  # no unseeded python / numpy state
+    first, second = _save_one(tmp_path / "a"), _save_one(tmp_path / "b")
+    names = sorted(p.name for p in first.iterdir())
+    assert names == sorted(p.name for p in second.iterdir())
+    assert all(sha256_file(first / n) == sha256_file(second / n) for n in names)
