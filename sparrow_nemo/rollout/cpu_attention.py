@@ -1,15 +1,17 @@
 """Paged decode attention on the CPU that reads the KV cache in place (no per-step gather of pages).
 
 ``paged_decode_attention(q, cache, layer, block_table, seq_len, page_idx)`` computes exactly what
-:func:`sparrow_nemo.sparse.attention.decode_attention` computes over the gathered pages, but the two
-products (q.K and p.V) run in a small C kernel (``cpu_attention.c``) that follows the block table to each
-page of the pool, so every key and value is read once from where it lives; the softmax between them is
-torch's (fp32). Dense decode is the page list 0 .. n-1 of every row, so a budget that covers the sequence
-and the dense schedule run the same arithmetic.
+:func:`sparrow_nemo.sparse.attention.decode_attention` computes over the gathered pages, but in a small C
+kernel (``cpu_attention.c``) that follows the block table to each page of the pool, so every key and value
+is read once from where it lives. Dense decode (every page of every row) streams the pool in two passes,
+q.K then p.V, with the kernel's fp32 softmax between them; sparse decode (the method layer's page choice, a
+few scattered pages per row) runs one fused pass per row (scores, softmax, p.V) while it prefetches the next
+row's pages. Both use the same arithmetic per page and slot, so a budget that covers the sequence gives the
+dense result bit for bit.
 
 The kernel is compiled on first use with the system C compiler (``$CC``, default ``cc``; ``-O3
 -march=native``) into ``$SPARROW_CACHE/cpu_kernels/`` (default ``~/.cache/sparrow_nemo/cpu_kernels/``),
-keyed by the source, the compiler and the CPU, and loaded with ctypes (no torch headers, ~1 s). Without a
+keyed by the source, the flags, the compiler and the CPU (:func:`library_path`), and loaded with ctypes (no torch headers, ~1 s). Without a
 compiler, or for caches that are not fp32, :func:`available` is False and the engine keeps the torch
 gather path (logged once).
 """
@@ -62,12 +64,19 @@ def _compiler() -> tuple[str, str]:
     return cc, version.stdout.splitlines()[0] if version.stdout else cc
 
 
+def library_path(cc: str, version: str) -> Path:
+    """Where the library built from ``SOURCE`` with ``CFLAGS`` by compiler ``cc`` (``version``: its first
+    ``--version`` line) for this CPU is cached: the file name hashes all four."""
+    spec = b"\0".join(
+        [SOURCE.read_bytes(), " ".join(CFLAGS).encode(), cc.encode(), version.encode(), _cpu_id().encode()]
+    )
+    return cache_dir() / f"cpu_attention-{hashlib.sha256(spec).hexdigest()[:16]}.so"
+
+
 def _build() -> Path:
     """The compiled shared library (compiled and cached first when missing); raises on failure."""
     cc, version = _compiler()
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join(CFLAGS).encode() + version.encode() + _cpu_id().encode())
-    target = cache_dir() / f"cpu_attention-{key.hexdigest()[:16]}.so"
+    target = library_path(cc, version)
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -96,6 +105,22 @@ def _library() -> ctypes.CDLL | None:
     common = [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64]
     lib.sparrow_paged_scores.argtypes = [_P, *common, _F32, _P]
     lib.sparrow_paged_values.argtypes = [_P, *common, _P]
+    lib.sparrow_softmax_rows.argtypes = [_P, _I64, _I64]
+    lib.sparrow_paged_attention.argtypes = [
+        _P,
+        _P,
+        *[_I64] * 3,
+        _P,
+        *[_I64] * 3,
+        _P,
+        _I64,
+        _P,
+        _P,
+        *[_I64] * 6,
+        _F32,
+        _P,
+        _P,
+    ]
     lib.sparrow_paged_append.argtypes = [
         _P,
         _P,
@@ -126,7 +151,13 @@ def _library() -> ctypes.CDLL | None:
         _P,
         _P,
     ]
-    for fn in (lib.sparrow_paged_scores, lib.sparrow_paged_values, lib.sparrow_paged_append):
+    for fn in (
+        lib.sparrow_paged_scores,
+        lib.sparrow_paged_values,
+        lib.sparrow_softmax_rows,
+        lib.sparrow_paged_attention,
+        lib.sparrow_paged_append,
+    ):
         fn.restype = None
     lib.sparrow_select_pages.restype = None
     return lib
@@ -177,9 +208,9 @@ def select_pages(
     budget = budget_tokens.to(torch.int64).contiguous()
     out = torch.empty(batch, hkv, num_pages, dtype=torch.int64)
     counts = torch.empty(batch * hkv, dtype=torch.int64)
-    scores = torch.empty(num_pages, dtype=torch.float32)
-    scratch = torch.empty(num_pages, dtype=torch.int64)
-    keep = torch.empty(num_pages, dtype=torch.uint8)
+    scores = torch.empty(hkv, num_pages, dtype=torch.float32)
+    scratch = torch.empty(hkv, num_pages, dtype=torch.int64)
+    keep = torch.empty(hkv, num_pages, dtype=torch.uint8)
     lib.sparrow_select_pages(
         q_mean.data_ptr(),
         cent.data_ptr(),
@@ -270,37 +301,56 @@ def paged_decode_attention(
     group = hq // hkv
     seq_len = seq_len.to(torch.int64).contiguous()
     table = block_table.to(torch.int32).contiguous()
-    if page_idx is None:
-        n = -(-int(seq_len.max()) // ps)
-        pages_ptr = None
-    else:
-        page_idx = page_idx.to(torch.int64).contiguous()
-        n = page_idx.shape[-1]
-        pages_ptr = page_idx.data_ptr()
     q = q.contiguous()
-    scores = torch.empty(batch, hkv, group, n * ps, dtype=torch.float32)
-    shape = (pages_ptr, n, batch, hkv, group, d, ps)
-    lib.sparrow_paged_scores(
+    out = torch.empty(batch, hq, d, dtype=torch.float32)
+    if page_idx is None:  # dense: pages 0 .. n-1 of every row, streamed in two passes (keys, then values)
+        n = -(-int(seq_len.max()) // ps)
+        scores = torch.empty(batch, hkv, group, n * ps, dtype=torch.float32)
+        shape = (None, n, batch, hkv, group, d, ps)
+        lib.sparrow_paged_scores(
+            q.data_ptr(),
+            k_pages.data_ptr(),
+            *k_pages.stride()[:3],
+            table.data_ptr(),
+            table.stride(0),
+            seq_len.data_ptr(),
+            *shape,
+            1.0 / d**0.5,
+            scores.data_ptr(),
+        )
+        lib.sparrow_softmax_rows(scores.data_ptr(), batch * hkv * group, n * ps)  # in place: the weights
+        lib.sparrow_paged_values(
+            scores.data_ptr(),
+            v_pages.data_ptr(),
+            *v_pages.stride()[:3],
+            table.data_ptr(),
+            table.stride(0),
+            seq_len.data_ptr(),
+            *shape,
+            out.data_ptr(),
+        )
+        return out
+    page_idx = page_idx.to(torch.int64).contiguous()  # sparse: one fused pass per row, the next prefetched
+    n = page_idx.shape[-1]
+    work = torch.empty(hkv, group, n * ps, dtype=torch.float32)
+    lib.sparrow_paged_attention(
         q.data_ptr(),
         k_pages.data_ptr(),
         *k_pages.stride()[:3],
-        table.data_ptr(),
-        table.stride(0),
-        seq_len.data_ptr(),
-        *shape,
-        1.0 / d**0.5,
-        scores.data_ptr(),
-    )
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.empty(batch, hq, d, dtype=torch.float32)
-    lib.sparrow_paged_values(
-        probs.data_ptr(),
         v_pages.data_ptr(),
         *v_pages.stride()[:3],
         table.data_ptr(),
         table.stride(0),
         seq_len.data_ptr(),
-        *shape,
+        page_idx.data_ptr(),
+        n,
+        batch,
+        hkv,
+        group,
+        d,
+        ps,
+        1.0 / d**0.5,
         out.data_ptr(),
+        work.data_ptr(),
     )
     return out

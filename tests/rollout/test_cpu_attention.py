@@ -12,9 +12,14 @@ import pytest
 import torch
 
 from sparrow_nemo.rollout import cpu_attention
-from sparrow_nemo.rollout.paged_attention import all_pages
+from sparrow_nemo.rollout.engine import SamplingParams
+from sparrow_nemo.rollout.paged_attention import all_pages, decode_attention_torch
 from sparrow_nemo.rollout.paged_cache import PagedKVCache
+from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
 from sparrow_nemo.sparse.attention import decode_attention, select_pages_from_centroids
+from sparrow_nemo.sparse.schedule import BudgetSchedule
+
+from ._helpers import SHAPE
 
 pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="no C compiler for the CPU kernel")
 
@@ -60,7 +65,7 @@ def test_dense_and_sparse_match_the_method_layer(page_size: int, head_dim: int, 
     assert (page_idx < 0).any()  # the rows keep different page counts: the list is padded
     sparse = cpu_attention.paged_decode_attention(q, cache, 0, table, seq_len, page_idx)
     assert (sparse - reference(q, cache, table, seq_len, page_idx)).abs().max() < 1e-5
-    assert (sparse[[1, 3]] - dense[[1, 3]]).abs().max() < 1e-6  # a covering budget is dense
+    assert torch.equal(sparse[[1, 3]], dense[[1, 3]])  # a covering budget is dense, bit for bit
 
 
 def test_unread_slots_never_leak_into_the_result() -> None:
@@ -80,11 +85,61 @@ def test_unread_slots_never_leak_into_the_result() -> None:
     assert torch.isfinite(dirty).all() and torch.equal(clean, dirty)
 
 
-def test_a_missing_compiler_is_reported_not_raised(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without a compiler the build fails with the command's name; the engine then keeps the gather path."""
+def test_the_build_cache_key_covers_source_flags_and_compiler(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A changed source, flag, compiler or compiler version is a different cached library; same inputs, same."""
+    monkeypatch.setenv("SPARROW_CACHE", str(tmp_path))
+    base = cpu_attention.library_path("cc", "cc 1.0")
+    assert base == cpu_attention.library_path("cc", "cc 1.0") and base.parent == tmp_path / "cpu_kernels"
+    assert cpu_attention.library_path("clang", "cc 1.0") != base
+    assert cpu_attention.library_path("cc", "cc 1.1") != base
+    monkeypatch.setattr(cpu_attention, "CFLAGS", (*cpu_attention.CFLAGS, "-DEXTRA"))
+    assert cpu_attention.library_path("cc", "cc 1.0") != base
+    monkeypatch.undo()
+    monkeypatch.setenv("SPARROW_CACHE", str(tmp_path))
+    edited = tmp_path / "cpu_attention.c"
+    edited.write_text(cpu_attention.SOURCE.read_text() + "\n/* edited */\n")
+    monkeypatch.setattr(cpu_attention, "SOURCE", edited)
+    assert cpu_attention.library_path("cc", "cc 1.0") != base
+
+
+@pytest.fixture
+def no_compiler(tmp_path, monkeypatch: pytest.MonkeyPatch):
+    """No C compiler and an empty kernel cache; the real library is reloaded afterwards."""
     monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setenv("SPARROW_CACHE", str(tmp_path))
+    cpu_attention._library.cache_clear()
+    yield
+    cpu_attention._library.cache_clear()
+
+
+def test_without_a_compiler_decode_falls_back_to_the_torch_path(no_compiler, caplog) -> None:
+    """No compiler: the build fails with OSError, available() is False (one warning), and decode attention,
+    the append and a whole generate run on the torch gather path with the kernel path's results."""
+    lengths = [77, 16, 130]
+    cache, table = filled_cache(lengths, 2, 32, 16, seed=3)
+    seq_len = torch.tensor(lengths)
+    q = torch.randn(3, 4, 32, generator=torch.Generator().manual_seed(1))
+    budget = torch.tensor([64, 1000, 80])
+    cpu_attention._library.cache_clear()
+    with pytest.MonkeyPatch.context() as real:  # the kernel's results first, with the real compiler
+        real.delenv("CC")
+        kernel = [decode_attention_torch(q, cache, 0, table, seq_len, b, 1, 2) for b in (None, budget)]
+        assert cpu_attention.available()
+    cpu_attention._library.cache_clear()
     with pytest.raises(OSError):
         cpu_attention._build()
+    with caplog.at_level("WARNING", logger=cpu_attention.__name__):
+        assert not cpu_attention.available() and not cpu_attention.supports(q, cache)
+    assert sum("torch gather path" in r.message for r in caplog.records) == 1
+    for b, expect in zip((None, budget), kernel):
+        assert (decode_attention_torch(q, cache, 0, table, seq_len, b, 1, 2) - expect).abs().max() < 1e-5
+    engine = TorchRolloutEngine.from_shape(SHAPE, seed=0, dense_layers=1, page_size=4)
+    sampling = SamplingParams(max_new_tokens=12, stop_token_ids=())
+    out = engine.generate([[5, 6, 7, 8, 9]] * 2, sampling, BudgetSchedule.from_preset("fixed:8", 8, 4))
+    assert [len(s.response_ids) for s in out.samples] == [12, 12]
+    assert all(torch.isfinite(torch.as_tensor(s.logprobs)).all() for s in out.samples)
 
 
 def test_append_equals_the_cache_method() -> None:
