@@ -7,7 +7,8 @@ object per (context, schedule) is appended to ``benchmarks/results/cpu_decode.js
 the load average and the date; the table is printed.
 
 Example (the README's numbers):
-    python benchmarks/cpu_decode.py --shape tiny --batch 128 --contexts 512 1024 2048 4096 --fractions 0.1 0.25
+    python benchmarks/cpu_decode.py --shape tiny --batch 128 --contexts 512 1024 2048 4096 \
+        --fractions 0.1 0.25 --steps 16 --repeats 6
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--contexts", type=int, nargs="+", default=[512, 1024, 2048, 4096])
     p.add_argument("--steps", type=int, default=32, help="decode steps timed per configuration")
     p.add_argument(
+        "--repeats", type=int, default=3, help="turns per context; each configuration keeps its best"
+    )
+    p.add_argument(
         "--fractions", type=float, nargs="+", default=[0.1], help="fixed budgets, fraction of context"
     )
     p.add_argument("--dense-layers", type=int, default=0)
@@ -49,6 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    load_start = os.getloadavg()[0]
     engine = make_engine(args.shape, seed=args.seed, dense_layers=args.dense_layers, page_size=args.page_size)
     min_budget = 4 * args.page_size
 
@@ -58,9 +63,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
             for f in args.fractions
         ]
 
-    rows = decode_throughput(engine, args.contexts, schedules, args.batch, args.steps, args.seed)
+    rows = decode_throughput(
+        engine, args.contexts, schedules, args.batch, args.steps, args.seed, repeats=args.repeats
+    )
     print(format_throughput(rows))
-    meta = {**machine_info("cpu"), "load_avg_1m": os.getloadavg()[0], "backend": engine.backend}
+    meta = {
+        **machine_info("cpu"),
+        "load_avg_1m_start": load_start,
+        "load_avg_1m": os.getloadavg()[0],
+        "backend": engine.backend,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("a") as f:
         for row in rows:

@@ -86,12 +86,15 @@ def run(args: argparse.Namespace) -> int:
         local_pages=s.local_pages,
         attention_backend=config.rollout.attention_impl,
     )
-    longest = max(args.contexts) + args.steps + 2
-    if longest > engine.shape.max_position_embeddings:
+    limit = engine.shape.max_position_embeddings - args.steps - 2  # the timed steps need positions too
+    if limit < 1 or min(args.contexts) < 1:
         raise ConfigError(
-            f"--contexts up to {max(args.contexts)} + {args.steps} steps exceed the model's "
-            f"{engine.shape.max_position_embeddings} positions"
+            f"--contexts {args.contexts} with --steps {args.steps}: expected contexts >= 1 and steps + 2 < "
+            f"the model's {engine.shape.max_position_embeddings} positions"
         )
+    contexts = [min(c, limit) for c in args.contexts]
+    if contexts != list(args.contexts):
+        print(f"contexts {args.contexts} -> {contexts}: the model has {limit + args.steps + 2} positions")
 
     def schedules(context: int):
         fixed = fraction_schedule(args.sparse_fraction, context, s.bin_tokens, s.page_size, s.min_budget)
@@ -99,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
 
     print(
         format_throughput(
-            decode_throughput(engine, args.contexts, schedules, args.batch, args.steps, config.trainer.seed)
+            decode_throughput(engine, contexts, schedules, args.batch, args.steps, config.trainer.seed)
         )
     )
     print()

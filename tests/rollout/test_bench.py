@@ -101,3 +101,37 @@ def test_throughput_script_appends_json_lines(tmp_path: Path) -> None:
         assert (
             r["torch"] == torch.__version__ and r["date"] and r["host"] is not None and r["tokens_per_s"] > 0
         )
+
+
+def test_cpu_decode_script_appends_json_lines(tmp_path: Path) -> None:
+    """benchmarks/cpu_decode.py (the README's bench numbers) on small contexts: one line per (context,
+    schedule) with the machine, the load before and after, the bound and the ratio."""
+    spec = importlib.util.spec_from_file_location("cpu_decode", REPO / "benchmarks" / "cpu_decode.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "d.jsonl"
+    argv = [
+        "--shape",
+        "tiny-test",
+        "--batch",
+        "2",
+        "--contexts",
+        "64",
+        "128",
+        "--steps",
+        "2",
+        "--repeats",
+        "1",
+    ]
+    script.main([*argv, "--fractions", "0.25", "--out", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["context"], r["schedule"]) for r in rows] == [
+        (64, "dense"),
+        (64, "25% fixed"),
+        (128, "dense"),
+        (128, "25% fixed"),
+    ]
+    for r in rows:
+        assert r["benchmark"] == "cpu_decode" and r["date"] and r["cpu_count"] >= 1
+        assert r["load_avg_1m_start"] >= 0 and r["tokens_per_s"] > 0 and r["bound_tokens_per_s"] > 0
+        assert r["dense_vs_bound"] > 0 and r["bandwidth_gb_s"] > 0

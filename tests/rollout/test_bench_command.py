@@ -27,6 +27,17 @@ def test_bench_rollout_runs_on_the_recipe(recipe: str | None, capsys: pytest.Cap
     assert "rollout bench: batch 2" in out and "p5 bin" in out  # the acceptance-tail table
 
 
+def test_bench_rollout_default_contexts_fit_the_default_model(capsys: pytest.CaptureFixture[str]) -> None:
+    """The README command's default contexts (512 .. 4096) on the default recipe: the 4K row starts where
+    its timed steps still fit the model's 4096 positions, instead of a config error."""
+    argv = ["bench", "rollout", "--batch", "1", "--steps", "2", "--tail-batch", "1", "--gen-len", "4"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "contexts [512, 1024, 2048, 4096] -> [512, 1024, 2048, 4092]" in out
+    rows = [line.split()[0] for line in out.splitlines() if line.split() and line.split()[0].isdigit()]
+    assert rows[:4] == ["512", "1024", "2048", "4092"]
+
+
 def test_throughput_rows_hold_the_bound_and_the_kept_fraction() -> None:
     engine = make_engine(SHAPE, dense_layers=0, page_size=16)
     rows = decode_throughput(
