@@ -293,11 +293,35 @@ class PolicyConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeRolloutConfig:
+    """Speculative rollout (rollout.mode=speculative): sparse drafts, dense verify (sparrow_nemo.rollout.spec_rollout)."""
+
+    #: k, draft tokens per dense verify in every bin until the first re-plan (0 = plain dense decoding)
+    draft_tokens: int = _field(4, check=NON_NEGATIVE)
+    #: the largest k the planner may pick
+    max_draft_tokens: int = _field(8, check=NON_NEGATIVE)
+    #: after every step, re-plan the draft budget (among sparsity.calibration.candidate_budgets) and k per bin
+    #: from the acceptance measured so far, for the most predicted tokens/s (H200 cost model)
+    adapt: bool = True
+    #: weight of the earlier steps' acceptance in the planner's per-bin table (0 = the last step only)
+    decay: float = _field(0.5, check=UNIT)
+
+    def check(self) -> None:
+        if self.draft_tokens > self.max_draft_tokens:
+            raise _Problem("draft_tokens", f"<= max_draft_tokens ({self.max_draft_tokens})")
+
+
+@dataclass(frozen=True)
 class RolloutConfig:
     """Generation: engine, sampling and batching."""
 
     #: engine: torch (sparrow_nemo.rollout.torch_engine: paged KV cache, CPU or one GPU) or trtllm (cluster)
     backend: str = _field("torch", check=_one_of(("torch", "trtllm"), renamed={"reference": "torch"}))
+    #: how rollouts decode: sparse (the sparsity schedule), speculative (sparse drafts verified by dense
+    #: forwards: dense-distributed samples, the importance ratio exactly 1) or dense
+    mode: Literal["sparse", "speculative", "dense"] = "sparse"
+    #: speculative decoding's draft length and planner (rollout.mode=speculative)
+    speculative: SpeculativeRolloutConfig = field(default_factory=SpeculativeRolloutConfig)
     #: response cutoff, tokens
     max_new_tokens: int = _field(64, check=AT_LEAST_ONE)
     #: sampling temperature (> 0: RL needs sampled log-probabilities)
@@ -325,6 +349,12 @@ class RolloutConfig:
     #: policy.tensor_model_parallel_size) = one engine per k consecutive tensor-parallel ranks, for a model
     #: whose weights plus a useful KV cache do not fit one GPU (sparrow_nemo.grpo.process_model)
     tensor_parallel_size: int = _field(1, check=AT_LEAST_ONE)
+
+    def check(self) -> None:
+        if self.mode == "speculative" and self.backend != "torch":
+            raise _Problem(
+                "mode", "sparse or dense with backend trtllm (speculative rollout runs on the torch engine)"
+            )
 
 
 @dataclass(frozen=True)
@@ -451,7 +481,9 @@ class LossConfig:
     clip_low: float = _field(0.2, check=_interval(0, 1, hi_open=True))
     #: PPO ratio upper clip: ratio <= 1 + clip_high (DAPO clip-higher)
     clip_high: float = _field(0.28, check=NON_NEGATIVE)
-    #: token_mean (token-level, the paper) or seq_mean_token_mean
+    #: registered aggregation (sparrow_nemo.grpo.losses.AGGREGATIONS), each normalised by the optimizer step's
+    #: counts over all micro-batches and DP ranks: token_mean (token-level, the paper), seq_mean_token_mean,
+    #: seq_mean_token_sum
     aggregation: str = _field("token_mean", check=_registered(lambda: _grpo_aggregation))
     #: weight of the k3 KL to the frozen reference policy (the initial weights, kept on the host); 0 = none
     kl_coef: float = _field(0.0, check=NON_NEGATIVE)
@@ -489,6 +521,9 @@ class GrpoConfig:
     adv_estimator: str = _field("grpo", check=_registered(lambda: _grpo_advantages().get_advantage))
     #: divide group-centred rewards by the group std (grpo estimator)
     normalize_std: bool = True
+    #: optimizer steps per RL step: the step's samples in this many mini-batches, old logprobs computed once
+    #: before the first (1 = on-policy: PPO ratio exactly 1, the clip never acts; > 1: ratio and clip are real)
+    mini_batches_per_step: int = _field(2, check=AT_LEAST_ONE)
     #: the policy loss
     loss: LossConfig = field(default_factory=LossConfig)
 

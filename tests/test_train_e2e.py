@@ -7,6 +7,7 @@ One warm-start per test session (session fixture, in a temporary cache), then:
   below the threshold;
 - with the dense schedule the rollout engine and the megatron policy agree token by token (alpha ~ 1);
 - ``grpo.loss.kl_coef > 0`` trains against the frozen initial policy (KL 0 at the first update);
+- ``grpo.mini_batches_per_step > 1`` makes the PPO ratio real (clipped tokens), 1 keeps it exactly 1;
 - two tensor-parallel ranks under torchrun give the one-rank step.
 """
 
@@ -139,6 +140,7 @@ def test_kl_penalty_to_the_initial_policy(smoke_overrides, tmp_path: Path) -> No
         [
             *smoke_overrides,
             "grpo.loss.kl_coef=0.05",
+            "grpo.mini_batches_per_step=1",  # the whole of step 0 is the first update
             "trainer.max_steps=2",
             "checkpoint.enabled=false",
             "logging.plots=false",
@@ -149,6 +151,31 @@ def test_kl_penalty_to_the_initial_policy(smoke_overrides, tmp_path: Path) -> No
     assert [row["step"] for row in rows] == [0, 1]
     assert rows[0]["train/kl"] == pytest.approx(0.0, abs=1e-7)
     assert rows[1]["train/kl"] > 1e-6, rows[1]
+
+
+def test_mini_batches_make_the_ppo_ratio_and_clip_real(smoke_overrides, tmp_path: Path) -> None:
+    # old logprobs come from the step's starting weights: one update per step is exactly on-policy, with four
+    # the later mini-batches see moved weights and some tokens leave the clip range
+    common = [
+        *smoke_overrides,
+        "trainer.max_steps=2",
+        "checkpoint.enabled=false",
+        "logging.plots=false",
+        "evaluation.num_prompts=8",
+    ]
+    _, one = _train(load_config("tiny_cpu_smoke", [*common, "grpo.mini_batches_per_step=1"]), tmp_path / "m1")
+    _, four = _train(
+        load_config("tiny_cpu_smoke", [*common, "grpo.mini_batches_per_step=4"]), tmp_path / "m4"
+    )
+    for row in one:
+        assert row["train/optimizer_steps"] == 1.0
+        assert row["train/clip_fraction"] == 0.0
+        assert row["train/ratio_min"] == pytest.approx(1.0, abs=1e-5)
+        assert row["train/ratio_max"] == pytest.approx(1.0, abs=1e-5)
+    for row in four:
+        assert row["train/optimizer_steps"] == 4.0
+        assert row["train/ratio_min"] < 0.95 or row["train/ratio_max"] > 1.05, row
+    assert max(row["train/clip_fraction"] for row in four) > 0.0, four
 
 
 def test_two_tensor_parallel_ranks_match_one_rank(smoke_overrides, tmp_path: Path) -> None:

@@ -1,13 +1,25 @@
 """Policy-gradient losses for GRPO with rollout/train mismatch correction (verl / NeMo-RL vocabulary).
 
-Two small registries:
+Three small registries:
 
 - policy losses (``@register_policy_loss``): ``"clipped_pg"``, the PPO/GRPO clipped surrogate with separate
-  ``clip_low`` / ``clip_high`` (DAPO's clip-higher; the paper uses 0.2 / 0.28);
+  ``clip_low`` / ``clip_high`` (DAPO's clip-higher; the paper uses 0.2 / 0.28). A policy loss returns
+  per-token terms (:class:`LossTerms`); the aggregation turns them into the scalar;
 - rollout corrections (``@register_correction``), which turn the train/rollout log-ratio of the *sampled*
   tokens into a per-token weight: ``"none"``, ``"tis"`` (truncated importance sampling),
   ``"icepop"`` (token masking outside [low, high]) and ``"seq_mask"`` (mask whole sequences whose
-  geometric-mean ratio is outside [low, high]).
+  geometric-mean ratio is outside [low, high]);
+- aggregations (``@register_aggregation``, :data:`AGGREGATIONS`), per-token loss -> scalar:
+  ``"token_mean"`` (the paper's token-level loss), ``"seq_mean_token_mean"``, ``"seq_mean_token_sum"``.
+
+Normalisation (what makes the loss independent of micro-batch size, data-parallel size and pipeline
+schedule): an aggregation divides by the counts of the whole *optimizer step* - every micro-batch of
+every data-parallel rank - given as a :class:`LossNormalizer` (verl's ``global_batch_num_tokens``,
+NeMo-RL's ``global_valid_toks`` / ``global_valid_seqs``). The loss of one micro-batch is then its share
+of the step's loss, and the step's loss is the plain sum of the shares (:mod:`sparrow_nemo.grpo.update`).
+Without a normalizer the counts of the given tensors are used (a self-contained mean, as in the tests).
+Metrics follow the same rule: each is the micro-batch's share of the step's token mean, except
+``ratio_max`` / ``ratio_min`` (reduced by max / min).
 
 Shapes: every logprob tensor is ``[B, T]`` float (log-probability of the sampled token at each response
 position, natural log), ``mask`` is ``[B, T]`` bool/0-1 (True = a response token that counts),
@@ -16,8 +28,8 @@ position, natural log), ``mask`` is ``[B, T]`` bool/0-1 (True = a response token
 Which logprobs are which:
 
 - ``logprobs``: the policy being trained (carries the gradient);
-- ``old_logprobs``: the same training engine (dense attention) before this update; the PPO ratio is
-  ``exp(logprobs - old_logprobs)``;
+- ``old_logprobs``: the same training engine (dense attention) before this step's first update; the PPO
+  ratio is ``exp(logprobs - old_logprobs)`` (exactly 1 in the first mini-batch of a step, real after);
 - ``rollout_logprobs``: what the rollout engine (sparse attention) reported when sampling; the mismatch
   ratio is ``exp(old_logprobs - rollout_logprobs)`` (detached), as in TIS (Yao et al., 2025) and verl;
 - ``ref_logprobs``: the frozen reference model, for the optional k3 KL penalty.
@@ -26,12 +38,10 @@ Which logprobs are which:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
-
-AGGREGATIONS = ("token_mean", "seq_mean_token_mean")
 
 
 @dataclass(frozen=True)
@@ -41,8 +51,10 @@ class PolicyLossConfig:
     Attributes:
         name: registered policy loss.
         clip_low / clip_high: the PPO ratio is clipped to [1 - clip_low, 1 + clip_high].
-        aggregation: "token_mean" = sum over all valid tokens of the batch / their number;
-            "seq_mean_token_mean" = mean over sequences of each sequence's token mean.
+        aggregation: registered aggregation (:data:`AGGREGATIONS`): "token_mean" = sum over the valid tokens
+            / the step's token count; "seq_mean_token_mean" = sum over sequences of each one's token mean /
+            the step's sequence count; "seq_mean_token_sum" = sum over all valid tokens / the step's
+            sequence count.
         kl_coef: weight of the k3 KL estimate to ``ref_logprobs`` (0 = off; then no reference is needed).
         correction: registered rollout correction ("none", "tis", "icepop", "seq_mask").
         tis_cap: TIS weight is min(ratio, tis_cap).
@@ -85,11 +97,48 @@ class PolicyLossConfig:
                 raise ValueError(f"PolicyLossConfig: need 0 <= {what}_low < {what}_high, got {low}, {high}")
 
 
-LossFn = Callable[..., tuple[Tensor, dict[str, float]]]
-CorrectionFn = Callable[[Tensor, Tensor, PolicyLossConfig], tuple[Tensor, dict[str, float]]]
+@dataclass(frozen=True)
+class LossNormalizer:
+    """The denominators of one optimizer step's loss, counted over all its micro-batches and DP ranks.
 
-_LOSSES: dict[str, LossFn] = {}
+    Attributes:
+        tokens: response tokens (mask entries) of the step; the token-mean denominator.
+        sequences: sequences of the step with at least one response token; the sequence-mean denominator.
+    """
+
+    tokens: float
+    sequences: float
+
+    @classmethod
+    def of(cls, mask: Tensor) -> LossNormalizer:
+        """The counts of ``mask`` [B, T] alone (a self-contained mean over this batch)."""
+        counts = mask.sum(dim=1)
+        return cls(tokens=float(counts.sum()), sequences=float((counts > 0).sum()))
+
+
+@dataclass
+class LossTerms:
+    """What a policy loss computes per token, before aggregation.
+
+    Attributes:
+        per_token: [B, T] loss of each token (differentiable in ``logprobs``; masked tokens arbitrary).
+        token_stats: metric name -> [B, T] detached per-token values whose token mean is the metric.
+        ratio: [B, T] detached PPO ratio (for ``ratio_max`` / ``ratio_min``).
+    """
+
+    per_token: Tensor
+    token_stats: dict[str, Tensor] = field(default_factory=dict)
+    ratio: Tensor | None = None
+
+
+PolicyLossFn = Callable[..., LossTerms]
+CorrectionFn = Callable[[Tensor, Tensor, PolicyLossConfig], tuple[Tensor, dict[str, Tensor]]]
+AggregationFn = Callable[[Tensor, Tensor, LossNormalizer], Tensor]
+
+_LOSSES: dict[str, PolicyLossFn] = {}
 _CORRECTIONS: dict[str, CorrectionFn] = {}
+#: aggregation name -> ``fn(per_token [B, T], mask [B, T] float, normalizer) -> scalar``
+AGGREGATIONS: dict[str, AggregationFn] = {}
 
 
 def _register(table: dict, kind: str, name: str) -> Callable:
@@ -108,19 +157,24 @@ def _lookup(table: dict, kind: str, name: str) -> Callable:
     return table[name]
 
 
-def register_policy_loss(name: str) -> Callable[[LossFn], LossFn]:
+def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """Decorator: register ``fn(logprobs, old_logprobs, advantages, mask, config, rollout_logprobs,
-    ref_logprobs) -> (loss, metrics)`` under ``name``."""
+    ref_logprobs) -> LossTerms`` under ``name`` (inputs already validated: mask float, advantages [B, T])."""
     return _register(_LOSSES, "policy loss", name)
 
 
 def register_correction(name: str) -> Callable[[CorrectionFn], CorrectionFn]:
-    """Decorator: register ``fn(log_ratio [B, T], mask [B, T] float, config) -> (weight [B, T], metrics)``
-    under ``name``; ``log_ratio`` = old (train) logprob - rollout logprob, detached."""
+    """Decorator: register ``fn(log_ratio [B, T], mask [B, T] float, config) -> (weight [B, T], per-token
+    metric tensors [B, T])`` under ``name``; ``log_ratio`` = old (train) logprob - rollout logprob, detached."""
     return _register(_CORRECTIONS, "rollout correction", name)
 
 
-def get_policy_loss(name: str) -> LossFn:
+def register_aggregation(name: str) -> Callable[[AggregationFn], AggregationFn]:
+    """Decorator: register ``fn(per_token [B, T], mask [B, T] float, normalizer) -> scalar`` under ``name``."""
+    return _register(AGGREGATIONS, "loss aggregation", name)
+
+
+def get_policy_loss(name: str) -> PolicyLossFn:
     """The policy loss registered as ``name``."""
     return _lookup(_LOSSES, "policy loss", name)
 
@@ -130,25 +184,44 @@ def get_correction(name: str) -> CorrectionFn:
     return _lookup(_CORRECTIONS, "rollout correction", name)
 
 
+def get_aggregation(name: str) -> AggregationFn:
+    """The loss aggregation registered as ``name``."""
+    return _lookup(AGGREGATIONS, "loss aggregation", name)
+
+
 def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     """Mean of ``x`` over the entries where ``mask`` (same shape, 0/1 float) is 1; 0 when none are."""
     return (x * mask).sum() / mask.sum().clamp(min=1.0)
 
 
-def aggregate(per_token: Tensor, mask: Tensor, aggregation: str) -> Tensor:
-    """Reduce a per-token loss [B, T] to a scalar over the valid tokens of ``mask`` [B, T] (0/1 float).
+@register_aggregation("token_mean")
+def token_mean(per_token: Tensor, mask: Tensor, normalizer: LossNormalizer) -> Tensor:
+    """Sum over the valid tokens / the step's token count (token-level loss: the paper, DAPO, verl's default)."""
+    return (per_token * mask).sum() / normalizer.tokens
 
-    "token_mean": sum over all valid tokens / their count. "seq_mean_token_mean": each sequence's mean over
-    its valid tokens, then the mean over the sequences that have any valid token.
+
+@register_aggregation("seq_mean_token_mean")
+def seq_mean_token_mean(per_token: Tensor, mask: Tensor, normalizer: LossNormalizer) -> Tensor:
+    """Each sequence's mean over its valid tokens, summed / the step's sequence count (GRPO's original)."""
+    seq_means = (per_token * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
+    return seq_means.sum() / normalizer.sequences
+
+
+@register_aggregation("seq_mean_token_sum")
+def seq_mean_token_sum(per_token: Tensor, mask: Tensor, normalizer: LossNormalizer) -> Tensor:
+    """Sum over the valid tokens / the step's sequence count (verl's ``seq-mean-token-sum``)."""
+    return (per_token * mask).sum() / normalizer.sequences
+
+
+def aggregate(
+    per_token: Tensor, mask: Tensor, aggregation: str, normalizer: LossNormalizer | None = None
+) -> Tensor:
+    """Reduce a per-token loss [B, T] over the valid tokens of ``mask`` [B, T] (0/1 float) to a scalar.
+
+    ``normalizer``: the optimizer step's counts (the result is this batch's share of the step's loss);
+    None = this batch's own counts.
     """
-    if aggregation == "token_mean":
-        return masked_mean(per_token, mask)
-    if aggregation == "seq_mean_token_mean":
-        counts = mask.sum(dim=1)
-        has_tokens = counts > 0
-        seq_means = (per_token * mask).sum(dim=1) / counts.clamp(min=1.0)
-        return seq_means[has_tokens].mean()
-    raise ValueError(f"unknown aggregation '{aggregation}'; known: {', '.join(AGGREGATIONS)}")
+    return get_aggregation(aggregation)(per_token, mask, normalizer or LossNormalizer.of(mask))
 
 
 def k3_kl(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
@@ -173,16 +246,13 @@ def _check_inputs(
         raise ValueError(
             f"advantages must be [B]={tuple(shape[:1])} or [B, T]={tuple(shape)}, got {tuple(advantages.shape)}"
         )
-    maskf = mask.to(logprobs.dtype)
-    if maskf.sum() == 0:
-        raise ValueError("mask selects no token: the policy loss needs at least one response token")
-    return maskf, advantages.to(logprobs.dtype)
+    return mask.to(logprobs.dtype), advantages.to(logprobs.dtype)
 
 
 @register_correction("none")
 def no_correction(
     log_ratio: Tensor, mask: Tensor, config: PolicyLossConfig
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """Weight 1 everywhere (the rollout is treated as on-policy)."""
     return torch.ones_like(log_ratio), {}
 
@@ -190,34 +260,34 @@ def no_correction(
 @register_correction("tis")
 def truncated_is(
     log_ratio: Tensor, mask: Tensor, config: PolicyLossConfig
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """Truncated importance sampling: weight = min(exp(log_ratio), tis_cap)."""
     ratio = torch.exp(log_ratio)
-    clipped = ratio > config.tis_cap
     weight = ratio.clamp(max=config.tis_cap)
-    return weight, {"tis_clipped_fraction": masked_mean(clipped.to(mask.dtype), mask).item()}
+    return weight, {"tis_clipped_fraction": (ratio > config.tis_cap).to(mask.dtype)}
 
 
 @register_correction("icepop")
-def icepop_mask(log_ratio: Tensor, mask: Tensor, config: PolicyLossConfig) -> tuple[Tensor, dict[str, float]]:
+def icepop_mask(
+    log_ratio: Tensor, mask: Tensor, config: PolicyLossConfig
+) -> tuple[Tensor, dict[str, Tensor]]:
     """IcePop: weight 1 where icepop_low <= exp(log_ratio) <= icepop_high, else 0 (token masked)."""
     ratio = torch.exp(log_ratio)
-    keep = (ratio >= config.icepop_low) & (ratio <= config.icepop_high)
-    weight = keep.to(mask.dtype)
-    return weight, {"masked_fraction": masked_mean(1.0 - weight, mask).item()}
+    weight = ((ratio >= config.icepop_low) & (ratio <= config.icepop_high)).to(mask.dtype)
+    return weight, {"masked_fraction": 1.0 - weight}
 
 
 @register_correction("seq_mask")
 def sequence_mask(
     log_ratio: Tensor, mask: Tensor, config: PolicyLossConfig
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """Mask every token of a sequence whose geometric-mean ratio exp(mean_t log_ratio) over its valid tokens
     is outside [seq_mask_low, seq_mask_high]."""
     mean_log = (log_ratio * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
     geo = torch.exp(mean_log)
     keep = (geo >= config.seq_mask_low) & (geo <= config.seq_mask_high)
     weight = keep.to(mask.dtype).unsqueeze(1).expand_as(log_ratio)
-    return weight, {"masked_fraction": masked_mean(1.0 - weight, mask).item()}
+    return weight, {"masked_fraction": 1.0 - weight}
 
 
 @register_policy_loss("clipped_pg")
@@ -229,51 +299,54 @@ def clipped_pg_loss(
     config: PolicyLossConfig,
     rollout_logprobs: Tensor | None = None,
     ref_logprobs: Tensor | None = None,
-) -> tuple[Tensor, dict[str, float]]:
+) -> LossTerms:
     """Clipped surrogate, per token ``w * max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)) + kl_coef * k3``.
 
     ``r = exp(logprobs - old_logprobs)``; ``w`` is the rollout-correction weight computed from
-    ``old_logprobs - rollout_logprobs`` (detached; 1 when ``rollout_logprobs`` is None). Returns the scalar
-    loss (differentiable in ``logprobs``) and metrics (python floats over the valid tokens): clip_fraction,
-    ratio_mean/max/min, rollout_ratio_mean, token_mult_prob_error (NeMo-RL: mean exp|old - rollout|),
-    kl, and the correction's own metrics.
+    ``old_logprobs - rollout_logprobs`` (detached; 1 when ``rollout_logprobs`` is None). Per-token stats:
+    clip_fraction, ratio_mean, rollout_ratio_mean, token_mult_prob_error (NeMo-RL: mean exp|old - rollout|),
+    kl, and the correction's own.
     """
-    maskf, adv = _check_inputs(
-        logprobs,
-        mask,
-        advantages,
-        old_logprobs=old_logprobs,
-        rollout_logprobs=rollout_logprobs,
-        ref_logprobs=ref_logprobs,
-    )
-    valid = maskf.bool()
     ratio = torch.exp(logprobs - old_logprobs.detach())
-    surr = -adv * ratio
-    surr_clipped = -adv * ratio.clamp(1.0 - config.clip_low, 1.0 + config.clip_high)
+    surr = -advantages * ratio
+    surr_clipped = -advantages * ratio.clamp(1.0 - config.clip_low, 1.0 + config.clip_high)
     per_token = torch.maximum(surr, surr_clipped)
-
-    metrics: dict[str, float] = {
-        "clip_fraction": masked_mean((surr_clipped > surr).to(maskf.dtype), maskf).item(),
-        "ratio_mean": masked_mean(ratio.detach(), maskf).item(),
-        "ratio_max": ratio.detach()[valid].max().item(),
-        "ratio_min": ratio.detach()[valid].min().item(),
+    stats = {
+        "clip_fraction": (surr_clipped > surr).to(mask.dtype),
+        "ratio_mean": ratio.detach(),
     }
     if rollout_logprobs is not None:
         log_ratio = (old_logprobs - rollout_logprobs).detach()
-        weight, correction_metrics = get_correction(config.correction)(log_ratio, maskf, config)
+        weight, correction_stats = get_correction(config.correction)(log_ratio, mask, config)
         per_token = per_token * weight
-        metrics.update(correction_metrics)
-        metrics["rollout_ratio_mean"] = masked_mean(torch.exp(log_ratio), maskf).item()
-        metrics["token_mult_prob_error"] = masked_mean(torch.exp(log_ratio.abs()), maskf).item()
+        stats.update(correction_stats)
+        stats["rollout_ratio_mean"] = torch.exp(log_ratio)
+        stats["token_mult_prob_error"] = torch.exp(log_ratio.abs())
     if config.kl_coef > 0.0:
         if ref_logprobs is None:
             raise ValueError("PolicyLossConfig.kl_coef > 0 needs ref_logprobs [B, T]; got None")
         kl = k3_kl(logprobs, ref_logprobs.detach())
         per_token = per_token + config.kl_coef * kl
-        metrics["kl"] = masked_mean(kl.detach(), maskf).item()
-    loss = aggregate(per_token, maskf, config.aggregation)
-    metrics["loss"] = loss.item()
-    return loss, metrics
+        stats["kl"] = kl.detach()
+    return LossTerms(per_token=per_token, token_stats=stats, ratio=ratio.detach())
+
+
+def token_metrics(terms: LossTerms, mask: Tensor, tokens: float) -> dict[str, float]:
+    """``sum over valid tokens / tokens`` of every per-token stat, plus ``ratio_max`` / ``ratio_min``.
+
+    With ``tokens`` = this batch's own count these are means; with the step's count, shares of the step's
+    means. Max / min of an empty mask are -inf / inf (the identities of their reductions).
+    """
+    valid = mask.bool()  # where(), not a product: a masked prompt column may hold an inf stat
+    metrics = {
+        name: float(torch.where(valid, value, 0.0).sum() / tokens)
+        for name, value in terms.token_stats.items()
+    }
+    if terms.ratio is not None:
+        any_valid = bool(valid.any())
+        metrics["ratio_max"] = float(terms.ratio[valid].max()) if any_valid else float("-inf")
+        metrics["ratio_min"] = float(terms.ratio[valid].min()) if any_valid else float("inf")
+    return metrics
 
 
 def compute_policy_loss(
@@ -284,8 +357,33 @@ def compute_policy_loss(
     mask: Tensor,
     rollout_logprobs: Tensor | None = None,
     ref_logprobs: Tensor | None = None,
+    normalizer: LossNormalizer | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """Dispatch to the policy loss ``config.name`` (shapes as in the module docstring)."""
-    return get_policy_loss(config.name)(
-        logprobs, old_logprobs, advantages, mask, config, rollout_logprobs, ref_logprobs
+    """The policy loss ``config.name`` aggregated by ``config.aggregation`` (shapes: module docstring).
+
+    Args:
+        normalizer: the optimizer step's counts; the loss and metrics are then this batch's shares (a batch
+            without valid tokens gives 0). None: this batch's own counts (it must have a valid token).
+
+    Returns:
+        (scalar loss, differentiable in ``logprobs``; metrics as python floats, ``loss`` included).
+    """
+    maskf, adv = _check_inputs(
+        logprobs,
+        mask,
+        advantages,
+        old_logprobs=old_logprobs,
+        rollout_logprobs=rollout_logprobs,
+        ref_logprobs=ref_logprobs,
     )
+    if normalizer is None:
+        if maskf.sum() == 0:
+            raise ValueError("mask selects no token: the policy loss needs at least one response token")
+        normalizer = LossNormalizer.of(maskf)
+    terms = get_policy_loss(config.name)(
+        logprobs, old_logprobs, adv, maskf, config, rollout_logprobs, ref_logprobs
+    )
+    loss = aggregate(terms.per_token, maskf, config.aggregation, normalizer)
+    metrics = token_metrics(terms, maskf, normalizer.tokens)
+    metrics["loss"] = loss.item()
+    return loss, metrics

@@ -23,7 +23,8 @@ def _per_bin(history: Sequence[dict[str, Any]], pattern: re.Pattern) -> dict[int
 
 
 def write_plots(history: Sequence[dict[str, Any]], threshold: float, out_dir: Path) -> list[Path]:
-    """Write reward.png, response_length.png, tail_per_bin.png and schedule.png; returns their paths."""
+    """Write reward.png, response_length.png, tail_per_bin.png and schedule.png (and, for a speculative run,
+    speculative.png and speculative_tokens.png); returns their paths."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -48,6 +49,21 @@ def write_plots(history: Sequence[dict[str, Any]], threshold: float, out_dir: Pa
             None,
         ),
     }
+    if any("spec/accept_rate" in row for row in history):  # rollout.mode=speculative
+        panels["speculative.png"] = (
+            "speculative rollout: draft acceptance",
+            [("spec/accept_rate", "accept rate (tested drafts)"), ("spec/alpha", "mean sum_v min(p, q)")],
+            None,
+        )
+        panels["speculative_tokens.png"] = (
+            "speculative rollout: tokens per verify and predicted speedup",
+            [
+                ("spec/tokens_per_verify", "tokens per verify (measured)"),
+                ("spec/predicted_tokens_per_verify", "tokens per verify (from acceptance)"),
+                ("spec/predicted_speedup", "predicted speedup vs dense (H200)"),
+            ],
+            None,
+        )
     paths = []
     for name, (title, lines, hline) in panels.items():
         fig, ax = plt.subplots(figsize=(6, 4))

@@ -69,7 +69,24 @@ def build_summary(state, history: Sequence[dict[str, Any]], config: SparrowConfi
     end, dense = evals.get("end"), evals.get("end_dense")
     if end and dense and dense["tokens_per_s"] > 0:
         summary["measured_rollout_speedup"] = end["tokens_per_s"] / dense["tokens_per_s"]
+    speculative = {
+        name: _mean([row.get(f"spec/{name}") for row in steps])
+        for name in (
+            "accept_rate",
+            "alpha",
+            "tokens_per_verify",
+            "predicted_tokens_per_verify",
+            "predicted_speedup",
+        )
+    }
+    if speculative["accept_rate"] is not None:  # rollout.mode=speculative: the end evaluation speculated too
+        summary["speculative"] = speculative
     return summary
+
+
+def _mean(values: Sequence[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return sum(present) / len(present) if present else None
 
 
 def _fmt(value: Any, spec: str = ".3f") -> str:
@@ -94,10 +111,23 @@ def format_summary(summary: dict[str, Any]) -> str:
         )
     final = summary["final_schedule"]["budgets"]
     lines.append(f"final schedule (tokens per bin): {final}")
-    lines.append(
-        f"rollout speedup vs dense: predicted {_fmt(summary['predicted_speedup_mean'], '.2f')}x (H200 cost model), "
-        f"measured {_fmt(summary.get('measured_rollout_speedup'), '.2f')}x (this machine)"
-    )
+    spec = summary.get("speculative")
+    if spec is None:
+        lines.append(
+            f"rollout speedup vs dense: predicted {_fmt(summary['predicted_speedup_mean'], '.2f')}x (H200 cost model), "
+            f"measured {_fmt(summary.get('measured_rollout_speedup'), '.2f')}x (this machine)"
+        )
+    else:
+        lines.append(
+            f"speculative rollout (lossless): accept rate {_fmt(spec['accept_rate'])}, "
+            f"{_fmt(spec['tokens_per_verify'], '.2f')} tokens per verify (predicted "
+            f"{_fmt(spec['predicted_tokens_per_verify'], '.2f')} from the measured acceptance)"
+        )
+        lines.append(
+            f"rollout speedup vs dense: predicted {_fmt(spec['predicted_speedup'], '.2f')}x (H200 cost model), "
+            f"measured {_fmt(summary.get('measured_rollout_speedup'), '.2f')}x (this machine, speculative vs dense "
+            "evaluation)"
+        )
     timing = summary.get("timing_mean_s") or {}
     if timing:
         order = ["step", *sorted(k for k in timing if k != "step")]

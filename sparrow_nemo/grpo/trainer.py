@@ -12,7 +12,8 @@ Per step (:meth:`GrpoTrainer.step`), each phase timed as ``timing/<phase>``:
 3. ``logprobs`` / ``reference``: dense logprobs, entropy and top-20 (and the KL reference's) of the replica's
    rows only; ``stats``: acceptance rate of each rank's own tokens, then the step's statistics and the tail per
    bin merged over all ranks (:func:`~sparrow_nemo.grpo.step_batch.measure`) -> :class:`StepReport`;
-4. ``update``: the policy loss, one optimizer step on the replica's rows; a step whose loss or gradient is
+4. ``update``: ``grpo.mini_batches_per_step`` optimizer steps of the step-normalised policy loss on the
+   replica's rows (:mod:`sparrow_nemo.grpo.update`); a mini-batch whose loss or gradient is
    not finite changes nothing, is logged and counted (``train/skipped_nonfinite``), and
    ``trainer.max_consecutive_nonfinite`` of them in a row abort the run;
 5. ``refit``: the engine wakes and takes the new weights (:mod:`sparrow_nemo.grpo.refit`); ``distill``:
@@ -52,19 +53,27 @@ from sparrow_nemo.grpo.distill import STATE_KEY as DISTILL_KEY
 from sparrow_nemo.grpo.distill import DistillData, DistillSparse, Probe
 from sparrow_nemo.grpo.evaluation import evaluate
 from sparrow_nemo.grpo.metrics import MetricsWriter, merge_metrics, progress, rollout_progress
-from sparrow_nemo.grpo.objective import grpo_loss_fn, policy_loss_config
+from sparrow_nemo.grpo.objective import policy_loss_config
 from sparrow_nemo.grpo.preemption import Preempted, PreemptionGuard
-from sparrow_nemo.grpo.process_model import RankPlan, broadcast_object, reduce_max, replica_mean
+from sparrow_nemo.grpo.process_model import (
+    RankPlan,
+    broadcast_object,
+    distributed,
+    object_group,
+    reduce_max,
+)
 from sparrow_nemo.grpo.prompts import PromptItem, build_prompt_source
 from sparrow_nemo.grpo.refit import engine_weights, refit
 from sparrow_nemo.grpo.rollout_step import concat_outputs, micro_batches, reference_logprobs
 from sparrow_nemo.grpo.rundir import check_run_dir, make_run_dir
 from sparrow_nemo.grpo.step_batch import LocalRollout, StepBatch, generate, measure, score
 from sparrow_nemo.grpo.timing import PhaseTimer
+from sparrow_nemo.grpo.update import UpdateBatch, UpdateResult, mini_batch_order, update_policy
 from sparrow_nemo.grpo.warmstart import ensure_warm_start
 from sparrow_nemo.policy.sparse_forward import SparsePattern
 from sparrow_nemo.rollout.oom_retry import OomRetryEngine
 from sparrow_nemo.rollout.sampling import sample_seed
+from sparrow_nemo.rollout.spec_rollout import with_rollout_mode
 from sparrow_nemo.sparse.cost_model import HARDWARE, DecodeCostModel
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
@@ -72,6 +81,17 @@ logger = logging.getLogger(__name__)
 
 #: checkpoint key of the tail scheduler's state (as when it was a callback)
 SCHEDULER_KEY = "TailMismatchScheduler"
+#: checkpoint key of the speculative planner's state (beside the callbacks')
+PLANNER_KEY = "SpeculativePlanner"
+
+
+def _gather_objects(obj: Any) -> list[Any]:
+    """``obj`` of every rank, by global rank (a small-object all-gather over the gloo group). Collective."""
+    if not distributed():
+        return [obj]
+    out: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, obj, group=object_group())
+    return out
 
 
 class NonFiniteTrainingError(RuntimeError):
@@ -111,7 +131,11 @@ class GrpoTrainer:
         torch.manual_seed(config.trainer.seed)  # the same start whether or not the warm-start was cached
         self.policy = setup.build_policy(config, hf_dir)
         self.plan = RankPlan.current(config.rollout.tensor_parallel_size)
-        self._check_batch_split()
+        try:
+            self._check_batch_split()
+        except ValueError:
+            self.policy.close()  # refused before any work: no process group left behind
+            raise
         if config.grpo.loss.kl_coef > 0:  # the KL penalty's reference: the initial weights (NeMo-RL style)
             self.policy.keep_reference()
         self.run_dir = Path(
@@ -119,7 +143,9 @@ class GrpoTrainer:
         )
         weights = engine_weights(self.policy)  # collective: every rank takes part
         self.rollout_engine = (
-            OomRetryEngine(setup.build_engine(config, weights, self.prompts.tokenizer))
+            OomRetryEngine(
+                with_rollout_mode(config, setup.build_engine(config, weights, self.prompts.tokenizer))
+            )
             if self.plan.leads_engine
             else None
         )
@@ -138,7 +164,7 @@ class GrpoTrainer:
         self.metrics = MetricsWriter(
             self.run_dir, config.logging.jsonl, config.logging.tensorboard and self.is_main
         )
-        self.loss_fn = grpo_loss_fn(policy_loss_config(config.grpo.loss))
+        self.loss_config = policy_loss_config(config.grpo.loss)
         self.cost_model = DecodeCostModel(
             config.model.shape(), HARDWARE["h200"], dense_layers=config.sparsity.dense_layers
         )
@@ -150,16 +176,18 @@ class GrpoTrainer:
         self._resume()
 
     def _check_batch_split(self) -> None:
-        """Whole prompts per data-parallel rank, and (without a token budget per micro-batch) whole
-        micro-batches of its samples (one-line errors)."""
+        """Whole prompts per data-parallel rank and per mini-batch, and (without a token budget per
+        micro-batch) whole micro-batches of each mini-batch's samples (one-line errors)."""
         g, p = self.config.grpo, self.config.policy
         mbs = p.micro_batch_size
         rows = len(self.plan.replica_prompts(g.prompts_per_step)) * g.samples_per_prompt
-        if p.max_tokens_per_micro_batch is None and rows % mbs:
+        mini_batch_order(rows, g.samples_per_prompt, g.mini_batches_per_step)
+        if p.max_tokens_per_micro_batch is None and (rows // g.mini_batches_per_step) % mbs:
             raise ValueError(
                 f"{rows} samples per data-parallel rank (grpo.prompts_per_step={g.prompts_per_step} x "
-                f"grpo.samples_per_prompt={g.samples_per_prompt} / {self.plan.dp} ranks) is not a multiple of "
-                f"policy.micro_batch_size={mbs}"
+                f"grpo.samples_per_prompt={g.samples_per_prompt} / {self.plan.dp} ranks) in "
+                f"grpo.mini_batches_per_step={g.mini_batches_per_step} mini-batches is not a multiple of "
+                f"policy.micro_batch_size={mbs} per mini-batch"
             )
 
     def _scheduler(self) -> TailMismatchScheduler | None:
@@ -288,6 +316,10 @@ class GrpoTrainer:
             self._stop_between_phases()
             with timer.phase("logprobs"):
                 batch.dense = self._dense_logprobs(batch)
+            # speculative samples are dense-distributed: the policy is the behaviour policy
+            if cfg.rollout.mode == "speculative":
+                data = batch.data
+                data.rollout_logprobs = torch.where(data.response_mask, batch.dense.logprobs.float(), 0.0)
             if cfg.grpo.loss.kl_coef > 0:
                 with timer.phase("reference"):
                     batch.ref_logprobs = reference_logprobs(
@@ -295,6 +327,7 @@ class GrpoTrainer:
                     )
             with timer.phase("stats"):
                 batch.stats = measure(batch, cfg.sparsity.quantile, cfg.sparsity.noise_z, self.cost_model)
+                speculative = self._observe_speculative(batch)  # spec/*, then the re-plan
             self._stop_between_phases()
         except _StopRequested:
             self.prompts.cursor = cursor  # the abandoned step's prompts come again after the resume
@@ -305,9 +338,10 @@ class GrpoTrainer:
         report = self._report(batch)
         self.callbacks.on_rollout_end(self, report)
         with timer.phase("update"):
-            train = self._update(batch)
+            update = self._update(batch)
+        train = update.metrics
         with timer.phase("refit"):
-            self._refit(updated=train["train/skipped_nonfinite"] == 0.0)
+            self._refit(updated=update.updated)
         distilled: dict[str, float] = {}
         if self.distill is not None:
             with timer.phase("distill"):
@@ -326,6 +360,7 @@ class GrpoTrainer:
         metrics = merge_metrics(
             batch.stats.metrics(batch.schedule, cfg.sparsity.quantile),
             {"timing/rollout_max": batch.stats.rollout_s_max},
+            speculative,
             train,
             distilled,
             self._logged,
@@ -386,6 +421,23 @@ class GrpoTrainer:
         )
         return concat_outputs([o.detach() for o in self.policy.logprobs(batches)])
 
+    def _speculative_planner(self):
+        """This rank's engine's :class:`~sparrow_nemo.rollout.spec_rollout.SpeculativePlanner` (None unless
+        rollout.mode=speculative)."""
+        return getattr(self.rollout_engine, "planner", None)
+
+    def _observe_speculative(self, batch: StepBatch) -> dict[str, float]:
+        """rollout.mode=speculative: the ``spec/*`` metrics of rank 0's rollouts; every rank's acceptance goes
+        into every planner's table, which re-plans (one plan on all ranks). Collective (a small all-gather)."""
+        if self.config.rollout.mode != "speculative":
+            return {}
+        planner = self._speculative_planner()
+        if planner is None:  # no engine on this rank: nothing drafted here, but it takes part in the gather
+            _gather_objects(({}, -1))
+            return {}
+        metrics = planner.observe(batch.local.samples, batch.schedule, gather=_gather_objects)
+        return metrics if self.is_main else {}
+
     def _report(self, batch: StepBatch) -> StepReport:
         """What callbacks and the tail scheduler see of the step (the same on every rank)."""
         s, stats = self.config.sparsity, batch.stats
@@ -400,33 +452,36 @@ class GrpoTrainer:
             accuracy=stats.accuracy,
         )
 
-    def _update(self, batch: StepBatch) -> dict[str, float]:
-        """The policy-update phase: one optimizer step of the policy loss on this replica's rows."""
-        data, p = batch.data, self.config.policy
-        extras = {
-            "mask": data.response_mask,
-            "old_logprobs": batch.dense.logprobs,
-            "rollout_logprobs": data.rollout_logprobs,
-            "advantages": data.advantages,
-        }
-        if batch.ref_logprobs is not None:
-            extras["ref_logprobs"] = batch.ref_logprobs
-        batches = micro_batches(
-            data.tokens, data.lengths, extras, p.micro_batch_size, p.max_tokens_per_micro_batch
+    def _update(self, batch: StepBatch) -> UpdateResult:
+        """The policy-update phase on this replica's rows (:func:`sparrow_nemo.grpo.update.update_policy`):
+        ``grpo.mini_batches_per_step`` optimizer steps of the step-normalised loss."""
+        cfg, data = self.config, batch.data
+        share = UpdateBatch(
+            data.tokens,
+            data.lengths,
+            data.response_mask,
+            data.advantages.float(),
+            data.rollout_logprobs,
+            batch.dense.logprobs,
+            batch.ref_logprobs,
         )
-        result = self.policy.train_step(batches, self.loss_fn)
+        order = mini_batch_order(len(share), cfg.grpo.samples_per_prompt, cfg.grpo.mini_batches_per_step)
+        result = update_policy(
+            self.policy,
+            share.rows(order),
+            self.loss_config,
+            cfg.policy.micro_batch_size,
+            cfg.grpo.mini_batches_per_step,
+            cfg.policy.max_tokens_per_micro_batch,
+        )
         if result.skipped is None:
             self._nonfinite_streak = 0
-        else:  # weights unchanged: nothing to refit
+        else:
             if result.skipped != "loss_scale":  # an fp16 overflow is the grad scaler's business, not a fault
                 self._nonfinite_streak += 1
             if self.is_main:
                 logger.warning("step %d: update skipped, %s", self.state.step, result.skip_detail)
-        out = {f"train/{k}": v for k, v in replica_mean(result.metrics).items()}
-        out["train/loss"] = result.loss
-        out["train/grad_norm"] = result.grad_norm
-        out["train/skipped_nonfinite"] = float(result.skipped is not None)
-        return out
+        return result
 
     def _refit(self, updated: bool) -> None:
         """Wake the engine; when the weights changed, stream them into it (every rank takes part)."""
@@ -520,6 +575,9 @@ class GrpoTrainer:
                 distill_state = self.distill.state_dict(self.policy)  # collective
                 if distill_state:
                     states[DISTILL_KEY] = distill_state
+            planner = self._speculative_planner()
+            if self.is_main and planner is not None:
+                states[PLANNER_KEY] = planner.state_dict()
 
             def write_run_files(staging: Path) -> None:
                 write_run_state(staging, self.state.to_dict(), states)
@@ -549,6 +607,9 @@ class GrpoTrainer:
             self.scheduler.on_load_checkpoint(self, states.pop(SCHEDULER_KEY))
         if self.distill is not None and DISTILL_KEY in states:
             self.distill.load_state_dict(states.pop(DISTILL_KEY))
+        planner, planned = self._speculative_planner(), states.pop(PLANNER_KEY, None)
+        if planner is not None and planned is not None:  # every engine drafts with the saved plan
+            planner.load_state_dict(planned)
         if not self.is_main:  # this rank's callbacks are the collective ones
             keys = set(self.callbacks.state_keys())
             states = {k: v for k, v in states.items() if k in keys}

@@ -18,10 +18,11 @@ megatron-core 0.16 assumes CUDA in a few spots that the CPU path of this project
   ``inference_rng_tracker=True`` on CPU (see :func:`seed_model_parallel`), whose ``fork()`` does not
   touch CUDA RNG state. Dropout is 0 in every Qwen3 config, so no random stream is lost.
 
-What is *not* shimmed, because it cannot be adapted cleanly (the plain torch equivalents live in
-:mod:`sparrow_nemo.policy.train_step`): megatron's pipeline schedules (``torch.zeros(..., device="cuda")``
+What is *not* shimmed here (the CPU path uses the torch equivalents of :mod:`sparrow_nemo.policy.optim` and
+:mod:`sparrow_nemo.policy.schedule`): megatron's pipeline schedules (``torch.zeros(..., device="cuda")``
 and CUDA p2p buffers), ``DistributedDataParallel`` (CUDA grad buffers) and the megatron optimizer
-(CUDA ``found_inf`` / grad-norm tensors).
+(CUDA ``found_inf`` / grad-norm tensors). The tests run that GPU branch on CPU anyway, through a
+test-only shim that maps every CUDA allocation to CPU (``tests/megatron_gpu_branch/cuda_on_cpu.py``).
 
 :func:`apply_cpu_shims` is a no-op when CUDA is available, so the GPU path is megatron-core's own.
 """

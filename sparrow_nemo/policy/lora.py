@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from sparrow_nemo.model_shapes import Qwen3Shape
+from sparrow_nemo.policy.fused_norm import linear_input
 from sparrow_nemo.policy.model import PolicyModelSpec, unwrap_model
 from sparrow_nemo.policy.parallel import stage_layer_range
 from sparrow_nemo.policy.tp_layout import (
@@ -174,7 +175,7 @@ class MegatronLora(torch.nn.Module):
     B: [out_local, r], the model's dtype and device).
 
     Args:
-        model: this rank's megatron ``GPTModel`` (possibly wrapped); must use the local layer spec.
+        model: this rank's megatron ``GPTModel`` (possibly wrapped), local or Transformer Engine layer spec.
         spec: what was built on this rank.
         config: rank, alpha, targets.
         adapter: initial weights in HF names (default :func:`init_adapter` with ``seed``).
@@ -192,12 +193,6 @@ class MegatronLora(torch.nn.Module):
 
         super().__init__()
         inner = unwrap_model(model)
-        if spec.use_te:
-            raise ValueError(
-                "LoRA does not support the Transformer Engine layer spec (TE fuses the RMSNorm into "
-                "linear_qkv/linear_fc1, so the adapter's hook would see the un-normalised input, and TE needs "
-                "CUDA to build and test); build the policy with the local spec (use_te=False)"
-            )
         if inner.config.sequence_parallel:
             raise ValueError("LoRA: sequence parallelism is not supported")
         self.spec = spec
@@ -232,10 +227,11 @@ class MegatronLora(torch.nn.Module):
 
     # ----------------------------------------------------------------- forward
     def _hook(self, key: str, column: bool):
-        def hook(_module, args, kwargs, output):
+        def hook(module, args, kwargs, output):
             if not self.enabled:
                 return output
-            x = args[0] if args else kwargs["input_"]
+            # under the TE spec linear_qkv / linear_fc1 normalise their input themselves (fused_norm)
+            x = linear_input(module, args[0] if args else kwargs["input_"])
             out, bias = output
             return out + self._delta(x, key, column).to(out.dtype), bias
 

@@ -1,15 +1,14 @@
 """Optimizer, gradient synchronisation and clipping for the megatron policy.
 
-What runs where:
+What runs where (:func:`wrap_for_training`; the megatron branch is the default with CUDA):
 
-- GPU: megatron-core's ``DistributedDataParallel`` (contiguous grad buffers, overlapped DP
+- megatron branch (GPU): megatron-core's ``DistributedDataParallel`` (contiguous grad buffers, DP
   reduce-scatter/all-reduce) and ``get_megatron_optimizer`` (Adam, distributed optimizer when
-  ``OptimizerSettings.distributed`` and dp > 1), whose ``step()`` clips by the global grad norm.
-  Gradient finalisation is megatron's ``finalize_model_grads``.
-- CPU (no GPU): both allocate on CUDA, so :class:`TorchPolicyOptimizer` uses ``torch.optim.AdamW``
-  (same param groups: no weight decay on 1-D norm weights, as megatron) and does by hand what
-  megatron's ``finalize_model_grads`` + ``clip_grad_norm`` do:
-  1. mean of every gradient over the data-parallel group (all-reduce sum / dp);
+  ``OptimizerSettings.distributed`` and dp > 1), stepped by :class:`MegatronPolicyOptimizer`. Gradient
+  finalisation is megatron's ``finalize_model_grads``.
+- torch branch (CPU): both allocate on CUDA, so :class:`TorchPolicyOptimizer` uses ``torch.optim.AdamW``
+  and does by hand what megatron's ``finalize_model_grads`` + ``clip_grad_norm`` do:
+  1. sum of every gradient over the data-parallel group (all-reduce);
   2. sum of the q/k RMSNorm gradients over the tensor-parallel group (one weight shared by all
      heads, while each rank holds a slice of the heads); the other replicated weights (input and
      pre-MLP norms, final norm) already receive identical full gradients on every TP rank;
@@ -17,6 +16,11 @@ What runs where:
      when pp > 1 and the embeddings are tied;
   4. global L2 norm over the model-parallel group, counting TP-replicated and PP-shared weights once,
      then scaling every gradient by ``min(1, clip / (norm + 1e-6))``.
+
+Gradients are *summed* over data-parallel ranks in both branches (megatron: ``calculate_per_token_loss``,
+which also stops its schedule from dividing losses by the number of micro-batches): the losses arrive
+weighted already (:mod:`sparrow_nemo.policy.train_step`). Weight decay skips 1-D weights and biases in
+both (:func:`decays`, megatron's ``get_standard_config_overrides`` rule).
 
 Non-finite guard (both paths): the global norm is computed after the gradient sync, so every rank sees
 the same value; when it is not finite (a NaN/inf gradient on any rank) the update is skipped - no weight
@@ -26,7 +30,9 @@ fp16, megatron's grad scaler reports overflows first (``"loss_scale"``; the scal
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,9 +85,17 @@ class UpdateOutcome:
     skipped: str | None = None
 
 
+def decays(name: str, param: torch.Tensor) -> bool:
+    """Whether weight decay applies: not to 1-D weights (the norms) nor biases, as megatron-core's default
+    param groups (``megatron/core/optimizer/__init__.py``, ``get_standard_config_overrides``: ``wd_mult=0``
+    for ``len(param.shape) == 1`` or ``*.bias``)."""
+    return param.dim() > 1 and not name.endswith(".bias")
+
+
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() > 1]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() <= 1]
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    decay = [p for n, p in trained if decays(n, p)]
+    no_decay = [p for n, p in trained if not decays(n, p)]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
@@ -96,7 +110,6 @@ def sync_grads_cpu(model: torch.nn.Module, tie_embeddings: bool) -> None:
             continue
         if dp > 1:
             dist.all_reduce(p.grad, group=dp_group)
-            p.grad.div_(dp)
         if tp > 1 and ("q_layernorm" in name or "k_layernorm" in name):
             dist.all_reduce(p.grad, group=tp_group)
     if tie_embeddings and ps.get_pipeline_model_parallel_world_size() > 1 and ps.is_rank_in_embedding_group():
@@ -132,6 +145,9 @@ def clip_grads_cpu(model: torch.nn.Module, max_norm: float) -> float:
 
 class TorchPolicyOptimizer:
     """CPU optimizer: ``torch.optim.AdamW`` with megatron-equivalent grad sync and clipping."""
+
+    #: trained through the torch GPipe schedule (:mod:`sparrow_nemo.policy.schedule`)
+    megatron_schedule = False
 
     def __init__(self, model: torch.nn.Module, settings: OptimizerSettings, tie_embeddings: bool) -> None:
         self.model = model
@@ -173,8 +189,38 @@ class TorchPolicyOptimizer:
         """Counterpart of :meth:`save_param_state`: nothing to read."""
 
 
+@contextlib.contextmanager
+def _adam_steps_aside(subs: list) -> Iterator[None]:
+    """Inside, torch Adam's per-parameter ``"step"`` entries are out of the optimizers' state.
+
+    megatron's parameter-state load (``megatron/core/optimizer/distrib_optimizer.py``,
+    ``_set_main_param_and_optimizer_states``) copies every key of the live Adam state from the file, which
+    holds only ``param`` / ``exp_avg`` / ``exp_avg_sq``; torch's Adam (megatron's fallback without TE or apex)
+    also keeps a per-parameter ``step`` (restored by ``load_state_dict`` from the param groups):
+    ``KeyError: 'step'``. TE's FusedAdam keeps the step in the param group and is unaffected.
+    """
+    held = [
+        (state, state.pop("step"))
+        for sub in subs
+        for state in sub.optimizer.state.values()
+        if "step" in state
+    ]
+    try:
+        yield
+    finally:
+        for state, step in held:
+            state["step"] = step
+
+
+#: :meth:`MegatronPolicyOptimizer.state_dict` of an optimizer that has not updated yet
+_NO_UPDATE_YET = "no_update_yet"
+
+
 class MegatronPolicyOptimizer:
     """GPU optimizer: megatron DDP-wrapped model + ``get_megatron_optimizer``."""
+
+    #: trained through megatron-core's schedule (``get_forward_backward_func``)
+    megatron_schedule = True
 
     def __init__(self, ddp_model: torch.nn.Module, settings: OptimizerSettings, dtype: torch.dtype) -> None:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -195,6 +241,12 @@ class MegatronPolicyOptimizer:
             use_distributed_optimizer=settings.distributed,
         )
         self.optimizer = get_megatron_optimizer(config, [ddp_model])
+        # megatron's param groups carry ``wd_mult`` (0 for norms and biases), but only its
+        # OptimizerParamScheduler.step turns that into the group's ``weight_decay``
+        # (megatron/core/optimizer_param_scheduler.py); without a scheduler every group decays. Constant
+        # lr and weight decay: set them once, as that step would.
+        for group in self.optimizer.param_groups:
+            group["weight_decay"] = settings.weight_decay * group.get("wd_mult", 1.0)
 
     def zero_grad(self) -> None:
         """Zero megatron's grad buffers."""
@@ -227,19 +279,49 @@ class MegatronPolicyOptimizer:
         optimizer.step_with_ready_grads()
         return UpdateOutcome(grad_norm)
 
+    def _subs(self) -> list:
+        return getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+
+    def has_moments(self) -> bool:
+        """Whether Adam's moments exist (torch optimizers create them at the first update)."""
+        return any(sub.optimizer.state for sub in self._subs())
+
     def state_dict(self) -> dict:
-        """Optimizer state except, for the distributed optimizer, the sharded moments (see below)."""
+        """Optimizer state except, for the distributed optimizer, the sharded moments (see below).
+
+        Before the first update: ``{"no_update_yet": True}``. There is no state yet, and megatron cannot
+        say so: its distributed optimizer's ``state_dict`` asserts one Adam step count (torch Adam) and its
+        parameter-state gather reads ``state["exp_avg"]`` (``KeyError: 'exp_avg'``)."""
+        if not self.has_moments():
+            return {_NO_UPDATE_YET: True}
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`."""
+        """Restore :meth:`state_dict` (after the model's weights: a state saved before the first update
+        clears the moments and re-derives megatron's fp32 master weights from the model's)."""
+        if state.get(_NO_UPDATE_YET):
+            for sub in self._subs():
+                sub.optimizer.state.clear()
+            self.optimizer.reload_model_params()
+            return
         self.optimizer.load_state_dict(state)
+        # megatron's DistributedOptimizer.load_state_dict (torch-Adam fallback, no TE/apex) gives every
+        # parameter's state the *same* ``step`` tensor, which torch's Adam then increments in place once per
+        # parameter: each its own copy, as torch's Adam made them
+        for sub in self._subs():
+            for entry in sub.optimizer.state.values():
+                if isinstance(entry.get("step"), torch.Tensor):
+                    entry["step"] = entry["step"].clone()
 
     def save_param_state(self, path: Path) -> bool:
         """Distributed optimizer: gather the DP-sharded moments and master weights to DP rank 0, which
         writes ``path`` (megatron's ``save_parameter_state``; collective over DP). Returns True when
-        this rank wrote the file."""
-        if not self.distributed:
+        this rank wrote the file.
+
+        Before the first update there are no moments (megatron's gather would raise ``KeyError:
+        'exp_avg'``) and the master weights equal the model's: nothing is written, and a resume starts
+        the optimizer fresh, as it was."""
+        if not self.distributed or not self.has_moments():
             return False
         from megatron.core import parallel_state as ps
 
@@ -247,9 +329,21 @@ class MegatronPolicyOptimizer:
         return ps.get_data_parallel_rank() == 0
 
     def load_param_state(self, path: Path) -> None:
-        """Counterpart of :meth:`save_param_state` (every DP rank reads its shard from ``path``)."""
+        """Counterpart of :meth:`save_param_state` (every DP rank reads its shard from ``path``).
+
+        Under ``no_grad``: with fp32 params the master weights megatron copies into are the model's own
+        leaf parameters, and an in-place copy into a leaf that requires grad is refused by autograd."""
         if self.distributed:
-            self.optimizer.load_parameter_state(str(path))
+            with torch.no_grad(), _adam_steps_aside(self._subs()):
+                self.optimizer.load_parameter_state(str(path))
+
+
+def _finalize_summed_grads(model, num_tokens=None, pg_collection=None, force_all_reduce=False) -> None:
+    """megatron's ``finalize_model_grads`` (DP reduction, tied-embedding and layernorm syncs) without its
+    division by the step's token count: the losses arrive weighted already (``train_step``)."""
+    from megatron.core.distributed import finalize_model_grads
+
+    finalize_model_grads(model, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
 
 
 def wrap_for_training(
@@ -257,17 +351,24 @@ def wrap_for_training(
     settings: OptimizerSettings,
     tie_embeddings: bool,
     dtype: torch.dtype = torch.float32,
+    megatron: bool | None = None,
 ):
-    """``(model_to_train, optimizer)``: megatron DDP + optimizer on GPU, the model itself + AdamW on CPU."""
-    if not torch.cuda.is_available():
+    """``(model_to_train, optimizer)``: megatron DDP + optimizer (megatron branch), or the model itself + AdamW.
+
+    Args:
+        megatron: the megatron branch; None = when CUDA is available (the CPU tests force it through a
+            test-only shim that maps megatron's CUDA allocations to CPU).
+    """
+    if megatron is None:
+        megatron = torch.cuda.is_available()
+    if not megatron:
         return model, TorchPolicyOptimizer(model, settings, tie_embeddings)
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        finalize_model_grads,
-    )
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     config = model.config
+    # read by megatron's schedule (no in-place division of the loss by num_microbatches) and by its DDP
+    # (gradient_scaling_factor 1: gradients summed over DP, not averaged)
+    config.calculate_per_token_loss = True
     ddp = DistributedDataParallel(
         config,
         DistributedDataParallelConfig(
@@ -276,7 +377,7 @@ def wrap_for_training(
         model,
     )
     optimizer = MegatronPolicyOptimizer(ddp, settings, dtype)
-    config.finalize_model_grads_func = finalize_model_grads
+    config.finalize_model_grads_func = _finalize_summed_grads
     config.no_sync_func = ddp.no_sync
     config.grad_scale_func = optimizer.optimizer.scale_loss
     return ddp, optimizer

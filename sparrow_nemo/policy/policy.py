@@ -29,7 +29,7 @@ from sparrow_nemo.policy.sparse_forward import (
     compute_sparse_logprobs,
     sparse_forward,
 )
-from sparrow_nemo.policy.train_step import StepResult, train_step
+from sparrow_nemo.policy.train_step import Reduction, StepResult, train_step
 from sparrow_nemo.rollout.lora import LoraAdapter
 
 
@@ -46,6 +46,8 @@ class MegatronPolicy:
         fp8: FP8 recipe name for TE (``None``: off).
         seed: model-parallel RNG seed (used for the random init when there is no ``hf_dir``).
         memory: activation recompute, sequence parallelism and the logprob chunk (the recipe's).
+        megatron_training: train and score through megatron-core's DDP, optimizer and pipeline schedule
+            (``None``: when CUDA is available; else the torch equivalents of :mod:`sparrow_nemo.policy.optim`).
     """
 
     def __init__(
@@ -59,20 +61,21 @@ class MegatronPolicy:
         fp8: str | None = None,
         seed: int = 1234,
         memory: MemorySettings = DEFAULT_MEMORY,
+        megatron_training: bool | None = None,
     ) -> None:
         initialize_parallel(layout, shape, seed=seed)
         model, self.spec = build_model(shape, layout, dtype, use_te=use_te, fp8=fp8, memory=memory)
         if hf_dir is not None:
             load_hf_into_model(model, self.spec, hf_dir)
         self.model, self.optimizer = wrap_for_training(
-            model, settings, shape.tie_word_embeddings, resolve_dtype(dtype)
+            model, settings, shape.tie_word_embeddings, resolve_dtype(dtype), megatron_training
         )
         self.lora: MegatronLora | None = None
         self.reference: ReferenceWeights | None = None
 
     def logprobs(self, batches: list[PolicyBatch], top_k: int = TOP_K) -> list[LogprobOutput]:
         """Dense log-probs, entropy and top-k per micro-batch (CPU tensors [B, S-1], on every rank)."""
-        return compute_logprobs(self.model, self.spec, batches, top_k)
+        return compute_logprobs(self.model, self.spec, batches, top_k, self.optimizer.megatron_schedule)
 
     def keep_reference(self) -> None:
         """Take the current weights as the frozen reference policy (the KL penalty's; see
@@ -136,9 +139,13 @@ class MegatronPolicy:
             raise RuntimeError("no LoRA adapter attached: call MegatronPolicy.enable_lora(...) first")
         return self.lora
 
-    def train_step(self, batches: list[PolicyBatch], loss_fn: LossFn) -> StepResult:
-        """One optimizer step on the mean of ``loss_fn`` over this DP rank's micro-batches (and over DP)."""
-        return train_step(self.model, self.optimizer, self.spec, batches, loss_fn)
+    def train_step(
+        self, batches: list[PolicyBatch], loss_fn: LossFn, reduction: Reduction = "mean"
+    ) -> StepResult:
+        """One optimizer step on this DP rank's micro-batches: the step's loss is the mean (``reduction="mean"``)
+        of ``loss_fn`` over the micro-batches of all DP ranks, or their sum (``"sum"``: ``loss_fn`` values are
+        shares of a step-normalised loss, :mod:`sparrow_nemo.grpo.update`)."""
+        return train_step(self.model, self.optimizer, self.spec, batches, loss_fn, reduction)
 
     def export_hf(self) -> dict[str, torch.Tensor]:
         """Full HF-named weights on every rank (for the rollout engine's weight refit)."""

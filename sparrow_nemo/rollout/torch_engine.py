@@ -11,6 +11,8 @@
   the whole response reserved, checks stops every ``stop_check_every`` tokens and, on CUDA with the
   fused kernels, replays each step from a CUDA graph (``static_decode``). Both give the same tokens.
 - On CUDA the fused ``sparrow_kernels`` decode is used when available (see ``choose_backend``).
+- ``generate(..., speculative=SpeculativeConfig(...))`` decodes losslessly instead: sparse drafts verified by
+  dense forwards (``spec_decode``; its own compact loop, whatever ``decode_loop`` says).
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ from sparrow_nemo.rollout.sampling import (
     sample_tokens,
     token_logprobs,
 )
+from sparrow_nemo.rollout.spec_decode import SpeculativeDecoder, SpeculativeSample
+from sparrow_nemo.rollout.spec_verify import KernelVerify, TorchVerify, VerifyAttention
+from sparrow_nemo.rollout.speculative import SpeculativeConfig
 from sparrow_nemo.rollout.static_decode import StaticDecoder, decode_static
 from sparrow_nemo.rollout.stopping import Detokenizer, StopRule
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET, BudgetSchedule
@@ -120,6 +125,7 @@ class TorchRolloutEngine:
         self.cuda_graph = cuda_graph and fast
         self._cache: PagedKVCache | None = None
         self._cache_pages = 0
+        self._verify: VerifyAttention | None = None  # built at the first speculative generate
         self._asleep = False
 
     # ----------------------------------------------------------------- construction
@@ -244,8 +250,13 @@ class TorchRolloutEngine:
         *,
         sample_seeds: Sequence[int] | None = None,
         on_tokens: TokenProgress | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> RolloutBatch:
         """Sample one response per prompt; see :class:`~sparrow_nemo.rollout.engine.RolloutSample`.
+
+        With ``speculative``, the sparse rule (``schedule``, or the config's own draft schedule) only drafts and
+        dense verify passes decide: the samples are dense-distributed, their logprobs dense, and each is a
+        :class:`~sparrow_nemo.rollout.spec_decode.SpeculativeSample` carrying its draft statistics.
 
         ``sample_seeds`` overrides the per-sample seeds (default ``sample_seed(sampling.seed, i)``), so a
         prompt run alone can reproduce its draws from inside a larger batch. Prompts are decoded in waves
@@ -262,7 +273,7 @@ class TorchRolloutEngine:
         for lo in range(0, len(prompt_ids), step):
             wave = slice(lo, lo + step)
             part = self._generate_wave(
-                prompt_ids[wave], seeds[wave], max_new[wave], sampling, schedule, stop, tally
+                prompt_ids[wave], seeds[wave], max_new[wave], sampling, schedule, stop, tally, speculative
             )
             out.samples += part.samples
             out.prefill_s += part.prefill_s
@@ -279,13 +290,16 @@ class TorchRolloutEngine:
         schedule: BudgetSchedule,
         stop: StopRule,
         tally: TokenTally,
+        speculative: SpeculativeConfig | None = None,
     ) -> RolloutBatch:
         """Generate for prompts decoded together (at most ``max_batch_size``); inputs already validated."""
         batch = len(prompt_ids)
         ps = self.page_size
-        static = self.decode_loop == "static"
-        # The static loop decodes every row for the longest response: reserve all of it up front.
-        final_len = [p.numel() + (max(max_new) if static else m) for p, m in zip(prompt_ids, max_new)]
+        static = self.decode_loop == "static" and speculative is None
+        # The static loop decodes every row for the longest response: reserve all of it up front. A
+        # speculative verify may address up to the widest k positions past a row's cap (padded queries).
+        slack = 0 if speculative is None else speculative.max_draft_tokens
+        final_len = [p.numel() + (max(max_new) if static else m) + slack for p, m in zip(prompt_ids, max_new)]
         cache = self._ensure_cache(sum(math.ceil(n / ps) for n in final_len))
         block_table = torch.full(
             (batch, math.ceil(max(final_len) / ps)), -1, dtype=torch.int32, device=self.device
@@ -296,7 +310,18 @@ class TorchRolloutEngine:
 
         t0 = self._now()
         cache.reserve(block_table, seq_len)
-        logits = self._prefill_shared(cache, block_table, prompt_ids, ids, seq_len)
+        adapter = self.model.lora
+        if speculative is not None:  # the prompt is the dense policy's (what the verify passes read)
+            self.model.lora = None
+        try:
+            logits = self._prefill_shared(cache, block_table, prompt_ids, ids, seq_len)
+        finally:
+            self.model.lora = adapter
+        if speculative is not None:
+            return self._decode_speculative(
+                prompt_ids, cache, block_table, seq_len, logits, gens, max_new, sampling, schedule, speculative,
+                stop, t0, tally,
+            )  # fmt: skip
         if static:
             return self._decode_static(
                 prompt_ids,
@@ -397,6 +422,47 @@ class TorchRolloutEngine:
             for p, f, (reason, matched) in zip(prompt_ids, fields, finished)
         ]
         return RolloutBatch(samples=samples, schedule_name=schedule.name, prefill_s=t1 - t0, decode_s=t2 - t1)
+
+    def _decode_speculative(
+        self,
+        prompt_ids: list[torch.Tensor],
+        cache: PagedKVCache,
+        block_table: torch.Tensor,
+        seq_len: torch.Tensor,
+        logits: torch.Tensor,
+        gens: list[torch.Generator],
+        max_new: list[int],
+        sampling: SamplingParams,
+        schedule: BudgetSchedule,
+        speculative: SpeculativeConfig,
+        stop: StopRule,
+        t0: float,
+        tally: TokenTally,
+    ) -> RolloutBatch:
+        """The speculative loop of one wave after its prefill (:mod:`sparrow_nemo.rollout.spec_decode`)."""
+        draft = speculative.schedule_for(schedule)
+        if draft.page_size != self.page_size:
+            raise ValueError(
+                f"speculative draft schedule '{draft.name}' uses page_size={draft.page_size} but the engine "
+                f"pages are {self.page_size} tokens"
+            )
+        decoder = SpeculativeDecoder(
+            self.model, self.decode_step, self._verify_attention(), cache, sampling, draft, speculative, stop,
+            pad_queries=self.backend == "triton",
+        )  # fmt: skip
+        t1 = self._now()
+        fields = decoder.run(block_table, seq_len, logits, gens, max_new, tally)  # frees every page it holds
+        t2 = self._now()
+        samples = [SpeculativeSample(prompt_ids=p.cpu(), **f) for p, f in zip(prompt_ids, fields)]
+        return RolloutBatch(
+            samples=samples, schedule_name=f"speculative:{draft.name}", prefill_s=t1 - t0, decode_s=t2 - t1
+        )
+
+    def _verify_attention(self) -> VerifyAttention:
+        """The speculative verify pass's attention: the Triton kernel with the fused decode, else torch."""
+        if self._verify is None:
+            self._verify = KernelVerify() if self.backend == "triton" else TorchVerify()
+        return self._verify
 
     # ----------------------------------------------------------------- internals
     def _check_awake(self) -> None:

@@ -8,8 +8,8 @@ Where the sparse indices go depends on the GPU (:func:`generation_path`):
 - Anything else, Hopper (SM90) included: TensorRT-LLM's generation kernels ignore the indices (see
   :func:`generation_path`), so the plugin runs the whole generation phase itself with
   :func:`sparse_decode_step`: ``sparrow_kernels.append_kv`` writes the new token's K/V into TensorRT-LLM's
-  paged pool (and updates the page centroid), ``select_pages_paged`` picks the pages and
-  ``sparse_decode_paged`` attends to them, all over the pool's own pages and block table
+  paged pool (and updates the page centroid), ``page_selection`` picks the pages (physical ids) and
+  ``decode_attention_paged`` attends to them (three launches per layer), all over the pool's own pages and block table
   (:mod:`~sparrow_nemo.rollout.trtllm_layout`). The context phase stays TensorRT-LLM's.
 
 Budgets come from a device-resident :class:`BudgetTable` so that nothing here reads a device value on the
@@ -132,12 +132,12 @@ def sparse_decode_step(
     num_kv_heads, page_size, head_dim = k_pages.shape[1:]
     q, k, v = split_fused_qkv(qkv, num_heads, num_kv_heads, head_dim)
     sparrow_kernels.append_kv(k_pages, v_pages, centroids, block_table, seq_len - 1, k, v)
-    page_idx, counts = sparrow_kernels.select_pages_paged(
+    # page_selection returns physical page ids and merge tickets too: the attention reads pages through
+    # one indirection, with no logical -> physical translation between the two launches
+    selection = sparrow_kernels.page_selection(
         q, centroids, block_table, seq_len, budgets, page_size, sink_pages, local_pages
     )
-    out = sparrow_kernels.sparse_decode_paged(
-        q, k_pages, v_pages, block_table, seq_len, page_idx, counts, scale=scale
-    )
+    out = sparrow_kernels.decode_attention_paged(q, k_pages, v_pages, block_table, seq_len, selection, scale)
     return out.reshape(q.shape[0], num_heads * head_dim)
 
 

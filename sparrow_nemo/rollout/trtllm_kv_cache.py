@@ -23,8 +23,9 @@ from collections.abc import Sequence
 
 import torch
 
-#: centroid dtype: ``sparrow_kernels`` scores pages against float32 centroids
-#: (``kernels/sparrow_kernels/_checks.py`` ``check_centroids``)
+#: centroid dtype. ``sparrow_kernels`` also accepts centroids in the key dtype (``_checks.check_centroids``),
+#: which would halve their bytes, but :meth:`CentroidPool.append` keeps a running mean, which needs float32
+#: (bf16 would need the page's stored keys re-read at each append, as ``sparrow_kernels.append_kv`` does)
 CENTROID_DTYPE = torch.float32
 
 

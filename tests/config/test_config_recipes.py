@@ -17,6 +17,7 @@ from sparrow_nemo.config import (
     recipes_dir,
     resolve_recipe,
 )
+from sparrow_nemo.grpo.update import mini_batch_order
 from sparrow_nemo.model_shapes import PRESETS
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
@@ -74,6 +75,19 @@ def test_qwen3_recipes_use_the_paper_schedule(recipe: str, preset: str, schedule
         0.2,
         0.28,
     )
+
+
+@pytest.mark.parametrize("name", [n for n in SHIPPED if n.startswith("qwen3_") and n != "qwen3_math_base"])
+def test_qwen3_recipe_steps_split_into_whole_prompt_mini_batches_on_32_gpus(name: str) -> None:
+    """At the recipe scale (32 GPUs) each replica's prompts split into grpo.mini_batches_per_step mini-batches
+    of whole prompts and whole micro-batches (what the trainer checks at construction)."""
+    config = load_config(name)
+    g, p = config.grpo, config.policy
+    dp = 32 // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
+    assert g.mini_batches_per_step > 1 and g.prompts_per_step % dp == 0
+    rows = g.prompts_per_step // dp * g.samples_per_prompt
+    mini_batch_order(rows, g.samples_per_prompt, g.mini_batches_per_step)  # raises when they do not split
+    assert (rows // g.mini_batches_per_step) % p.micro_batch_size == 0
 
 
 def test_base_calibration_grid_is_the_papers_18_budgets() -> None:

@@ -150,6 +150,23 @@ def test_time_based_checkpoints(tmp_path) -> None:
     assert [s for s, _ in complete_checkpoints(tmp_path / "steps" / "checkpoints")] == [3]
 
 
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["grpo.prompts_per_step=3"], r"grpo\.mini_batches_per_step=2 mini-batches of whole prompts"),
+        (
+            ["grpo.mini_batches_per_step=1", "policy.micro_batch_size=3"],
+            r"in grpo\.mini_batches_per_step=1 mini-batches is not a multiple of policy\.micro_batch_size=3",
+        ),
+    ],
+)
+def test_a_step_that_does_not_split_is_refused_at_construction(tmp_path, overrides, expected) -> None:
+    config = load_config("tiny_cpu_smoke", [*FAST, *overrides])
+    with single_rank_env(), pytest.raises(ValueError, match=expected):
+        GrpoTrainer(config, tmp_path)
+    assert not dist.is_initialized()
+
+
 def test_the_process_group_gets_the_recipe_timeout() -> None:
     config = load_config("tiny_cpu_smoke", ["trainer.dist_timeout_minutes=7"])
     with single_rank_env():

@@ -53,8 +53,10 @@ def _entry(rank: int, world: int, port: int, fn, args, errors) -> None:
         raise
 
 
-def run_distributed(fn, world: int, *args) -> None:
-    """Run ``fn(rank, *args)`` on ``world`` spawned processes with the gloo env set; re-raise failures."""
+def run_distributed(fn, world: int, *args, timeout: float = 300) -> None:
+    """Run ``fn(rank, *args)`` on ``world`` spawned processes with the gloo env set; re-raise failures.
+
+    ``timeout``: seconds to wait for each process (a hung one is killed and reported)."""
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     port = free_port()
@@ -62,7 +64,7 @@ def run_distributed(fn, world: int, *args) -> None:
     for p in procs:
         p.start()
     for p in procs:
-        p.join(timeout=300)
+        p.join(timeout=timeout)
     failures = []
     while not errors.empty():
         failures.append(errors.get())

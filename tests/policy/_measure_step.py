@@ -53,7 +53,7 @@ def _saved_bytes(fn, params: set[int]) -> int:
 
 
 def measure(case: dict) -> dict:
-    from sparrow_nemo.grpo.losses import PolicyLossConfig
+    from sparrow_nemo.grpo.losses import LossNormalizer, PolicyLossConfig
     from sparrow_nemo.grpo.objective import grpo_loss_fn
     from sparrow_nemo.model_shapes import Qwen3Shape
     from sparrow_nemo.policy.batch import PolicyBatch
@@ -80,7 +80,7 @@ def measure(case: dict) -> dict:
         "advantages": torch.randn(rows, generator=g),
     }
     batch = PolicyBatch(tokens, torch.full((rows,), width), extras)
-    loss_fn = grpo_loss_fn(PolicyLossConfig())
+    loss_fn = grpo_loss_fn(PolicyLossConfig(), LossNormalizer.of(mask))
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
 
     def forward_loss():

@@ -22,7 +22,7 @@ import torch
 
 from policy._helpers import make_hf_checkpoint
 from policy.test_plan_measured import _shape, run_cases
-from sparrow_nemo.grpo.losses import PolicyLossConfig
+from sparrow_nemo.grpo.losses import LossNormalizer, PolicyLossConfig
 from sparrow_nemo.grpo.objective import grpo_loss_fn
 from sparrow_nemo.model_shapes import PRESETS, Qwen3Shape
 from sparrow_nemo.policy.batch import PolicyBatch
@@ -73,7 +73,7 @@ def test_chunked_step_equals_the_unchunked_path(single_rank):
         "advantages": torch.tensor([1.0, -0.7]),
     }
     batch = PolicyBatch(tokens, lengths, extras)
-    loss_fn = grpo_loss_fn(PolicyLossConfig(correction="none"))
+    loss_fn = grpo_loss_fn(PolicyLossConfig(correction="none"), LossNormalizer.of(mask))
 
     def step(head):
         model.zero_grad()

@@ -2,7 +2,8 @@
 logged and counted, a good step resets the count, and ``trainer.max_consecutive_nonfinite`` in a row abort.
 
 The trainer is the real one on the smoke recipe (random init, no warm-start, tiny batches); the poison is a
-wrapper around ``trainer.loss_fn`` that returns a NaN loss on chosen RL steps.
+wrapper around the update phase's GRPO loss (``sparrow_nemo.grpo.update.grpo_loss_fn``) that returns a NaN
+loss on chosen RL steps.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import torch
 from policy._helpers import single_rank_env
 
 from sparrow_nemo.config import load_config
+from sparrow_nemo.grpo import update
 from sparrow_nemo.grpo.metrics import read_metrics
+from sparrow_nemo.grpo.objective import grpo_loss_fn
 from sparrow_nemo.grpo.trainer import GrpoTrainer, NonFiniteTrainingError
 from sparrow_nemo.policy.schedule import LossFn
 
@@ -31,15 +34,19 @@ OVERRIDES = [
 ]
 
 
-def poisoned(trainer: GrpoTrainer, steps: set[int]) -> LossFn:
-    """``trainer.loss_fn`` with a NaN loss on the RL steps in ``steps``."""
-    inner = trainer.loss_fn
+def poisoned(trainer: GrpoTrainer, steps: set[int]):
+    """``grpo_loss_fn`` whose losses are NaN on the RL steps in ``steps``."""
 
-    def loss_fn(out, batch):
-        loss, metrics = inner(out, batch)
-        return (loss * float("nan") if trainer.state.step in steps else loss), metrics
+    def make(config, normalizer) -> LossFn:
+        inner = grpo_loss_fn(config, normalizer)
 
-    return loss_fn
+        def loss_fn(out, batch):
+            loss, metrics = inner(out, batch)
+            return (loss * float("nan") if trainer.state.step in steps else loss), metrics
+
+        return loss_fn
+
+    return make
 
 
 def weights(trainer: GrpoTrainer) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -53,13 +60,13 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_poisoned_steps_are_skipped_and_enough_in_a_row_abort(tmp_path: Path, caplog) -> None:
+def test_poisoned_steps_are_skipped_and_enough_in_a_row_abort(tmp_path: Path, caplog, monkeypatch) -> None:
     config = load_config("tiny_cpu_smoke", OVERRIDES)
     caplog.set_level(logging.WARNING, logger="sparrow_nemo.grpo.trainer")
     with single_rank_env():
         trainer = GrpoTrainer(config, tmp_path)
         try:
-            trainer.loss_fn = poisoned(trainer, {1, 3, 4})
+            monkeypatch.setattr(update, "grpo_loss_fn", poisoned(trainer, {1, 3, 4}))
             trainer.step()  # step 0: good
             before = weights(trainer)
             trainer.step()  # step 1: skipped
@@ -79,5 +86,6 @@ def test_poisoned_steps_are_skipped_and_enough_in_a_row_abort(tmp_path: Path, ca
     assert rows[1]["train/loss"] is None and rows[2]["train/loss"] is not None
     warnings = [r.getMessage() for r in caplog.records if "update skipped" in r.getMessage()]
     assert warnings == [
-        f"step {s}: update skipped, loss is nan in micro-batch 0 of data-parallel rank 0" for s in (1, 3, 4)
+        f"step {s}: update skipped, mini-batch 0 of 2: loss is nan in micro-batch 0 of data-parallel rank 0"
+        for s in (1, 3, 4)
     ]

@@ -1,0 +1,178 @@
+"""Dense vs scheduled sparse vs speculative rollout on the CPU at long context, measured in one run.
+
+The torch rollout engine over random weights of a Qwen3 shape preset generates ``--gen-len`` tokens after
+prompts of ``--prompt-len`` tokens (so the cached length runs from prompt-len to prompt-len + gen-len), batch
+``--batch``, sampling at temperature 1 (as RL rollouts), no stop token. Arms, interleaved ``--repeats`` times
+(each arm once per repeat; the median decode time counts, so load changes hit every arm alike):
+
+- ``dense``: every layer reads the whole cache each step;
+- ``sparse``: the paper's scheduled sparse rollout: per bin of ``--bin-tokens`` cached tokens, a budget of
+  ``--fraction`` of the bin's upper end (rounded up to whole pages, at least 4 pages), non-decreasing;
+- ``speculative k=K``: the same schedule drafts K tokens per dense verify (lossless: dense-distributed).
+
+Decode tokens/s excludes the prefill (the same work in every arm), twice: per second of wall time, and per
+second of this process's CPU time (one torch thread: the CPU time of a generate minus that of a 1-token
+generate of the same prompts in the same repeat), which a shared, loaded machine disturbs much less; the
+speedups over dense are medians over the repeats of each repeat's ratio. Each arm is one JSON line appended to
+``benchmarks/results/speculative_rollout.jsonl`` with the machine, the 1-minute load average before the run,
+the date, the speedup over dense of the same run, and for the speculative arms the measured acceptance
+(exact sum_v min(p, q) of the tested drafts), accept rate, tokens per verify and the tokens per verify the
+acceptance predicts, E = (1 - alpha^(k+1)) / (1 - alpha).
+
+Example (the README's numbers):
+    python benchmarks/speculative_rollout.py --batch 32 --prompt-len 1920 --gen-len 256 --ks 4 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from rollout_throughput import machine_info
+
+from sparrow_nemo.model_shapes import PRESETS
+from sparrow_nemo.rollout.engine import SamplingParams
+from sparrow_nemo.rollout.speculative import SpeculativeConfig
+from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
+from sparrow_nemo.sparse.schedule import BudgetSchedule
+from sparrow_nemo.sparse.speculative_cost import expected_tokens_per_verify
+
+RESULTS = Path(__file__).resolve().parent / "results" / "speculative_rollout.jsonl"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="tiny", help="Qwen3 shape preset (sparrow_nemo.model_shapes.PRESETS)")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=1920)
+    p.add_argument("--gen-len", type=int, default=256)
+    p.add_argument("--ks", type=int, nargs="+", default=[4, 8], help="draft tokens per verify (one arm each)")
+    p.add_argument("--fraction", type=float, default=0.1, help="sparse budget, fraction of the bin's length")
+    p.add_argument("--bin-tokens", type=int, default=256)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--dense-layers", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=RESULTS, help="JSONL file to append to")
+    return p.parse_args(argv)
+
+
+def fraction_schedule(fraction: float, max_len: int, bin_tokens: int, page_size: int) -> BudgetSchedule:
+    """Budget per bin = ``fraction`` of the bin's upper end, whole pages, >= 4 pages, non-decreasing."""
+    budgets = []
+    for i in range(math.ceil(max_len / bin_tokens)):
+        pages = max(4, math.ceil(fraction * (i + 1) * bin_tokens / page_size))
+        budgets.append(max(pages * page_size, budgets[-1] if budgets else 0))
+    return BudgetSchedule(bin_tokens, tuple(budgets), page_size, name=f"fraction:{fraction:g}")
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    load = os.getloadavg()[0]
+    engine = TorchRolloutEngine.from_shape(
+        PRESETS[args.shape],
+        seed=args.seed,
+        dense_layers=args.dense_layers,
+        page_size=args.page_size,
+        attention_backend="torch",
+        prefill_chunk_tokens=512,
+    )
+    gen = torch.Generator().manual_seed(args.seed)
+    vocab = engine.shape.vocab_size
+    prompts = [torch.randint(3, vocab, (args.prompt_len,), generator=gen).tolist() for _ in range(args.batch)]
+    sampling = SamplingParams(
+        max_new_tokens=args.gen_len, temperature=1.0, seed=args.seed + 1, stop_token_ids=()
+    )
+    schedule = fraction_schedule(
+        args.fraction, args.prompt_len + args.gen_len, args.bin_tokens, args.page_size
+    )
+    dense = BudgetSchedule.dense(args.bin_tokens, args.page_size)
+    arms = {"dense": (dense, None), "sparse": (schedule, None)}
+    arms.update({f"speculative k={k}": (schedule, SpeculativeConfig(draft_tokens=(k,))) for k in args.ks})
+
+    first_token = replace(sampling, max_new_tokens=1)
+    times: dict[str, list[float]] = {name: [] for name in arms}
+    cpu: dict[str, list[float]] = {name: [] for name in arms}
+    stats: dict[str, dict] = {}
+    started = time.perf_counter()
+    for repeat in range(args.repeats):
+        c0 = time.process_time()
+        engine.generate(prompts, first_token, dense)  # the prefill's CPU time, to subtract
+        prefill_cpu = time.process_time() - c0
+        for name, (sched, spec) in arms.items():
+            c0 = time.process_time()
+            out = engine.generate(prompts, sampling, sched, speculative=spec)
+            cpu[name].append(time.process_time() - c0 - prefill_cpu)
+            times[name].append(out.decode_s)
+            if spec is not None and repeat == 0:
+                stats[name] = _draft_stats(out.samples, spec.draft_tokens[0])
+            print(f"repeat {repeat + 1}/{args.repeats} {name}: {out.num_response_tokens / out.decode_s:.0f} tok/s wall, "
+                  f"{out.num_response_tokens / cpu[name][-1]:.0f} tok/s CPU ({time.perf_counter() - started:.0f} s elapsed)",
+                  file=sys.stderr)  # fmt: skip
+    tokens = args.batch * args.gen_len
+    meta = {
+        **machine_info("cpu"),
+        "load_avg_1m": load,
+        "benchmark": "speculative_rollout",
+        "shape": args.shape,
+    }
+    config = {k: getattr(args, k) for k in ("batch", "prompt_len", "gen_len", "fraction", "bin_tokens",
+                                             "page_size", "dense_layers", "repeats")}  # fmt: skip
+    rows = []
+    for name, (sched, _) in arms.items():
+        rows.append({
+            **meta, **config, "arm": name, "schedule": list(sched.budgets),
+            "decode_tokens_per_s": tokens / statistics.median(times[name]),
+            "decode_tokens_per_cpu_s": tokens / statistics.median(cpu[name]),
+            "decode_s": times[name], "decode_cpu_s": cpu[name],
+            "speedup_vs_dense": statistics.median(d / t for d, t in zip(times["dense"], times[name])),
+            "speedup_vs_dense_cpu": statistics.median(d / t for d, t in zip(cpu["dense"], cpu[name])),
+            **stats.get(name, {}),
+        })  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with args.out.open("a") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    print(f"{'arm':<18} {'tok/s':>8} {'vs dense':>9} {'CPU tok/s':>9} {'vs dense':>9} {'alpha':>6} "
+          f"{'tok/verify':>10} {'predicted':>9}")  # fmt: skip
+    for r in rows:
+        extra = (
+            f"{r['alpha']:>6.3f} {r['tokens_per_verify']:>10.2f} {r['predicted_tokens_per_verify']:>9.2f}"
+            if "alpha" in r
+            else ""
+        )
+        print(f"{r['arm']:<18} {r['decode_tokens_per_s']:>8.0f} {r['speedup_vs_dense']:>8.2f}x "
+              f"{r['decode_tokens_per_cpu_s']:>9.0f} {r['speedup_vs_dense_cpu']:>8.2f}x {extra}")  # fmt: skip
+    print(f"wrote {len(rows)} lines to {args.out} (load average {load:.1f} before the run)", file=sys.stderr)
+    return rows
+
+
+def _draft_stats(samples, k: int) -> dict[str, float]:
+    logs = [s.draft for s in samples]
+    alpha = float(torch.cat([d.alpha for d in logs]).double().mean())
+    accepted = sum(int(d.accepted.sum()) for d in logs)
+    verifies = sum(d.verifies for d in logs)
+    emitted = sum(s.response_ids.numel() - 1 for s in samples)
+    return {
+        "k": k,
+        "alpha": alpha,
+        "accept_rate": accepted / sum(d.accepted.numel() for d in logs),
+        "tokens_per_verify": emitted / verifies,
+        "predicted_tokens_per_verify": float(expected_tokens_per_verify(alpha, k)),
+    }
+
+
+if __name__ == "__main__":
+    main()

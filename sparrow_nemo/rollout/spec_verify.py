@@ -1,0 +1,147 @@
+"""The dense verify pass of speculative rollout, and the cache repair after it.
+
+``verify_forward`` runs T = k + 1 tokens per sequence (the pending token and the k drafts) through every
+layer densely and without the LoRA adapter (the dense policy): per layer their keys and values overwrite
+the draft's at the same positions of the paged cache, then causal attention of the T queries over the
+cache (query i of a row sees cache positions 0 .. start + i). Two attention backends with one contract:
+
+- :class:`TorchVerify`: the cache as contiguous keys/values, one masked SDPA of the T * G queries of each
+  KV head (fp32, scale 1/sqrt(D));
+- :class:`KernelVerify`: ``sparrow_kernels.verify_attention_paged`` (Triton, GQA-aware, reads each K/V
+  tile once for all T queries), which needs every row's pages reserved up to ``start + T``.
+
+After the acceptance test only the accepted prefix stays: :func:`rebuild_centroids` recomputes the
+centroid of every page the round wrote as the fp32 mean of its keys below the new length, so the page
+centroids equal those of a cache that never saw the rejected tokens; their keys/values beyond the new
+length are ignored by every reader (masked by the sequence length) and overwritten by later tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from sparrow_nemo.rollout.paged_cache import PagedKVCache
+from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder
+
+
+class VerifyAttention(Protocol):
+    """``attend(q [B, T, Hq, D], cache, layer, block_table, start [B]) -> [B, T, Hq, D]``: query i of row b
+    at cache position ``start[b] + i`` attends to positions 0 .. start[b] + i (their K/V already stored)."""
+
+    def attend(
+        self, q: torch.Tensor, cache: PagedKVCache, layer: int, block_table: torch.Tensor, start: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
+class TorchVerify:
+    """The plain-torch verify attention (CPU, and GPUs without the kernels): the cache as contiguous keys and
+    values, one masked SDPA of the T * G queries of each KV head (each key read once for all of them)."""
+
+    def attend(
+        self, q: torch.Tensor, cache: PagedKVCache, layer: int, block_table: torch.Tensor, start: torch.Tensor
+    ) -> torch.Tensor:
+        batch, t, hq, d = q.shape
+        k_all, v_all = cache.contiguous(layer, block_table, start + t)  # [B, Hkv, L, D]
+        hkv, length = k_all.shape[1], k_all.shape[2]
+        group = hq // hkv
+        q_pos = start[:, None] + torch.arange(t, device=q.device)  # [B, T]
+        visible = torch.arange(length, device=q.device)[None, None, :] <= q_pos[:, :, None]  # [B, T, L]
+        mask = visible[:, :, None, :].expand(batch, t, group, length).reshape(batch, 1, t * group, length)
+        qg = q.view(batch, t, hkv, group, d).permute(0, 2, 1, 3, 4).reshape(batch, hkv, t * group, d)
+        # slots past a row's visible range (its rejected drafts, pages of other rows) hold finite keys and
+        # values written by the model (pools start at zero) and get probability exactly 0
+        out = F.scaled_dot_product_attention(qg.float(), k_all.float(), v_all.float(), attn_mask=mask)
+        return out.view(batch, hkv, t, group, d).permute(0, 2, 1, 3, 4).reshape(batch, t, hq, d).to(q.dtype)
+
+
+class KernelVerify:
+    """``sparrow_kernels.verify_attention_paged`` over the engine's page pools (one launch per layer)."""
+
+    def __init__(self) -> None:
+        from sparrow_kernels import verify_attention_paged
+
+        self._attend = verify_attention_paged
+
+    def attend(
+        self, q: torch.Tensor, cache: PagedKVCache, layer: int, block_table: torch.Tensor, start: torch.Tensor
+    ) -> torch.Tensor:
+        k_pages = cache.k_pages[layer]
+        out = self._attend(
+            q.to(k_pages.dtype), k_pages, cache.v_pages[layer], block_table, start + q.shape[1]
+        )
+        return out.to(q.dtype)
+
+
+def write_tokens(
+    cache: PagedKVCache,
+    layer: int,
+    block_table: torch.Tensor,
+    positions: torch.Tensor,
+    valid: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> None:
+    """Store the keys/values ``k, v [B, T, Hkv, D]`` of ``positions [B, T]`` where ``valid [B, T]`` (pages
+    reserved); centroids are left alone (:func:`rebuild_centroids` repairs them after the acceptance test)."""
+    rows, cols = torch.nonzero(valid, as_tuple=True)
+    pos = positions[rows, cols]
+    page = block_table[rows, pos // cache.page_size].long()
+    slot = pos % cache.page_size
+    cache.k_pages[layer][page, :, slot] = k[rows, cols].to(cache.k_pages[layer].dtype)
+    cache.v_pages[layer][page, :, slot] = v[rows, cols].to(cache.v_pages[layer].dtype)
+
+
+def rebuild_centroids(
+    cache: PagedKVCache, block_table: torch.Tensor, start: torch.Tensor, length: torch.Tensor
+) -> None:
+    """Centroids of the pages holding positions ``start .. length - 1`` of each row, every layer: the fp32
+    mean of the page's keys at positions below ``length [B]`` (``start [B]``; rows with length <= start are
+    left alone), rounded once to the centroid dtype - what appending those keys one by one gives."""
+    ps = cache.page_size
+    first = start // ps
+    span = int(((length - 1) // ps - first).max()) + 1 if length.numel() else 0
+    if span <= 0:
+        return
+    logical = first[:, None] + torch.arange(span, device=start.device)[None, :]  # [B, span]
+    count = torch.clamp(length[:, None] - logical * ps, min=0, max=ps)  # keys below length per page
+    used = (count > 0) & (length > start)[:, None]
+    rows, cols = torch.nonzero(used, as_tuple=True)
+    phys = block_table[rows, logical[rows, cols]].long()
+    n = count[rows, cols]
+    upto = torch.arange(ps, device=start.device)[None, :] < n[:, None]  # [N, ps]
+    for layer in range(len(cache.k_pages)):
+        keys = torch.where(upto[:, None, :, None], cache.k_pages[layer][phys].float(), 0.0)  # [N, Hkv, ps, D]
+        mean = keys.sum(dim=2) / n.to(torch.float32)[:, None, None]
+        cache.centroids[layer][phys] = mean.to(cache.centroids[layer].dtype)
+
+
+def verify_forward(
+    model: Qwen3Decoder,
+    attention: VerifyAttention,
+    cache: PagedKVCache,
+    block_table: torch.Tensor,
+    tokens: torch.Tensor,
+    start: torch.Tensor,
+    valid: torch.Tensor,
+) -> torch.Tensor:
+    """Dense forward of ``tokens [B, T]`` int64 at positions ``start[b] + i`` (``start [B]`` = tokens cached
+    before them); ``valid [B, T]`` marks real tokens (a row's padding is neither stored nor meaningful).
+
+    The LoRA adapter is off (the dense policy). Pages must be reserved for every valid position (and up to
+    ``start + T`` for :class:`KernelVerify`). Returns logits ``[B, T, V]`` fp32: entry i predicts the token
+    after ``tokens[:, i]``.
+    """
+    positions = start[:, None] + torch.arange(tokens.shape[1], device=tokens.device)[None, :]
+    adapter, model.lora = model.lora, None
+    try:
+        h = model.embed(tokens)
+        for layer in range(model.shape.num_layers):
+            q, k, v = model.attention_inputs(layer, h, positions)
+            write_tokens(cache, layer, block_table, positions, valid, k, v)
+            h = model.attention_output(layer, h, attention.attend(q, cache, layer, block_table, start))
+        return model.logits(h)
+    finally:
+        model.lora = adapter

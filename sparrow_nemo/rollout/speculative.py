@@ -1,0 +1,221 @@
+"""Lossless sparse rollout: sparse self-speculative decoding (sparse draft, dense verify).
+
+The sparse rule drafts ``k`` tokens (the same model, attention within the draft's KV budget), one dense
+forward of the ``k + 1`` positions verifies them, and the standard speculative-sampling rule keeps a prefix:
+draft token ``d_j ~ q_j`` is accepted with probability ``min(1, p_j(d_j) / q_j(d_j))``; the first rejected one
+is replaced by a sample of ``normalise(max(0, p_j - q_j))``; when all ``k`` pass, one more token is drawn from
+the dense ``p_k``. The emitted tokens are then distributed exactly as dense decoding's (Leviathan et al.
+2023, Chen et al. 2023), and ``sum_v min(p, q)`` - the paper's acceptance rate - is the probability that a
+draft token is accepted (METHOD.md, last section).
+
+``p`` and ``q`` here are the distributions the tokens are sampled from: softmax of the logits at the
+sampling temperature, restricted by top-k / top-p exactly as :func:`sparrow_nemo.rollout.sampling.sample_tokens`
+restricts them and renormalised; with temperature 0 both are one-hot at the argmax (lowest id on ties), so
+the rule reduces to "accept while the draft equals the dense argmax, then emit the dense argmax".
+
+This module holds the rule as pure functions on tensors and :class:`SpeculativeConfig`, what
+``TorchRolloutEngine.generate(..., speculative=...)`` takes; the decode loop is
+:mod:`sparrow_nemo.rollout.spec_decode`, the dense verify forward :mod:`sparrow_nemo.rollout.spec_verify`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from sparrow_nemo.rollout.engine import SamplingParams
+from sparrow_nemo.sparse.schedule import BudgetSchedule
+
+__all__ = [
+    "SpeculativeConfig",
+    "Verdict",
+    "draw_round_uniforms",
+    "kept_probs",
+    "sample_from",
+    "sampling_probs",
+    "verify_drafts",
+]
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How ``generate`` speculates.
+
+    Attributes:
+        draft_tokens: k, the draft tokens per verify, one value per bin of cached length (the draft schedule's
+            bins; the last value holds for longer contexts). 0 in a bin means plain dense decoding there (one
+            dense step per token). One value = the same k at every length.
+        draft_schedule: the draft's KV budget per bin (the sparse rule's schedule); None = the schedule passed
+            to ``generate``.
+    """
+
+    draft_tokens: tuple[int, ...] = (4,)
+    draft_schedule: BudgetSchedule | None = None
+
+    def __post_init__(self) -> None:
+        ks = tuple(int(k) for k in self.draft_tokens)
+        object.__setattr__(self, "draft_tokens", ks)
+        if not ks or min(ks) < 0:
+            raise ValueError(f"SpeculativeConfig.draft_tokens must be non-empty and >= 0 per bin, got {ks}")
+
+    @property
+    def max_draft_tokens(self) -> int:
+        """The largest k of any bin."""
+        return max(self.draft_tokens)
+
+    def schedule_for(self, schedule: BudgetSchedule) -> BudgetSchedule:
+        """The draft's schedule when ``generate`` was given ``schedule``."""
+        return schedule if self.draft_schedule is None else self.draft_schedule
+
+    def k_for(self, cached_len: torch.Tensor, bin_tokens: int) -> torch.Tensor:
+        """k per row: ``cached_len [B]`` int (tokens in the cache when the first draft token is sampled) ->
+        [B] int64, from the bin ``cached_len // bin_tokens`` (clamped to the last bin)."""
+        table = torch.tensor(self.draft_tokens, dtype=torch.int64, device=cached_len.device)
+        return table[torch.clamp(cached_len.to(torch.int64) // bin_tokens, max=table.numel() - 1)]
+
+    def to_dict(self) -> dict:
+        """Plain data (for logs and checkpoints)."""
+        return {
+            "draft_tokens": list(self.draft_tokens),
+            "draft_schedule": None if self.draft_schedule is None else self.draft_schedule.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> SpeculativeConfig:
+        """Inverse of :meth:`to_dict`."""
+        schedule = data.get("draft_schedule")
+        return cls(
+            draft_tokens=tuple(data["draft_tokens"]),
+            draft_schedule=None if schedule is None else BudgetSchedule.from_dict(schedule),
+        )
+
+
+def kept_probs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    """What a token is sampled from, before renormalisation: ``logits [..., V]`` -> float64 ``[..., V]``.
+
+    Temperature 0: one-hot at the argmax. Otherwise softmax(logits / temperature) on the top_k most likely
+    tokens and then the shortest descending prefix reaching top_p (exactly ``sample_tokens``' set), 0 elsewhere.
+    """
+    if sampling.temperature == 0:
+        return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).to(torch.float64)
+    probs = torch.softmax(logits.float() / sampling.temperature, dim=-1).double()
+    if sampling.top_k == 0 and sampling.top_p >= 1.0:
+        return probs
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    keep = torch.ones_like(sorted_p, dtype=torch.bool)
+    if sampling.top_k > 0:
+        keep &= torch.arange(sorted_p.shape[-1], device=logits.device) < sampling.top_k
+    if sampling.top_p < 1.0:
+        keep &= torch.cumsum(sorted_p, dim=-1) - sorted_p < sampling.top_p
+    kept = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
+    return torch.zeros_like(probs).scatter_(-1, order, kept)
+
+
+def sampling_probs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    """The sampling distribution itself: :func:`kept_probs` renormalised to sum 1 (float64 ``[..., V]``)."""
+    kept = kept_probs(logits, sampling)
+    return kept / kept.sum(dim=-1, keepdim=True)
+
+
+def sample_from(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One draw per row from ``weights [B, V]`` (non-negative, any positive total) with ``uniforms [B]`` in
+    [0, 1) -> [B] int64, never a zero-weight id.
+
+    Inverse CDF over the weights sorted in descending order (stable), as ``sample_tokens`` draws: so
+    ``sample_from(kept_probs(logits, s), u)`` is the token ``sample_tokens(logits, s, u)`` picks.
+    """
+    sorted_w, order = torch.sort(weights, dim=-1, descending=True, stable=True)
+    cdf = torch.cumsum(sorted_w, dim=-1)
+    target = uniforms.to(device=weights.device, dtype=cdf.dtype) * cdf[:, -1]
+    pick = torch.searchsorted(cdf, target[:, None], right=True).squeeze(-1)
+    pick = torch.minimum(pick, (sorted_w > 0).sum(dim=-1) - 1)
+    return order.gather(-1, pick[:, None]).squeeze(-1)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The outcome of one verify pass (B rows, K = the most draft tokens of any row).
+
+    Attributes:
+        accepted: [B] int64 leading draft tokens kept.
+        next_token: [B] int64 the token after them (the resampled first rejection, or the bonus token).
+        alpha: [B, K] float64 ``sum_v min(p_j, q_j)`` per draft position (garbage past a row's k).
+        tested: [B, K] bool positions whose acceptance test ran (the accepted ones and the first rejection).
+    """
+
+    accepted: torch.Tensor
+    next_token: torch.Tensor
+    alpha: torch.Tensor
+    tested: torch.Tensor
+
+
+def verify_drafts(
+    dense_logits: torch.Tensor,
+    draft_logits: torch.Tensor,
+    drafts: torch.Tensor,
+    num_drafts: torch.Tensor,
+    sampling: SamplingParams,
+    accept_uniforms: torch.Tensor,
+    final_uniforms: torch.Tensor,
+) -> Verdict:
+    """The speculative-sampling acceptance rule for a batch of rows with their own draft lengths.
+
+    Args:
+        dense_logits: [B, K + 1, V] fp32; entry j is the dense next-token logits after the row's j-th fed
+            token (the pending token, then the drafts), i.e. the target for draft j and, at j = k, the bonus.
+        draft_logits: [B, K, V] fp32; entry j is the logits draft token j was sampled from.
+        drafts: [B, K] int64 draft tokens; num_drafts: [B] int64 k per row (0 <= k <= K).
+        sampling: temperature / top-k / top-p (applied to p and q alike, :func:`sampling_probs`).
+        accept_uniforms: [B, K] U[0, 1) per draft position (zeros when greedy);
+        final_uniforms: [B] U[0, 1) for the resampled or bonus token (zeros when greedy).
+
+    Returns:
+        :class:`Verdict`. Draft j is accepted iff every earlier one was and ``u_j * q_j(d_j) < p_j(d_j)``.
+    """
+    batch, width = drafts.shape
+    device = dense_logits.device
+    alive = torch.ones(batch, dtype=torch.bool, device=device)
+    accepted = torch.zeros(batch, dtype=torch.int64, device=device)
+    next_token = torch.zeros(batch, dtype=torch.int64, device=device)
+    alpha = torch.zeros(batch, width, dtype=torch.float64, device=device)
+    tested = torch.zeros(batch, width, dtype=torch.bool, device=device)
+    u_final = final_uniforms.to(device)
+    for j in range(width):
+        p = sampling_probs(dense_logits[:, j], sampling)
+        q = sampling_probs(draft_logits[:, j], sampling)
+        alpha[:, j] = torch.minimum(p, q).sum(dim=-1)
+        d = drafts[:, j : j + 1]
+        ok = accept_uniforms[:, j].to(device) * q.gather(1, d)[:, 0] < p.gather(1, d)[:, 0]
+        tested[:, j] = alive & (j < num_drafts)
+        rejected = tested[:, j] & ~ok
+        if bool(rejected.any()):
+            residual = torch.clamp(p[rejected] - q[rejected], min=0.0)
+            next_token[rejected] = sample_from(residual, u_final[rejected])
+        accepted += (tested[:, j] & ok).to(torch.int64)
+        alive &= ~rejected
+    bonus = alive  # every draft accepted: one more token from the dense distribution after the last
+    if bool(bonus.any()):
+        rows = torch.nonzero(bonus)[:, 0]
+        next_token[rows] = sample_from(
+            kept_probs(dense_logits[rows, num_drafts[rows]], sampling), u_final[rows]
+        )
+    return Verdict(accepted=accepted, next_token=next_token, alpha=alpha, tested=tested)
+
+
+def draw_round_uniforms(
+    generators: Sequence[torch.Generator], num_drafts: Sequence[int], width: int, greedy: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A round's acceptance draws, after the draft's: per row ``k_b`` uniforms then one more, from the row's
+    own generator (so a sample's draws depend only on its own state). -> ([B, width], [B]) float64 on CPU,
+    zeros where a row has no draft and everywhere when ``greedy`` (no draws at all)."""
+    accept = torch.zeros(len(generators), width, dtype=torch.float64)
+    final = torch.zeros(len(generators), dtype=torch.float64)
+    if greedy:
+        return accept, final
+    for b, (g, k) in enumerate(zip(generators, num_drafts)):
+        if k:
+            accept[b, :k] = torch.rand(k, generator=g, dtype=torch.float64)
+        final[b] = torch.rand(1, generator=g, dtype=torch.float64)[0]
+    return accept, final

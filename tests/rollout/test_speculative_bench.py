@@ -1,0 +1,57 @@
+"""benchmarks/speculative_rollout.py at a tiny size: the README command's logic, not its numbers.
+
+The run writes one complete JSON line per arm (machine, load, date, configuration, decode tokens/s, speedup
+over the same run's dense arm) with consistent draft statistics for the speculative arms; the sparse schedule
+grows with the cached length in whole pages. Timing values are only checked to be positive.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        "speculative_bench", REPO / "benchmarks" / "speculative_rollout.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_fraction_schedule_grows_in_whole_pages(bench) -> None:
+    schedule = bench.fraction_schedule(0.1, 2176, 256, 16)
+    assert len(schedule.budgets) == 9 and schedule.budgets[0] == 64  # the 4-page floor
+    assert schedule.budgets[-1] == 16 * -(-int(0.1 * 9 * 256) // 16)
+    assert all(b % 16 == 0 for b in schedule.budgets) and list(schedule.budgets) == sorted(schedule.budgets)
+
+
+def test_tiny_run_writes_one_consistent_line_per_arm(bench, tmp_path: Path) -> None:
+    out = tmp_path / "spec.jsonl"
+    args = ["--shape", "tiny-test", "--batch", "2", "--prompt-len", "40", "--gen-len", "12", "--ks", "2", "5"]
+    rows = bench.main([*args, "--bin-tokens", "16", "--page-size", "4", "--repeats", "2", "--out", str(out)])
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert (
+        [r["arm"] for r in lines]
+        == ["dense", "sparse", "speculative k=2", "speculative k=5"]
+        == [r["arm"] for r in rows]
+    )
+    for r in lines:
+        assert {"host", "date", "load_avg_1m", "batch", "prompt_len", "gen_len"} <= set(r)
+        assert r["decode_tokens_per_s"] > 0 and len(r["decode_s"]) == len(r["decode_cpu_s"]) == 2
+        assert r["decode_tokens_per_cpu_s"] > 0
+    assert lines[0]["speedup_vs_dense"] == lines[0]["speedup_vs_dense_cpu"] == 1.0
+    for r in lines[2:]:
+        assert 0.0 <= r["alpha"] <= 1.0 + 1e-6 and 0.0 <= r["accept_rate"] <= 1.0
+        assert 1.0 <= r["tokens_per_verify"] <= r["k"] + 1
+        assert 1.0 <= r["predicted_tokens_per_verify"] <= r["k"] + 1
