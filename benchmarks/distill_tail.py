@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-from sparrow_nemo.config import load_config
-from sparrow_nemo.grpo import setup
+from sparrow_nemo.grpo import world
 from sparrow_nemo.grpo.distill_report import distill_rounds, measure_adapter
+from sparrow_nemo.grpo.recipe import load_config
 from sparrow_nemo.grpo.trainer import GrpoTrainer
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET
 
@@ -55,7 +55,7 @@ def run(args: argparse.Namespace, run_dir: Path) -> dict:
         args.config, [*args.overrides, "logging.tensorboard=false", "checkpoint.enabled=false"]
     )
     torch.set_num_threads(1)
-    setup.start_processes()
+    world.start_processes()
     start = time.time()
     trainer = GrpoTrainer(config, run_dir)
     try:

@@ -42,9 +42,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sparse_attention import copy_bandwidth, environment, make_timer
 
+from sparrow_nemo.hf_qwen3 import expected_weight_shapes
 from sparrow_nemo.model_shapes import Qwen3Shape, get_shape
 from sparrow_nemo.rollout.engine import SamplingParams
-from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder, expected_weight_shapes
+from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder
 from sparrow_nemo.rollout.sampling import sample_tokens, token_logprobs
 from sparrow_nemo.rollout.static_decode import StaticDecoder
 from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine

@@ -15,6 +15,12 @@
 #
 # Exit status: 0 when the cluster is up (start) or down (stop); 1 with a one-line reason on stderr
 # otherwise (the tests skip with that reason). Every wait is bounded (SPARROW_SLURM_START_TIMEOUT, s).
+#
+# Timeouts are sized for a loaded 2-core machine, not Slurm's defaults (which assume an idle controller):
+# RPCs (MessageTimeout 10 s, TCPTimeout 2 s) time out when slurmctld/slurmd wait for a core, a batch script
+# that takes over BatchStartTimeout (10 s) to start is declared missing, and tasks that take over KillWait
+# (10 s) / UnkillableStepTimeout (60 s) to exit (a trainer writing its checkpoint) are killed and the node
+# drained: any of these ends a job FAILED although nothing in it failed.
 set -euo pipefail
 
 die() {
@@ -29,7 +35,7 @@ usage() {
 [[ $# -eq 2 ]] || usage
 ACTION=$1
 STATE=$2
-TIMEOUT=${SPARROW_SLURM_START_TIMEOUT:-60}
+TIMEOUT=${SPARROW_SLURM_START_TIMEOUT:-180}
 
 # Install slurm-wlm and munge with apt-get when a daemon binary is missing (root only).
 install_packages() {
@@ -113,7 +119,13 @@ SelectTypeParameters=CR_Core
 ReturnToService=2
 MpiDefault=none
 JobRequeue=1
-KillWait=10
+MessageTimeout=60
+TCPTimeout=15
+BatchStartTimeout=120
+KillWait=60
+UnkillableStepTimeout=300
+SlurmdTimeout=600
+SlurmctldTimeout=600
 MinJobAge=600
 SchedulerType=sched/backfill
 NodeName=$host NodeAddr=127.0.0.1 CPUs=$cpus State=UNKNOWN

@@ -26,7 +26,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from sparrow_nemo.commands.plan import CLUSTER_LINE, documented_cluster
-from sparrow_nemo.config import SparrowConfig, load_config, recipes_dir
+from sparrow_nemo.config import recipes_dir
+from sparrow_nemo.grpo.recipe import SparrowConfig, load_config
 from sparrow_nemo.sparse.cost_model import HARDWARE, DecodeCostModel, Hardware
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 

@@ -8,7 +8,7 @@ model.safetensors, warmstart.json with the loss per step) and ``manifest.json`` 
 sha256, the command and where and when it ran. ``ensure_warm_start`` (sparrow_nemo.grpo.warmstart) then
 copies that folder into the cache of any run whose warm-start key is ``<key>`` instead of training, after
 checking the hashes. Training always starts from scratch here (a cached or shipped copy is not reused) and
-on the CPU runs on ``WARMSTART_THREADS`` torch threads, so the same machine reproduces the same bytes.
+on the CPU runs on one torch thread, so the same machine reproduces the same bytes.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from sparrow_nemo.config import load_config
 from sparrow_nemo.grpo import setup
 from sparrow_nemo.grpo.prompts import build_prompt_source
+from sparrow_nemo.grpo.recipe import load_config
 from sparrow_nemo.grpo.warmstart import MANIFEST, SHIPPED_ROOT, ensure_warm_start, file_sha256
 from sparrow_nemo.policy.parallel import destroy_parallel
 

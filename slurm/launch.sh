@@ -7,7 +7,9 @@
 #
 # What it does, once per attempt of the job (an attempt = the first start or a restart after requeue):
 # - rendezvous from Slurm's environment: MASTER_ADDR = first host of SLURM_JOB_NODELIST
-#   (`scontrol show hostnames`), MASTER_PORT = 20000 + SLURM_JOB_ID % 20000 (stable across requeues);
+#   (`scontrol show hostnames`; the batch script runs there), MASTER_PORT = a port free on it when the attempt
+#   starts (a port derived from the job id collided on a shared machine: two private clusters both have
+#   a job 2, and a port can still be held by another program);
 #   RANK / WORLD_SIZE / LOCAL_RANK come from SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID in each task
 #   (slurm/task.sh), so `srun` starts one process per GPU (or per CPU task) and no torchrun is needed;
 # - a run folder per job id, $SPARROW_RUNS/<job name>-<job id>, the same for every attempt, with
@@ -38,6 +40,7 @@
 #   SPARROW_REQUEUE_EXIT exit status meaning "checkpointed, requeue me" (default 3)
 #   SPARROW_MAX_RESTARTS restarts after which a job is not requeued again (default 20)
 #   SPARROW_SRUN_ARGS    extra srun arguments (e.g. "--cpu-bind=none")
+#   SPARROW_MASTER_PORT  rendezvous port (default: a free one on the first node, picked by python3)
 #   SPARROW_DRY_RUN=1    print the srun command instead of running it
 set -euo pipefail
 
@@ -73,7 +76,10 @@ mkdir -p "$LOG_DIR"
 mapfile -t hosts < <(scontrol show hostnames "${SLURM_JOB_NODELIST:?}")
 [[ ${#hosts[@]} -gt 0 ]] || die "scontrol show hostnames '$SLURM_JOB_NODELIST' listed no host"
 MASTER_ADDR=${hosts[0]}
-MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))
+free_port() {
+    python3 -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])'
+}
+MASTER_PORT=${SPARROW_MASTER_PORT:-$(free_port)} || die "no free rendezvous port (python3 missing?): set SPARROW_MASTER_PORT"
 export MASTER_ADDR MASTER_PORT
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}
 export PYTHONUNBUFFERED=1

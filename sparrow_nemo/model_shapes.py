@@ -8,7 +8,11 @@ except where a method name says ``bytes``.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
+from typing import Any, Literal
+
+from sparrow_nemo.config.schema import Invalid, Section, choices, knob, suggest
 
 
 @dataclass(frozen=True)
@@ -109,7 +113,7 @@ def _qwen3(layers: int, hidden: int, heads: int, intermediate: int, tied: bool) 
     )
 
 
-#: Public Qwen3 configs (METHOD.md table) and tiny CPU sizes. ``tiny`` is what the embedded
+#: Public Qwen3 configs (docs/METHOD.md table) and tiny CPU sizes. ``tiny`` is what the embedded
 #: default recipe trains; ``tiny-test`` is the smallest shape the unit tests build.
 PRESETS: dict[str, Qwen3Shape] = {
     "qwen3-0.6b": _qwen3(28, 1024, 16, 3072, tied=True),
@@ -152,3 +156,70 @@ def get_shape(name: str) -> Qwen3Shape:
     if key not in PRESETS:
         raise KeyError(f"unknown model preset '{name}'; known presets: {', '.join(PRESETS)}")
     return PRESETS[key]
+
+
+# ----- the recipe's ``model`` section ------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelConfig(Section):
+    """The Qwen3 architecture and its weights."""
+
+    preset: str | None = knob(
+        "tiny",
+        "shape preset (sparrow_nemo.model_shapes.PRESETS); null = every shape field in shape_overrides",
+    )
+    shape_overrides: dict[str, Any] = knob(
+        doc="Qwen3Shape fields that replace the preset's (e.g. {num_layers: 2}); add keys with ++",
+        factory=dict,
+    )
+    hf_checkpoint: str | None = knob(
+        None, "Hugging Face Qwen3 checkpoint folder (config.json + safetensors); null = random init"
+    )
+    dtype: Literal["fp32", "bf16", "fp16"] = knob("fp32", "dtype of the weights the rollout engine holds")
+
+    def shape(self) -> Qwen3Shape:
+        """The resolved :class:`Qwen3Shape` (preset plus overrides)."""
+        if self.preset is None:
+            return Qwen3Shape(**self.shape_overrides)
+        return PRESETS[self.preset.lower()].replace(**self.shape_overrides)
+
+    def check(self) -> None:
+        if self.preset is not None and self.preset.lower() not in PRESETS:
+            raise self.invalid("preset", f"one of {choices(PRESETS)}{suggest(self.preset, PRESETS)}")
+        fields = dataclasses.fields(Qwen3Shape)
+        names = [f.name for f in fields]
+        types_ = {f.name: f.type for f in fields}
+        for key, value in self.shape_overrides.items():
+            if key not in names:
+                raise self.invalid(
+                    f"shape_overrides.{key}", f"a Qwen3Shape field ({', '.join(names)}){suggest(key, names)}"
+                )
+            expected = _SHAPE_TYPES[types_[key]]
+            if not _is_shape_value(value, types_[key]):
+                raise Invalid("ModelConfig", f"shape_overrides.{key}", value, expected)
+        if self.preset is None:
+            missing = [
+                f.name
+                for f in fields
+                if f.default is dataclasses.MISSING and f.name not in self.shape_overrides
+            ]
+            if missing:
+                raise self.invalid(
+                    "shape_overrides",
+                    f"every required Qwen3Shape field when preset=null; missing: {', '.join(missing)}",
+                )
+        try:
+            self.shape()
+        except ValueError as exc:
+            raise self.invalid("shape_overrides", f"a valid Qwen3Shape ({exc})") from exc
+
+
+#: Qwen3Shape field annotation (a string under ``from __future__ import annotations``) -> its words
+_SHAPE_TYPES = {"int": "an integer", "float": "a number", "bool": "true or false"}
+
+
+def _is_shape_value(value: Any, annotation: str) -> bool:
+    if annotation == "bool":
+        return isinstance(value, bool)
+    if annotation == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)

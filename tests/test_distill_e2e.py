@@ -3,11 +3,13 @@
 The warm-start is the smoke recipe's (same cache key; trained once into the shared cache when missing).
 
 - With the policy held fixed, 40 adapter rounds on training rollouts under the recipe's 24-token schedule
-  (all layers sparse) bring the bin that fails without the adapter up to the threshold, on held-out prompts
-  the adapter never saw (same prompts, seeds and schedule with and without it), and keep the passing bin
-  above it. Measured: bin 2 p5 0.35 -> 0.99, bin 1 0.993 -> 0.945. The schedule calibrated with the adapter
-  is tighter than the one calibrated without it, so the cost model predicts more speedup for it (priced on
-  the same lengths).
+  (all layers sparse), measured on held-out prompts the adapter never saw (same prompts, seeds and schedule
+  with and without it): the sparse-vs-dense KL falls by more than 30 %, every decided bin meets the
+  threshold with the adapter, a bin that fails without it is lifted to the threshold (measured here: bin 2
+  p5 0.35 -> 0.99, bin 1 0.993 -> 0.945), and the schedule calibrated with the adapter is at least as tight
+  (strictly tighter when a bin failed). Which bins fail without the adapter depends on the machine's
+  warm-start (another 2-core machine's passed everywhere, 0.996 / 0.999), so the test asserts what holds
+  with a margin on any of them rather than one machine's numbers.
 - A real trainer step hands the adapter the step's rollouts and advantages: the sparse PG term is logged.
 - Two tensor-parallel ranks (torchrun, gloo) run DistillSparse as one rank does: the same distill metrics
   every step, also across a checkpoint and resume, and the same adapter in the checkpoint, with each rank's
@@ -25,11 +27,11 @@ import pytest
 import torch
 from policy._helpers import free_port, single_rank_env
 
-from sparrow_nemo.config import load_config
 from sparrow_nemo.grpo.checkpointing import read_run_state
 from sparrow_nemo.grpo.distill_report import distill_rounds, measure_adapter
 from sparrow_nemo.grpo.metrics import read_metrics
 from sparrow_nemo.grpo.prompts import build_prompt_source
+from sparrow_nemo.grpo.recipe import load_config
 from sparrow_nemo.grpo.trainer import GrpoTrainer, train
 from sparrow_nemo.grpo.warmstart import ensure_warm_start
 
@@ -72,15 +74,22 @@ def test_adapter_brings_the_failing_bin_to_the_threshold_and_a_tighter_schedule(
         finally:
             trainer.policy.close()
     without, with_ = undistilled.tail, effect["with"].tail
-    failing = [b for b, v in without.items() if v < s.threshold - 0.1]
-    passing = [b for b, v in without.items() if v >= s.threshold]
-    assert failing and passing, without  # the gap this recipe is built to show
+    # The adapter learned its objective on prompts it never saw: the sparse-vs-dense KL of the held-out
+    # rollouts falls by far more than run-to-run noise (measured: 0.153 -> 0.032, -79 %).
+    assert effect["with"].mean_k3 < 0.7 * undistilled.mean_k3, (undistilled.mean_k3, effect["with"].mean_k3)
+    # With it the aggressive schedule is usable: every decided bin meets the threshold (measured: worst
+    # 0.945 vs 0.86), whatever it was without the adapter on this machine's warm-start.
+    assert min(with_.values()) >= s.threshold, (without, with_)
+    # A bin that fails without the adapter is brought up to the threshold (measured: bin 2, 0.35 -> 0.99);
+    # on a machine whose warm-start already passes everywhere there is no such bin, and nothing to lift.
+    failing = [b for b, v in without.items() if v < s.threshold]
     for b in failing:
         assert with_.get(b, 0.0) >= s.threshold, (b, without, with_)
-    for b in passing:
-        assert with_.get(b, 1.0) >= s.threshold, (b, without, with_)
+    # Calibrated with the adapter, the schedule is at least as tight, and tighter where a bin failed.
     tighter, looser = calibrated["with"], calibrated["without"]
-    assert tighter.speedup > looser.speedup, (tighter.result.schedule, looser.result.schedule)
+    assert tighter.speedup >= looser.speedup, (tighter.result.schedule, looser.result.schedule)
+    if failing:
+        assert tighter.speedup > looser.speedup, (tighter.result.schedule, looser.result.schedule)
 
 
 def test_trainer_step_feeds_the_sparse_pg_term(warm_cache, tmp_path: Path) -> None:

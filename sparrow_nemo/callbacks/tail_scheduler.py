@@ -1,11 +1,11 @@
 """TailMismatchScheduler: keep the per-bin tail of the acceptance rate at the threshold during training.
 
-Built by the trainer from the recipe's ``sparsity`` section (:meth:`TailMismatchScheduler.from_sparsity`) when
-the run adapts, calibrates or starts sparse, and run on every rank (its decisions depend only on the step's
-report, which is the same everywhere; only rank 0 writes its files). Per step (in ``on_train_batch_end``,
-once the step's rollouts are scored dense), for every bin of cached length with at least ``min_bin_tokens``
-tokens, the tail statistic (p5) and its confidence bounds come from the :class:`StepReport` (computed once
-per step over all ranks, :mod:`sparrow_nemo.callbacks.tail_stats`). Then, in this order:
+Built by the trainer from the recipe's ``sparsity`` and ``tail_scheduler`` sections when the run adapts,
+calibrates or starts sparse, and run on every rank (its decisions depend only on the step's report, which is the
+same everywhere; only rank 0 writes its files). Per step (in ``on_train_batch_end``, once the step's rollouts are
+scored dense), for every bin of cached length with at least ``sparsity.min_bin_tokens`` tokens, the tail
+statistic (p5) and its confidence bounds come from the :class:`StepReport` (computed once per step over all
+ranks, :mod:`sparrow_nemo.callbacks.tail_stats`). Then, in this order:
 
 1. collapse guard: when the mean response length or the mean reward fell by more than ``collapse_drop``
    (a fraction) below its best over the previous ``collapse_window`` steps AND some bin is below the
@@ -16,10 +16,11 @@ per step over all ranks, :mod:`sparrow_nemo.callbacks.tail_stats`). Then, in thi
 3. ``mode`` ``raise_and_lower``: a bin whose lower bound stayed above ``threshold + lower_margin`` for
    ``patience`` consecutive steps moves down one rung (never below the previous bin's budget).
 
-The ladder is the sorted candidate budgets (tokens) followed by "dense" for that bin. The new schedule is
-assigned to ``trainer.schedule``, so the next rollout uses it, and logged as ``sparsity/next_budget/bin_<b>``
-(``sparsity/budget/bin_<b>`` is the trainer's: the budgets the step's rollouts used). Optionally, before training
-(``calibrate=True``), a calibration pass (:func:`sparrow_nemo.callbacks.calibration.run_calibration`) picks
+The ladder is the sorted ``sparsity.calibration.candidate_budgets`` (tokens) followed by "dense" for that bin.
+The new schedule is assigned to ``trainer.schedule``, so the next rollout uses it, and logged as
+``sparsity/next_budget/bin_<b>`` (``sparsity/budget/bin_<b>`` is the trainer's: the budgets the step's rollouts
+used). Optionally, before training (``sparsity.calibrate``), a calibration pass
+(:func:`sparrow_nemo.callbacks.calibration.run_calibration`) picks
 the starting schedule. State (schedule, counters, guard window, history) round-trips through checkpoints.
 """
 
@@ -28,7 +29,8 @@ from __future__ import annotations
 import json
 import logging
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -36,22 +38,54 @@ from sparrow_nemo.callbacks.base import CalibratingTrainer, Callback, StepReport
 from sparrow_nemo.callbacks.schedule_edit import bin_budget, lower_bin, pointwise_max, raise_bin
 from sparrow_nemo.callbacks.tail_report import plot_tail_history
 from sparrow_nemo.callbacks.tail_stats import BinTail
-from sparrow_nemo.sparse.schedule import DENSE_BUDGET, PAPER_SCHEDULES, RESERVED_PAGES, BudgetSchedule
+from sparrow_nemo.config.schema import AT_LEAST_ONE, NON_NEGATIVE, OPEN_UNIT, Section, knob
+from sparrow_nemo.sparse.config import SparsityConfig
+from sparrow_nemo.sparse.schedule import DENSE_BUDGET, BudgetSchedule
 
 logger = logging.getLogger(__name__)
 
 Mode = Literal["off", "raise", "raise_and_lower"]
-MODES: tuple[str, ...] = ("off", "raise", "raise_and_lower")
-
-#: Every budget (tokens, 16-token pages incl. the 3 reserved ones) used by the paper's published schedules:
-#: the default candidate ladder at the paper's scale (METHOD.md).
-PAPER_CANDIDATE_BUDGETS: tuple[int, ...] = tuple(
-    sorted({(k + RESERVED_PAGES) * 16 for values in PAPER_SCHEDULES.values() for k in values})
-)
 
 #: Subfolder of the run directory for this callback's files.
 OUTPUT_SUBDIR = "sparsity"
 _STATE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class TailSchedulerConfig(Section):
+    """The recipe's ``tail_scheduler`` section: how the schedule adapts online, and the collapse guard.
+
+    What the tail must meet (``sparsity.threshold``, ``quantile``, ``bin_tokens``, ``noise_z``,
+    ``min_bin_tokens``) and the budget ladder (``sparsity.calibration.candidate_budgets``) are the
+    ``sparsity`` section's; the trainer builds the scheduler whenever the schedule is sparse, calibration
+    runs or ``adapt`` is not off.
+    """
+
+    adapt: Mode = knob(
+        "raise", "off (monitor and guard only), raise a bin's budget when its tail dips, or raise and lower"
+    )
+    lower_margin: float = knob(
+        0.04,
+        "raise_and_lower: a bin lowers only when its lower bound exceeds threshold + this ...",
+        check=NON_NEGATIVE,
+    )
+    patience: int = knob(3, "... for this many steps in a row", check=AT_LEAST_ONE)
+    collapse_guard: bool = knob(
+        True,
+        "switch to the dense schedule when reward or response length collapses with bins below threshold "
+        "(experiments turn it off to watch a collapse happen)",
+    )
+    collapse_window: int = knob(
+        10, "steps over which the running best reward / response length is taken", check=AT_LEAST_ONE
+    )
+    collapse_drop: float = knob(
+        0.3, "relative drop below the running best that counts as collapsing", check=OPEN_UNIT
+    )
+    collapse_min_steps: int = knob(3, "steps of history before the guard can fire", check=AT_LEAST_ONE)
+
+    def check(self) -> None:
+        if self.collapse_min_steps > self.collapse_window:
+            raise self.invalid("collapse_min_steps", f"<= collapse_window ({self.collapse_window})")
 
 
 class TailMismatchScheduler(Callback):
@@ -60,107 +94,46 @@ class TailMismatchScheduler(Callback):
     A built-in (``built_in``): the trainer makes it from ``sparsity.*``; it is not listed under ``callbacks:``.
 
     Args:
-        threshold: required tail of the acceptance rate per bin (paper: 0.86).
-        quantile: tail level (0.05 = p5).
-        mode: ``off`` (monitor and guard only), ``raise``, or ``raise_and_lower``.
-        candidates: budget ladder in tokens (multiples of the page size); default: every budget in the
-            paper's schedules (512 ... 18432). Above the largest, a bin goes dense.
-        bin_tokens: bin width (tokens of cached length); default: the schedule's own.
-        noise_z: standard errors of the binomial confidence interval of the quantile (tail_stats).
-        min_bin_tokens: a bin with fewer tokens in a step gets no decision.
-        lower_margin: a bin lowers only when its lower confidence bound exceeds threshold + lower_margin ...
-        patience: ... for this many consecutive steps.
-        collapse_guard: enable the switch to dense on collapse.
-        collapse_window: steps over which the running best reward / response length is taken.
-        collapse_drop: relative drop (fraction of the running best) that counts as collapsing.
-        collapse_min_steps: steps of history needed before the guard can fire.
-        calibrate: run the calibration pass in ``on_train_start`` (not on resume).
+        sparsity: the tail requirement (threshold, quantile, bin_tokens, noise_z, min_bin_tokens), the
+            budget ladder (``calibration.candidate_budgets``; above the largest a bin goes dense) and
+            ``calibrate`` (run the calibration pass in ``on_train_start``, not on resume).
+        settings: the adaptation mode, its hysteresis and the collapse guard.
         write_files: write ``<run_dir>/sparsity/``: ``schedule.yaml`` (the schedule in force), ``tail_history.jsonl``
             (one line per step) and, at the end, ``tail_history.png``.
+        calibrate: None = ``sparsity.calibrate``; False on ranks that must not calibrate (rank 0 does).
     """
 
-    built_in = "sparsity section (sparsity.adapt, sparsity.calibrate, a sparse sparsity.schedule)"
+    built_in = (
+        "sparsity and tail_scheduler sections (tail_scheduler.adapt, sparsity.calibrate, a sparse schedule)"
+    )
 
     def __init__(
         self,
-        threshold: float = 0.86,
-        quantile: float = 0.05,
-        mode: Mode = "raise",
-        candidates: Sequence[int] | None = None,
-        bin_tokens: int | None = None,
-        noise_z: float = 2.0,
-        min_bin_tokens: int = 200,
-        lower_margin: float = 0.04,
-        patience: int = 3,
-        collapse_guard: bool = True,
-        collapse_window: int = 10,
-        collapse_drop: float = 0.3,
-        collapse_min_steps: int = 3,
-        calibrate: bool = False,
+        sparsity: SparsityConfig,
+        settings: TailSchedulerConfig | None = None,
         write_files: bool = True,
+        calibrate: bool | None = None,
     ) -> None:
-        checks = (
-            ("threshold", threshold, 0.0 < threshold < 1.0),
-            ("quantile", quantile, 0.0 < quantile < 1.0),
-            ("noise_z", noise_z, noise_z >= 0.0),
-            ("min_bin_tokens", min_bin_tokens, min_bin_tokens >= 1),
-            ("lower_margin", lower_margin, lower_margin >= 0.0),
-            ("patience", patience, patience >= 1),
-            ("collapse_window", collapse_window, collapse_window >= 1),
-            ("collapse_drop", collapse_drop, 0.0 < collapse_drop < 1.0),
-            ("collapse_min_steps", collapse_min_steps, 1 <= collapse_min_steps <= collapse_window),
-        )
-        for name, value, ok in checks:
-            if not ok:
-                raise ValueError(f"TailMismatchScheduler: invalid {name}={value!r}")
-        if mode not in MODES:
-            raise ValueError(f"TailMismatchScheduler: mode={mode!r}, expected one of {', '.join(MODES)}")
-        ladder = sorted({int(c) for c in (PAPER_CANDIDATE_BUDGETS if candidates is None else candidates)})
-        if not ladder or ladder[0] <= 0:
-            raise ValueError(
-                f"TailMismatchScheduler: candidates must be positive token budgets, got {candidates!r}"
-            )
-        if bin_tokens is not None and bin_tokens <= 0:
-            raise ValueError(f"TailMismatchScheduler: bin_tokens must be positive, got {bin_tokens}")
-        self.threshold = threshold
-        self.quantile = quantile
-        self.mode = mode
-        self.candidates = ladder
-        self.bin_tokens = bin_tokens
-        self.noise_z = noise_z
-        self.min_bin_tokens = min_bin_tokens
-        self.lower_margin = lower_margin
-        self.patience = patience
-        self.collapse_guard = collapse_guard
-        self.collapse_drop = collapse_drop
-        self.collapse_min_steps = collapse_min_steps
-        self.calibrate = calibrate
+        settings = settings or TailSchedulerConfig()
+        self.threshold = sparsity.threshold
+        self.quantile = sparsity.quantile
+        self.mode = settings.adapt
+        self.candidates = sorted(sparsity.calibration.candidate_budgets)
+        self.bin_tokens: int | None = sparsity.bin_tokens
+        self.noise_z = sparsity.noise_z
+        self.min_bin_tokens = sparsity.min_bin_tokens
+        self.lower_margin = settings.lower_margin
+        self.patience = settings.patience
+        self.collapse_guard = settings.collapse_guard
+        self.collapse_drop = settings.collapse_drop
+        self.collapse_min_steps = settings.collapse_min_steps
+        self.calibrate = sparsity.calibrate if calibrate is None else calibrate
         self.write_files = write_files
         self.collapsed = False
         self.history: list[dict[str, Any]] = []
         self._above_streak: dict[int, int] = {}
-        self._recent: deque[tuple[float, float]] = deque(maxlen=collapse_window)
+        self._recent: deque[tuple[float, float]] = deque(maxlen=settings.collapse_window)
         self._restored = False
-
-    @classmethod
-    def from_sparsity(cls, sparsity: Any, **overrides: Any) -> TailMismatchScheduler:
-        """Scheduler configured from the recipe's ``sparsity`` section (``sparrow_nemo.config.SparsityConfig``).
-
-        Maps threshold, quantile, adapt -> mode, calibration.candidate_budgets -> candidates, bin_tokens,
-        noise_z, min_bin_tokens, calibrate and collapse_guard; ``overrides`` (any constructor argument) win.
-        """
-        kwargs = {
-            "threshold": sparsity.threshold,
-            "quantile": sparsity.quantile,
-            "mode": sparsity.adapt,
-            "candidates": sparsity.calibration.candidate_budgets,
-            "bin_tokens": sparsity.bin_tokens,
-            "noise_z": sparsity.noise_z,
-            "min_bin_tokens": sparsity.min_bin_tokens,
-            "calibrate": sparsity.calibrate,
-            "collapse_guard": sparsity.collapse_guard,
-        }
-        return cls(**{**kwargs, **overrides})
 
     # ----- names ---------------------------------------------------------------------------
     @property
@@ -395,7 +368,9 @@ class TailMismatchScheduler(Callback):
             if not hasattr(trainer, name)
         ]
         if missing:
-            raise TypeError(f"TailMismatchScheduler(calibrate=True): the trainer lacks {', '.join(missing)}")
+            raise TypeError(
+                f"TailMismatchScheduler (sparsity.calibrate): the trainer lacks {', '.join(missing)}"
+            )
         schedule = trainer.schedule
         result = run_calibration(
             engine=trainer.rollout_engine,

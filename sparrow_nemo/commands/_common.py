@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from sparrow_nemo.config import DEFAULT_RECIPE, SparrowConfig, load_config
+from sparrow_nemo.config import DEFAULT_RECIPE
+from sparrow_nemo.grpo.recipe import SparrowConfig, load_config
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:

@@ -12,6 +12,7 @@ import argparse
 import logging
 
 from sparrow_nemo.commands._common import add_config_arguments, config_from_args
+from sparrow_nemo.config import ConfigError
 
 NAME = "calibrate"
 HELP = "calibrate a sparsity schedule: per-bin acceptance-rate tail for candidate budgets"
@@ -31,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from sparrow_nemo.callbacks import run_calibration
-    from sparrow_nemo.grpo import setup
+    from sparrow_nemo.grpo import setup, world
     from sparrow_nemo.grpo.prompts import build_prompt_source
     from sparrow_nemo.grpo.rundir import make_run_dir
     from sparrow_nemo.grpo.warmstart import ensure_warm_start
@@ -40,9 +41,16 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     source = build_prompt_source(config)
+    s = config.sparsity
+    items = source.eval_batch(s.calibration.num_prompts)
+    if not items:
+        raise ConfigError(
+            f"sparrow calibrate: reward.type={config.reward.type} calibrates on held-out prompts: set "
+            "data.val_path (the calibration never uses training prompts)"
+        )
     hf_dir = config.model.hf_checkpoint
     if hf_dir is None and config.warmstart.enabled:
-        setup.start_processes()
+        world.start_processes()
         try:
             hf_dir = ensure_warm_start(config, source, config.logging.progress_bar)
         finally:
@@ -52,9 +60,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         weights = Qwen3Decoder.random(config.model.shape(), seed=config.trainer.seed).params
     engine = setup.build_engine(config, weights, source.tokenizer)
-    s = config.sparsity
     out = Path(args.out) if args.out else make_run_dir(config) / "calibration"
-    items = source.eval_batch(s.calibration.num_prompts)
     prompts = [item.prompt_ids for item in items for _ in range(s.calibration.samples_per_prompt)]
     result = run_calibration(
         engine,

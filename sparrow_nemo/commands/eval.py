@@ -2,7 +2,7 @@
 
 Prompts come from ``--data`` (default ``data.val_path``), read and tokenized exactly as training prompts
 are (``data.prompt_key`` / ``answer_key``, the tokenizer of ``model.hf_checkpoint``), in file order; with
-neither and ``reward.type: synthetic`` the task's held-out problems are used. Each prompt gets ``--n``
+neither and ``reward.type: chain`` the task's held-out problems are used. Each prompt gets ``--n``
 samples from the engine of ``rollout.backend`` under the schedule of the ``sparsity`` section (override
 ``sparsity.schedule=dense`` for a dense baseline), rewarded by ``reward.type``. Writes one JSON line per
 prompt (rewards, correct count, pass@k, lengths, responses) and a summary JSON next to it, and prints
@@ -49,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
     from sparrow_nemo.evaluation import default_ks, evaluate_samples, summarize
     from sparrow_nemo.grpo import setup
     from sparrow_nemo.grpo.prompts import build_prompt_source
+    from sparrow_nemo.grpo.recipe import SYNTHETIC_REWARD
     from sparrow_nemo.grpo.rundir import make_run_dir
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -62,9 +63,10 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"sparrow eval: --k values must be in [1, --n={args.n}], got {bad_k}")
     config = _config(args, args.data)
     data = args.data or config.data.val_path
-    if data is not None and config.reward.type == "synthetic":
+    if data is not None and config.reward.type == SYNTHETIC_REWARD:
         raise ConfigError(
-            f"sparrow eval: --data {data} needs reward.type=math or code (the recipe has synthetic)"
+            f"sparrow eval: --data {data} needs a file reward (reward.type=math, code, ...); the recipe has "
+            f"the synthetic task (reward.type={SYNTHETIC_REWARD})"
         )
     if data is not None and args.data is None:
         config = _config(args, data)
@@ -73,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         count = args.max_prompts or config.evaluation.num_prompts
     else:
         count = min(args.max_prompts or source.size, source.size)
-    items = source.eval_batch(count)
+    items = source.eval_batch(count) if data is None else source.peek(count)  # the file, in order
 
     engine = _build_engine(config, source.tokenizer)
     schedule = config.sparsity.build_schedule()
@@ -105,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
 def _config(args: argparse.Namespace, data: str | None):
     """The recipe plus overrides; with ``data``, that file is the prompt set, read in file order
     (it takes the place of ``data.train_path``, whose loader this command reuses)."""
-    from sparrow_nemo.config import load_config
+    from sparrow_nemo.grpo.recipe import load_config
 
     extra = [f"data.train_path={data}", "data.shuffle=false"] if data is not None else []
     return load_config(args.config, [*args.overrides, *extra])

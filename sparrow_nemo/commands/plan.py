@@ -83,7 +83,8 @@ def plan_config(config, nodes: int, gpus_per_node: int, gpu_memory_gb: float):
 
 def recipes_table() -> str:
     """Markdown table: per shipped model recipe, the plan's per-GPU GiB on its documented cluster."""
-    from sparrow_nemo.config import load_config, recipes_dir
+    from sparrow_nemo.config import recipes_dir
+    from sparrow_nemo.grpo.recipe import load_config
     from sparrow_nemo.policy.plan import GIB
 
     rows = [

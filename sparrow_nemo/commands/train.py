@@ -27,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
     """Exit status: 0 done, 1 aborted on non-finite updates, 2 bad config, input or no usable checkpoint,
     3 stopped by a signal after a checkpoint."""
     from sparrow_nemo.grpo.preemption import REQUEUE_EXIT, Preempted, StoppedDuringStartup, whole_run
-    from sparrow_nemo.grpo.setup import rank
+    from sparrow_nemo.grpo.world import rank
 
     try:
         with whole_run() as stop_signals:  # from start-up on: no stop signal takes its default action
@@ -59,9 +59,9 @@ def _check_resume(config, run_dir: str | None) -> None:
 
 def _train(config, args: argparse.Namespace) -> int:
     """Exit status of the training itself (a stop signal propagates as Preempted)."""
-    from sparrow_nemo.grpo.setup import rank
     from sparrow_nemo.grpo.summary import format_summary
     from sparrow_nemo.grpo.trainer import NonFiniteTrainingError, train
+    from sparrow_nemo.grpo.world import rank
     from sparrow_nemo.policy.checkpoint import CheckpointError
     from sparrow_nemo.policy.train_step import NonFiniteWeightsError
 

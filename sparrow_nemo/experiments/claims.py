@@ -1,4 +1,4 @@
-"""The paper's claims (a)-(d) (METHOD.md), each decided from the arms' numbers by a stated rule.
+"""The paper's claims (a)-(d) (docs/METHOD.md), each decided from the arms' numbers by a stated rule.
 
 Every :class:`Claim` carries the numbers it was decided on, the rule, the verdict ("reproduced",
 "not reproduced" or "inconclusive") and, when the toy disagrees, the reasons that may explain it. The

@@ -21,9 +21,9 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
-from sparrow_nemo.config import SparrowConfig
 from sparrow_nemo.experiments.arms import Arm, ArmsError, ArmsSpec, arm_config
-from sparrow_nemo.grpo.setup import one_rank_world
+from sparrow_nemo.grpo.recipe import SparrowConfig
+from sparrow_nemo.grpo.world import one_rank_world
 
 __all__ = ["RUN_RECORD", "RunPlan", "execute", "plan_runs", "run_folder"]
 

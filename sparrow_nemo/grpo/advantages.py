@@ -29,6 +29,11 @@ def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
     return decorator
 
 
+def advantage_names() -> list[str]:
+    """Names of the registered advantage estimators, sorted."""
+    return sorted(_ADVANTAGES)
+
+
 def get_advantage(name: str) -> AdvantageFn:
     """The estimator registered as ``name``; a clear error lists the known names."""
     if name not in _ADVANTAGES:

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from sparrow_nemo.config.schema import AT_LEAST_ONE, NON_NEGATIVE, Section, knob
 from sparrow_nemo.grpo.process_model import distributed, object_group
 from sparrow_nemo.policy.checkpoint import (
     MANIFEST,
@@ -245,3 +246,29 @@ def load_run_checkpoint(candidates: list[Path], policy: Any, is_main: bool) -> R
     if reasons:
         raise CheckpointError(f"no usable checkpoint: {'; '.join(reasons)}")
     return None
+
+
+# ----- the recipe's ``checkpoint`` section -------------------------------------------------------
+@dataclass(frozen=True)
+class CheckpointConfig(Section):
+    """Checkpoints (none of these fields enters the config hash)."""
+
+    enabled: bool = knob(True, "save checkpoints at all", hashed=False)
+    dir: str | None = knob(None, "folder of the step checkpoints; null = <run_dir>/checkpoints", hashed=False)
+    every_n_steps: int = knob(10, "save every N steps (and at the end)", check=AT_LEAST_ONE, hashed=False)
+    every_n_minutes: float = knob(
+        0.0,
+        "also save when this many minutes passed since the last save (rank 0's clock decides for all ranks), "
+        "so a preempted multi-hour attempt always has a recent checkpoint; 0 = off",
+        check=NON_NEGATIVE,
+        hashed=False,
+    )
+    keep_last: int = knob(2, "checkpoints kept on disk", check=AT_LEAST_ONE, hashed=False)
+    resume: str = knob(
+        "auto",
+        "auto (the newest good one in dir, else a fresh run), never, or a checkpoint path",
+        hashed=False,
+    )
+    force_resume: bool = knob(
+        False, "resume into a run folder whose config_hash.txt differs from this recipe's hash", hashed=False
+    )

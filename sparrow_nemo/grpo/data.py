@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from sparrow_nemo.config.schema import AT_LEAST_ONE, NON_NEGATIVE, UNIT, Section, knob
+
 logger = logging.getLogger(__name__)
 
 SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
@@ -51,35 +53,43 @@ class PromptTokenizer(Protocol):
 
 
 @dataclass(frozen=True)
-class PromptDataConfig:
-    """Where the fields are and how strict to be.
+class PromptDataConfig(Section):
+    """The recipe's ``data`` section: the prompt files, where the fields are and how strict to be.
 
-    Attributes:
-        prompt_key / answer_key: field names of the prompt and the answer in each row.
-        max_prompt_tokens: longer prompts (after the chat template) are bad rows; None = no limit.
-        max_bad_fraction: loading fails when bad rows / all rows exceeds this (our default: 5 %).
-        report_first: how many bad rows are logged individually.
-        apply_chat_template: use the tokenizer's chat template when it has one.
-        system_prompt: an optional system turn before the user turn (chat template only).
+    File existence is checked when the data is read; the suffix (the loader's :data:`SUFFIXES`) when the
+    config is loaded. Default ``max_bad_fraction`` 0.01: what every recipe ran with.
     """
 
-    prompt_key: str = "problem"
-    answer_key: str = "answer"
-    max_prompt_tokens: int | None = None
-    max_bad_fraction: float = 0.05
-    report_first: int = 5
-    apply_chat_template: bool = True
-    system_prompt: str | None = None
+    train_path: str | None = knob(
+        None, "JSONL (.jsonl, .jsonl.gz) or Parquet prompts; null = the synthetic task"
+    )
+    val_path: str | None = knob(
+        None,
+        "held-out prompts (same format) for the evaluation before/after training and the calibration pass; "
+        "null = no held-out evaluation for file data (the synthetic task has its own held-out problems)",
+    )
+    prompt_key: str = knob("problem", "field holding the prompt text")
+    answer_key: str = knob("answer", "field holding the reference answer")
+    max_prompt_tokens: int = knob(
+        2048, "longer prompts (after the chat template) are skipped as bad rows", check=AT_LEAST_ONE
+    )
+    max_bad_fraction: float = knob(
+        0.01, "the run fails when more than this fraction of rows is bad", check=UNIT
+    )
+    report_first: int = knob(5, "bad rows logged one by one (the rest are counted)", check=NON_NEGATIVE)
+    apply_chat_template: bool = knob(
+        True, "wrap each prompt in the tokenizer's chat template when it has one"
+    )
+    system_prompt: str | None = knob(
+        None, "a system turn before the user turn (chat template only); null = none"
+    )
+    shuffle: bool = knob(True, "shuffle prompts each epoch (seeded by trainer.seed)")
 
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.max_bad_fraction <= 1.0:
-            raise ValueError(
-                f"PromptDataConfig.max_bad_fraction must be in [0, 1], got {self.max_bad_fraction}"
-            )
-        if self.max_prompt_tokens is not None and self.max_prompt_tokens <= 0:
-            raise ValueError(
-                f"PromptDataConfig.max_prompt_tokens must be positive, got {self.max_prompt_tokens}"
-            )
+    def check(self) -> None:
+        for key in ("train_path", "val_path"):
+            path = getattr(self, key)
+            if path is not None and not path.lower().endswith(SUFFIXES):
+                raise self.invalid(key, f"a file ending in {', '.join(SUFFIXES)}")
 
 
 @dataclass(frozen=True)
@@ -243,7 +253,7 @@ def _example(
         raise _BadRowError(
             f"field '{config.prompt_key}' must be a non-empty string, got {type(prompt).__name__}"
         )
-    if config.max_prompt_tokens is not None and len(prompt) > MAX_CHARS_PER_TOKEN * config.max_prompt_tokens:
+    if len(prompt) > MAX_CHARS_PER_TOKEN * config.max_prompt_tokens:
         raise _BadRowError(
             f"prompt has {len(prompt)} characters, more than {MAX_CHARS_PER_TOKEN} per allowed token "
             f"(max_prompt_tokens={config.max_prompt_tokens}); refused before tokenizing"
@@ -258,7 +268,7 @@ def _example(
         ids = list(tokenizer.encode(text, add_special_tokens=add_special))
     except ValueError as exc:
         raise _BadRowError(f"tokenizer rejected the prompt: {exc}") from exc
-    if config.max_prompt_tokens is not None and len(ids) > config.max_prompt_tokens:
+    if len(ids) > config.max_prompt_tokens:
         raise _BadRowError(f"prompt has {len(ids)} tokens > max_prompt_tokens={config.max_prompt_tokens}")
     return PromptExample(prompt=text, prompt_ids=ids, answer=answer, source=source)
 

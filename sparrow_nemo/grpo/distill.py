@@ -1,6 +1,6 @@
 """The DistillSparse phase: a LoRA adapter that only the sparse rollout uses, taught each step by the dense policy.
 
-Configured by the recipe's ``distill:`` section (:class:`~sparrow_nemo.config.DistillConfig`); with
+Configured by the recipe's ``distill:`` section (:class:`DistillConfig`, below); with
 ``distill.enabled=true`` the trainer builds it and runs it after every policy update. The policy is frozen and
 the adapter takes ``distill.steps`` AdamW updates (learning rate = ``lr_multiplier`` x the policy's) on
 
@@ -34,26 +34,69 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from sparrow_nemo.config import DistillConfig
+from sparrow_nemo.config.schema import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Section, choices, knob, suggest
 from sparrow_nemo.grpo.process_model import distributed, object_group, replica_mean
 from sparrow_nemo.grpo.rollout_step import RolloutTensors, collate, concat_outputs, micro_batches
+from sparrow_nemo.hf_qwen3 import LINEARS, LoraAdapter
 from sparrow_nemo.policy.batch import PolicyBatch
 from sparrow_nemo.policy.logprobs import LogprobOutput
 from sparrow_nemo.policy.lora import LoraConfig
 from sparrow_nemo.policy.optim import OptimizerSettings
-from sparrow_nemo.policy.sparse_forward import SparsePattern, SparsePlan
+from sparrow_nemo.policy.sparse_forward import SparsePlan
 from sparrow_nemo.policy.train_step import StepResult
 from sparrow_nemo.rollout.engine import RolloutSample, SamplingParams
-from sparrow_nemo.rollout.lora import LoraAdapter
 from sparrow_nemo.rollout.sampling import sample_seed
 from sparrow_nemo.rollout.scoring import TokenMismatch, measure_mismatch
 from sparrow_nemo.sparse.mismatch import tail_by_bin
+from sparrow_nemo.sparse.pattern import SparsePattern
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 logger = logging.getLogger(__name__)
 
 #: checkpoint key of the phase's state (the same as when DistillSparse was a callback: old checkpoints load)
 STATE_KEY = "DistillSparse"
+
+
+@dataclass(frozen=True)
+class DistillConfig(Section):
+    """DistillSparse: the recipe's ``distill`` section (defaults as in docs/METHOD.md).
+
+    ``enabled`` means the trainer builds the phase (it is never listed under ``callbacks``).
+    """
+
+    enabled: bool = knob(
+        False, "train the rollout-only LoRA each step (the trainer runs the DistillSparse phase)"
+    )
+    lora_rank: int = knob(8, "LoRA rank", check=AT_LEAST_ONE)
+    lora_alpha: float = knob(16.0, "LoRA alpha (scaling = alpha / rank)", check=POSITIVE)
+    target_modules: tuple[str, ...] = knob(
+        LINEARS, "HF Qwen3 linear names that get an adapter (default: all of them, as in the paper)"
+    )
+    lr_multiplier: float = knob(5.0, "adapter learning rate = policy.optimizer.lr x this", check=POSITIVE)
+    steps: int = knob(1, "adapter updates per RL step", check=AT_LEAST_ONE)
+    kl_coef: float = knob(
+        1.0, "weight of KL(sparse || dense) (k3 estimator on the sampled tokens)", check=NON_NEGATIVE
+    )
+    pg_coef: float = knob(
+        1.0,
+        "weight of the sparse policy-gradient loss (same advantages as the policy step)",
+        check=NON_NEGATIVE,
+    )
+    grad_clip: float = knob(1.0, "adapter gradient L2-norm clip; 0 = off", check=NON_NEGATIVE)
+    seed: int = knob(0, "adapter initialisation and probe sampling seed", check=NON_NEGATIVE)
+
+    def check(self) -> None:
+        if not self.target_modules:
+            raise self.invalid("target_modules", f"at least one of {choices(LINEARS)}")
+        for i, name in enumerate(self.target_modules):
+            if name not in LINEARS:
+                raise self.invalid(
+                    f"target_modules.{i}", f"one of {choices(LINEARS)}{suggest(name, LINEARS)}"
+                )
+        if len(set(self.target_modules)) != len(self.target_modules):
+            raise self.invalid("target_modules", "each module named once")
+        if self.kl_coef == 0 and self.pg_coef == 0:
+            raise self.invalid("kl_coef", "> 0 or pg_coef > 0 (with both 0 the adapter never learns)")
 
 
 @dataclass
@@ -185,8 +228,6 @@ class DistillSparse:
     def __init__(
         self, config: DistillConfig, policy_lr: float, pattern: SparsePattern, micro_batch_size: int
     ):
-        if config.kl_coef == 0 and config.pg_coef == 0:
-            raise ValueError("distill: kl_coef and pg_coef are both 0, the adapter would never learn")
         self.config = config
         self.policy_lr = policy_lr
         self.pattern = pattern

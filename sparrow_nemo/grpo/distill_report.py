@@ -25,11 +25,11 @@ import torch
 
 from sparrow_nemo.callbacks.calibration import run_calibration
 from sparrow_nemo.grpo.distill import DistillData, DistillSparse
+from sparrow_nemo.hf_qwen3 import LoraAdapter
 from sparrow_nemo.rollout.engine import RolloutEngine, SamplingParams
-from sparrow_nemo.rollout.lora import LoraAdapter
 from sparrow_nemo.rollout.sampling import sample_seed
 from sparrow_nemo.rollout.scoring import measure_mismatch
-from sparrow_nemo.sparse.calibrate import CalibrationResult
+from sparrow_nemo.sparse.calibration import CalibrationResult
 from sparrow_nemo.sparse.cost_model import DecodeCostModel
 from sparrow_nemo.sparse.mismatch import tail_by_bin
 from sparrow_nemo.sparse.schedule import BudgetSchedule

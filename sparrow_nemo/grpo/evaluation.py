@@ -11,11 +11,24 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+from sparrow_nemo.config.schema import AT_LEAST_ONE, Section, knob
 from sparrow_nemo.grpo.process_model import reduce_max, reduce_sums
-from sparrow_nemo.grpo.prompts import PromptItem, PromptSource
+from sparrow_nemo.grpo.prompt_source import PromptItem, PromptSource
 from sparrow_nemo.rollout.engine import RolloutEngine, SamplingParams
 from sparrow_nemo.rollout.sampling import sample_seed
 from sparrow_nemo.sparse.schedule import BudgetSchedule
+
+
+@dataclass(frozen=True)
+class EvaluationConfig(Section):
+    """The held-out evaluation before and after training (the run summary's accuracy and speedup)."""
+
+    num_prompts: int = knob(
+        256,
+        "held-out prompts, one sample each (data.val_path, or the synthetic task's held-out problems)",
+        check=AT_LEAST_ONE,
+        hashed=False,
+    )
 
 
 @dataclass(frozen=True)

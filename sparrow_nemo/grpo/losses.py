@@ -43,58 +43,63 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from sparrow_nemo.config.schema import NON_NEGATIVE, POSITIVE, Section, interval, knob, one_of_names
+
 
 @dataclass(frozen=True)
-class PolicyLossConfig:
-    """Options of the policy loss.
+class PolicyLossConfig(Section):
+    """Options of the policy loss: the recipe's ``grpo.loss`` section."""
 
-    Attributes:
-        name: registered policy loss.
-        clip_low / clip_high: the PPO ratio is clipped to [1 - clip_low, 1 + clip_high].
-        aggregation: registered aggregation (:data:`AGGREGATIONS`): "token_mean" = sum over the valid tokens
-            / the step's token count; "seq_mean_token_mean" = sum over sequences of each one's token mean /
-            the step's sequence count; "seq_mean_token_sum" = sum over all valid tokens / the step's
-            sequence count.
-        kl_coef: weight of the k3 KL estimate to ``ref_logprobs`` (0 = off; then no reference is needed).
-        correction: registered rollout correction ("none", "tis", "icepop", "seq_mask").
-        tis_cap: TIS weight is min(ratio, tis_cap).
-        icepop_low / icepop_high: tokens whose train/rollout ratio is outside [low, high] are masked.
-        seq_mask_low / seq_mask_high: sequences whose geometric-mean ratio is outside [low, high] are masked
-            (our choice of defaults: +-5 % per token on average).
-    """
+    name: str = knob(
+        "clipped_pg",
+        "registered policy loss (register_policy_loss)",
+        check=one_of_names(lambda: policy_loss_names()),
+    )
+    clip_low: float = knob(
+        0.2, "PPO ratio lower clip: ratio >= 1 - clip_low", check=interval(0, 1, hi_open=True)
+    )
+    clip_high: float = knob(
+        0.28, "PPO ratio upper clip: ratio <= 1 + clip_high (DAPO clip-higher)", check=NON_NEGATIVE
+    )
+    aggregation: str = knob(
+        "token_mean",
+        "registered aggregation (register_aggregation), each normalised by the optimizer step's counts over all "
+        "micro-batches and DP ranks: token_mean (token-level, the paper: valid tokens' sum / the step's token "
+        "count), seq_mean_token_mean (each sequence's token mean, summed / the step's sequence count), "
+        "seq_mean_token_sum (valid tokens' sum / the step's sequence count)",
+        check=one_of_names(lambda: AGGREGATIONS),
+    )
+    kl_coef: float = knob(
+        0.0,
+        "weight of the k3 KL to the frozen reference policy (the initial weights); 0 = none",
+        check=NON_NEGATIVE,
+    )
+    correction: str = knob(
+        "tis",
+        "registered rollout/train mismatch correction (register_correction): none, tis, icepop, seq_mask",
+        check=one_of_names(lambda: correction_names()),
+    )
+    tis_cap: float = knob(2.0, "truncated importance sampling: weight = min(ratio, tis_cap)", check=POSITIVE)
+    icepop_low: float = knob(
+        0.5, "icepop: tokens whose train/rollout ratio is below this are masked", check=NON_NEGATIVE
+    )
+    icepop_high: float = knob(
+        5.0, "icepop: tokens whose train/rollout ratio is above this are masked", check=POSITIVE
+    )
+    seq_mask_low: float = knob(
+        0.95, "seq_mask: sequences whose geometric-mean ratio is below this are masked", check=NON_NEGATIVE
+    )
+    seq_mask_high: float = knob(
+        1.05, "seq_mask: sequences whose geometric-mean ratio is above this are masked", check=POSITIVE
+    )
 
-    name: str = "clipped_pg"
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    aggregation: str = "token_mean"
-    kl_coef: float = 0.0
-    correction: str = "tis"
-    tis_cap: float = 2.0
-    icepop_low: float = 0.5
-    icepop_high: float = 5.0
-    seq_mask_low: float = 0.95
-    seq_mask_high: float = 1.05
-
-    def __post_init__(self) -> None:
-        if not (0.0 <= self.clip_low < 1.0) or self.clip_high < 0.0:
-            raise ValueError(
-                f"PolicyLossConfig: need 0 <= clip_low < 1 and clip_high >= 0, got clip_low={self.clip_low}, "
-                f"clip_high={self.clip_high}"
-            )
-        if self.aggregation not in AGGREGATIONS:
-            raise ValueError(
-                f"PolicyLossConfig.aggregation='{self.aggregation}' is not one of {', '.join(AGGREGATIONS)}"
-            )
-        if self.kl_coef < 0.0:
-            raise ValueError(f"PolicyLossConfig.kl_coef must be >= 0, got {self.kl_coef}")
-        if self.tis_cap <= 0.0:
-            raise ValueError(f"PolicyLossConfig.tis_cap must be > 0, got {self.tis_cap}")
-        for low, high, what in (
-            (self.icepop_low, self.icepop_high, "icepop"),
-            (self.seq_mask_low, self.seq_mask_high, "seq_mask"),
-        ):
-            if not (0.0 <= low < high):
-                raise ValueError(f"PolicyLossConfig: need 0 <= {what}_low < {what}_high, got {low}, {high}")
+    def check(self) -> None:
+        if self.clip_high < self.clip_low:
+            raise self.invalid("clip_high", f">= clip_low ({self.clip_low:g})")
+        for what in ("icepop", "seq_mask"):
+            low, high = getattr(self, f"{what}_low"), getattr(self, f"{what}_high")
+            if high <= low:
+                raise self.invalid(f"{what}_high", f"> {what}_low ({low:g})")
 
 
 @dataclass(frozen=True)
@@ -167,6 +172,16 @@ def register_correction(name: str) -> Callable[[CorrectionFn], CorrectionFn]:
     """Decorator: register ``fn(log_ratio [B, T], mask [B, T] float, config) -> (weight [B, T], per-token
     metric tensors [B, T])`` under ``name``; ``log_ratio`` = old (train) logprob - rollout logprob, detached."""
     return _register(_CORRECTIONS, "rollout correction", name)
+
+
+def policy_loss_names() -> list[str]:
+    """Names of the registered policy losses, sorted."""
+    return sorted(_LOSSES)
+
+
+def correction_names() -> list[str]:
+    """Names of the registered rollout corrections, sorted."""
+    return sorted(_CORRECTIONS)
 
 
 def register_aggregation(name: str) -> Callable[[AggregationFn], AggregationFn]:

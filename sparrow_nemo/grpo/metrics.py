@@ -12,10 +12,13 @@ import logging
 import math
 import time
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from sparrow_nemo.policy.checkpoint import atomic_write_bytes
+from sparrow_nemo.atomic_io import atomic_write
+from sparrow_nemo.config.schema import Section, knob
+from sparrow_nemo.grpo.wandb_logger import WandbConfig, WandbSink
 
 logger = logging.getLogger(__name__)
 
@@ -34,17 +37,43 @@ def merge_metrics(*parts: Mapping[str, float]) -> dict[str, float]:
     return out
 
 
+@dataclass(frozen=True)
+class LoggingConfig(Section):
+    """Metrics, progress and plots: the recipe's ``logging`` section (none of it enters the config hash)."""
+
+    renamed_keys: ClassVar[dict[str, str]] = {
+        "log_every_n_steps": "it was removed (never read: every step is logged)"
+    }
+
+    run_dir: str | None = knob(
+        None, "folder that holds the run folders <name>-<timestamp>; null = runs/", hashed=False
+    )
+    jsonl: bool = knob(
+        True, "metrics as JSON lines in <run_dir>/metrics.jsonl (one row per step)", hashed=False
+    )
+    tensorboard: bool = knob(
+        False, "TensorBoard event files in <run_dir>/tensorboard (needs tensorboard)", hashed=False
+    )
+    wandb: WandbConfig = knob(doc="Weights & Biases, the same metric names (optional)", factory=WandbConfig)
+    progress_bar: bool = knob(True, "progress bars (rate and ETA) on the terminal", hashed=False)
+    plots: bool = knob(True, "PNG plots in <run_dir>/plots at the end", hashed=False)
+
+
 class MetricsWriter:
     """Per-step metrics to ``<run_dir>/metrics.jsonl`` (one line per step with "step" and "time").
 
     Args:
         run_dir: the run folder. jsonl: write the JSON lines. tensorboard: also write TensorBoard scalars
             under ``<run_dir>/tensorboard`` (skipped with a warning when no TensorBoard writer is installed).
+        wandb: also log every row to this W&B run (:mod:`sparrow_nemo.grpo.wandb_logger`), same names.
     """
 
-    def __init__(self, run_dir: Path, jsonl: bool = True, tensorboard: bool = False) -> None:
+    def __init__(
+        self, run_dir: Path, jsonl: bool = True, tensorboard: bool = False, wandb: WandbSink | None = None
+    ) -> None:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.jsonl = jsonl
+        self._wandb = wandb
         self._tb = None
         if tensorboard:
             try:
@@ -68,6 +97,8 @@ class MetricsWriter:
                 if math.isfinite(float(v)):
                     self._tb.add_scalar(k, float(v), step)
             self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(step, metrics)
 
     def keep_rows(self, count: int) -> int:
         """Continue the file of an earlier attempt of this run: keep its first ``count`` rows (also as
@@ -88,13 +119,16 @@ class MetricsWriter:
         self.history = rows[:count]
         if len(lines) > len(self.history):
             text = "".join(json.dumps(row) + "\n" for row in self.history)
-            atomic_write_bytes(self.path, text.encode())
+            atomic_write(self.path, lambda f: f.write(text.encode()))
             logger.info("%s: dropped %d rows after the checkpoint", self.path, len(lines) - len(self.history))
         return len(lines) - len(self.history)
 
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.close()
+            self._wandb = None
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

@@ -8,20 +8,12 @@ Each :class:`~sparrow_nemo.policy.batch.PolicyBatch` carries in ``extras`` (all 
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
-from sparrow_nemo.config import LossConfig
 from sparrow_nemo.grpo.losses import LossNormalizer, PolicyLossConfig, compute_policy_loss, masked_mean
 from sparrow_nemo.policy.batch import PolicyBatch
 from sparrow_nemo.policy.logprobs import LogprobOutput
 from sparrow_nemo.policy.schedule import LossFn
-
-
-def policy_loss_config(loss: LossConfig) -> PolicyLossConfig:
-    """The recipe's ``grpo.loss`` section as the loss registry's :class:`PolicyLossConfig` (same field names)."""
-    return PolicyLossConfig(**dataclasses.asdict(loss))
 
 
 def grpo_loss_fn(config: PolicyLossConfig, normalizer: LossNormalizer) -> LossFn:

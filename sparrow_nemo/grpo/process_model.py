@@ -358,6 +358,15 @@ def gather_scalars(value: float) -> list[float]:
     return [float(t.item()) for t in out]
 
 
+def gather_objects(obj: Any) -> list[Any]:
+    """``obj`` of every rank, by global rank (a small-object all-gather over the gloo group). Collective."""
+    if not distributed():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj, group=object_group())
+    return out
+
+
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     """``obj`` as global rank ``src`` has it, on every rank (over the gloo :func:`object_group`). Collective."""
     if not distributed():

@@ -24,7 +24,8 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from sparrow_nemo.policy.hf_import import _hf_shape, weight_plan
+from sparrow_nemo.hf_qwen3 import hf_tensor_shape
+from sparrow_nemo.policy.hf_import import weight_plan
 from sparrow_nemo.policy.model import unwrap_model
 from sparrow_nemo.policy.tp_layout import REPLICATED, all_gather_shards, merge_shards
 
@@ -74,7 +75,7 @@ def pieces(policy) -> Iterator[Piece]:
                 tensors = merge_shards(shards, layout, spec.shape)
             else:
                 tensors = [
-                    torch.empty(_hf_shape(n, spec.shape), dtype=dtype, device=device) for n in hf_names
+                    torch.empty(hf_tensor_shape(n, spec.shape), dtype=dtype, device=device) for n in hf_names
                 ]
             if pp_group is not None:
                 for t in tensors:

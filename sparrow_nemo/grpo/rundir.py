@@ -10,7 +10,8 @@ from typing import Any
 
 import yaml
 
-from sparrow_nemo.config import ConfigError, SparrowConfig
+from sparrow_nemo.config import ConfigError
+from sparrow_nemo.grpo.recipe import SparrowConfig
 
 logger = logging.getLogger(__name__)
 

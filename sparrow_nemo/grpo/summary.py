@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from sparrow_nemo.config import SparrowConfig
+from sparrow_nemo.grpo.recipe import SparrowConfig
 
 SUMMARY_JSON = "summary.json"
 SUMMARY_TXT = "summary.txt"

@@ -18,7 +18,7 @@ Per step (:meth:`GrpoTrainer.step`), each phase timed as ``timing/<phase>``:
    ``trainer.max_consecutive_nonfinite`` of them in a row abort the run;
 5. ``refit``: the engine wakes and takes the new weights (:mod:`sparrow_nemo.grpo.refit`); ``distill``:
    the DistillSparse phase when ``distill.enabled`` (:mod:`sparrow_nemo.grpo.distill`);
-6. the tail scheduler (built from ``sparsity.*``) picks the next schedule; user callbacks' hooks;
+6. the tail scheduler (built from ``sparsity.*`` and ``tail_scheduler.*``) picks the next schedule; user callbacks' hooks;
 7. ``checkpoint`` every ``checkpoint.every_n_steps`` steps or ``checkpoint.every_n_minutes`` minutes;
    the step's row (JSONL, TensorBoard) with ``timing/step``.
 
@@ -39,8 +39,7 @@ from typing import Any
 import torch
 
 from sparrow_nemo.callbacks import CallbackList, StepReport, TailMismatchScheduler, instantiate_callbacks
-from sparrow_nemo.config import SparrowConfig
-from sparrow_nemo.grpo import setup
+from sparrow_nemo.grpo import setup, world
 from sparrow_nemo.grpo.advantages import compute_advantages
 from sparrow_nemo.grpo.checkpointing import (
     TrainerState,
@@ -53,28 +52,24 @@ from sparrow_nemo.grpo.distill import STATE_KEY as DISTILL_KEY
 from sparrow_nemo.grpo.distill import DistillData, DistillSparse, Probe
 from sparrow_nemo.grpo.evaluation import evaluate
 from sparrow_nemo.grpo.metrics import MetricsWriter, merge_metrics, progress, rollout_progress
-from sparrow_nemo.grpo.objective import policy_loss_config
 from sparrow_nemo.grpo.preemption import Preempted, PreemptionGuard
-from sparrow_nemo.grpo.process_model import (
-    RankPlan,
-    broadcast_object,
-    distributed,
-    object_group,
-    reduce_max,
-)
-from sparrow_nemo.grpo.prompts import PromptItem, build_prompt_source
+from sparrow_nemo.grpo.process_model import RankPlan, broadcast_object, gather_objects, reduce_max
+from sparrow_nemo.grpo.prompt_source import PromptItem
+from sparrow_nemo.grpo.prompts import build_prompt_source
+from sparrow_nemo.grpo.recipe import SparrowConfig
 from sparrow_nemo.grpo.refit import engine_weights, refit
 from sparrow_nemo.grpo.rollout_step import concat_outputs, micro_batches, reference_logprobs
 from sparrow_nemo.grpo.rundir import check_run_dir, make_run_dir
 from sparrow_nemo.grpo.step_batch import LocalRollout, StepBatch, generate, measure, score
 from sparrow_nemo.grpo.timing import PhaseTimer
 from sparrow_nemo.grpo.update import UpdateBatch, UpdateResult, mini_batch_order, update_policy
+from sparrow_nemo.grpo.wandb_logger import open_wandb
 from sparrow_nemo.grpo.warmstart import ensure_warm_start
-from sparrow_nemo.policy.sparse_forward import SparsePattern
 from sparrow_nemo.rollout.oom_retry import OomRetryEngine
 from sparrow_nemo.rollout.sampling import sample_seed
 from sparrow_nemo.rollout.spec_rollout import with_rollout_mode
 from sparrow_nemo.sparse.cost_model import HARDWARE, DecodeCostModel
+from sparrow_nemo.sparse.pattern import SparsePattern
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 logger = logging.getLogger(__name__)
@@ -83,15 +78,6 @@ logger = logging.getLogger(__name__)
 SCHEDULER_KEY = "TailMismatchScheduler"
 #: checkpoint key of the speculative planner's state (beside the callbacks')
 PLANNER_KEY = "SpeculativePlanner"
-
-
-def _gather_objects(obj: Any) -> list[Any]:
-    """``obj`` of every rank, by global rank (a small-object all-gather over the gloo group). Collective."""
-    if not distributed():
-        return [obj]
-    out: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(out, obj, group=object_group())
-    return out
 
 
 class NonFiniteTrainingError(RuntimeError):
@@ -114,7 +100,7 @@ class GrpoTrainer:
 
     def __init__(self, config: SparrowConfig, run_dir: str | Path | None = None) -> None:
         self.config = config
-        self.is_main = setup.rank() == 0
+        self.is_main = world.rank() == 0
         if run_dir is not None:
             check_run_dir(config, run_dir)  # before anything is built or written
         user_callbacks = instantiate_callbacks(config.callbacks)  # a bad entry fails before any work
@@ -139,7 +125,7 @@ class GrpoTrainer:
         if config.grpo.loss.kl_coef > 0:  # the KL penalty's reference: the initial weights (NeMo-RL style)
             self.policy.keep_reference()
         self.run_dir = Path(
-            setup.broadcast_from_rank0(str(make_run_dir(config, run_dir)) if self.is_main else None)
+            world.broadcast_from_rank0(str(make_run_dir(config, run_dir)) if self.is_main else None)
         )
         weights = engine_weights(self.policy)  # collective: every rank takes part
         self.rollout_engine = (
@@ -162,9 +148,12 @@ class GrpoTrainer:
         )  # user extras: rank 0, plus the collective ones everywhere
         self._has_user_callbacks = len(user_callbacks) > 0  # the same on every rank
         self.metrics = MetricsWriter(
-            self.run_dir, config.logging.jsonl, config.logging.tensorboard and self.is_main
+            self.run_dir,
+            config.logging.jsonl,
+            config.logging.tensorboard and self.is_main,
+            open_wandb(config.logging.wandb, self.run_dir, config.to_dict()) if self.is_main else None,
         )
-        self.loss_config = policy_loss_config(config.grpo.loss)
+        self.loss_config = config.grpo.loss
         self.cost_model = DecodeCostModel(
             config.model.shape(), HARDWARE["h200"], dense_layers=config.sparsity.dense_layers
         )
@@ -191,15 +180,15 @@ class GrpoTrainer:
             )
 
     def _scheduler(self) -> TailMismatchScheduler | None:
-        """The tail scheduler the sparsity settings ask for (adapt, calibrate or a sparse start), every rank.
-
-        Only rank 0 calibrates and writes files; the calibrated schedule reaches the others at train start.
+        """The tail scheduler the recipe asks for (``tail_scheduler.adapt``, ``sparsity.calibrate`` or a sparse
+        start), every rank. Only rank 0 calibrates and writes files; the calibrated schedule reaches the others at
+        train start.
         """
-        s = self.config.sparsity
-        if s.adapt == "off" and not s.calibrate and self.schedule.is_dense:
+        s, settings = self.config.sparsity, self.config.tail_scheduler
+        if settings.adapt == "off" and not s.calibrate and self.schedule.is_dense:
             return None
-        return TailMismatchScheduler.from_sparsity(
-            s, write_files=self.is_main, calibrate=s.calibrate and self.is_main
+        return TailMismatchScheduler(
+            s, settings, write_files=self.is_main, calibrate=s.calibrate and self.is_main
         )
 
     def _distill(self) -> DistillSparse | None:
@@ -433,9 +422,9 @@ class GrpoTrainer:
             return {}
         planner = self._speculative_planner()
         if planner is None:  # no engine on this rank: nothing drafted here, but it takes part in the gather
-            _gather_objects(({}, -1))
+            gather_objects(({}, -1))
             return {}
-        metrics = planner.observe(batch.local.samples, batch.schedule, gather=_gather_objects)
+        metrics = planner.observe(batch.local.samples, batch.schedule, gather=gather_objects)
         return metrics if self.is_main else {}
 
     def _report(self, batch: StepBatch) -> StepReport:
@@ -505,8 +494,11 @@ class GrpoTrainer:
 
     def _evaluate(self, tag: str, schedule: BudgetSchedule) -> None:
         """Sample the held-out prompts once each under ``schedule``, split over every engine; stored in the
-        state and passed to the callbacks' ``on_validation_end``."""
+        state and passed to the callbacks' ``on_validation_end``. Skipped (on every rank alike) when the prompt
+        source has no held-out set: file data without ``data.val_path``."""
         items = self.prompts.eval_batch(self.config.evaluation.num_prompts)
+        if not items:
+            return
         tally = evaluate(
             self.rollout_engine,
             self.prompts,
@@ -600,9 +592,9 @@ class GrpoTrainer:
             if self.is_main:
                 self.metrics.keep_rows(0)  # rows of an attempt that never checkpointed are redone
             return
-        self.state = TrainerState.from_dict(setup.broadcast_from_rank0(loaded.trainer))
+        self.state = TrainerState.from_dict(world.broadcast_from_rank0(loaded.trainer))
         self.prompts.load_state_dict(self.state.prompt_stream)
-        states = dict(setup.broadcast_from_rank0(loaded.callbacks))  # read on rank 0, needed everywhere
+        states = dict(world.broadcast_from_rank0(loaded.callbacks))  # read on rank 0, needed everywhere
         if self.scheduler is not None and SCHEDULER_KEY in states:
             self.scheduler.on_load_checkpoint(self, states.pop(SCHEDULER_KEY))
         if self.distill is not None and DISTILL_KEY in states:
@@ -644,7 +636,7 @@ class GrpoTrainer:
 
 def train(config: SparrowConfig, run_dir: str | Path | None = None) -> tuple[dict[str, Any], Path]:
     """Build the trainer, run it, close the workers; returns (summary, run folder)."""
-    setup.start_processes(config.trainer.dist_timeout_minutes)
+    world.start_processes(config.trainer.dist_timeout_minutes)
     setup.apply_cpu_threads(config)
     trainer = GrpoTrainer(config, run_dir)
     try:

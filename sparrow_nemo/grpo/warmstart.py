@@ -3,43 +3,68 @@
 RL needs a policy that already solves part of the task. For the synthetic task a short SFT on generated
 (prompt, solution) pairs gives one: the loss is the mean NLL of the solution tokens (eos included) given
 the prompt. The result is written once, atomically (staging folder + rename), to
-``<cache>/<key>/`` where ``key`` hashes everything that determines it (model shape, task, warm-start
-settings and sizes, optimizer settings, seed, precision, tokenizer; a CPU warm-start always trains with
-``WARMSTART_THREADS`` torch threads, so the thread count is not an input), and later runs load it without
-training.
+``<cache>/<key>/`` where ``key`` hashes everything that determines it (:func:`cache_key`), and later runs
+load it without training.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import shutil
 import socket
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from sparrow_nemo.config import SparrowConfig
 from sparrow_nemo.grpo.metrics import progress
 from sparrow_nemo.grpo.objective import sft_loss_fn
-from sparrow_nemo.grpo.prompts import PromptSource
+from sparrow_nemo.grpo.prompt_source import PromptSource
+from sparrow_nemo.grpo.recipe import SparrowConfig
 from sparrow_nemo.grpo.rollout_step import micro_batches, pad_pairs
 
 logger = logging.getLogger(__name__)
 
-#: bump when the warm-start procedure changes what it produces
-WARMSTART_VERSION = 2
-#: torch intra-op threads of a CPU warm-start, whatever the run's setting: CPU matmul reductions split
-#: differently with other thread counts, so this keeps the weights a function of the cache key alone
-WARMSTART_THREADS = 1
+#: the sources whose code decides the warm-start's weights (paths under sparrow_nemo/; a folder = every .py in
+#: it): the model, its forward/backward and optimizer, the loss, the batches and the task's data. Their text is
+#: in the cache key, so a change to any of them (a new attention path, another summation order) trains anew
+#: instead of reusing weights the code no longer produces.
+WARMSTART_SOURCES = (
+    "policy",
+    "tasks",
+    "grpo/warmstart.py",
+    "grpo/objective.py",
+    "grpo/losses.py",
+    "grpo/rollout_step.py",
+    "grpo/prompt_source.py",
+    "grpo/prompts.py",
+    "model_shapes.py",
+    "hf_qwen3.py",
+)
+
+
 #: warm-start checkpoints shipped with the package, one ``<key>/`` folder each (scripts/ship_warmstart.py)
 SHIPPED_ROOT = Path(__file__).resolve().parents[1] / "tasks" / "warmstart"
 #: in a shipped folder: {"key", "sha256": {file: hex digest}, and how it was made}
 MANIFEST = "manifest.json"
+
+
+def source_digest(sources: tuple[str, ...] = WARMSTART_SOURCES) -> str:
+    """sha256 over the path and bytes of every file of ``sources`` (sorted), e.g. :data:`WARMSTART_SOURCES`."""
+    root = Path(__file__).resolve().parent.parent
+    files = sorted(
+        f for s in sources for f in ((root / s).rglob("*.py") if (root / s).is_dir() else [root / s])
+    )
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return digest.hexdigest()
 
 
 def cache_root(config: SparrowConfig) -> Path:
@@ -50,20 +75,50 @@ def cache_root(config: SparrowConfig) -> Path:
     return (Path(base) if base else Path.home() / ".cache" / "sparrow_nemo") / "warmstart"
 
 
-def cache_key(config: SparrowConfig, tokenizer_name: str) -> str:
-    """16 hex digits identifying the warm-start result (see the module docstring)."""
+#: (tensor parallel, pipeline parallel, world size) of a warm-start trained in one process
+SINGLE_RANK = (1, 1, 1)
+
+
+def cache_key(config: SparrowConfig, tokenizer_name: str, layout: tuple[int, int, int] | None = None) -> str:
+    """16 hex digits identifying the warm-start result: every input that changes the weights.
+
+    Besides the recipe's model, task and warm-start settings that is the optimizer (only ``lr`` is the
+    warm-start's own), the parallel layout and world size (sharded matmuls, the DP gradient mean; ``layout``
+    = (tp, pp, world size), default this run's), the device type, the torch and megatron-core versions
+    (kernels) and the code that trains (:func:`source_digest`: measured, the memory-efficient attention
+    path gave other weights under an unchanged key). The CPU thread count is not an input: the warm-start
+    always trains with one intra-op thread (:func:`_one_cpu_thread`), so it cannot change the sums.
+    """
+    import megatron.core
+
+    from sparrow_nemo.grpo.setup import device
+    from sparrow_nemo.grpo.world import world_size
     from sparrow_nemo.tasks.chain import build_tasks
 
-    w, o = config.warmstart, config.policy.optimizer
+    w, p = config.warmstart, config.policy
+    warm_task = build_tasks(config.task, w)[1]
+    optimizer = {k: v for k, v in asdict(p.optimizer).items() if k != "lr"}
     spec = {
-        "version": WARMSTART_VERSION,
+        "code": source_digest(),
+        "megatron_core": megatron.core.__version__,
         "shape": asdict(config.model.shape()),
-        # the problems the warm-start trains on (warmstart.num_hops/num_nodes, else the task's sizes)
-        "task": asdict(build_tasks(config.task, w)[1].config),
-        "warmstart": {"steps": w.steps, "batch_size": w.batch_size, "lr": w.lr},
-        "optimizer": {k: getattr(o, k) for k in ("betas", "eps", "weight_decay", "grad_clip")},
-        "micro_batch_size": config.policy.micro_batch_size,
-        "precision": config.policy.precision,
+        # the problems the warm-start trains on (warmstart.num_hops/num_nodes, else the task's sizes) and
+        # how they grow (warmstart.ramp_steps)
+        "task": asdict(warm_task.config),
+        "warmstart": {
+            "steps": w.steps,
+            "batch_size": w.batch_size,
+            "lr": w.lr,
+            "ramp": warm_task.ramp_problems,
+        },
+        "optimizer": optimizer,
+        "micro_batch_size": p.micro_batch_size,
+        "precision": p.precision,
+        "layout": list(
+            layout or (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, world_size())
+        ),
+        "device": device(config).type,
+        "torch": torch.__version__,
         "seed": config.trainer.seed,
         "tokenizer": tokenizer_name,
     }
@@ -97,9 +152,34 @@ def shipped_checkpoint(key: str) -> Path | None:
     return folder
 
 
-def warm_start_dir(config: SparrowConfig, source: PromptSource) -> Path:
-    """Where the warm-start checkpoint of this recipe lives (it may not exist yet)."""
-    return cache_root(config) / cache_key(config, type(source.tokenizer).__name__)
+@contextlib.contextmanager
+def _one_cpu_thread() -> Iterator[None]:
+    """One torch intra-op thread inside (the caller's count restored after): CPU reductions then add in
+    one order whatever ``trainer.cpu_threads`` or torch's default (one per core) would have been."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def warm_start_dir(
+    config: SparrowConfig, source: PromptSource, layout: tuple[int, int, int] | None = None
+) -> Path:
+    """Where the warm-start checkpoint of this recipe (trained in ``layout``, default this run's) lives; it
+    may not exist yet."""
+    return cache_root(config) / cache_key(config, type(source.tokenizer).__name__, layout)
+
+
+def cached_warm_start(config: SparrowConfig, source: PromptSource) -> Path | None:
+    """The cached warm-start this run starts from: the single-rank one when it exists (an HF checkpoint serves
+    any layout, so runs of every layout start from the same weights), else this run's own layout's; None
+    when neither exists (then this run trains it, under its own layout's key)."""
+    for path in (warm_start_dir(config, source, SINGLE_RANK), warm_start_dir(config, source)):
+        if (path / "config.json").is_file():
+            return path
+    return None
 
 
 def _sft_batch(
@@ -144,14 +224,6 @@ def run_warm_start(config: SparrowConfig, source: PromptSource, policy, show_pro
     return losses
 
 
-def _publish(staging: Path, target: Path) -> None:
-    """Rename a finished ``staging`` folder to ``target`` (atomic); keep ``target`` if another process won."""
-    try:
-        os.replace(staging, target)
-    except OSError:  # another process finished the same warm-start first: keep theirs
-        shutil.rmtree(staging, ignore_errors=True)
-
-
 def remove_stale_staging(target: Path) -> list[Path]:
     """Remove the staging folders of ``target`` that a killed save left (``.<key>.partial-<host>-<pid>``
     of this host whose process is gone; also the older ``.<key>.partial-<pid>``); returns them.
@@ -181,6 +253,14 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _publish(staging: Path, target: Path) -> None:
+    """Rename a finished ``staging`` folder to ``target`` (atomic); keep ``target`` if another process won."""
+    try:
+        os.replace(staging, target)
+    except OSError:  # another process finished the same warm-start first: keep theirs
+        shutil.rmtree(staging, ignore_errors=True)
+
+
 def ensure_warm_start(
     config: SparrowConfig, source: PromptSource, show_progress: bool = True, use_shipped: bool = True
 ) -> Path:
@@ -191,14 +271,15 @@ def ensure_warm_start(
     with the warm-start learning rate, so the RL policy starts with fresh optimizer state.
     ``use_shipped=False`` trains even when a shipped checkpoint exists (scripts/ship_warmstart.py).
     """
-    from sparrow_nemo.grpo.setup import broadcast_from_rank0, rank
+    from sparrow_nemo.grpo.world import broadcast_from_rank0, rank
 
     target = warm_start_dir(config, source)
     if rank() == 0:
         remove_stale_staging(target)
-    if broadcast_from_rank0((target / "config.json").is_file()):
-        logger.info("warm-start: using the cached checkpoint %s", target)
-        return target
+    cached = broadcast_from_rank0(str(cached_warm_start(config, source) or "") if rank() == 0 else None)
+    if cached:
+        logger.info("warm-start: using the cached checkpoint %s", cached)
+        return Path(cached)
     shipped = broadcast_from_rank0(shipped_checkpoint(target.name) if use_shipped and rank() == 0 else None)
     if shipped is not None:
         if rank() == 0:
@@ -215,21 +296,17 @@ def ensure_warm_start(
 
 
 def _train_and_cache(config: SparrowConfig, source: PromptSource, target: Path, show_progress: bool) -> Path:
-    """Train the warm-start (pinned thread count on CPU) and write it to ``target`` atomically (rank 0)."""
-    from sparrow_nemo.grpo.setup import build_policy, device, rank
-    from sparrow_nemo.policy.hf_import import save_hf_checkpoint
+    """Train the warm-start (one CPU thread) and write it to ``target`` atomically (rank 0)."""
+    from sparrow_nemo.grpo.setup import build_policy
+    from sparrow_nemo.grpo.world import rank
+    from sparrow_nemo.hf_qwen3 import save_hf_checkpoint
 
     logger.info("warm-start: %d SFT steps (cached afterwards in %s)", config.warmstart.steps, target)
-    torch.manual_seed(config.trainer.seed)
-    threads = torch.get_num_threads()
-    if device(config).type == "cpu":
-        torch.set_num_threads(WARMSTART_THREADS)
-    try:
+    with _one_cpu_thread():
+        torch.manual_seed(config.trainer.seed)
         policy = build_policy(config, hf_dir=None, lr=config.warmstart.lr)
         losses = run_warm_start(config, source, policy, show_progress)
         weights = policy.export_hf()
-    finally:
-        torch.set_num_threads(threads)
     if rank() == 0:
         staging = target.parent / f".{target.name}.partial-{socket.gethostname()}-{os.getpid()}"
         shutil.rmtree(staging, ignore_errors=True)

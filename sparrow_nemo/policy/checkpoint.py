@@ -20,11 +20,12 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from sparrow_nemo.atomic_io import atomic_write, fsync_dir
 
 logger = logging.getLogger(__name__)
 
@@ -34,14 +35,6 @@ PARTIAL_SUFFIX = ".partial"
 
 class CheckpointError(RuntimeError):
     """A checkpoint directory that is incomplete, corrupted or for another layout."""
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _disk_full(path: Path, exc: BaseException) -> CheckpointError | None:
@@ -74,20 +67,7 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
         CheckpointError: the disk is full (the temp file is removed).
     """
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as exc:
-        full = _disk_full(path, exc)
-        Path(tmp).unlink(missing_ok=True)
-        if full is not None:
-            raise full from None
-        raise
-    _fsync_dir(path.parent)
+    atomic_write(path, lambda f: f.write(data), lambda exc: _disk_full(path, exc))
 
 
 def atomic_torch_save(obj: Any, path: str | Path) -> None:
@@ -97,19 +77,7 @@ def atomic_torch_save(obj: Any, path: str | Path) -> None:
         CheckpointError: the disk is full (the temp file is removed).
     """
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as exc:
-        full = _disk_full(path, exc)
-        Path(tmp).unlink(missing_ok=True)
-        if full is not None:
-            raise full from None
-        raise
+    atomic_write(path, lambda f: torch.save(obj, f), lambda exc: _disk_full(path, exc))
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
@@ -149,7 +117,7 @@ def finalize(root: str | Path, name: str, meta: dict[str, Any]) -> Path:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(staging, final)
-    _fsync_dir(Path(root))
+    fsync_dir(Path(root))
     return final
 
 

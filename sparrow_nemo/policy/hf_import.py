@@ -16,13 +16,17 @@ Import followed by export is bit-exact.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from sparrow_nemo.model_shapes import Qwen3Shape
+from sparrow_nemo.hf_qwen3 import (
+    CheckpointFormatError,
+    SafetensorsDir,
+    expected_weight_shapes,
+    shape_from_hf_config,
+)
 from sparrow_nemo.policy.model import PolicyModelSpec, unwrap_model
 from sparrow_nemo.policy.parallel import stage_layer_range
 from sparrow_nemo.policy.tp_layout import (
@@ -60,76 +64,6 @@ _TE_NAMES = {
 }
 
 
-class CheckpointFormatError(ValueError):
-    """A Hugging Face checkpoint that does not match what the policy expects."""
-
-
-# ----------------------------------------------------------------------------- config
-
-
-def shape_from_hf_config(config: dict) -> Qwen3Shape:
-    """A :class:`Qwen3Shape` from a Qwen3 ``config.json`` dict; refuses features the policy does not model."""
-    required = (
-        "num_hidden_layers",
-        "hidden_size",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "intermediate_size",
-        "vocab_size",
-    )
-    missing = [k for k in required if k not in config]
-    if missing:
-        raise CheckpointFormatError(f"config.json lacks {missing}")
-    if config.get("model_type", "qwen3") != "qwen3":
-        raise CheckpointFormatError(f"config.json model_type={config.get('model_type')!r}, expected 'qwen3'")
-    if config.get("hidden_act", "silu") != "silu":
-        raise CheckpointFormatError(f"config.json hidden_act={config['hidden_act']!r}, expected 'silu'")
-    if config.get("attention_bias", False):
-        raise CheckpointFormatError("config.json attention_bias=true is not supported (Qwen3 has none)")
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise CheckpointFormatError(f"config.json rope scaling {rope} is not supported (plain RoPE only)")
-    theta = config.get("rope_theta", rope.get("rope_theta", 10_000.0))
-    eos = config.get("eos_token_id", 151_645)
-    return Qwen3Shape(
-        num_layers=config["num_hidden_layers"],
-        hidden_size=config["hidden_size"],
-        num_attention_heads=config["num_attention_heads"],
-        num_key_value_heads=config["num_key_value_heads"],
-        head_dim=config.get("head_dim", config["hidden_size"] // config["num_attention_heads"]),
-        intermediate_size=config["intermediate_size"],
-        vocab_size=config["vocab_size"],
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(theta),
-        max_position_embeddings=config.get("max_position_embeddings", 40_960),
-        eos_token_id=eos[0] if isinstance(eos, list) else eos,
-    )
-
-
-def hf_config_dict(shape: Qwen3Shape, dtype: torch.dtype = torch.float32) -> dict:
-    """A Qwen3 ``config.json`` dict for ``shape`` (loads with ``transformers.AutoConfig``)."""
-    return {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
-        "vocab_size": shape.vocab_size,
-        "hidden_size": shape.hidden_size,
-        "intermediate_size": shape.intermediate_size,
-        "num_hidden_layers": shape.num_layers,
-        "num_attention_heads": shape.num_attention_heads,
-        "num_key_value_heads": shape.num_key_value_heads,
-        "head_dim": shape.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": shape.max_position_embeddings,
-        "rms_norm_eps": shape.rms_norm_eps,
-        "rope_theta": shape.rope_theta,
-        "tie_word_embeddings": shape.tie_word_embeddings,
-        "attention_bias": False,
-        "eos_token_id": shape.eos_token_id,
-        "torch_dtype": str(dtype).removeprefix("torch."),
-    }
-
-
 # ----------------------------------------------------------------------------- name plan
 
 
@@ -159,95 +93,6 @@ def weight_plan(spec: PolicyModelSpec) -> list[tuple[str, tuple[str, ...], str]]
     return plan
 
 
-# ----------------------------------------------------------------------------- reading HF files
-
-
-class SafetensorsDir:
-    """Lazy reader of one HF checkpoint directory (single or sharded safetensors)."""
-
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        index = self.path / "model.safetensors.index.json"
-        single = self.path / "model.safetensors"
-        if index.is_file():
-            weight_map = _read_json(index).get("weight_map")
-            if not isinstance(weight_map, dict):
-                raise CheckpointFormatError(f"{index}: no 'weight_map' object")
-            self.weight_map: dict[str, str] = weight_map
-        elif single.is_file():
-            with _open_safetensors(single) as f:
-                self.weight_map = dict.fromkeys(f.keys(), "model.safetensors")
-        else:
-            raise FileNotFoundError(
-                f"{self.path}: neither model.safetensors nor model.safetensors.index.json"
-            )
-
-    def config(self) -> dict:
-        """The parsed config.json."""
-        cfg = self.path / "config.json"
-        if not cfg.is_file():
-            raise FileNotFoundError(f"{cfg} not found")
-        return _read_json(cfg)
-
-    def get(self, name: str) -> torch.Tensor:
-        """One tensor by HF name; a KeyError names the tensor and the directory."""
-        from safetensors import SafetensorError
-
-        if name not in self.weight_map:
-            raise KeyError(f"tensor '{name}' not found in the checkpoint {self.path}")
-        file = self.path / self.weight_map[name]
-        with _open_safetensors(file) as f:
-            try:
-                return f.get_tensor(name)
-            except SafetensorError as exc:
-                raise CheckpointFormatError(f"{file}: cannot read tensor '{name}' ({exc})") from None
-
-
-def _read_json(path: Path) -> dict:
-    """A JSON object file; CheckpointFormatError naming the file when it is not one."""
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointFormatError(f"{path}: invalid JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise CheckpointFormatError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
-
-
-def _open_safetensors(path: Path):
-    """``safe_open(path)``; CheckpointFormatError naming the file when it is truncated or not safetensors."""
-    from safetensors import SafetensorError, safe_open
-
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found (named by the checkpoint index)")
-    try:
-        return safe_open(str(path), framework="pt")
-    except SafetensorError as exc:
-        raise CheckpointFormatError(f"{path}: not a readable safetensors file ({exc})") from None
-
-
-def _hf_shape(name: str, shape: Qwen3Shape) -> tuple[int, ...]:
-    """The shape an HF Qwen3 tensor must have."""
-    h, d, i = shape.hidden_size, shape.head_dim, shape.intermediate_size
-    suffix_shapes = {
-        "embed_tokens.weight": (shape.vocab_size, h),
-        "lm_head.weight": (shape.vocab_size, h),
-        "q_proj.weight": (shape.num_attention_heads * d, h),
-        "k_proj.weight": (shape.num_key_value_heads * d, h),
-        "v_proj.weight": (shape.num_key_value_heads * d, h),
-        "o_proj.weight": (h, shape.num_attention_heads * d),
-        "q_norm.weight": (d,),
-        "k_norm.weight": (d,),
-        "gate_proj.weight": (i, h),
-        "up_proj.weight": (i, h),
-        "down_proj.weight": (h, i),
-    }
-    for suffix, expected in suffix_shapes.items():
-        if name.endswith(suffix):
-            return expected
-    return (h,)  # the RMSNorm weights
-
-
 def megatron_shard_from_hf(
     hf: dict[str, torch.Tensor] | SafetensorsDir, spec: PolicyModelSpec
 ) -> dict[str, torch.Tensor]:
@@ -255,14 +100,15 @@ def megatron_shard_from_hf(
     get = hf.get if isinstance(hf, SafetensorsDir) else hf.__getitem__
     where = f"{hf.path}: " if isinstance(hf, SafetensorsDir) else ""
     shape, tp, rank = spec.shape, spec.layout.tp, spec.tp_rank
+    expected = expected_weight_shapes(shape)
     out: dict[str, torch.Tensor] = {}
     for key, hf_names, layout in weight_plan(spec):
         tensors = []
         for name in hf_names:
             t = get(name)
-            if tuple(t.shape) != _hf_shape(name, shape):
+            if tuple(t.shape) != expected[name]:
                 raise CheckpointFormatError(
-                    f"{where}tensor '{name}' has shape {tuple(t.shape)}, expected {_hf_shape(name, shape)}"
+                    f"{where}tensor '{name}' has shape {tuple(t.shape)}, expected {expected[name]}"
                     " from the model config"
                 )
             tensors.append(t)
@@ -332,19 +178,3 @@ def export_hf_state_dict(model: torch.nn.Module, spec: PolicyModelSpec) -> dict[
         for name, tensor in part.items():
             merged.setdefault(name, tensor)
     return merged
-
-
-def save_hf_checkpoint(state_dict: dict[str, torch.Tensor], shape: Qwen3Shape, out_dir: str | Path) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` (loads with ``Qwen3ForCausalLM.from_pretrained``)."""
-    from safetensors.torch import save_file
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    dtype = next(iter(state_dict.values())).dtype
-    (out / "config.json").write_text(json.dumps(hf_config_dict(shape, dtype), indent=2))
-    save_file(
-        {k: v.contiguous() for k, v in state_dict.items()},
-        str(out / "model.safetensors"),
-        metadata={"format": "pt"},
-    )
-    return out

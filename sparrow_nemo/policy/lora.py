@@ -15,7 +15,7 @@ Tensor parallelism (sequence parallelism off):
   weight, the partial ``x_local @ A_local.T`` all-reduced (``reduce_from_tensor_model_parallel_region``)
   before the replicated ``B [out, r]``.
 
-Import/export use the rollout engine's :class:`~sparrow_nemo.rollout.lora.LoraAdapter` in Hugging Face
+Import/export use :class:`~sparrow_nemo.hf_qwen3.LoraAdapter` (the rollout engines' LoRA) in Hugging Face
 module names: the fused ``linear_qkv`` is ``q_proj``/``k_proj``/``v_proj`` with one shared ``A`` and ``B``
 split by rows, ``linear_fc1`` likewise ``gate_proj``/``up_proj``; the row layouts reuse the weights'
 (:mod:`sparrow_nemo.policy.tp_layout`), so export -> ``engine.set_lora`` reproduces the policy exactly.
@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from sparrow_nemo.hf_qwen3 import LoraAdapter
 from sparrow_nemo.model_shapes import Qwen3Shape
 from sparrow_nemo.policy.fused_norm import linear_input
 from sparrow_nemo.policy.model import PolicyModelSpec, unwrap_model
@@ -45,7 +46,6 @@ from sparrow_nemo.policy.tp_layout import (
     merge_shards,
     split_shard,
 )
-from sparrow_nemo.rollout.lora import LoraAdapter
 
 #: megatron module (under ``decoder.layers.{i}.``) -> (HF modules, column-parallel?, row layout of B / A)
 TARGETS: dict[str, tuple[tuple[str, ...], bool, str]] = {

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from sparrow_nemo.config.schema import AT_LEAST_ONE, Section, knob
 from sparrow_nemo.policy.parallel import LayoutError, ParallelLayout
 
 #: megatron modules recomputed by ``recompute_granularity: selective``: the MLP (its fc1 output and
@@ -21,47 +22,50 @@ SELECTIVE_MODULES = ("mlp",)
 
 
 @dataclass(frozen=True)
-class MemorySettings:
-    """What decides the activation memory of a training step (recipe ``policy.*`` keys of the same names).
+class MemorySettings(Section):
+    """What decides the activation memory of a training step: the recipe's ``policy.*`` keys of these names
+    (:class:`sparrow_nemo.policy.policy.PolicyConfig` extends this class, so each is declared once)."""
 
-    Attributes:
-        recompute_granularity: ``"none"``, ``"full"`` (each layer's input kept, the layer recomputed in
-            backward) or ``"selective"`` (the modules of :data:`SELECTIVE_MODULES` recomputed).
-        recompute_method: full recompute only: ``"uniform"`` (all layers, in groups of
-            ``recompute_num_layers``) or ``"block"`` (the first ``recompute_num_layers`` layers per stage).
-        recompute_num_layers: see ``recompute_method``.
-        sequence_parallel: megatron sequence parallelism (norm/residual activations split over TP).
-        logprob_chunk_tokens: positions per chunk of the fused output layer + logprobs
-            (:func:`sparrow_nemo.policy.logprobs.chunked_head_logprobs`).
-        max_tokens_per_micro_batch: token budget of a micro-batch (rows x width), or None for
-            ``micro_batch_size`` rows (:mod:`sparrow_nemo.policy.packing`).
-    """
+    recompute_granularity: Literal["none", "full", "selective"] = knob(
+        "none",
+        "megatron activation recomputation: full (each layer's input kept, the layer recomputed in backward), "
+        "selective (the MLP recomputed), or none",
+    )
+    recompute_method: Literal["uniform", "block"] = knob(
+        "uniform",
+        "full recompute: uniform (every layer, in groups of recompute_num_layers) or block (only the first "
+        "recompute_num_layers layers of each pipeline stage)",
+    )
+    recompute_num_layers: int = knob(
+        1,
+        "full recompute: layers per recomputed group (uniform) or recomputed layers per stage (block)",
+        check=AT_LEAST_ONE,
+    )
+    sequence_parallel: bool = knob(
+        False, "Megatron sequence parallelism (norm/residual activations split over TP; needs tp > 1)"
+    )
+    logprob_chunk_tokens: int = knob(
+        4096,
+        "positions per chunk of the fused output layer + logprobs/entropy/top-k: the [chunk, vocab / tp] fp32 "
+        "logits are the largest transient of a step (sparrow_nemo.policy.logprobs)",
+        check=AT_LEAST_ONE,
+    )
+    max_tokens_per_micro_batch: int | None = knob(
+        None,
+        "token budget per micro-batch instead of a row count: rows sorted by length, each micro-batch rows x "
+        "its longest row <= this (sparrow_nemo.policy.packing); null = micro_batch_size rows",
+        check=AT_LEAST_ONE,
+    )
 
-    recompute_granularity: Literal["none", "full", "selective"] = "none"
-    recompute_method: Literal["uniform", "block"] = "uniform"
-    recompute_num_layers: int = 1
-    sequence_parallel: bool = False
-    logprob_chunk_tokens: int = 4096
-    max_tokens_per_micro_batch: int | None = None
-
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         if self.recompute_granularity not in ("none", "full", "selective"):
-            raise ValueError(
-                f"recompute_granularity must be none, full or selective, got {self.recompute_granularity!r}"
-            )
+            raise self.invalid("recompute_granularity", "none, full or selective")
         if self.recompute_method not in ("uniform", "block"):
-            raise ValueError(f"recompute_method must be uniform or block, got {self.recompute_method!r}")
-        for name in ("recompute_num_layers", "logprob_chunk_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_tokens_per_micro_batch is not None and self.max_tokens_per_micro_batch < 1:
-            raise ValueError(
-                f"max_tokens_per_micro_batch must be >= 1, got {self.max_tokens_per_micro_batch}"
-            )
+            raise self.invalid("recompute_method", "uniform or block")
 
     @classmethod
     def from_policy_config(cls, policy: Any) -> MemorySettings:
-        """From the recipe's ``policy`` section (:class:`sparrow_nemo.config.PolicyConfig`)."""
+        """Just these settings, from the recipe's ``policy`` section (:class:`~sparrow_nemo.policy.policy.PolicyConfig`)."""
         return cls(
             recompute_granularity=policy.recompute_granularity,
             recompute_method=policy.recompute_method,

@@ -23,32 +23,13 @@ import torch
 import torch.nn.functional as F
 
 from sparrow_nemo._optional import is_available
+from sparrow_nemo.hf_qwen3 import resolve_dtype
 from sparrow_nemo.model_shapes import Qwen3Shape
 from sparrow_nemo.policy.memory import DEFAULT_MEMORY, MemorySettings
 from sparrow_nemo.policy.parallel import ParallelLayout
 
 #: megatron's default ``make_vocab_size_divisible_by``: the padded vocab is a multiple of this times tp.
 VOCAB_MULTIPLE = 128
-
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
-
-
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """``"bf16"`` / ``"bfloat16"`` / ``torch.bfloat16`` ... -> ``torch.dtype``; a clear error otherwise."""
-    if isinstance(dtype, torch.dtype):
-        if dtype not in _DTYPES.values():
-            raise ValueError(f"dtype must be one of float32, bfloat16, float16; got {dtype}")
-        return dtype
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}; got {dtype!r}")
-    return _DTYPES[dtype]
 
 
 def padded_vocab_size(vocab_size: int, tp: int, multiple: int = VOCAB_MULTIPLE) -> int:

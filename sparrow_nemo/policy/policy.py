@@ -7,30 +7,33 @@ run (call it on all of them with the same arguments, except ``batches``, which a
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar, Literal
 
 import torch
 
+from sparrow_nemo.config.schema import AT_LEAST_ONE, knob
+from sparrow_nemo.hf_qwen3 import LoraAdapter, resolve_dtype
 from sparrow_nemo.model_shapes import Qwen3Shape
 from sparrow_nemo.policy.batch import PolicyBatch
 from sparrow_nemo.policy.hf_import import export_hf_state_dict, load_hf_into_model
 from sparrow_nemo.policy.logprobs import TOP_K, LogprobOutput
 from sparrow_nemo.policy.lora import LoraConfig, MegatronLora, frozen
 from sparrow_nemo.policy.memory import DEFAULT_MEMORY, MemorySettings
-from sparrow_nemo.policy.model import build_model, resolve_dtype
+from sparrow_nemo.policy.model import build_model
 from sparrow_nemo.policy.optim import OptimizerSettings, TorchPolicyOptimizer, wrap_for_training
 from sparrow_nemo.policy.parallel import ParallelLayout, destroy_parallel, initialize_parallel
 from sparrow_nemo.policy.reference import ReferenceWeights
 from sparrow_nemo.policy.resume import load_policy_checkpoint, save_policy_checkpoint
 from sparrow_nemo.policy.schedule import LossFn, compute_logprobs
 from sparrow_nemo.policy.sparse_forward import (
-    SparsePattern,
     SparsePlan,
     compute_sparse_logprobs,
     sparse_forward,
 )
 from sparrow_nemo.policy.train_step import Reduction, StepResult, train_step
-from sparrow_nemo.rollout.lora import LoraAdapter
+from sparrow_nemo.sparse.pattern import SparsePattern
 
 
 class MegatronPolicy:
@@ -166,3 +169,38 @@ class MegatronPolicy:
     def close(self) -> None:
         """Tear down megatron's parallel state and the process group."""
         destroy_parallel()
+
+
+# ----- the recipe's ``policy`` section -------------------------------------------------------------
+@dataclass(frozen=True)
+class PolicyConfig(MemorySettings):
+    """The trained policy: megatron-core parallel layout, batching, precision, optimizer, and the activation
+    memory settings (:class:`~sparrow_nemo.policy.memory.MemorySettings`, whose keys come first)."""
+
+    renamed_keys: ClassVar[dict[str, str]] = {
+        "activation_recompute": "it was replaced by policy.recompute_granularity (true = full)"
+    }
+
+    tensor_model_parallel_size: int = knob(
+        1, "tensor-parallel ranks (must divide the query and KV head counts)", check=AT_LEAST_ONE
+    )
+    pipeline_model_parallel_size: int = knob(
+        1, "pipeline stages (must divide the layer count)", check=AT_LEAST_ONE
+    )
+    data_parallel_size: int | None = knob(
+        None, "data-parallel ranks; null = world size / (tensor x pipeline)", check=AT_LEAST_ONE
+    )
+    micro_batch_size: int = knob(
+        4,
+        "sequences per forward/backward micro-batch (rows are cut to its longest sequence)",
+        check=AT_LEAST_ONE,
+    )
+    precision: Literal["fp32", "bf16", "fp16"] = knob(
+        "fp32", "training compute precision (bf16/fp16 keep fp32 master weights)"
+    )
+    optimizer: OptimizerSettings = knob(doc="Adam(W) settings", factory=OptimizerSettings)
+
+    def check(self) -> None:
+        super().check()
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise self.invalid("sequence_parallel", "false unless tensor_model_parallel_size > 1")

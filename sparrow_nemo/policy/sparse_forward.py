@@ -44,6 +44,7 @@ from sparrow_nemo.policy.logprobs import TOP_K, LogprobOutput
 from sparrow_nemo.policy.model import PolicyModelSpec, unwrap_model
 from sparrow_nemo.policy.schedule import compute_logprobs
 from sparrow_nemo.sparse.attention import select_pages_from_scores
+from sparrow_nemo.sparse.pattern import SparsePattern
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET, BudgetSchedule
 
 if TYPE_CHECKING:
@@ -51,30 +52,6 @@ if TYPE_CHECKING:
 
 #: query positions per attention block: bounds a block's scores to B * Hq * QUERY_BLOCK * S floats
 QUERY_BLOCK = 64
-
-
-@dataclass(frozen=True)
-class SparsePattern:
-    """The sparse rule's constants (the rollout engine's; paper: 16, 1, 2, 2).
-
-    Attributes:
-        page_size: tokens per KV page.
-        sink_pages: leading pages always kept.
-        local_pages: most recent pages always kept.
-        dense_layers: leading decoder layers that always attend densely.
-    """
-
-    page_size: int = 16
-    sink_pages: int = 1
-    local_pages: int = 2
-    dense_layers: int = 2
-
-    def __post_init__(self) -> None:
-        if self.page_size <= 0:
-            raise ValueError(f"SparsePattern.page_size must be > 0 tokens, got {self.page_size}")
-        for name in ("sink_pages", "local_pages", "dense_layers"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"SparsePattern.{name} must be >= 0, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ rlimits and a process-group kill: no isolation at all.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -147,7 +148,7 @@ class SandboxProcess:
             for fd in keep + ([stdin_fd] if isinstance(stdin_fd, int) and stdin_fd >= 0 else []):
                 os.close(fd)
         if not unsafe:
-            self._init_pidfd = _init_pidfd(info_r)
+            self._init_pidfd = _init_pidfd(info_r, self.proc.pid)
         self._exit_fd = os.pidfd_open(self.proc.pid)
         for pipe in (self.proc.stdout, self.proc.stderr, self.proc.stdin):
             if pipe is not None:
@@ -262,6 +263,9 @@ class SandboxProcess:
             except ProcessLookupError:
                 pass
             self.proc.wait()
+        if self._init_pidfd is not None:  # do not rely on --die-with-parent's timing alone
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self._init_pidfd, signal.SIGKILL)
         survived = self._init_pidfd is not None and not _wait_readable(
             self._init_pidfd, time.monotonic() + _REAP_S
         )
@@ -301,15 +305,36 @@ def _memfd(name: str, data: bytes) -> int:
     return fd
 
 
-def _init_pidfd(info_r: int) -> int | None:
-    """pidfd of the sandbox's PID-namespace init, from bwrap's ``--info-fd`` JSON (None: already gone)."""
+def _init_pidfd(info_r: int, bwrap_pid: int) -> int | None:
+    """pidfd of the sandbox's PID-namespace init, from bwrap's ``--info-fd`` JSON (None: already gone).
+
+    The pid is read some time after bwrap wrote it: if the init has exited, its number may already belong to
+    another process (pid_max is often 32,768), so the pidfd is kept only if that process's parent is
+    ``bwrap_pid``. A pidfd, once checked, cannot be recycled: killing through it is safe.
+    """
     with os.fdopen(info_r, "rb") as fh:
         text = fh.read()
     try:
         pid = int(wire.loads(text.replace(b"\n", b" "))["child-pid"])
-        return os.pidfd_open(pid)
+        fd = os.pidfd_open(pid)
     except (wire.WireError, KeyError, ValueError, ProcessLookupError):
         return None  # bwrap failed before starting it, or it has exited already
+    if _parent_pid(pid) != bwrap_pid:
+        os.close(fd)
+        return None  # the init is gone and its number reused
+    return fd
+
+
+def _parent_pid(pid: int) -> int | None:
+    """PPid of ``pid`` from /proc (None once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as fh:
+            for line in fh:
+                if line.startswith(b"PPid:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
 
 
 def _wait_readable(fd: int, deadline: float) -> bool:

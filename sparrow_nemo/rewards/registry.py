@@ -3,11 +3,16 @@
 ``reward.options`` from the recipe are bound as keyword arguments by :func:`bind_reward`, which refuses an
 option the function does not take (e.g. ``++reward.options.mode=all`` for code, ``timeout_s`` for math).
 
-Built-ins are imported lazily (the code sandbox and math_verify are only loaded when asked for):
+This package's rewards are imported lazily (the code sandbox and math_verify are only loaded when asked
+for); other packages register theirs when imported (``register_reward``), so this registry imports none:
 
 - ``"math"``: :func:`sparrow_nemo.rewards.math.math_reward`, ground truth = the gold answer string;
 - ``"code"``: :func:`sparrow_nemo.rewards.code.code_reward`, ground truth = a test spec dict;
-- ``"chain"``: :func:`sparrow_nemo.tasks.chain.chain_reward`, ground truth = the answer string.
+- ``"chain"``: :func:`sparrow_nemo.tasks.chain.chain_reward` (registered by :mod:`sparrow_nemo.tasks.chain`),
+  ground truth = the answer string. The recipe's ``reward.type: chain`` is the embedded synthetic task: its
+  prompts come from the task, not from ``data.train_path``.
+
+The recipe's ``reward`` section is :class:`RewardConfig`; ``reward.type`` is any of :func:`reward_names`.
 """
 
 from __future__ import annotations
@@ -16,14 +21,16 @@ import functools
 import importlib
 import inspect
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
+
+from sparrow_nemo.config.schema import Section, knob, one_of_names
 
 RewardFn = Callable[[str, Any], float]
 
 _BUILTIN: dict[str, str] = {
     "math": "sparrow_nemo.rewards.math:math_reward",
     "code": "sparrow_nemo.rewards.code:code_reward",
-    "chain": "sparrow_nemo.tasks.chain:chain_reward",
 }
 #: start-up checks of built-ins, ``fn(options)``: they raise before a run starts, not at its first reward
 _PREFLIGHT: dict[str, str] = {"code": "sparrow_nemo.rewards.code:check_sandbox"}
@@ -34,6 +41,8 @@ def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
     """Decorator: register a reward function under ``name`` (must not clash with a built-in)."""
 
     def decorator(fn: RewardFn) -> RewardFn:
+        if _REGISTERED.get(name) is fn:  # the same function again (a module imported twice)
+            return fn
         if name in _REGISTERED or name in _BUILTIN:
             raise ValueError(f"reward '{name}' is already registered")
         _REGISTERED[name] = fn
@@ -79,3 +88,19 @@ def bind_reward(name: str, options: dict[str, Any]) -> RewardFn:
                 f"(accepted: {', '.join(accepted) or 'none'})"
             )
     return functools.partial(fn, **options)
+
+
+@dataclass(frozen=True)
+class RewardConfig(Section):
+    """The verifiable reward: the recipe's ``reward`` section."""
+
+    type: str = knob(
+        "chain",
+        "registered reward (reward_names()): chain (the embedded synthetic task, which makes its own prompts), "
+        "math (answer verification), code (sandboxed tests), or a register_reward name",
+        check=one_of_names(reward_names, renamed={"synthetic": "chain"}),
+    )
+    options: dict[str, Any] = knob(
+        doc="keyword options bound to the reward function (free-form; add keys with ++reward.options.key=value)",
+        factory=dict,
+    )

@@ -8,12 +8,10 @@ from sparrow_nemo.rollout.engine import (
     SamplingParams,
     ScoredSequence,
 )
-from sparrow_nemo.rollout.lora import LoraAdapter
 from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder
 from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
 
 __all__ = [
-    "LoraAdapter",
     "Qwen3Decoder",
     "RolloutBatch",
     "RolloutEngine",

@@ -21,12 +21,13 @@ Conventions:
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
-from sparrow_nemo.rollout.lora import LoraAdapter
+from sparrow_nemo.config.schema import AT_LEAST_ONE, NON_NEGATIVE, UNIT, Section, interval, knob, one_of
+from sparrow_nemo.hf_qwen3 import LoraAdapter
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 FinishReason = Literal["stop_token", "stop_string", "length"]
@@ -36,44 +37,119 @@ TokenProgress = Callable[[int], None]
 
 
 @dataclass(frozen=True)
-class SamplingParams:
-    """How to sample one batch.
+class SamplingParams(Section):
+    """How to sample one batch (the sampling keys of the recipe's ``rollout`` section, :class:`RolloutConfig`).
 
-    Attributes:
-        max_new_tokens: response length cap (tokens); also capped by the model's max positions.
-        temperature: softmax temperature for sampling; 0 means greedy (argmax, lowest id on ties).
-        top_p: nucleus mass in (0, 1]; 1 disables it.
-        top_k: keep the k most likely tokens; 0 disables it.
-        seed: base seed; sample i draws from its own generator seeded by ``sample_seed(seed, i)``.
-        stop_token_ids: ids that end a response (kept as its last token); None = the model's EOS,
-            () = none (benchmarks ignore EOS this way).
-        stop_strings: texts that end a response once the decoded response contains them (needs an
-            engine tokenizer); the token completing the string is kept.
-        logprobs_topk: how many top (id, logprob) pairs to return per position.
+    Sample i of a batch draws from its own generator seeded by ``sample_seed(seed, i)``.
     """
 
-    max_new_tokens: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
-    stop_token_ids: tuple[int, ...] | None = None
-    stop_strings: tuple[str, ...] = ()
-    logprobs_topk: int = 20
+    max_new_tokens: int = knob(
+        256, "response length cap, tokens (also capped by the model's max positions)", check=AT_LEAST_ONE
+    )
+    temperature: float = knob(
+        1.0, "softmax temperature; 0 = greedy (argmax, lowest id on ties; not for RL)", check=NON_NEGATIVE
+    )
+    top_p: float = knob(1.0, "nucleus sampling mass; 1 = off", check=interval(0, 1, lo_open=True))
+    top_k: int = knob(0, "sample among the k most likely tokens; 0 = off", check=NON_NEGATIVE)
+    seed: int = knob(0, "base seed of the per-sample sampling generators", check=NON_NEGATIVE)
+    stop_token_ids: tuple[int, ...] | None = knob(
+        None,
+        "token ids that end a response (kept as its last token); null = the model's EOS, [] = none",
+        check=NON_NEGATIVE,
+    )
+    stop_strings: tuple[str, ...] = knob(
+        (), "texts that end a response once it contains them (needs an engine tokenizer)"
+    )
+    logprobs_topk: int = knob(
+        20, "top (id, logprob) pairs returned per position (the acceptance rate uses 20)", check=AT_LEAST_ONE
+    )
 
-    def __post_init__(self) -> None:
-        if self.max_new_tokens <= 0:
-            raise ValueError(f"SamplingParams.max_new_tokens must be > 0, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"SamplingParams.top_k must be >= 0 (0 = off), got {self.top_k}")
-        if self.logprobs_topk <= 0:
-            raise ValueError(f"SamplingParams.logprobs_topk must be > 0, got {self.logprobs_topk}")
-        if any(not s for s in self.stop_strings):
-            raise ValueError("SamplingParams.stop_strings must not contain an empty string")
+    def check(self) -> None:
+        for i, text in enumerate(self.stop_strings):
+            if not text:
+                raise self.invalid(f"stop_strings.{i}", "a non-empty string")
+
+
+@dataclass(frozen=True)
+class SpeculativeRolloutConfig(Section):
+    """Speculative rollout (``rollout.mode=speculative``): sparse drafts, dense verify; read by
+    :func:`sparrow_nemo.rollout.spec_rollout.with_rollout_mode` (the recipe's ``rollout.speculative``)."""
+
+    draft_tokens: int = knob(
+        4,
+        "k, draft tokens per dense verify in every bin until the first re-plan (0 = plain dense decoding)",
+        check=NON_NEGATIVE,
+    )
+    max_draft_tokens: int = knob(8, "the largest k the planner may pick", check=NON_NEGATIVE)
+    adapt: bool = knob(
+        True,
+        "after every step, re-plan the draft budget (among sparsity.calibration.candidate_budgets) and k per bin "
+        "from the acceptance measured so far, for the most predicted tokens/s (H200 cost model)",
+    )
+    decay: float = knob(
+        0.5,
+        "weight of the earlier steps' acceptance in the planner's per-bin table (0 = the last step only)",
+        check=UNIT,
+    )
+
+    def check(self) -> None:
+        if self.draft_tokens > self.max_draft_tokens:
+            raise self.invalid("draft_tokens", f"<= max_draft_tokens ({self.max_draft_tokens})")
+
+
+@dataclass(frozen=True)
+class RolloutConfig(SamplingParams):
+    """The recipe's ``rollout`` section: the sampling settings plus the engine's own."""
+
+    backend: str = knob(
+        "torch",
+        "engine: torch (sparrow_nemo.rollout.torch_engine: paged KV cache, CPU or one GPU) or trtllm (cluster)",
+        check=one_of(("torch", "trtllm"), renamed={"reference": "torch"}),
+    )
+    mode: Literal["sparse", "speculative", "dense"] = knob(
+        "sparse",
+        "how rollouts decode: sparse (the sparsity schedule), speculative (sparse drafts verified by dense "
+        "forwards: dense-distributed samples, the importance ratio exactly 1) or dense "
+        "(sparrow_nemo.rollout.spec_rollout)",
+    )
+    speculative: SpeculativeRolloutConfig = knob(
+        doc="speculative decoding's draft length and planner (rollout.mode=speculative)",
+        factory=SpeculativeRolloutConfig,
+    )
+    max_batch_size: int = knob(
+        64, "sequences decoded together (the KV page pool is sized for it)", check=AT_LEAST_ONE
+    )
+    prefill_chunk_tokens: int = knob(
+        512, "prompt tokens per prefill chunk (a multiple of sparsity.page_size)", check=AT_LEAST_ONE
+    )
+    attention_impl: Literal["auto", "torch", "triton"] = knob(
+        "auto", "decode attention: torch gather path, Triton kernels, or auto (Triton where it can run)"
+    )
+    tensor_parallel_size: int = knob(
+        1,
+        "GPUs per rollout engine (engine tensor parallelism). 1 = one engine per GPU, colocated with that GPU's "
+        "policy rank; k > 1 (trtllm only; must divide policy.tensor_model_parallel_size) = one engine per k "
+        "consecutive tensor-parallel ranks, for a model whose weights plus a useful KV cache do not fit one GPU "
+        "(sparrow_nemo.grpo.process_model)",
+        check=AT_LEAST_ONE,
+    )
+
+    def check(self) -> None:
+        super().check()
+        if self.temperature == 0:
+            raise self.invalid("temperature", "a number > 0")
+        if self.mode == "speculative" and self.backend != "torch":
+            raise self.invalid(
+                "mode", "sparse or dense with backend trtllm (speculative rollout runs on the torch engine)"
+            )
+
+    def sampling(self, seed: int | None = None) -> SamplingParams:
+        """The :class:`SamplingParams` part; ``seed`` replaces ``self.seed`` (one per RL step)."""
+        names = [f.name for f in fields(SamplingParams)]
+        values = {name: getattr(self, name) for name in names}
+        if seed is not None:
+            values["seed"] = seed
+        return SamplingParams(**values)
 
 
 @dataclass

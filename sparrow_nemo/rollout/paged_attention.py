@@ -15,7 +15,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from sparrow_nemo.rollout import cpu_attention
+import sparrow_nemo.rollout.cpu_attention as cpu_attention
 from sparrow_nemo.rollout.paged_cache import PagedKVCache
 from sparrow_nemo.sparse.attention import decode_attention, select_pages_from_centroids
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET

@@ -15,6 +15,8 @@ import math
 
 import torch
 
+from sparrow_nemo.sparse.pattern import PAGE_SIZE
+
 
 class PagedKVCache:
     """Page pools for every layer plus a free list of physical pages (shared by all layers)."""
@@ -25,7 +27,7 @@ class PagedKVCache:
         num_pages: int,
         num_kv_heads: int,
         head_dim: int,
-        page_size: int = 16,
+        page_size: int = PAGE_SIZE,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         centroid_dtype: torch.dtype | None = None,  # None: the K/V dtype (bf16 halves the scoring bytes)

@@ -20,51 +20,19 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from sparrow_nemo.hf_qwen3 import (
+    LoraAdapter,
+    SafetensorsDir,
+    expected_weight_shapes,
+    shape_from_hf_config,
+)
 from sparrow_nemo.model_shapes import Qwen3Shape
-from sparrow_nemo.rollout.lora import LoraAdapter
 
-ATTN_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
 #: projections that read the same input and run as one stacked matmul: (group name, HF modules)
 FUSED_GROUPS = (
     ("self_attn.qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
     ("mlp.gate_up", ("mlp.gate_proj", "mlp.up_proj")),
 )
-
-
-def linear_in_out(shape: Qwen3Shape) -> dict[str, tuple[int, int]]:
-    """HF module name -> (in_features, out_features) of every decoder-layer linear (LoRA targets)."""
-    weights = expected_weight_shapes(shape)
-    out = {}
-    for i in range(shape.num_layers):
-        for module in [f"self_attn.{n}" for n in ATTN_LINEARS] + [f"mlp.{n}" for n in MLP_LINEARS]:
-            name = f"model.layers.{i}.{module}"
-            fan_out, fan_in = weights[name + ".weight"]
-            out[name] = (fan_in, fan_out)
-    return out
-
-
-def expected_weight_shapes(shape: Qwen3Shape) -> dict[str, tuple[int, ...]]:
-    """HF parameter name -> tensor shape for ``shape`` (``lm_head.weight`` only when untied)."""
-    h, d, hq, hkv = shape.hidden_size, shape.head_dim, shape.num_attention_heads, shape.num_key_value_heads
-    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (shape.vocab_size, h)}
-    for i in range(shape.num_layers):
-        p = f"model.layers.{i}."
-        out[p + "self_attn.q_proj.weight"] = (hq * d, h)
-        out[p + "self_attn.k_proj.weight"] = (hkv * d, h)
-        out[p + "self_attn.v_proj.weight"] = (hkv * d, h)
-        out[p + "self_attn.o_proj.weight"] = (h, hq * d)
-        out[p + "self_attn.q_norm.weight"] = (d,)
-        out[p + "self_attn.k_norm.weight"] = (d,)
-        out[p + "mlp.gate_proj.weight"] = (shape.intermediate_size, h)
-        out[p + "mlp.up_proj.weight"] = (shape.intermediate_size, h)
-        out[p + "mlp.down_proj.weight"] = (h, shape.intermediate_size)
-        out[p + "input_layernorm.weight"] = (h,)
-        out[p + "post_attention_layernorm.weight"] = (h,)
-    out["model.norm.weight"] = (h,)
-    if not shape.tie_word_embeddings:
-        out["lm_head.weight"] = (shape.vocab_size, h)
-    return out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -133,12 +101,10 @@ class Qwen3Decoder:
     ) -> Qwen3Decoder:
         """Load an HF Qwen3 checkpoint directory (``config.json`` + single or sharded safetensors).
 
-        Reads the config with the policy's HF importer (one parser for the project) and refuses a
+        Reads the config with :func:`sparrow_nemo.hf_qwen3.shape_from_hf_config` (one parser for the project) and refuses a
         sliding-window config, which this decoder does not implement. A tensor of the wrong shape is a
         ValueError naming it and both shapes; a missing one a KeyError naming it and the directory.
         """
-        from sparrow_nemo.policy.hf_import import SafetensorsDir, shape_from_hf_config
-
         ckpt = SafetensorsDir(path)
         config = ckpt.config()
         if config.get("use_sliding_window"):

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from sparrow_nemo.hf_qwen3 import LoraAdapter, linear_in_out
 from sparrow_nemo.model_shapes import Qwen3Shape
 from sparrow_nemo.rollout.decode_step import DecodeStep
 from sparrow_nemo.rollout.engine import (
@@ -34,10 +35,9 @@ from sparrow_nemo.rollout.engine import (
     TokenProgress,
     TokenTally,
 )
-from sparrow_nemo.rollout.lora import LoraAdapter
 from sparrow_nemo.rollout.paged_attention import KernelDecode, TorchDecode, causal_attention, choose_backend
 from sparrow_nemo.rollout.paged_cache import PagedKVCache
-from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder, linear_in_out
+from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder
 from sparrow_nemo.rollout.sampling import (
     batch_seeds,
     draw_uniforms,
@@ -50,6 +50,7 @@ from sparrow_nemo.rollout.spec_verify import KernelVerify, TorchVerify, VerifyAt
 from sparrow_nemo.rollout.speculative import SpeculativeConfig
 from sparrow_nemo.rollout.static_decode import StaticDecoder, decode_static
 from sparrow_nemo.rollout.stopping import Detokenizer, StopRule
+from sparrow_nemo.sparse.pattern import PAGE_SIZE
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET, BudgetSchedule
 
 #: decode steps between two ``on_tokens`` reports (a progress bar stays off the per-token path)
@@ -78,7 +79,7 @@ class TorchRolloutEngine:
         model: Qwen3Decoder,
         *,
         dense_layers: int = 2,
-        page_size: int = 16,
+        page_size: int = PAGE_SIZE,
         sink_pages: int = 1,
         local_pages: int = 2,
         attention_backend: str = "auto",
@@ -558,18 +559,15 @@ class TorchRolloutEngine:
 
         unique_table = block_table[rows]
         self._prefill(cache, unique_table, ids[rows, : int(u_len.max())], u_len, keep_last)
-        copies = [(row, src) for row, src in enumerate(source) if row != src]
-        if copies:
-            dst_rows = torch.tensor([r for r, _ in copies], device=self.device)
-            src_rows = torch.tensor([s for _, s in copies], device=self.device)
+        if copies := [(row, src) for row, src in enumerate(source) if row != src]:
+            dst_rows, src_rows = torch.tensor(copies, device=self.device).T
             n_pages = math.ceil(int(seq_len.max()) / self.page_size)
             live = block_table[dst_rows, :n_pages] >= 0  # the pages the prompt fills
             dst = block_table[dst_rows, :n_pages][live].long()
             src = block_table[src_rows, :n_pages][live].long()
             for pool in (*cache.k_pages, *cache.v_pages, *cache.centroids):
                 pool[dst] = pool[src]
-        position = {row: i for i, row in enumerate(unique)}
-        index = torch.tensor([position[s] for s in source], device=self.device)
+        index = torch.tensor([unique.index(s) for s in source], device=self.device)
         return self.model.logits(last.index_select(0, index))
 
     def _prefill(

@@ -40,6 +40,7 @@ from typing import Any, Protocol
 import torch
 
 from sparrow_nemo._optional import require
+from sparrow_nemo.hf_qwen3 import LoraAdapter
 from sparrow_nemo.model_shapes import Qwen3Shape
 from sparrow_nemo.rollout.engine import (
     RolloutBatch,
@@ -48,7 +49,6 @@ from sparrow_nemo.rollout.engine import (
     ScoredSequence,
     TokenProgress,
 )
-from sparrow_nemo.rollout.lora import LoraAdapter
 from sparrow_nemo.rollout.sampling import batch_seeds, sample_seed
 from sparrow_nemo.rollout.trtllm_placement import engine_env, patched_env
 from sparrow_nemo.rollout.trtllm_runtime import TRTLLM_VERSION, check_runtime, probe_runtime
@@ -343,8 +343,7 @@ class TrtllmRolloutEngine:
     @classmethod
     def from_recipe(cls, config: Any, model_dir: str | Path) -> TrtllmRolloutEngine:
         """The engine a recipe (``SparrowConfig``) describes, started from ``model_dir``."""
-        from sparrow_nemo.policy.hf_import import SafetensorsDir, shape_from_hf_config
-        from sparrow_nemo.policy.model import resolve_dtype
+        from sparrow_nemo.hf_qwen3 import SafetensorsDir, resolve_dtype, shape_from_hf_config
 
         spec = SparrowSparseSpec.from_recipe(config)
         shape = shape_from_hf_config(SafetensorsDir(model_dir).config())

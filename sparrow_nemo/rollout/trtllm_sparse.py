@@ -23,7 +23,7 @@ ALGORITHM = "sparrow"
 
 @dataclass(frozen=True)
 class SparrowSparseSpec:
-    """Settings of the "sparrow" algorithm (METHOD.md: page 16, 1 sink page, 2 local pages, 2 dense layers).
+    """Settings of the "sparrow" algorithm (docs/METHOD.md: page 16, 1 sink page, 2 local pages, 2 dense layers).
 
     Attributes:
         schedule: KV budget (tokens, reserved pages included) per bin of cached length.
@@ -50,7 +50,7 @@ class SparrowSparseSpec:
 
     @classmethod
     def from_recipe(cls, config: Any, schedule: BudgetSchedule | None = None) -> SparrowSparseSpec:
-        """The spec of a :class:`~sparrow_nemo.config.SparrowConfig` (``schedule`` replaces the recipe's)."""
+        """The spec of a :class:`~sparrow_nemo.grpo.recipe.SparrowConfig` (``schedule`` replaces the recipe's)."""
         s = config.sparsity
         return cls(
             schedule=schedule if schedule is not None else s.build_schedule(),

@@ -26,9 +26,8 @@ from typing import Any
 
 import torch
 
+from sparrow_nemo.hf_qwen3 import LoraAdapter, expected_weight_shapes, linear_in_out
 from sparrow_nemo.model_shapes import Qwen3Shape
-from sparrow_nemo.rollout.lora import LoraAdapter
-from sparrow_nemo.rollout.qwen3_torch import expected_weight_shapes, linear_in_out
 
 
 def refit_tensors(

@@ -11,7 +11,7 @@ from sparrow_nemo.sparse.attention import (
     selected_token_mask,
     sparse_decode_attention,
 )
-from sparrow_nemo.sparse.calibrate import CalibrationResult, calibrate_schedule
+from sparrow_nemo.sparse.calibration import CalibrationResult, calibrate_schedule
 from sparrow_nemo.sparse.cost_model import (
     HARDWARE,
     DecodeCostModel,

@@ -19,6 +19,8 @@ import math
 
 import torch
 
+from sparrow_nemo.sparse.pattern import PAGE_SIZE
+
 __all__ = [
     "decode_attention",
     "page_centroids",
@@ -91,7 +93,7 @@ def _budget_tensor(budget_tokens: int | torch.Tensor, batch: int, device: torch.
     return budget
 
 
-def page_centroids(k_cache: torch.Tensor, seq_len: torch.Tensor, page_size: int = 16) -> torch.Tensor:
+def page_centroids(k_cache: torch.Tensor, seq_len: torch.Tensor, page_size: int = PAGE_SIZE) -> torch.Tensor:
     """Mean key of every page.
 
     Args:
@@ -122,7 +124,7 @@ def page_centroids(k_cache: torch.Tensor, seq_len: torch.Tensor, page_size: int 
 def selected_page_count(
     seq_len: torch.Tensor,
     budget_tokens: int | torch.Tensor,
-    page_size: int = 16,
+    page_size: int = PAGE_SIZE,
     sink_pages: int = 1,
     local_pages: int = 2,
 ) -> torch.Tensor:
@@ -152,7 +154,7 @@ def select_pages(
     k_cache: torch.Tensor,
     seq_len: torch.Tensor,
     budget_tokens: int | torch.Tensor,
-    page_size: int = 16,
+    page_size: int = PAGE_SIZE,
     sink_pages: int = 1,
     local_pages: int = 2,
 ) -> torch.Tensor:
@@ -184,7 +186,7 @@ def select_pages_from_centroids(
     centroids: torch.Tensor,
     seq_len: torch.Tensor,
     budget_tokens: int | torch.Tensor,
-    page_size: int = 16,
+    page_size: int = PAGE_SIZE,
     sink_pages: int = 1,
     local_pages: int = 2,
 ) -> torch.Tensor:
@@ -271,7 +273,7 @@ def _mask_to_sorted_indices(keep: torch.Tensor) -> torch.Tensor:
 
 
 def selected_token_mask(
-    page_idx: torch.Tensor, seq_len: torch.Tensor, max_len: int, page_size: int = 16
+    page_idx: torch.Tensor, seq_len: torch.Tensor, max_len: int, page_size: int = PAGE_SIZE
 ) -> torch.Tensor:
     """Cache positions covered by the selected pages.
 
@@ -347,7 +349,7 @@ def sparse_decode_attention(
     v_cache: torch.Tensor,
     seq_len: torch.Tensor,
     budget_tokens: int | torch.Tensor,
-    page_size: int = 16,
+    page_size: int = PAGE_SIZE,
     sink_pages: int = 1,
     local_pages: int = 2,
 ) -> torch.Tensor:

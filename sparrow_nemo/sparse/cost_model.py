@@ -94,7 +94,7 @@ class Hardware:
         Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
 
 
-#: H200: 989 TFLOP/s dense bf16 (spec) and the 4.4 TB/s dense decode attention reaches (METHOD.md).
+#: H200: 989 TFLOP/s dense bf16 (spec) and the 4.4 TB/s dense decode attention reaches (docs/METHOD.md).
 #: H100 SXM: 989 TFLOP/s dense bf16 and 3.35 TB/s HBM3 (spec sheet, not measured here).
 HARDWARE: dict[str, Hardware] = {
     "h200": Hardware("h200", peak_flops=989e12, mem_bandwidth=4.4e12),

@@ -3,7 +3,7 @@
 A :class:`BudgetSchedule` holds one budget (tokens, the 3 reserved pages included) per bin of
 ``bin_tokens`` cached tokens; the last budget holds for every longer length. Bin i covers cached
 lengths [i * bin_tokens, (i + 1) * bin_tokens). The published Qwen3 schedules of the Sparrow paper
-(METHOD.md) are presets; ``dense`` keeps every page and ``fixed:<tokens>`` is one constant budget.
+(docs/METHOD.md) are presets; ``dense`` keeps every page and ``fixed:<tokens>`` is one constant budget.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 import yaml
+
+from sparrow_nemo.sparse.pattern import PAGE_SIZE
 
 __all__ = ["DENSE_BUDGET", "PAPER_BIN_TOKENS", "PAPER_SCHEDULES", "RESERVED_PAGES", "BudgetSchedule"]
 
@@ -70,7 +72,7 @@ class BudgetSchedule:
 
     bin_tokens: int
     budgets: tuple[int, ...]
-    page_size: int = 16
+    page_size: int = PAGE_SIZE
     name: str = ""
 
     def __post_init__(self) -> None:
@@ -121,7 +123,7 @@ class BudgetSchedule:
 
     # ----- construction --------------------------------------------------------------------
     @classmethod
-    def dense(cls, bin_tokens: int = PAPER_BIN_TOKENS, page_size: int = 16) -> BudgetSchedule:
+    def dense(cls, bin_tokens: int = PAPER_BIN_TOKENS, page_size: int = PAGE_SIZE) -> BudgetSchedule:
         """The schedule that keeps every page at every length."""
         return cls(bin_tokens=bin_tokens, budgets=(DENSE_BUDGET,), page_size=page_size, name=_DENSE_WORD)
 
@@ -130,7 +132,7 @@ class BudgetSchedule:
         cls,
         top_k_pages: Sequence[int],
         bin_tokens: int = PAPER_BIN_TOKENS,
-        page_size: int = 16,
+        page_size: int = PAGE_SIZE,
         name: str = "",
     ) -> BudgetSchedule:
         """Schedule from top-k page counts per bin, as the paper writes them: budget = (k + 3) * page_size."""
@@ -148,7 +150,7 @@ class BudgetSchedule:
 
     @classmethod
     def from_preset(
-        cls, name: str, bin_tokens: int = PAPER_BIN_TOKENS, page_size: int = 16
+        cls, name: str, bin_tokens: int = PAPER_BIN_TOKENS, page_size: int = PAGE_SIZE
     ) -> BudgetSchedule:
         """A published schedule (e.g. ``qwen3-1.7b-0.86``), ``dense`` or ``fixed:<tokens>``.
 

@@ -38,6 +38,8 @@ import string
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from sparrow_nemo.config.schema import AT_LEAST_ONE, NON_NEGATIVE, Section, interval, knob
+from sparrow_nemo.rewards.registry import register_reward
 from sparrow_nemo.tasks.tokenizer import MAX_LETTERS, alphabet
 
 NODE_NAMES = string.ascii_uppercase
@@ -71,50 +73,49 @@ class ChainProblem:
 
 
 @dataclass(frozen=True)
-class ChainTaskConfig:
-    """Difficulty knobs; each problem draws its sizes uniformly from the inclusive ranges.
+class ChainTaskConfig(Section):
+    """Difficulty knobs (the recipe's ``task`` section); each problem draws its sizes uniformly from the
+    inclusive ranges. With name length L the prompt has (2L + 2) * num_nodes + L + 4 - L * (number of chains)
+    characters and the trace (2L + 4) * (num_hops + 1). The tiny recipes use (2, 4) nodes, (1, 2) hops."""
 
-    Attributes:
-        num_nodes: (min, max) table entries, 2 .. 26 ** name_length. With name length L the prompt has
-            (2L + 2) * num_nodes + L + 4 - L * (number of chains) characters.
-        num_hops: (min, max) pointer hops on the queried chain, clamped to num_nodes - 1 (no node repeats).
-            The trace has (2L + 4) * (num_hops + 1) characters.
-        seed: problems are a pure function of (seed, index).
-        name_length: letters per node name (1 = the original single-letter task).
-        letters: size of the names' alphabet: A-Z, then non-ASCII letters with a one-character lower
-            case (:func:`~sparrow_nemo.tasks.tokenizer.alphabet`; the tokenizer must have as many).
-        ramp_problems: warm-start pairs grow from the smallest sizes to the full ranges over this many
-            problems (:meth:`ChainTask.warm_start_pairs`); 0 = full ranges at once. ``problem(i)`` ignores it.
-    """
+    num_nodes: tuple[int, ...] = knob(
+        (8, 26),
+        "(min, max) table entries per problem (at most letters ** name_length: 26 with one-letter names)",
+        check=interval(2, MAX_LETTERS**3),
+    )
+    num_hops: tuple[int, ...] = knob(
+        (2, 25),
+        "(min, max) pointer hops on the queried chain, clamped to num_nodes - 1 (2 * name_length + 4 response "
+        "characters per hop)",
+        check=AT_LEAST_ONE,
+    )
+    seed: int = knob(0, "problems are a pure function of (seed, index)", check=NON_NEGATIVE)
+    name_length: int = knob(
+        1,
+        "letters per node name: 1 = single letters (the original task), 2 = chains of hundreds",
+        check=interval(1, 3),
+    )
+    letters: int = knob(
+        26,
+        "size of the names' alphabet: 26 = A-Z; more adds non-ASCII letters with a one-character lower case "
+        "(sparrow_nemo.tasks.tokenizer.alphabet: one token each, so the model's vocab_size must hold "
+        "80 + 2 * (letters - 26) ids)",
+        check=interval(26, MAX_LETTERS),
+    )
 
-    num_nodes: tuple[int, int] = (8, 26)
-    num_hops: tuple[int, int] = (2, 25)
-    seed: int = 0
-    name_length: int = 1
-    letters: int = 26
-    ramp_problems: int = 0
-
-    def __post_init__(self) -> None:
-        if self.ramp_problems < 0:
-            raise ValueError(f"ChainTaskConfig.ramp_problems must be >= 0, got {self.ramp_problems}")
-        if not 1 <= self.name_length <= 3:
-            raise ValueError(f"ChainTaskConfig.name_length must be 1, 2 or 3 letters, got {self.name_length}")
-        if not 26 <= self.letters <= MAX_LETTERS:
-            raise ValueError(f"ChainTaskConfig.letters must be in [26, {MAX_LETTERS}], got {self.letters}")
+    def check(self) -> None:
+        for key in ("num_nodes", "num_hops"):
+            value = getattr(self, key)
+            if len(value) != 2 or value[0] > value[1]:
+                raise self.invalid(key, "two integers [min, max] with min <= max")
         most = self.letters**self.name_length
-        lo, hi = self.num_nodes
-        if not (2 <= lo <= hi <= most):
-            raise ValueError(
-                f"ChainTaskConfig.num_nodes must satisfy 2 <= min <= max <= {most} "
-                f"({self.name_length}-letter names of {self.letters} letters), got {self.num_nodes}"
+        if self.num_nodes[1] > most:
+            raise self.invalid(
+                "num_nodes",
+                f"a maximum <= {most} ({self.name_length}-letter names of {self.letters} letters)",
             )
-        lo, hi = self.num_hops
-        if not (1 <= lo <= hi):
-            raise ValueError(f"ChainTaskConfig.num_hops must satisfy 1 <= min <= max, got {self.num_hops}")
         if self.num_hops[0] > self.num_nodes[1] - 1:
-            raise ValueError(
-                f"ChainTaskConfig.num_hops min {self.num_hops[0]} needs more than num_nodes max {self.num_nodes[1]}"
-            )
+            raise self.invalid("num_hops", f"a minimum <= num_nodes max - 1 ({self.num_nodes[1] - 1})")
 
 
 def make_problem(
@@ -187,16 +188,24 @@ def parse_answer(completion: str) -> str | None:
     return found[-1] if found else None
 
 
+@register_reward("chain")
 def chain_reward(completion: str, answer: str) -> float:
     """1.0 when the completion's final answer equals ``answer`` exactly, else 0.0 (any text is accepted)."""
     return 1.0 if parse_answer(completion) == answer else 0.0
 
 
 class ChainTask:
-    """A seeded, indexable stream of chain problems."""
+    """A seeded, indexable stream of chain problems.
 
-    def __init__(self, config: ChainTaskConfig | None = None) -> None:
+    ``ramp_problems``: warm-start pairs grow from the smallest sizes to the full ranges over this many
+    problems (:meth:`warm_start_pairs`); 0 = full ranges at once. ``problem(i)`` ignores it.
+    """
+
+    def __init__(self, config: ChainTaskConfig | None = None, ramp_problems: int = 0) -> None:
+        if ramp_problems < 0:
+            raise ValueError(f"ChainTask: ramp_problems must be >= 0, got {ramp_problems}")
         self.config = config or ChainTaskConfig()
+        self.ramp_problems = ramp_problems
 
     def problem(self, index: int, grown: float = 1.0) -> ChainProblem:
         """Problem number ``index`` (deterministic in (config.seed, index, grown)).
@@ -219,11 +228,11 @@ class ChainTask:
     def warm_start_pairs(self, start: int = 0) -> Iterator[tuple[str, str]]:
         """Endless (prompt, reference trace) pairs for supervised warm-start, from index ``start`` on.
 
-        With ``config.ramp_problems`` = R > 0 the n-th pair's sizes grow geometrically from the ranges'
+        With ``ramp_problems`` = R > 0 the n-th pair's sizes grow geometrically from the ranges'
         minimum to their full ranges over the first R pairs (a curriculum: a small model finds the
         table look-up on small tables, then carries it to long ones).
         """
-        index, ramp = start, self.config.ramp_problems
+        index, ramp = start, self.ramp_problems
         while True:
             p = self.problem(index, grown=min(1.0, (index - start + 1) / ramp) if ramp else 1.0)
             yield p.prompt, p.trace
@@ -235,26 +244,19 @@ class ChainTask:
         return chain_reward(completion, answer)
 
 
-def build_tasks(task, warmstart=None) -> tuple[ChainTask, ChainTask]:
+def build_tasks(task: ChainTaskConfig, warmstart=None) -> tuple[ChainTask, ChainTask]:
     """(RL task, warm-start task) from the recipe's ``task`` section and, optionally, its ``warmstart``
     section, whose ``num_hops`` / ``num_nodes`` (when not null) give the warm-start problems other sizes and
     whose ``ramp_steps`` (x ``batch_size`` problems) grows them from their minimum.
 
-    Raises ValueError (naming the sizes) when either task's sizes are invalid.
+    Raises the config's error (naming the sizes) when the warm-start's sizes do not make a valid task.
     """
-    rl = ChainTaskConfig(
-        num_nodes=tuple(task.num_nodes),
-        num_hops=tuple(task.num_hops),
-        seed=task.seed,
-        name_length=task.name_length,
-        letters=task.letters,
-    )
     hops = getattr(warmstart, "num_hops", None)
     nodes = getattr(warmstart, "num_nodes", None)
     ws = dataclasses.replace(
-        rl,
-        num_hops=tuple(hops) if hops is not None else rl.num_hops,
-        num_nodes=tuple(nodes) if nodes is not None else rl.num_nodes,
-        ramp_problems=getattr(warmstart, "ramp_steps", 0) * getattr(warmstart, "batch_size", 1),
+        task,
+        num_hops=tuple(hops) if hops is not None else task.num_hops,
+        num_nodes=tuple(nodes) if nodes is not None else task.num_nodes,
     )
-    return ChainTask(rl), ChainTask(ws)
+    ramp = getattr(warmstart, "ramp_steps", 0) * getattr(warmstart, "batch_size", 1)
+    return ChainTask(task), ChainTask(ws, ramp_problems=ramp)

@@ -164,7 +164,11 @@ def test_instantiate_builds_in_order_with_kwargs() -> None:
         ),
         (
             [{"_target_": "sparrow_nemo.callbacks.TailMismatchScheduler", "threshold": 0.9}],
-            ["callbacks[0]", "built by the trainer from the recipe's sparsity section", "remove it"],
+            [
+                "callbacks[0]",
+                "built by the trainer from the recipe's sparsity and tail_scheduler sections",
+                "remove it",
+            ],
         ),
         (
             [{"_target_": "sparrow_nemo.grpo.distill.DistillSparse"}],

@@ -11,7 +11,7 @@ import logging
 
 import pytest
 import torch
-from callback_fakes import FakeTrainer
+from callback_fakes import FakeTrainer, make_scheduler
 
 from sparrow_nemo.callbacks import CallbackList, StepReport, TailMismatchScheduler
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET, BudgetSchedule
@@ -50,7 +50,7 @@ BAD = (400, 0.10, 0.70)  # p5 = 0.70, far below
 
 def _start(tmp_path, **kwargs) -> tuple[TailMismatchScheduler, FakeTrainer]:
     kwargs.setdefault("candidates", LADDER)
-    scheduler = TailMismatchScheduler(**kwargs)
+    scheduler = make_scheduler(**kwargs)
     trainer = FakeTrainer(START, tmp_path)
     scheduler.on_train_start(trainer)
     return scheduler, trainer
@@ -221,7 +221,7 @@ def test_checkpoint_round_trip_restores_identical_behaviour(tmp_path) -> None:
         _step(a, ta, report)
     state = json.loads(json.dumps(CallbackList([a]).on_save_checkpoint(ta)))  # must survive JSON
 
-    b = TailMismatchScheduler(candidates=LADDER, **kwargs)
+    b = make_scheduler(candidates=LADDER, **kwargs)
     tb = FakeTrainer(BudgetSchedule.from_preset("dense"), tmp_path / "b")
     CallbackList([b]).on_load_checkpoint(tb, state)
     b.on_train_start(tb)
@@ -264,22 +264,23 @@ def test_history_plot_handles_dense_and_no_history(tmp_path) -> None:
 
 
 def test_bad_setup_errors(tmp_path) -> None:
-    with pytest.raises(ValueError, match="page_size 16"):
+    with pytest.raises(ValueError, match="multiples of page_size=16"):
         _start(tmp_path, candidates=[512, 520])
-    with pytest.raises(ValueError, match="candidates"):
-        TailMismatchScheduler(candidates=[])
-    with pytest.raises(RuntimeError, match="on_train_start"):
-        TailMismatchScheduler().on_train_batch_end(FakeTrainer(START, tmp_path), make_report(0, {0: OK}), {})
+    with pytest.raises(ValueError, match="at least one candidate budget"):
+        make_scheduler(candidates=[])
     with pytest.raises(ValueError, match="version"):
-        TailMismatchScheduler().on_load_checkpoint(FakeTrainer(START, tmp_path), {"version": 99})
+        make_scheduler().on_load_checkpoint(FakeTrainer(START, tmp_path), {"version": 99})
 
 
-def test_from_sparsity_reads_the_recipe_section() -> None:
-    from sparrow_nemo.config import load_config
+def test_the_recipe_sections_configure_the_scheduler() -> None:
+    from sparrow_nemo.grpo.recipe import load_config
 
-    sparsity = load_config(None, ["sparsity.adapt=raise_and_lower", "sparsity.threshold=0.9"]).sparsity
-    scheduler = TailMismatchScheduler.from_sparsity(sparsity, patience=5)
+    config = load_config(
+        None, ["tail_scheduler.adapt=raise_and_lower", "sparsity.threshold=0.9", "tail_scheduler.patience=5"]
+    )
+    scheduler = TailMismatchScheduler(config.sparsity, config.tail_scheduler)
     assert (scheduler.mode, scheduler.threshold, scheduler.patience) == ("raise_and_lower", 0.9, 5)
+    sparsity = config.sparsity
     assert scheduler.candidates == sorted(sparsity.calibration.candidate_budgets)
     assert (scheduler.bin_tokens, scheduler.min_bin_tokens) == (sparsity.bin_tokens, sparsity.min_bin_tokens)
 
@@ -287,7 +288,7 @@ def test_from_sparsity_reads_the_recipe_section() -> None:
 def test_bins_must_match_the_schedule(tmp_path) -> None:
     with pytest.raises(ValueError, match="bin_tokens=128 but schedule 'start' has bin_tokens=100"):
         _start(tmp_path, bin_tokens=128)
-    scheduler = TailMismatchScheduler(bin_tokens=BIN, mode="raise_and_lower", patience=1, candidates=LADDER)
+    scheduler = make_scheduler(bin_tokens=BIN, mode="raise_and_lower", patience=1, candidates=LADDER)
     trainer = FakeTrainer(BudgetSchedule.from_preset("dense"), tmp_path)  # 2000-token bins
     scheduler.on_train_start(trainer)
     assert trainer.schedule.is_dense and trainer.schedule.bin_tokens == BIN
@@ -299,7 +300,7 @@ def test_bins_must_match_the_schedule(tmp_path) -> None:
 
 
 def test_several_bins_below_move_one_rung_each_from_what_was_measured(tmp_path) -> None:
-    scheduler = TailMismatchScheduler(candidates=LADDER)
+    scheduler = make_scheduler(candidates=LADDER)
     trainer = FakeTrainer(BudgetSchedule(bin_tokens=BIN, budgets=(512, 512, 512), name="flat"), tmp_path)
     scheduler.on_train_start(trainer)
     _step(scheduler, trainer, make_report(0, {1: BAD, 2: BAD}))

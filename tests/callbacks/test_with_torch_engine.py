@@ -16,15 +16,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from callback_fakes import FakeTrainer
+from callback_fakes import FakeTrainer, make_scheduler
 
 from sparrow_nemo.callbacks import (
     CalibratingTrainer,
-    TailMismatchScheduler,
     build_step_report,
     run_calibration,
 )
-from sparrow_nemo.callbacks.calibration_report import CSV_COLUMNS
+from sparrow_nemo.callbacks.calibration import CSV_COLUMNS
 from sparrow_nemo.callbacks.tail_stats import bin_tails
 from sparrow_nemo.model_shapes import PRESETS
 from sparrow_nemo.rollout import SamplingParams, TorchRolloutEngine
@@ -167,7 +166,7 @@ def test_scheduler_calibrates_on_start_but_not_on_resume(engine, prompts, calibr
         calibration_prompts=prompts,
     )
     assert isinstance(trainer, CalibratingTrainer)
-    scheduler = TailMismatchScheduler(threshold=THRESHOLD, candidates=CANDIDATES, calibrate=True)
+    scheduler = make_scheduler(threshold=THRESHOLD, candidates=CANDIDATES, calibrate=True, bin_tokens=BIN)
     scheduler.on_train_start(trainer)
     assert trainer.schedule == result.schedule
     assert trainer.logged[0]["calibration/budget/bin_3"] == result.schedule.budgets[3]
@@ -176,14 +175,14 @@ def test_scheduler_calibrates_on_start_but_not_on_resume(engine, prompts, calibr
     resumed = CalibratingFakeTrainer(
         BudgetSchedule.dense(bin_tokens=BIN), tmp_path / "r"
     )  # no engine: must not calibrate
-    again = TailMismatchScheduler(threshold=THRESHOLD, candidates=CANDIDATES, calibrate=True)
+    again = make_scheduler(threshold=THRESHOLD, candidates=CANDIDATES, calibrate=True, bin_tokens=BIN)
     again.on_load_checkpoint(resumed, scheduler.on_save_checkpoint(trainer))
     again.on_train_start(resumed)
     assert resumed.schedule == result.schedule
 
 
 def test_calibrate_needs_engine_on_the_trainer(tmp_path) -> None:
-    scheduler = TailMismatchScheduler(calibrate=True)
+    scheduler = make_scheduler(calibrate=True, bin_tokens=2000)
     with pytest.raises(TypeError, match="rollout_engine, sampling, calibration_prompts"):
         scheduler.on_train_start(FakeTrainer(BudgetSchedule.dense(), tmp_path))
 
@@ -195,8 +194,8 @@ def test_online_scheduler_raises_until_every_bin_passes(engine, prompts, tmp_pat
     bin per step; in bins 1-3 (the ones with tokens) the budgets the offline calibration picks.
     """
     trainer = FakeTrainer(BudgetSchedule(bin_tokens=BIN, budgets=(48,), name="sparsest"), tmp_path)
-    scheduler = TailMismatchScheduler(
-        threshold=THRESHOLD, candidates=CANDIDATES, noise_z=0.0, min_bin_tokens=16
+    scheduler = make_scheduler(
+        threshold=THRESHOLD, candidates=CANDIDATES, noise_z=0.0, min_bin_tokens=16, bin_tokens=BIN
     )
     scheduler.on_train_start(trainer)
     seen = []

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from sparrow_nemo import cli, commands
-from sparrow_nemo.config import load_config
+from sparrow_nemo.grpo.recipe import load_config
 
 SPARROW = Path(sys.executable).with_name("sparrow")
 

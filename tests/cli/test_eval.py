@@ -14,8 +14,8 @@ import torch
 
 from sparrow_nemo import cli
 from sparrow_nemo.evaluation import PromptResult, default_ks, pass_at_k, summarize
+from sparrow_nemo.hf_qwen3 import hf_config_dict
 from sparrow_nemo.model_shapes import PRESETS
-from sparrow_nemo.policy.hf_import import hf_config_dict
 
 
 @pytest.mark.parametrize(
@@ -107,6 +107,7 @@ def test_eval_command_on_aime24(
         str(out),
         f"model.hf_checkpoint={ckpt}",
         "reward.type=math",
+        "sparsity.calibrate=false",
         "rollout.max_new_tokens=6",
         "data.max_prompt_tokens=2048",
     ]
@@ -134,4 +135,4 @@ def test_eval_command_errors(capsys: pytest.CaptureFixture[str], shared_data: Pa
     assert cli.main(["eval", "--n", "4", "--k", "8"]) == 2
     assert "--k values must be in [1, --n=4], got [8]" in capsys.readouterr().err
     assert cli.main(["eval", "--data", str(shared_data / "aime24.jsonl")]) == 2
-    assert "needs reward.type=math or code" in capsys.readouterr().err
+    assert "needs a file reward (reward.type=math, code, ...)" in capsys.readouterr().err

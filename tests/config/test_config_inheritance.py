@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from sparrow_nemo.config import ConfigError, SparrowConfig, load_config
+from sparrow_nemo.config import ConfigError
+from sparrow_nemo.grpo.recipe import SparrowConfig, load_config
 
 Writer = Callable[[str, str], Path]
 

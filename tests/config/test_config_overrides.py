@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from sparrow_nemo.config import ConfigError, Override, load_config
+from sparrow_nemo.config import ConfigError, Override
+from sparrow_nemo.grpo.recipe import load_config
 
 
 def test_set_existing_key_and_later_override_wins() -> None:
@@ -114,13 +115,13 @@ def test_callbacks_list_and_their_free_form_kwargs() -> None:
     config = load_config(
         None,
         [
-            "callbacks=[{_target_: sparrow_nemo.callbacks.TailMismatchScheduler, window: 4}]",
+            "callbacks=[{_target_: sparrow_nemo.callbacks.base.Callback, window: 4}]",
             "++callbacks.0.window=8",
             "++callbacks.0.patience=2",
         ],
     )
     assert config.callbacks == (
-        {"_target_": "sparrow_nemo.callbacks.TailMismatchScheduler", "window": 8, "patience": 2},
+        {"_target_": "sparrow_nemo.callbacks.base.Callback", "window": 8, "patience": 2},
     )
 
 

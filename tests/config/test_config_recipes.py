@@ -8,15 +8,8 @@ import pytest
 import yaml
 
 import sparrow_nemo
-from sparrow_nemo.config import (
-    DEFAULT_RECIPE,
-    ConfigError,
-    SparrowConfig,
-    from_dict,
-    load_config,
-    recipes_dir,
-    resolve_recipe,
-)
+from sparrow_nemo.config import DEFAULT_RECIPE, ConfigError, recipes_dir, resolve_recipe
+from sparrow_nemo.grpo.recipe import SparrowConfig, from_dict, load_config
 from sparrow_nemo.grpo.update import mini_batch_order
 from sparrow_nemo.model_shapes import PRESETS
 from sparrow_nemo.sparse.schedule import BudgetSchedule
@@ -128,9 +121,31 @@ def test_hash_tracks_computation_fields_only() -> None:
         assert load_config(None, same).hash() == base.hash(), same
 
 
-def test_dataclass_defaults_are_exactly_the_tiny_cpu_recipe() -> None:
-    # recipes/tiny_cpu.yaml spells the defaults out (over the paper values of recipes/base.yaml)
-    assert from_dict({}) == SparrowConfig() == load_config("tiny_cpu")
+def test_defaults_are_the_components_and_the_paper_settings() -> None:
+    # each section's defaults are its component class's; where the paper gives a value, it is the default
+    defaults = from_dict({})
+    assert defaults == SparrowConfig()
+    s = defaults.sparsity
+    assert (s.page_size, s.sink_pages, s.local_pages, s.dense_layers) == (16, 1, 2, 2)
+    assert (s.bin_tokens, s.threshold, s.quantile, s.calibration.samples_per_prompt) == (2000, 0.86, 0.05, 8)
+    assert len(s.calibration.candidate_budgets) == 18
+    assert (defaults.grpo.samples_per_prompt, defaults.grpo.loss.clip_low, defaults.grpo.loss.clip_high) == (
+        8,
+        0.2,
+        0.28,
+    )
+    assert defaults.distill.target_modules == (
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    )
+    # the tiny CPU run states its own scale
+    tiny = load_config("tiny_cpu").sparsity
+    assert (tiny.page_size, tiny.bin_tokens, tiny.dense_layers) == (4, 16, 0)
 
 
 def test_unknown_recipe_name_lists_the_shipped_ones() -> None:

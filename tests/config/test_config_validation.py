@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from sparrow_nemo.config import ConfigError, load_config
+from sparrow_nemo.config import ConfigError
 from sparrow_nemo.grpo.losses import PolicyLossConfig
+from sparrow_nemo.grpo.recipe import load_config
 from sparrow_nemo.policy.optim import OptimizerSettings
 from sparrow_nemo.rollout.engine import SamplingParams
 from sparrow_nemo.sparse.schedule import BudgetSchedule
@@ -50,7 +51,7 @@ def error_of(*overrides: str, recipe: str | Path | None = None) -> str:
         ("rollout.top_k=x", "rollout.top_k=x (from command line) - expected an integer"),
         (
             "policy.optimizer=3",
-            "policy.optimizer=3 (from command line) - expected a mapping of OptimizerConfig keys",
+            "policy.optimizer=3 (from command line) - expected a mapping of OptimizerSettings keys",
         ),
         (
             "reward.options=[1]",
@@ -125,7 +126,7 @@ def test_literal_choice_lists_the_options_and_suggests() -> None:
     assert error_of("trainer.device=cuda:0").endswith(
         "expected one of 'auto', 'cpu', 'cuda' - did you mean 'cuda'?"
     )
-    assert "did you mean 'raise_and_lower'?" in error_of("sparsity.adapt=raise_and_lowr")
+    assert "did you mean 'raise_and_lower'?" in error_of("tail_scheduler.adapt=raise_and_lowr")
 
 
 def test_registry_names_come_from_the_grpo_registries() -> None:
@@ -224,7 +225,7 @@ def test_distill_targets_are_hf_linear_names() -> None:
         ),
         (
             ["distill.enabled=true", "distill.kl_coef=0", "distill.pg_coef=0"],
-            "distill.kl_coef=0.0 (from command line) - expected > 0 or pg_coef > 0 (with both 0 the adapter never "
+            "distill.kl_coef=0 (from command line) - expected > 0 or pg_coef > 0 (with both 0 the adapter never "
             "learns)",
         ),
     ],
@@ -237,7 +238,12 @@ def test_non_synthetic_reward_needs_a_prompt_file() -> None:
     message = error_of("reward.type=math")
     assert message.startswith("config error: data.train_path=null (from ")
     assert "tiny_cpu.yaml) - expected a prompt file for reward.type=math" in message
-    assert load_config(None, ["reward.type=math", "data.train_path=d/train.jsonl"]).reward.type == "math"
+    assert (
+        load_config(
+            None, ["reward.type=math", "data.train_path=d/train.jsonl", "sparsity.calibrate=false"]
+        ).reward.type
+        == "math"
+    )
     assert "expected a file ending in .jsonl" in error_of("data.train_path=d/train.txt")
 
 
@@ -316,36 +322,28 @@ def test_bad_schedule_specs() -> None:
     assert error_of("sparsity.page_size=32", "sparsity.schedule=qwen3-1.7b-0.86").startswith(
         "config error: sparsity.page_size=32 (from command line) - expected the page size of schedule"
     )
-    assert "expected budgets >= 16 tokens" in error_of("sparsity.schedule=fixed:12")
+    assert "expected budgets >= 12 tokens (the sink + local pages)" in error_of("sparsity.schedule=fixed:8")
 
 
 def test_calibration_candidates_rules() -> None:
     assert "strictly increasing" in error_of("sparsity.calibration.candidate_budgets=[64, 64]")
-    assert "multiples of page_size=4 that are >= 16 tokens, but got 18" in error_of(
+    assert "multiples of page_size=4 that are >= 12 tokens, but got 18" in error_of(
         "sparsity.calibration.candidate_budgets=[16, 18]"
     )
-    assert "but got 12" in error_of("sparsity.calibration.candidate_budgets=[12, 16]")
+    assert "but got 8" in error_of("sparsity.calibration.candidate_budgets=[8, 16]")
     assert "at least one candidate" in error_of("sparsity.calibration.candidate_budgets=[]")
 
 
-def test_sparsity_section_feeds_the_tail_scheduler() -> None:
+def test_sparsity_and_tail_scheduler_sections_configure_the_scheduler() -> None:
     from sparrow_nemo.callbacks.tail_scheduler import TailMismatchScheduler
 
-    sparsity = load_config(None, ["sparsity.adapt=raise_and_lower", "sparsity.noise_z=1.5"]).sparsity
-    scheduler = TailMismatchScheduler(
-        threshold=sparsity.threshold,
-        quantile=sparsity.quantile,
-        mode=sparsity.adapt,
-        candidates=sparsity.calibration.candidate_budgets,
-        bin_tokens=sparsity.bin_tokens,
-        noise_z=sparsity.noise_z,
-        min_bin_tokens=sparsity.min_bin_tokens,
-        calibrate=sparsity.calibrate,
-    )
-    assert (scheduler.mode, scheduler.threshold) == ("raise_and_lower", 0.86)
+    config = load_config(None, ["tail_scheduler.adapt=raise_and_lower", "sparsity.noise_z=1.5"])
+    scheduler = TailMismatchScheduler(config.sparsity, config.tail_scheduler)
+    assert (scheduler.mode, scheduler.threshold, scheduler.noise_z) == ("raise_and_lower", 0.86, 1.5)
+    assert scheduler.candidates == list(config.sparsity.calibration.candidate_budgets)
 
 
 def test_default_distill_targets_are_every_decoder_linear() -> None:
-    from sparrow_nemo.rollout.qwen3_torch import ATTN_LINEARS, MLP_LINEARS
+    from sparrow_nemo.hf_qwen3 import ATTN_LINEARS, MLP_LINEARS
 
     assert load_config().distill.target_modules == ATTN_LINEARS + MLP_LINEARS

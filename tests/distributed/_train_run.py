@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from sparrow_nemo.callbacks import Callback
-from sparrow_nemo.config import load_config
-from sparrow_nemo.grpo import setup
+from sparrow_nemo.grpo import setup, world
+from sparrow_nemo.grpo.recipe import load_config
 from sparrow_nemo.grpo.trainer import GrpoTrainer
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
@@ -38,7 +38,7 @@ class ScheduleBump(Callback):
 def train_and_export(run_dir: Path, recipe: str, overrides: list[str]) -> None:
     """Train ``recipe`` with ``overrides`` into ``run_dir`` and save the final weights there (rank 0)."""
     config = load_config(recipe, overrides)
-    setup.start_processes(config.trainer.dist_timeout_minutes)
+    world.start_processes(config.trainer.dist_timeout_minutes)
     setup.apply_cpu_threads(config)
     trainer = GrpoTrainer(config, run_dir)
     try:
@@ -50,8 +50,8 @@ def train_and_export(run_dir: Path, recipe: str, overrides: list[str]) -> None:
         )
         names = sorted(set(weights) & set(engine))
         refit = {"max_abs_diff": gap, "tensors": len(names)}
-        (Path(run_dir) / f"refit_rank{setup.rank()}.json").write_text(json.dumps(refit))
-        if setup.rank() == 0:
+        (Path(run_dir) / f"refit_rank{world.rank()}.json").write_text(json.dumps(refit))
+        if world.rank() == 0:
             torch.save(weights, Path(run_dir) / WEIGHTS)
     finally:
         trainer.policy.close()

@@ -32,9 +32,9 @@ import torch
 from policy._helpers import free_port, single_rank_env
 
 from distributed._train_run import WEIGHTS, train_and_export
-from sparrow_nemo.config import load_config
 from sparrow_nemo.grpo.metrics import read_metrics
 from sparrow_nemo.grpo.prompts import build_prompt_source
+from sparrow_nemo.grpo.recipe import load_config
 from sparrow_nemo.grpo.warmstart import ensure_warm_start
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]

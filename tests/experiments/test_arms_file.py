@@ -24,7 +24,7 @@ def test_shipped_arms_resolve_with_the_same_seed_and_steps() -> None:
     assert configs["distill_24"].distill.enabled and not configs["fixed_24"].distill.enabled
     assert configs["distill_24"].sparsity.build_schedule().budgets == (24,)
     assert configs["calib_0.70"].sparsity.calibrate and configs["calib_0.70"].sparsity.threshold == 0.7
-    assert all(c.sparsity.page_size == 4 and not c.sparsity.collapse_guard for c in configs.values())
+    assert all(c.sparsity.page_size == 4 and not c.tail_scheduler.collapse_guard for c in configs.values())
     smoke = arm_config("tiny_cpu_smoke", spec, spec.arm("dense"), seed=0, smoke=True)
     assert smoke.trainer.max_steps == 2
     assert [a.name for a in spec.selected(smoke=True)] == list(spec.smoke_arms)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparrow_nemo.config import load_config
+from sparrow_nemo.grpo.recipe import load_config
 from sparrow_nemo.grpo.setup import apply_cpu_threads
 
 

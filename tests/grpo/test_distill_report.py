@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 
 from sparrow_nemo.grpo.distill_report import adapter_effect, calibrated_speedups
+from sparrow_nemo.hf_qwen3 import LoraAdapter
 from sparrow_nemo.model_shapes import PRESETS
 from sparrow_nemo.policy.lora import LoraConfig, init_adapter
 from sparrow_nemo.rollout.engine import SamplingParams
-from sparrow_nemo.rollout.lora import LoraAdapter
 from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
 from sparrow_nemo.sparse.cost_model import HARDWARE, DecodeCostModel
 from sparrow_nemo.sparse.schedule import BudgetSchedule

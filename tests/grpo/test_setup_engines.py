@@ -9,7 +9,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from sparrow_nemo._optional import MissingOptionalDependency, is_available
-from sparrow_nemo.config import load_config
+from sparrow_nemo.grpo.recipe import load_config
 from sparrow_nemo.grpo.setup import build_engine
 
 

@@ -22,10 +22,10 @@ import torch.distributed as dist
 from policy._helpers import single_rank_env
 
 from sparrow_nemo.callbacks import Callback
-from sparrow_nemo.config import load_config
-from sparrow_nemo.grpo import setup
+from sparrow_nemo.grpo import world
 from sparrow_nemo.grpo.metrics import read_metrics
 from sparrow_nemo.grpo.preemption import Preempted
+from sparrow_nemo.grpo.recipe import load_config
 from sparrow_nemo.grpo.trainer import GrpoTrainer, train
 from sparrow_nemo.policy.checkpoint import complete_checkpoints
 
@@ -170,7 +170,7 @@ def test_a_step_that_does_not_split_is_refused_at_construction(tmp_path, overrid
 def test_the_process_group_gets_the_recipe_timeout() -> None:
     config = load_config("tiny_cpu_smoke", ["trainer.dist_timeout_minutes=7"])
     with single_rank_env():
-        setup.start_processes(config.trainer.dist_timeout_minutes)
+        world.start_processes(config.trainer.dist_timeout_minutes)
         try:
             backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
             assert backend.options._timeout == datetime.timedelta(minutes=7)

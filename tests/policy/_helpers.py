@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from sparrow_nemo.grpo.setup import one_rank_world
+from sparrow_nemo.grpo.world import one_rank_world
+from sparrow_nemo.hf_qwen3 import hf_config_dict
 from sparrow_nemo.model_shapes import Qwen3Shape
-from sparrow_nemo.policy.hf_import import hf_config_dict
 
 
 def free_port() -> int:

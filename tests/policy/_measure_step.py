@@ -148,9 +148,10 @@ def measure_sparse(case: dict) -> dict:
     from sparrow_nemo.policy.optim import OptimizerSettings
     from sparrow_nemo.policy.parallel import ParallelLayout
     from sparrow_nemo.policy.policy import MegatronPolicy
-    from sparrow_nemo.policy.sparse_forward import SparsePattern, SparsePlan
+    from sparrow_nemo.policy.sparse_forward import SparsePlan
     from sparrow_nemo.rollout.engine import SamplingParams
     from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
+    from sparrow_nemo.sparse.pattern import SparsePattern
     from sparrow_nemo.sparse.schedule import BudgetSchedule
 
     ps, dense = 16, case["dense_layers"]
@@ -206,7 +207,7 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests folder, as under pytest
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    from sparrow_nemo.grpo.setup import one_rank_world
+    from sparrow_nemo.grpo.world import one_rank_world
 
     for case in json.loads(sys.argv[1]):
         with one_rank_world():

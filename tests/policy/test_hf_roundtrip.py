@@ -8,16 +8,17 @@ import pytest
 import torch
 
 from policy._helpers import make_hf_checkpoint
-from sparrow_nemo.model_shapes import PRESETS
-from sparrow_nemo.policy import hf_import
-from sparrow_nemo.policy.hf_import import (
+from sparrow_nemo.hf_qwen3 import (
     CheckpointFormatError,
-    export_hf_state_dict,
-    load_hf_into_model,
-    megatron_shard_from_hf,
+    SafetensorsDir,
+    hf_config_dict,
+    hf_tensor_shape,
     save_hf_checkpoint,
     shape_from_hf_config,
 )
+from sparrow_nemo.model_shapes import PRESETS
+from sparrow_nemo.policy import hf_import
+from sparrow_nemo.policy.hf_import import export_hf_state_dict, load_hf_into_model, megatron_shard_from_hf
 from sparrow_nemo.policy.model import PolicyModelSpec, build_model, padded_vocab_size
 from sparrow_nemo.policy.parallel import ParallelLayout
 
@@ -53,7 +54,7 @@ def _spec(tp: int, tp_rank: int, pp: int = 1, pp_rank: int = 0, use_te: bool = F
 def _random_hf(seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     names = {n for _, hf, _ in hf_import.weight_plan(_spec(1, 0)) for n in hf}
-    return {n: torch.randn(hf_import._hf_shape(n, SHAPE), generator=g) for n in sorted(names)}
+    return {n: torch.randn(hf_tensor_shape(n, SHAPE), generator=g) for n in sorted(names)}
 
 
 def test_tp2_shards_follow_megatron_layout():
@@ -119,7 +120,7 @@ def test_bad_checkpoints_are_refused_with_the_name(tmp_path):
     del hf["model.layers.0.mlp.up_proj.weight"]
     with pytest.raises(KeyError, match="up_proj"):
         megatron_shard_from_hf(hf, _spec(1, 0))
-    base = hf_import.hf_config_dict(SHAPE)
+    base = hf_config_dict(SHAPE)
     assert shape_from_hf_config(base) == SHAPE
     with pytest.raises(CheckpointFormatError, match="hidden_act"):
         shape_from_hf_config({**base, "hidden_act": "gelu"})
@@ -128,4 +129,4 @@ def test_bad_checkpoints_are_refused_with_the_name(tmp_path):
     with pytest.raises(CheckpointFormatError, match="num_hidden_layers"):
         shape_from_hf_config({k: v for k, v in base.items() if k != "num_hidden_layers"})
     with pytest.raises(FileNotFoundError, match=r"model\.safetensors"):
-        hf_import.SafetensorsDir(tmp_path)
+        SafetensorsDir(tmp_path)

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from policy._helpers import single_rank_env
+from sparrow_nemo.hf_qwen3 import LoraAdapter
 from sparrow_nemo.model_shapes import PRESETS
 from sparrow_nemo.policy.lora import LoraConfig, MegatronLora, init_adapter
 from sparrow_nemo.policy.model import build_model
 from sparrow_nemo.policy.parallel import ParallelLayout, destroy_parallel, initialize_parallel
-from sparrow_nemo.rollout.lora import LoraAdapter
 
 SHAPE = PRESETS["tiny-test"]
 

@@ -19,7 +19,8 @@ from sparrow_nemo.policy.logprobs import LogprobOutput
 from sparrow_nemo.policy.optim import OptimizerSettings
 from sparrow_nemo.policy.parallel import ParallelLayout
 from sparrow_nemo.policy.policy import MegatronPolicy
-from sparrow_nemo.policy.sparse_forward import SparsePattern, SparsePlan
+from sparrow_nemo.policy.sparse_forward import SparsePlan
+from sparrow_nemo.sparse.pattern import SparsePattern
 
 ATOL = 1e-5  # fp32, different reduction orders
 PATTERN = SparsePattern(page_size=PAGE, sink_pages=1, local_pages=2, dense_layers=1)

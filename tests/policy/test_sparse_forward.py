@@ -16,6 +16,7 @@ import torch
 
 from policy._helpers import make_hf_checkpoint, single_rank_env
 from sparrow_nemo.grpo.rollout_step import pad_pairs
+from sparrow_nemo.hf_qwen3 import LoraAdapter
 from sparrow_nemo.model_shapes import PRESETS
 from sparrow_nemo.policy import sparse_forward
 from sparrow_nemo.policy.batch import PolicyBatch
@@ -24,11 +25,11 @@ from sparrow_nemo.policy.memory import MemorySettings
 from sparrow_nemo.policy.optim import OptimizerSettings
 from sparrow_nemo.policy.parallel import ParallelLayout
 from sparrow_nemo.policy.policy import MegatronPolicy
-from sparrow_nemo.policy.sparse_forward import SparsePattern, SparsePlan
+from sparrow_nemo.policy.sparse_forward import SparsePlan
 from sparrow_nemo.rollout.engine import SamplingParams
-from sparrow_nemo.rollout.lora import LoraAdapter
 from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
 from sparrow_nemo.sparse.attention import select_pages, selected_token_mask
+from sparrow_nemo.sparse.pattern import SparsePattern
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET, BudgetSchedule
 
 TOL = 1e-4  # max abs logprob difference, fp32 (different matmul groupings)

@@ -14,10 +14,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from sparrow_nemo.config import load_config
 from sparrow_nemo.grpo import data
 from sparrow_nemo.grpo.data import PromptDataConfig, PromptDataError, load_prompts
 from sparrow_nemo.grpo.prompts import build_prompt_source
+from sparrow_nemo.grpo.recipe import load_config
 from sparrow_nemo.rewards.code import parse_test_spec
 from sparrow_nemo.tasks.tokenizer import CharTokenizer
 
@@ -112,6 +112,7 @@ def test_code_jsonl_with_test_specs_loads_and_rewards(tmp_path: Path) -> None:
         "tiny_cpu",
         [
             "reward.type=code",
+            "sparsity.calibrate=false",
             f"data.train_path={data}",
             "data.answer_key=tests",
             "data.max_bad_fraction=0.6",
@@ -153,7 +154,13 @@ def test_tokenizer_larger_than_the_model_vocab_names_both_sizes(tmp_path: Path) 
     data.write_text(GOOD + "\n")
     ckpt = save_char_tokenizer(tmp_path / "ckpt", extra_tokens=60)  # 159 ids > the tiny model's 128
     config = load_config(
-        "tiny_cpu", ["reward.type=math", f"data.train_path={data}", f"model.hf_checkpoint={ckpt}"]
+        "tiny_cpu",
+        [
+            "reward.type=math",
+            "sparsity.calibrate=false",
+            f"data.train_path={data}",
+            f"model.hf_checkpoint={ckpt}",
+        ],
     )
     with pytest.raises(
         ValueError, match=rf"^tokenizer \({ckpt}\) has 159 token ids but the model's vocab_size is 128: "

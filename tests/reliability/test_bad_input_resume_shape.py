@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from sparrow_nemo.cli import main
-from sparrow_nemo.config import load_config
+from sparrow_nemo.grpo.recipe import load_config
 
 
 def test_resume_from_another_shape_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from sparrow_nemo.config import ConfigError, load_config
+from sparrow_nemo.config import ConfigError
+from sparrow_nemo.grpo.recipe import load_config
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 

@@ -21,7 +21,11 @@ SHAPE = PRESETS["tiny-test"]
 def test_an_update_to_non_finite_weights_is_named() -> None:
     lr = math.inf  # (torch's AdamW refuses a NaN one itself)
     with single_rank_env():
-        policy = MegatronPolicy(SHAPE, ParallelLayout(), dataclasses.replace(SETTINGS, lr=lr), "float32")
+        settings = dataclasses.replace(SETTINGS)
+        # the recipe refuses a non-finite lr (OptimizerSettings checks it); force one past that check to
+        # exercise the train step's own guard
+        object.__setattr__(settings, "lr", lr)
+        policy = MegatronPolicy(SHAPE, ParallelLayout(), settings, "float32")
         try:
             with pytest.raises(
                 NonFiniteWeightsError, match=rf"first: parameter '.+' on rank 0.*learning rate {lr}"

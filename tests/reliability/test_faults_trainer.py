@@ -15,10 +15,10 @@ import pytest
 import torch
 from policy._helpers import single_rank_env
 
-from sparrow_nemo.config import load_config
 from sparrow_nemo.grpo import update
 from sparrow_nemo.grpo.metrics import read_metrics
 from sparrow_nemo.grpo.objective import grpo_loss_fn
+from sparrow_nemo.grpo.recipe import load_config
 from sparrow_nemo.grpo.trainer import GrpoTrainer, NonFiniteTrainingError
 from sparrow_nemo.policy.schedule import LossFn
 

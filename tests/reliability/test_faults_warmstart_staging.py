@@ -8,8 +8,8 @@ import socket
 import subprocess
 from pathlib import Path
 
-from sparrow_nemo.config import load_config
 from sparrow_nemo.grpo.prompts import build_prompt_source
+from sparrow_nemo.grpo.recipe import load_config
 from sparrow_nemo.grpo.warmstart import ensure_warm_start, warm_start_dir
 
 

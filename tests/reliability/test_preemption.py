@@ -87,7 +87,7 @@ def test_signals_during_a_checkpoint_write_do_not_break_it(
 
 
 def _agree(rank: int, out_dir: str) -> None:
-    from sparrow_nemo.grpo.setup import start_processes
+    from sparrow_nemo.grpo.world import start_processes
 
     start_processes()
     with PreemptionGuard() as guard:

@@ -11,9 +11,10 @@ import torch.distributed as dist
 from policy._helpers import single_rank_env
 
 from sparrow_nemo import cli
-from sparrow_nemo.config import ConfigError, load_config
+from sparrow_nemo.config import ConfigError
 from sparrow_nemo.grpo.metrics import MetricsWriter
-from sparrow_nemo.grpo.prompts import PromptItem, PromptSource
+from sparrow_nemo.grpo.prompt_source import PromptItem, PromptSource
+from sparrow_nemo.grpo.recipe import load_config
 from sparrow_nemo.grpo.rundir import check_run_dir, make_run_dir
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from sparrow_nemo.rewards import get_reward
 from sparrow_nemo.rewards.code import code_reward, code_rewards, extract_code, outputs_match
+from sparrow_nemo.tasks import chain  # noqa: F401  (registers the 'chain' reward)
 
 
 def _humaneval(shared_data: Path) -> list[dict]:

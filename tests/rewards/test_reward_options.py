@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from sparrow_nemo.config import load_config
 from sparrow_nemo.grpo.prompts import build_prompt_source
+from sparrow_nemo.grpo.recipe import load_config
 from sparrow_nemo.rewards import bind_reward
 
 HALF_RIGHT = "```python\ndef f(x):\n    return 1\n```"

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import torch
 
+from sparrow_nemo.hf_qwen3 import hf_config_dict
 from sparrow_nemo.model_shapes import PRESETS, Qwen3Shape
-from sparrow_nemo.policy.hf_import import hf_config_dict
 
 #: tiny-test with 3 layers, so the default 2 dense layers leave one sparse layer.
 SHAPE: Qwen3Shape = PRESETS["tiny-test"].replace(num_layers=3)

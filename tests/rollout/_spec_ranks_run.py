@@ -11,8 +11,8 @@ import json
 import sys
 from pathlib import Path
 
-from sparrow_nemo.config import load_config
-from sparrow_nemo.grpo import setup
+from sparrow_nemo.grpo import setup, world
+from sparrow_nemo.grpo.recipe import load_config
 from sparrow_nemo.grpo.trainer import GrpoTrainer
 
 RECIPE = "tiny_cpu_smoke"
@@ -21,13 +21,13 @@ RECIPE = "tiny_cpu_smoke"
 def train_speculative(run_dir: Path, overrides: list[str]) -> None:
     """Train the smoke recipe speculatively with ``overrides`` into ``run_dir``; write this rank's planner."""
     config = load_config(RECIPE, ["rollout.mode=speculative", *overrides])
-    setup.start_processes(config.trainer.dist_timeout_minutes)
+    world.start_processes(config.trainer.dist_timeout_minutes)
     setup.apply_cpu_threads(config)
     trainer = GrpoTrainer(config, run_dir)
     try:
         trainer.fit()
         state = trainer.rollout_engine.planner.state_dict()
-        (Path(run_dir) / f"planner_rank{setup.rank()}.json").write_text(json.dumps(state))
+        (Path(run_dir) / f"planner_rank{world.rank()}.json").write_text(json.dumps(state))
     finally:
         trainer.policy.close()
 

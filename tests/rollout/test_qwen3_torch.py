@@ -9,8 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from sparrow_nemo.hf_qwen3 import expected_weight_shapes
 from sparrow_nemo.rollout import TorchRolloutEngine
-from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder, expected_weight_shapes
+from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder
 
 TOL = 1e-4
 

@@ -19,13 +19,12 @@ import itertools
 import pytest
 import torch
 
+from sparrow_nemo.hf_qwen3 import LoraAdapter, linear_in_out
 from sparrow_nemo.model_shapes import PRESETS
 from sparrow_nemo.rollout.decode_step import DecodeStep
 from sparrow_nemo.rollout.engine import SamplingParams
-from sparrow_nemo.rollout.lora import LoraAdapter
 from sparrow_nemo.rollout.paged_attention import TorchDecode
 from sparrow_nemo.rollout.paged_cache import PagedKVCache
-from sparrow_nemo.rollout.qwen3_torch import linear_in_out
 from sparrow_nemo.rollout.sampling import sample_seed, sample_tokens
 from sparrow_nemo.rollout.spec_decode import SpeculativeSample
 from sparrow_nemo.rollout.spec_verify import TorchVerify, rebuild_centroids, verify_forward
@@ -199,8 +198,8 @@ def test_greedy_speculative_equals_dense_over_1k_tokens_warm_started() -> None:
     the responses run on past EOS to 1,100 tokens, far beyond the task's lengths."""
     from policy._helpers import single_rank_env
 
-    from sparrow_nemo.config import load_config
     from sparrow_nemo.grpo.prompts import build_prompt_source
+    from sparrow_nemo.grpo.recipe import load_config
     from sparrow_nemo.grpo.warmstart import ensure_warm_start
 
     config = load_config("tiny_cpu_smoke")

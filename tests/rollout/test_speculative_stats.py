@@ -50,7 +50,7 @@ FILTERED = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.5, top_k=4, t
 def engine(tmp_path_factory: pytest.TempPathFactory) -> TorchRolloutEngine:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from sparrow_nemo.policy.hf_import import hf_config_dict
+    from sparrow_nemo.hf_qwen3 import hf_config_dict
 
     # initializer_range 0.15, seed 1: broad next-token distributions (top token ~0.4) that the sparse draft
     # gets quite wrong (mean acceptance ~0.8)

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from sparrow_nemo.hf_qwen3 import LoraAdapter, linear_in_out
 from sparrow_nemo.rollout import (
-    LoraAdapter,
     RolloutEngine,
     SamplingParams,
     TorchRolloutEngine,
 )
-from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder, linear_in_out
+from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder
 from sparrow_nemo.rollout.sampling import sample_seed
 from sparrow_nemo.sparse.attention import sparse_decode_attention
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET, BudgetSchedule

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from sparrow_nemo._optional import MissingOptionalDependency, is_available
-from sparrow_nemo.config import load_config
+from sparrow_nemo.grpo.recipe import load_config
 from sparrow_nemo.rollout.engine import RolloutSample, SamplingParams
 from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
 from sparrow_nemo.rollout.trtllm import (

@@ -12,8 +12,8 @@ import re
 import pytest
 import torch
 
-from sparrow_nemo.rollout.lora import LoraAdapter
-from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder, expected_weight_shapes, linear_in_out
+from sparrow_nemo.hf_qwen3 import LoraAdapter, expected_weight_shapes, linear_in_out
+from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder
 from sparrow_nemo.rollout.trtllm_weights import (
     IpcHandles,
     buckets,

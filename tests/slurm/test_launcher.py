@@ -85,8 +85,11 @@ def _line(calls: list[str], prefix: str) -> str:
 def test_rendezvous_run_folder_and_override_order(fake_slurm: dict[str, str]) -> None:
     done, calls = _launch(fake_slurm, "policy.tensor_model_parallel_size=2", "trainer.max_steps=7")
     assert done.returncode == 0, done.stderr
-    port = 20000 + int(JOB_ID) % 20000
-    assert _line(calls, "env") == f"env RANK=0 WORLD_SIZE=2 LOCAL_RANK=0 MASTER=node-a:{port}"
+    env_line = _line(calls, "env")
+    assert env_line.startswith("env RANK=0 WORLD_SIZE=2 LOCAL_RANK=0 MASTER=node-a:")
+    assert (
+        1024 <= int(env_line.rsplit(":", 1)[1]) <= 65535
+    )  # a free port of the first node, picked per attempt
     run_dir = f"{fake_slurm['SPARROW_RUNS']}/sparrow-test-{JOB_ID}"
     assert _line(calls, "trainer") == (
         f"trainer -m sparrow_nemo.cli train --config qwen3_8b_math --run-dir {run_dir} "
@@ -96,6 +99,22 @@ def test_rendezvous_run_folder_and_override_order(fake_slurm: dict[str, str]) ->
     assert f"--output={run_dir}/logs/attempt0_rank%t.log" in srun
     assert "--container-image" not in srun
     assert not any(c.startswith("scontrol") for c in calls)  # finished: no requeue
+
+
+def test_rendezvous_port_is_free_or_given(fake_slurm: dict[str, str]) -> None:
+    import socket
+
+    held = socket.socket()
+    held.bind(("", 0))
+    held.listen()  # a port taken by another program: the launcher must not pick it
+    try:
+        _, calls = _launch(fake_slurm)
+        assert not _line(calls, "env").endswith(f":{held.getsockname()[1]}")
+    finally:
+        held.close()
+    log = str(Path(fake_slurm["FAKE_LOG"]).with_name("given_port.log"))
+    _, calls = _launch({**fake_slurm, "SPARROW_MASTER_PORT": "29512", "FAKE_LOG": log})
+    assert _line(calls, "env").endswith("MASTER=node-a:29512")
 
 
 def test_checkpointed_status_requeues_the_job(fake_slurm: dict[str, str]) -> None:

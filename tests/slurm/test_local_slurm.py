@@ -7,12 +7,14 @@
    job, and the next attempt (same job id, same run folder) resumes from that checkpoint and runs the
    remaining steps: ``metrics.jsonl`` holds each step once.
 
-Runs the real trainer, so it takes ~1-2 minutes on a 2-core machine. Every wait is bounded.
+Runs the real trainer, so it takes ~1-2 minutes on an idle 2-core machine. Every wait is bounded, with
+limits sized for a machine shared with other jobs (the daemons' own timeouts: scripts/ci_slurm_setup.sh).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import time
@@ -27,6 +29,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
 WRAPPER = REPO_ROOT / "slurm" / "train_tiny_cpu.sh"
 JOB_NAME = "sparrow-tiny-cpu"  # the wrapper's --job-name
+#: steps of the requeue test
+STEPS = 8
 #: a few-second version of the tiny smoke recipe (the warm-start is cached for the module)
 FAST = (
     "warmstart.steps=20",
@@ -36,8 +40,14 @@ FAST = (
 )
 
 
+#: seconds one Slurm command may take (slurmctld answers slowly when it waits for a core)
+COMMAND_TIMEOUT = 180
+#: seconds for a job or a requeue step (one tiny run takes ~30 s on an idle machine, 5-10x under load)
+JOB_TIMEOUT = 1200
+
+
 def _slurm(env: dict[str, str], *args: str) -> str:
-    done = subprocess.run(list(args), env=env, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(list(args), env=env, capture_output=True, text=True, timeout=COMMAND_TIMEOUT)
     assert done.returncode == 0, f"{' '.join(args)} failed: {done.stderr}"
     return done.stdout
 
@@ -54,11 +64,33 @@ def _node_idle(env: dict[str, str]) -> bool:
 
 
 def _wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    """Poll ``condition`` every second; a Slurm command failing meanwhile (a controller too busy to answer
+    in time) counts as "not yet" and is named if the wait times out."""
     deadline = time.monotonic() + timeout
-    while not condition():
+    last_error = ""
+    while True:
+        try:
+            if condition():
+                return
+        except (AssertionError, subprocess.TimeoutExpired) as exc:
+            last_error = f" (last Slurm error: {' '.join(str(exc).split())[:300]})"
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}{last_error}")
         time.sleep(1.0)
+
+
+def _no_process_of(run: Path) -> bool:
+    """No process on this machine has the run folder on its command line (every task of an attempt has)."""
+    needle = str(run).encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if needle in (entry / "cmdline").read_bytes():
+                return False
+        except OSError:  # the process ended while we looked
+            continue
+    return True
 
 
 def _steps(metrics: Path) -> list[int]:
@@ -94,7 +126,7 @@ def _submit(env: dict[str, str], workdir: Path, *overrides: str) -> tuple[str, P
         env=job_env,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=COMMAND_TIMEOUT,
     )
     assert done.returncode == 0, done.stderr
     job = done.stdout.strip().split(";")[0]
@@ -120,7 +152,7 @@ def _wait_finished(env: dict[str, str], workdir: Path, job: str, timeout: float)
 
 def test_sbatch_tiny_cpu_completes_with_metrics(slurm_env: dict[str, str], workdir: Path) -> None:
     job, run = _submit(slurm_env, workdir, "trainer.max_steps=2")
-    _wait_finished(slurm_env, workdir, job, timeout=600)
+    _wait_finished(slurm_env, workdir, job, timeout=JOB_TIMEOUT)
     assert _steps(run / "metrics.jsonl") == [0, 1]
     assert (run / "summary.json").is_file()
     assert sorted(p.name for p in (run / "logs").iterdir()) == ["attempt0_rank0.log", "attempt0_rank1.log"]
@@ -132,22 +164,31 @@ def test_sbatch_tiny_cpu_completes_with_metrics(slurm_env: dict[str, str], workd
 
 
 def test_time_limit_signal_requeues_and_the_job_finishes(slurm_env: dict[str, str], workdir: Path) -> None:
-    job, run = _submit(slurm_env, workdir, "trainer.max_steps=4", "checkpoint.every_n_steps=2")
+    # 8 steps, a checkpoint every 2: the signal sent after the first checkpoint still finds 6 steps to run,
+    # however late it arrives on a loaded machine (with 2 left it could come after the last step: no requeue)
+    job, run = _submit(slurm_env, workdir, f"trainer.max_steps={STEPS}", "checkpoint.every_n_steps=2")
     first_checkpoint = run / "checkpoints" / "step_00000002" / "trainer_state.json"
-    _wait_until(first_checkpoint.is_file, 600, "the step-2 checkpoint")
+    _wait_until(first_checkpoint.is_file, JOB_TIMEOUT, "the step-2 checkpoint")
     # what `#SBATCH --signal=B:USR1@60` does before the time limit: USR1 to the batch shell only
     _slurm(slurm_env, "scancel", "--batch", "--signal=USR1", job)
-    _wait_until(lambda: _job_field(slurm_env, job, "Restarts") == "1", 120, f"job {job} to be requeued")
-    # A requeued job is held ~2 minutes (Slurm's requeue begin-time) so that the previous attempt is fully
-    # cleaned up first. Release it early, but only once the node is idle again: starting the next attempt
-    # while the first one is still completing lets its late end mark the job FAILED.
     _wait_until(
-        lambda: _job_field(slurm_env, job, "JobState") == "PENDING" and _node_idle(slurm_env),
-        120,
-        f"job {job} pending again on an idle node",
+        lambda: _job_field(slurm_env, job, "Restarts") == "1", JOB_TIMEOUT, f"job {job} to be requeued"
+    )
+    # A requeued job is held ~2 minutes (Slurm's requeue begin-time) so that the previous attempt is fully
+    # cleaned up first. Release it early, but only once the node is idle again and no process of the first
+    # attempt is left: a next attempt started beside a slow-exiting first one (still holding the rendezvous
+    # port, or ending late) ends FAILED.
+    _wait_until(
+        lambda: (
+            _job_field(slurm_env, job, "JobState") == "PENDING"
+            and _node_idle(slurm_env)
+            and _no_process_of(run)
+        ),
+        JOB_TIMEOUT,
+        f"job {job} pending again on an idle node, its first attempt gone",
     )
     _slurm(slurm_env, "scontrol", "update", f"JobId={job}", "StartTime=now")
-    _wait_finished(slurm_env, workdir, job, timeout=600)
+    _wait_finished(slurm_env, workdir, job, timeout=JOB_TIMEOUT)
 
     out = (workdir / f"slurm-{JOB_NAME}-{job}.out").read_text()
     assert "USR1: asking the training tasks to checkpoint" in out
@@ -157,6 +198,6 @@ def test_time_limit_signal_requeues_and_the_job_finishes(slurm_env: dict[str, st
     assert logs == [f"attempt{a}_rank{r}.log" for a in (0, 1) for r in (0, 1)]
     assert "exited with status 3" in out  # the trainer checkpointed and asked to be requeued
     steps = _steps(run / "metrics.jsonl")
-    assert steps == [0, 1, 2, 3], steps  # resumed, not restarted: every step once, to trainer.max_steps
+    assert steps == list(range(STEPS)), steps  # resumed, not restarted: every step once, to trainer.max_steps
     assert (run / "summary.json").is_file()
     assert "resumed from" in (run / "logs" / "attempt1_rank0.log").read_text()

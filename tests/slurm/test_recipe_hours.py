@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from sparrow_nemo.config import load_config
+from sparrow_nemo.grpo.recipe import load_config
 from sparrow_nemo.sparse.cost_model import HARDWARE
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 

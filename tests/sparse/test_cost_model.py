@@ -1,4 +1,4 @@
-"""Decode cost model vs a per-step Python reference, and the paper's speedup range (METHOD.md)."""
+"""Decode cost model vs a per-step Python reference, and the paper's speedup range (docs/METHOD.md)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from sparrow_nemo.sparse.cost_model import (
 )
 from sparrow_nemo.sparse.schedule import PAPER_SCHEDULES, BudgetSchedule
 
-PAPER_LENGTHS = [37_000] * 64  # batch 64, 37K-token generations (METHOD.md)
+PAPER_LENGTHS = [37_000] * 64  # batch 64, 37K-token generations (docs/METHOD.md)
 
 
 def reference_rollout_seconds(shape, hw, schedule, lengths, prompts, dense_layers=2, centroid_bytes=4):
@@ -64,7 +64,7 @@ def test_matches_per_step_reference():
 
 
 def test_paper_schedule_speedup_is_in_the_memory_bound_range():
-    """METHOD.md: 1.7B, 0.86 schedule, 37K generation, H200 -> memory-bound limit about 3.7x."""
+    """docs/METHOD.md: 1.7B, 0.86 schedule, 37K generation, H200 -> memory-bound limit about 3.7x."""
     model = DecodeCostModel.for_preset("qwen3-1.7b", "h200")
     speedup = predicted_speedup(BudgetSchedule.from_preset("qwen3-1.7b-0.86"), PAPER_LENGTHS, model, 512)
     assert 3.0 <= speedup <= 4.0

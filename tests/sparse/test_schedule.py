@@ -1,4 +1,4 @@
-"""BudgetSchedule: presets from METHOD.md, step-function lookup, validation, YAML round trip."""
+"""BudgetSchedule: presets from docs/METHOD.md, step-function lookup, validation, YAML round trip."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def test_every_published_preset_is_valid(name):
 
 def test_preset_table_has_every_row_of_method_md():
     assert len(PAPER_SCHEDULES) == 20
-    assert BudgetSchedule.from_preset("qwen3-8b-0.86").budgets[-1] == 7168  # METHOD.md: 8B reaches 7,168
+    assert BudgetSchedule.from_preset("qwen3-8b-0.86").budgets[-1] == 7168  # docs/METHOD.md: 8B reaches 7,168
     assert BudgetSchedule.from_preset("qwen3-14b-0.86").budgets[-1] == 14336  # 14B: 14,336
 
 

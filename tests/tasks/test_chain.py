@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import random
 import re
@@ -177,17 +176,19 @@ def test_two_letter_lookups_reach_hundreds_of_tokens_back() -> None:
 
 
 def test_build_tasks_gives_the_warm_start_its_own_sizes() -> None:
-    task_cfg = SimpleNamespace(num_nodes=(40, 120), num_hops=(20, 110), seed=5, name_length=2, letters=26)
-    rl, warm = build_tasks(task_cfg, SimpleNamespace(num_hops=(4, 8), num_nodes=(10, 12)))
+    task_cfg = ChainTaskConfig(num_nodes=(40, 120), num_hops=(20, 110), seed=5, name_length=2, letters=26)
+    ws = SimpleNamespace(num_hops=(4, 8), num_nodes=(10, 12), ramp_steps=3, batch_size=16)
+    rl, warm = build_tasks(task_cfg, ws)
     assert rl.config == LONG.config
     assert (
         warm.config.num_hops == (4, 8) and warm.config.num_nodes == (10, 12) and warm.config.name_length == 2
     )
     assert all(4 <= p.num_hops <= 8 for p in warm.problems(30))
+    assert (rl.ramp_problems, warm.ramp_problems) == (0, 48)  # ramp_steps x batch_size warm-start problems
     same, again = build_tasks(task_cfg, SimpleNamespace(num_hops=None, num_nodes=None))
     assert same.config == again.config == LONG.config
     with pytest.raises(ValueError, match="num_nodes"):
-        build_tasks(SimpleNamespace(num_nodes=(2, 700), num_hops=(1, 2), seed=0, name_length=2, letters=26))
+        build_tasks(task_cfg, SimpleNamespace(num_hops=(1, 2), num_nodes=(2, 700)))
 
 
 def test_single_token_names_from_a_large_alphabet() -> None:
@@ -208,12 +209,12 @@ def test_single_token_names_from_a_large_alphabet() -> None:
 
 def test_warm_start_ramp_grows_sizes_from_the_minimum() -> None:
     """ramp_problems=R: the first pairs are the smallest tables, full ranges after R; RL problems unaffected."""
-    cfg = ChainTaskConfig(num_nodes=(2, 60), num_hops=(1, 50), seed=1, name_length=2, ramp_problems=200)
-    task = ChainTask(cfg)
+    cfg = ChainTaskConfig(num_nodes=(2, 60), num_hops=(1, 50), seed=1, name_length=2)
+    task = ChainTask(cfg, ramp_problems=200)
     pairs = task.warm_start_pairs(start=1000)
     sizes = [solve(prompt) and prompt.count(",") + 1 for prompt, _ in (next(pairs) for _ in range(400))]
     assert max(sizes[:20]) <= round(2 * 30 ** (20 / 200)) and max(sizes[300:]) > 40
     assert statistics.mean(sizes[:100]) < statistics.mean(sizes[200:]) / 2
-    assert task.problem(5) == ChainTask(dataclasses.replace(cfg, ramp_problems=0)).problem(5)
+    assert task.problem(5) == ChainTask(cfg).problem(5)
     with pytest.raises(ValueError, match="ramp_problems"):
-        ChainTaskConfig(ramp_problems=-1)
+        ChainTask(cfg, ramp_problems=-1)

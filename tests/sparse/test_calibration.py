@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparrow_nemo.sparse.attention import sparse_decode_attention
-from sparrow_nemo.sparse.calibrate import calibrate_schedule
+from sparrow_nemo.sparse.calibration import calibrate_schedule
 from sparrow_nemo.sparse.mismatch import acceptance_rate
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET
 

@@ -1,0 +1,80 @@
+"""The process world of a run: ranks from the launcher's environment, the default process group, broadcast.
+
+Knows no recipe, so every layer may use it (the trainer, DistillSparse, the warm-start, the commands).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import torch.distributed as dist
+
+
+def single_process_defaults() -> None:
+    """Outside torchrun / srun (no ``WORLD_SIZE``): a 1-rank world on a free local port.
+
+    ``init_distributed`` would otherwise use port 29500, which another local job may hold.
+    """
+    if "WORLD_SIZE" in os.environ:
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+@contextlib.contextmanager
+def one_rank_world() -> Iterator[None]:
+    """A fresh one-process world (RANK/WORLD_SIZE/MASTER_* on a free port) inside; the env restored after.
+
+    For running several trainers one after another in one process (experiments, tests): each gets a new
+    port, since the previous one closed its process group.
+    """
+    keys = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    saved = {k: os.environ.pop(k, None) for k in keys}
+    single_process_defaults()
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def start_processes(dist_timeout_minutes: float | None = None) -> None:
+    """The default process group (gloo on CPU, nccl on GPU) from the launcher's env, or a 1-rank one.
+
+    ``dist_timeout_minutes`` (``trainer.dist_timeout_minutes``) bounds every collective; None = torch's default.
+    """
+    from sparrow_nemo.grpo.process_model import forget_object_group
+    from sparrow_nemo.policy.parallel import init_distributed
+
+    single_process_defaults()
+    if not dist.is_initialized():
+        forget_object_group()
+    timeout = None if dist_timeout_minutes is None else datetime.timedelta(minutes=dist_timeout_minutes)
+    init_distributed(timeout=timeout)
+
+
+def broadcast_from_rank0(obj: Any) -> Any:
+    """``obj`` as rank 0 has it, on every rank (over gloo; identity without a multi-rank process group)."""
+    from sparrow_nemo.grpo.process_model import broadcast_object
+
+    return broadcast_object(obj, src=0)
+
+
+def world_size() -> int:
+    """Ranks of this run (``WORLD_SIZE`` as set by torchrun / srun; 1 when absent)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def rank() -> int:
+    """This process's global rank (``RANK``; 0 when absent)."""
+    return int(os.environ.get("RANK", "0"))
