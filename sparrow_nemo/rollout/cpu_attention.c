@@ -81,27 +81,45 @@ static inline v16 exp16(v16 x) {
 /* In place: w[0 .. width) <- softmax(w) (fp32, max subtracted; -inf entries weigh 0; all -inf gives 0).
  * Entry t always takes lane t % 16 of the sum and exp16, so a wider row whose extra entries are -inf gives
  * the same bits (dense and a covering sparse budget agree exactly). */
+static inline v16 max16(v16 a, v16 b) {
+    i16 pick = a > b, ia, ib;
+    memcpy(&ia, &a, sizeof ia);
+    memcpy(&ib, &b, sizeof ib);
+    ia = (ia & pick) | (ib & ~pick);
+    memcpy(&a, &ia, sizeof a);
+    return a;
+}
+
 static void softmax_row(float *w, int64_t width) {
+    const int64_t full = width - width % LANES;
+    v16 tops = (v16){0} - INFINITY;
+    for (int64_t t = 0; t < full; t += LANES) tops = max16(tops, load16(w + t));
     float top = -INFINITY;
-    for (int64_t t = 0; t < width; ++t) top = w[t] > top ? w[t] : top;
+    for (int i = 0; i < LANES; ++i) top = tops[i] > top ? tops[i] : top;
+    for (int64_t t = full; t < width; ++t) top = w[t] > top ? w[t] : top;
     if (top == -INFINITY) {
         memset(w, 0, sizeof(float) * width);
         return;
     }
     v16 acc = {0};
-    for (int64_t t = 0; t < width; t += LANES) {
+    for (int64_t t = 0; t < full; t += LANES) {
+        v16 e = exp16(load16(w + t) - top);
+        acc += e;
+        store16(w + t, e);
+    }
+    if (full < width) { /* the tail as one chunk padded with -inf (its entries keep their lanes) */
         float chunk[LANES];
-        const int64_t m = width - t < LANES ? width - t : LANES;
-        for (int i = 0; i < LANES; ++i) chunk[i] = i < m ? w[t + i] : -INFINITY;
+        for (int i = 0; i < LANES; ++i) chunk[i] = full + i < width ? w[full + i] : -INFINITY;
         v16 e = exp16(load16(chunk) - top);
         acc += e;
         store16(chunk, e);
-        memcpy(w + t, chunk, sizeof(float) * m);
+        memcpy(w + full, chunk, sizeof(float) * (width - full));
     }
     float total = 0.0f;
     for (int i = 0; i < LANES; ++i) total += acc[i];
-    const float inv = 1.0f / total;
-    for (int64_t t = 0; t < width; ++t) w[t] *= inv;
+    const v16 inv = (v16){0} + 1.0f / total;
+    for (int64_t t = 0; t < full; t += LANES) store16(w + t, load16(w + t) * inv);
+    for (int64_t t = full; t < width; ++t) w[t] *= inv[0];
 }
 
 /* Each of ``rows`` contiguous rows of ``width`` entries <- its softmax (softmax_row). */
