@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from sparrow_nemo.rollout.bench import bench_rollout
+from sparrow_nemo.rollout.bench import bench_rollout, make_engine
 
 RESULTS = Path(__file__).resolve().parent / "results" / "rollout_throughput.jsonl"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -73,19 +73,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
         torch.set_num_threads(args.threads)
     meta = machine_info(args.device)
     rows = []
+    engine = make_engine(
+        args.shape,
+        device=args.device,
+        dtype=DTYPES[args.dtype],
+        seed=args.seed,
+        dense_layers=args.dense_layers,
+        attention_backend=args.backend,
+    )
     for batch in args.batch:
         rows += bench_rollout(
-            args.shape,
+            engine,
             batch=batch,
             prompt_len=args.prompt_len,
             gen_len=args.gen_len,
             schedules=args.schedules,
-            device=args.device,
-            dtype=DTYPES[args.dtype],
             seed=args.seed,
-            dense_layers=args.dense_layers,
             tail_bin_tokens=args.bin_tokens,
-            attention_backend=args.backend,
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("a") as f:

@@ -26,6 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--seeds", type=int, default=1, help="seeds per arm: rollout.seed = 0 .. N-1 (default: 1)"
     )
     parser.add_argument("--out", default="experiments", help="output folder (default: experiments)")
+    parser.add_argument(
+        "--jobs", type=int, default=1, help="runs at once, one process each (default 1; 2 fills a 2-core CPU)"
+    )
     parser.add_argument("--smoke", action="store_true", help="the arms file's cut-down pipeline check")
     parser.add_argument("--report-only", action="store_true", help="rebuild the report from existing runs")
     parser.add_argument("--note", default="", help="a line shown at the top of the report")
@@ -40,8 +43,11 @@ def run(args: argparse.Namespace) -> int:
     from sparrow_nemo.experiments.arms import ArmsError, load_arms
     from sparrow_nemo.experiments.pipeline import run_experiment
 
-    if args.seeds < 1:
-        print(f"sparrow experiment: --seeds {args.seeds} - expected at least 1", file=sys.stderr)
+    if args.seeds < 1 or args.jobs < 1:
+        print(
+            f"sparrow experiment: --seeds {args.seeds} / --jobs {args.jobs} - expected at least 1",
+            file=sys.stderr,
+        )
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     words = ["sparrow", NAME, "--config", args.config, "--arms", args.arms, "--seeds", str(args.seeds)]
@@ -59,9 +65,10 @@ def run(args: argparse.Namespace) -> int:
             smoke=args.smoke,
             report_only=args.report_only,
             note=args.note,
+            jobs=args.jobs,
         )
     except (ArmsError, FileNotFoundError) as exc:
         print(f"sparrow experiment: {exc}", file=sys.stderr)
         return 2
-    print(f"report: {paths.report}\nfigures: {paths.plots}\nruns: {paths.runs}")
+    print(f"report: {paths.report}\nfigures: {paths.plots}\nresults: {paths.results}\nruns: {paths.runs}")
     return 0

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import json
 import logging
+import multiprocessing
 import os
 import shutil
 import time
 from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,21 +107,37 @@ def _run_one(plan: RunPlan) -> None:
     partial.rename(plan.folder)
 
 
-def execute(plans: Sequence[RunPlan], show_progress: bool = True) -> int:
-    """Run every plan that is not done (in order), with a bar over all of them; returns how many ran.
+def execute(plans: Sequence[RunPlan], show_progress: bool = True, jobs: int = 1) -> int:
+    """Run every plan that is not done, with a bar over all of them; returns how many ran.
 
-    Runs one process (rank 0 of a one-rank world per run); under torchrun/srun with more ranks: ValueError.
+    ``jobs`` = 1 runs them in order in this process (rank 0 of a one-rank world per run); more runs up to
+    ``jobs`` of them at once, each in its own spawned process (its own one-rank world and torch threads,
+    ``trainer.cpu_threads``), so a 2-core machine can keep both cores busy. Under torchrun/srun with more
+    ranks: ValueError.
     """
     from sparrow_nemo.grpo.metrics import progress
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ValueError("sparrow experiment runs in one process; start it without torchrun/srun")
-
+    if jobs < 1:
+        raise ValueError(f"sparrow experiment: jobs must be >= 1, got {jobs}")
     todo = [p for p in plans if not p.done]
     if len(todo) < len(plans):
         logger.info("experiment: %d of %d runs already done, skipped", len(plans) - len(todo), len(plans))
-    bar = progress(todo, enabled=show_progress, desc="experiment", unit="run")
-    for plan in bar:
-        bar.set_postfix_str(f"{plan.arm.name} seed {plan.seed}")
-        _run_one(plan)
+    bar = progress(total=len(todo), enabled=show_progress, desc="experiment", unit="run")
+    if jobs == 1:
+        for plan in todo:
+            bar.set_postfix_str(f"{plan.arm.name} seed {plan.seed}")
+            _run_one(plan)
+            bar.update(1)
+        bar.close()
+        return len(todo)
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(_run_one, plan): plan for plan in todo}
+        for future in as_completed(futures):
+            future.result()  # a failed run stops the experiment with its error
+            plan = futures[future]
+            bar.set_postfix_str(f"{plan.arm.name} seed {plan.seed} done")
+            bar.update(1)
+    bar.close()
     return len(todo)

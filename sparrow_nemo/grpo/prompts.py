@@ -36,11 +36,11 @@ logger = logging.getLogger(__name__)
 
 
 def _synthetic_source(config: SparrowConfig) -> PromptSource:
-    from sparrow_nemo.tasks.chain import ChainTask
+    from sparrow_nemo.tasks.chain import build_tasks
     from sparrow_nemo.tasks.tokenizer import CharTokenizer
 
-    task = ChainTask(config.task)
-    tokenizer = CharTokenizer()
+    task, warm_task = build_tasks(config.task, config.warmstart)
+    tokenizer = CharTokenizer(config.task.letters)
     check_vocab(tokenizer, config.model.shape().vocab_size, "the synthetic task's characters")
 
     def problem_item(index: int) -> PromptItem:
@@ -56,7 +56,7 @@ def _synthetic_source(config: SparrowConfig) -> PromptSource:
         return problem_item(index)
 
     def pairs(start: int) -> Iterator[tuple[str, str]]:
-        return task.warm_start_pairs(WARMSTART_OFFSET + start)
+        return warm_task.warm_start_pairs(WARMSTART_OFFSET + start)
 
     held_out = HeldOut(
         lambda i: problem_item(EVAL_OFFSET + i), None, "the synthetic task's held-out problems"

@@ -64,7 +64,7 @@ from sparrow_nemo.policy.policy import PolicyConfig
 from sparrow_nemo.rewards.registry import RewardConfig
 from sparrow_nemo.rollout.engine import RolloutConfig
 from sparrow_nemo.sparse.config import SparsityConfig
-from sparrow_nemo.tasks.chain import ChainTaskConfig
+from sparrow_nemo.tasks.chain import ChainTaskConfig, build_tasks
 
 __all__ = [
     "SYNTHETIC_REWARD",
@@ -116,11 +116,32 @@ class WarmstartConfig(Section):
     lr: float = knob(
         5e-3, "learning rate, constant (the other optimizer settings: policy.optimizer)", check=POSITIVE
     )
+    num_hops: tuple[int, ...] | None = knob(
+        None,
+        "(min, max) hops of the warm-start problems; null = task.num_hops. Shorter than the task's = a "
+        "curriculum: RL then meets longer chains than the warm-start saw (sparrow_nemo.tasks.chain.build_tasks)",
+        check=AT_LEAST_ONE,
+    )
+    num_nodes: tuple[int, ...] | None = knob(
+        None, "(min, max) table entries of the warm-start problems; null = task.num_nodes", check=AT_LEAST_ONE
+    )
+    ramp_steps: int = knob(
+        0,
+        "steps over which the warm-start problems grow (geometrically) from the ranges' minimum to their full "
+        "sizes (0 = none): a small model finds the table look-up on small tables first",
+        check=NON_NEGATIVE,
+    )
     cache_dir: str | None = knob(
         None,
         "cache folder; null = $SPARROW_CACHE/warmstart, else ~/.cache/sparrow_nemo/warmstart",
         hashed=False,
     )
+
+    def check(self) -> None:
+        for key in ("num_hops", "num_nodes"):
+            value = getattr(self, key)
+            if value is not None and (len(value) != 2 or value[0] > value[1]):
+                raise self.invalid(key, "null or two integers [min, max] with 1 <= min <= max")
 
 
 @dataclass(frozen=True)
@@ -216,6 +237,10 @@ class SparrowConfig(Section):
                 raise self.invalid(f"policy.{key}", f"a size that splits the model ({exc})") from None
         if self.sparsity.dense_layers > shape.num_layers:
             raise self.invalid("sparsity.dense_layers", f"<= the model's {shape.num_layers} layers")
+        try:  # the warm-start's own sizes (warmstart.num_hops / num_nodes) with the task's names
+            build_tasks(self.task, self.warmstart)
+        except ValueError as exc:
+            raise self.invalid("warmstart.num_hops", f"sizes that make a valid task ({exc})") from None
         context = self.data.max_prompt_tokens + self.rollout.max_new_tokens
         if context > shape.max_position_embeddings:
             raise self.invalid(

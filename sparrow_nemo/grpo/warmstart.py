@@ -49,6 +49,12 @@ WARMSTART_SOURCES = (
 )
 
 
+#: warm-start checkpoints shipped with the package, one ``<key>/`` folder each (scripts/ship_warmstart.py)
+SHIPPED_ROOT = Path(__file__).resolve().parents[1] / "tasks" / "warmstart"
+#: in a shipped folder: {"key", "sha256": {file: hex digest}, and how it was made}
+MANIFEST = "manifest.json"
+
+
 def source_digest(sources: tuple[str, ...] = WARMSTART_SOURCES) -> str:
     """sha256 over the path and bytes of every file of ``sources`` (sorted), e.g. :data:`WARMSTART_SOURCES`."""
     root = Path(__file__).resolve().parent.parent
@@ -87,15 +93,24 @@ def cache_key(config: SparrowConfig, tokenizer_name: str, layout: tuple[int, int
 
     from sparrow_nemo.grpo.setup import device
     from sparrow_nemo.grpo.world import world_size
+    from sparrow_nemo.tasks.chain import build_tasks
 
     w, p = config.warmstart, config.policy
+    warm_task = build_tasks(config.task, w)[1]
     optimizer = {k: v for k, v in asdict(p.optimizer).items() if k != "lr"}
     spec = {
         "code": source_digest(),
         "megatron_core": megatron.core.__version__,
         "shape": asdict(config.model.shape()),
-        "task": asdict(config.task),
-        "warmstart": {"steps": w.steps, "batch_size": w.batch_size, "lr": w.lr},
+        # the problems the warm-start trains on (warmstart.num_hops/num_nodes, else the task's sizes) and
+        # how they grow (warmstart.ramp_steps)
+        "task": asdict(warm_task.config),
+        "warmstart": {
+            "steps": w.steps,
+            "batch_size": w.batch_size,
+            "lr": w.lr,
+            "ramp": warm_task.ramp_problems,
+        },
         "optimizer": optimizer,
         "micro_batch_size": p.micro_batch_size,
         "precision": p.precision,
@@ -109,6 +124,32 @@ def cache_key(config: SparrowConfig, tokenizer_name: str, layout: tuple[int, int
     }
     text = json.dumps(spec, sort_keys=True, default=list)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def file_sha256(path: Path) -> str:
+    """Hex sha256 of a file's bytes."""
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def shipped_checkpoint(key: str) -> Path | None:
+    """The shipped warm-start folder of ``key`` after checking its files against its manifest, or None.
+
+    Raises ValueError naming the file and both digests when a file is missing or differs.
+    """
+    folder = SHIPPED_ROOT / key
+    if not (folder / MANIFEST).is_file():
+        return None
+    manifest = json.loads((folder / MANIFEST).read_text())
+    if manifest.get("key") != key or not manifest.get("sha256"):
+        raise ValueError(f"shipped warm-start {folder / MANIFEST}: expected key {key} and a sha256 table")
+    for name, want in manifest["sha256"].items():
+        got = file_sha256(folder / name) if (folder / name).is_file() else "missing"
+        if got != want:
+            raise ValueError(
+                f"shipped warm-start {folder / name}: sha256 {got[:16]}, the manifest says {want[:16]} "
+                "(a damaged or edited checkpoint: restore it, or remake it with scripts/ship_warmstart.py)"
+            )
+    return folder
 
 
 @contextlib.contextmanager
@@ -212,15 +253,25 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def ensure_warm_start(config: SparrowConfig, source: PromptSource, show_progress: bool = True) -> Path:
-    """The warm-start checkpoint directory, training and caching it first when it is missing.
+def _publish(staging: Path, target: Path) -> None:
+    """Rename a finished ``staging`` folder to ``target`` (atomic); keep ``target`` if another process won."""
+    try:
+        os.replace(staging, target)
+    except OSError:  # another process finished the same warm-start first: keep theirs
+        shutil.rmtree(staging, ignore_errors=True)
 
-    Collective: every rank calls it; rank 0 writes the cache. Builds (and discards) its own policy with
-    the warm-start learning rate, so the RL policy starts with fresh optimizer state.
+
+def ensure_warm_start(
+    config: SparrowConfig, source: PromptSource, show_progress: bool = True, use_shipped: bool = True
+) -> Path:
+    """The warm-start checkpoint directory: the cache entry, else the shipped checkpoint of the same key
+    (hash-checked, copied into the cache), else trained now and cached.
+
+    Collective: every rank calls it; rank 0 writes the cache. Training builds (and discards) its own policy
+    with the warm-start learning rate, so the RL policy starts with fresh optimizer state.
+    ``use_shipped=False`` trains even when a shipped checkpoint exists (scripts/ship_warmstart.py).
     """
-    from sparrow_nemo.grpo.setup import build_policy
     from sparrow_nemo.grpo.world import broadcast_from_rank0, rank
-    from sparrow_nemo.hf_qwen3 import save_hf_checkpoint
 
     target = warm_start_dir(config, source)
     if rank() == 0:
@@ -229,6 +280,27 @@ def ensure_warm_start(config: SparrowConfig, source: PromptSource, show_progress
     if cached:
         logger.info("warm-start: using the cached checkpoint %s", cached)
         return Path(cached)
+    shipped = broadcast_from_rank0(shipped_checkpoint(target.name) if use_shipped and rank() == 0 else None)
+    if shipped is not None:
+        if rank() == 0:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            staging = target.parent / f".{target.name}.partial-{socket.gethostname()}-{os.getpid()}"
+            shutil.rmtree(staging, ignore_errors=True)
+            shutil.copytree(shipped, staging)
+            _publish(staging, target)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
+        logger.info("warm-start: using the shipped checkpoint %s (sha256 checked)", shipped)
+        return target
+    return _train_and_cache(config, source, target, show_progress)
+
+
+def _train_and_cache(config: SparrowConfig, source: PromptSource, target: Path, show_progress: bool) -> Path:
+    """Train the warm-start (one CPU thread) and write it to ``target`` atomically (rank 0)."""
+    from sparrow_nemo.grpo.setup import build_policy
+    from sparrow_nemo.grpo.world import rank
+    from sparrow_nemo.hf_qwen3 import save_hf_checkpoint
+
     logger.info("warm-start: %d SFT steps (cached afterwards in %s)", config.warmstart.steps, target)
     with _one_cpu_thread():
         torch.manual_seed(config.trainer.seed)
@@ -240,10 +312,7 @@ def ensure_warm_start(config: SparrowConfig, source: PromptSource, show_progress
         shutil.rmtree(staging, ignore_errors=True)
         save_hf_checkpoint(weights, config.model.shape(), staging)
         (staging / "warmstart.json").write_text(json.dumps({"losses": losses}) + "\n")
-        try:
-            os.replace(staging, target)
-        except OSError:  # another process finished the same warm-start first: keep theirs
-            shutil.rmtree(staging, ignore_errors=True)
+        _publish(staging, target)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
     return target

@@ -81,8 +81,9 @@ class DecodeStep:
         """
         positions = seq_len - 1
         h = self.model.embed(tokens)
+        rope = self.model.rope(positions[:, None], h.dtype)
         for layer in range(self.model.shape.num_layers):
-            q, k, v = self.model.attention_inputs(layer, h[:, None], positions[:, None])
+            q, k, v = self.model.attention_inputs(layer, h[:, None], positions[:, None], rope)
             q, k, v = q[:, 0], k[:, 0], v[:, 0]
             self.attention.append(cache, layer, block_table, positions, k, v)
             attn = self.attention.attend(

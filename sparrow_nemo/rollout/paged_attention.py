@@ -2,8 +2,9 @@
 
 Decode has two implementations with the same semantics (sparrow_nemo.sparse.attention):
 - ``torch``: the method layer's page selection (``select_pages_from_centroids``) on the cache's
-  incrementally maintained centroids, a gather of the selected pages per (sequence, KV head), and the
-  method layer's masked decode attention;
+  incrementally maintained centroids; on the CPU (fp32) the chosen pages are read in place by a compiled
+  kernel (``cpu_attention``), elsewhere gathered per (sequence, KV head) into the method layer's masked
+  decode attention;
 - ``triton``: the fused kernels of ``sparrow_kernels`` (select + attend in one call).
 """
 
@@ -14,6 +15,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+import sparrow_nemo.rollout.cpu_attention as cpu_attention
 from sparrow_nemo.rollout.paged_cache import PagedKVCache
 from sparrow_nemo.sparse.attention import decode_attention, select_pages_from_centroids
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET
@@ -70,6 +72,11 @@ def decode_attention_torch(
 ) -> torch.Tensor:
     """One decode step of attention over the paged cache (the current token already appended).
 
+    The page choice is the method layer's (``select_pages_from_centroids`` on the cache's incremental
+    centroids), batched over rows and KV heads. On the CPU with an fp32 cache the chosen pages are read
+    in place by :func:`~sparrow_nemo.rollout.cpu_attention.paged_decode_attention`; elsewhere they are
+    gathered (:meth:`PagedKVCache.gather`) into the method layer's masked attention.
+
     Args:
         q: [B, Hq, D]; block_table: [B, max_pages] int32; seq_len: [B] tokens incl. the current one;
         budget_tokens: [B] tokens for the sparse rule, or None for dense (all pages).
@@ -78,6 +85,13 @@ def decode_attention_torch(
         [B, Hq, D] in q.dtype (softmax in fp32, scale 1/sqrt(D)).
     """
     ps, hkv = cache.page_size, cache.k_pages[layer].shape[1]
+    if cpu_attention.supports(q, cache):
+        page_idx = None
+        if budget_tokens is not None:
+            page_idx = cpu_attention.select_pages(
+                q, cache, layer, block_table, seq_len, budget_tokens, sink_pages, local_pages
+            )
+        return cpu_attention.paged_decode_attention(q, cache, layer, block_table, seq_len, page_idx)
     if budget_tokens is None:
         page_idx = all_pages(seq_len, hkv, ps)
     else:
@@ -89,7 +103,8 @@ def decode_attention_torch(
 
 
 class TorchDecode:
-    """The plain-torch path: :meth:`PagedKVCache.append` and :func:`decode_attention_torch`."""
+    """The plain-torch path: :meth:`PagedKVCache.append` (one kernel call on the CPU) and
+    :func:`decode_attention_torch`."""
 
     def append(
         self,
@@ -101,7 +116,10 @@ class TorchDecode:
         v_new: torch.Tensor,
     ) -> None:
         """Store one token per row at ``positions [B]``; ``k_new, v_new [B, Hkv, D]``."""
-        cache.append(layer, block_table, positions, k_new, v_new)
+        if cpu_attention.supports(k_new, cache):
+            cpu_attention.paged_append(cache, layer, block_table, positions, k_new, v_new)
+        else:
+            cache.append(layer, block_table, positions, k_new, v_new)
 
     def attend(
         self,

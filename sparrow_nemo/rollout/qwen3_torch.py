@@ -4,8 +4,12 @@ The rollout engine drives this decoder one piece at a time (attention inputs, at
 logits) so that it can put its own paged KV cache and sparse attention in between. Numerics follow
 ``transformers``' Qwen3 (RMSNorm in fp32, per-head q/k RMSNorm before rotary, SwiGLU MLP, no biases).
 
-LoRA (DistillSparse) is applied inside :meth:`Qwen3Decoder.linear` as
+LoRA (DistillSparse) is applied inside :meth:`Qwen3Decoder.linears` as
 ``y = x @ W.T + scaling * (x @ A.T) @ B.T``; the base weights are never modified.
+
+The q/k/v projections of a layer, and its gate/up projections, are stored as one stacked matrix each
+(``Qwen3Decoder.fused``) and run as one matmul; the HF-named ``params`` entries are row views of it, so a
+refit through them (``load_state``) updates the stacked matrix in place.
 """
 
 from __future__ import annotations
@@ -24,12 +28,17 @@ from sparrow_nemo.hf_qwen3 import (
 )
 from sparrow_nemo.model_shapes import Qwen3Shape
 
+#: projections that read the same input and run as one stacked matmul: (group name, HF modules)
+FUSED_GROUPS = (
+    ("self_attn.qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    ("mlp.gate_up", ("mlp.gate_proj", "mlp.up_proj")),
+)
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim, statistics in fp32, result in ``x.dtype`` times ``weight``."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    """RMSNorm over the last dim, statistics in fp32, result in ``x.dtype`` times ``weight`` (HF Qwen3's
+    order of operations; torch's fused ``rms_norm`` on the fp32 copy, fewer ops per decode step)."""
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -59,6 +68,8 @@ class Qwen3Decoder:
             if got != want:
                 raise ValueError(f"Qwen3 weights: tensor '{name}' has shape {got}, expected {want}")
             self.params[name] = params[name]
+        self.fused: dict[str, torch.Tensor] = {}
+        self._fuse()
         d = shape.head_dim
         inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
         self.inv_freq = inv_freq.to(self.params["model.embed_tokens.weight"].device)
@@ -141,9 +152,23 @@ class Qwen3Decoder:
                 if name in self.params:
                     self.params[name].copy_(value)
 
+    def _fuse(self) -> None:
+        """Stack each layer's :data:`FUSED_GROUPS` weights into ``fused`` and make ``params`` views of it."""
+        for i in range(self.shape.num_layers):
+            for group, modules in FUSED_GROUPS:
+                names = [f"model.layers.{i}.{m}.weight" for m in modules]
+                stacked = torch.cat([self.params[n] for n in names])
+                start = 0
+                for n in names:
+                    rows = self.params[n].shape[0]
+                    self.params[n] = stacked[start : start + rows]
+                    start += rows
+                self.fused[f"model.layers.{i}.{group}"] = stacked
+
     def to(self, device: str | torch.device) -> None:
         """Move all weights (and the LoRA adapter) to ``device``."""
         self.params = {k: v.to(device) for k, v in self.params.items()}
+        self._fuse()
         self.inv_freq = self.inv_freq.to(device)
         if self.lora is not None:
             self.lora = self.lora.to(device=device)
@@ -151,7 +176,19 @@ class Qwen3Decoder:
     # ----------------------------------------------------------------- forward pieces
     def linear(self, module: str, x: torch.Tensor) -> torch.Tensor:
         """``x @ W.T`` for HF module ``module`` plus the LoRA delta when an adapter targets it."""
-        y = F.linear(x, self.params[module + ".weight"])
+        return self._lora(module, x, F.linear(x, self.params[module + ".weight"]))
+
+    def linears(self, layer: int, group: str, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The projections of :data:`FUSED_GROUPS` ``group`` of ``layer`` on ``x``, one matmul: a tuple in the
+        group's module order, each with its LoRA delta (equal to :meth:`linear` of each module)."""
+        prefix = f"model.layers.{layer}."
+        modules = dict(FUSED_GROUPS)[group]
+        sizes = [self.params[prefix + m + ".weight"].shape[0] for m in modules]
+        outs = F.linear(x, self.fused[prefix + group]).split(sizes, dim=-1)
+        return tuple(self._lora(prefix + m, x, y) for m, y in zip(modules, outs))
+
+    def _lora(self, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``y`` plus the adapter's delta for ``module`` on input ``x`` (``y`` itself without one)."""
         if self.lora is not None and module in self.lora.weights:
             a, b = self.lora.weights[module]
             y = y + self.lora.scaling * F.linear(F.linear(x, a), b)
@@ -161,37 +198,49 @@ class Qwen3Decoder:
         """Token ids ``[...]`` int64 -> hidden ``[..., hidden]``."""
         return F.embedding(ids, self.params["model.embed_tokens.weight"])
 
-    def rotary(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x [..., T, H, D]`` by absolute ``positions [..., T]`` (HF ``rotate_half`` convention)."""
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary (cos, sin) ``[..., T, 1, D]`` in ``dtype`` for absolute ``positions [..., T]``: computed
+        once per forward and shared by every layer (angles in fp32)."""
         freqs = positions.to(torch.float32)[..., None] * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(x.dtype)[..., None, :], emb.sin().to(x.dtype)[..., None, :]
+        return emb.cos().to(dtype)[..., None, :], emb.sin().to(dtype)[..., None, :]
+
+    def rotary(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Rotate ``x [..., T, H, D]`` by :meth:`rope` tables (HF ``rotate_half`` convention)."""
+        cos, sin = rope
         return x * cos + _rotate_half(x) * sin
 
     def attention_inputs(
-        self, layer: int, h: torch.Tensor, positions: torch.Tensor
+        self,
+        layer: int,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, ...] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Hidden ``h [..., T, hidden]`` -> (q ``[..., T, Hq, D]``, k, v ``[..., T, Hkv, D]``).
+        """Hidden ``h [..., T, hidden]`` at ``positions [..., T]`` -> (q ``[..., T, Hq, D]``, k, v ``[..., T, Hkv, D]``).
 
-        q and k are RMS-normalised per head and rotated: exactly what the KV cache stores.
+        q and k are RMS-normalised per head and rotated: exactly what the KV cache stores. ``rope``:
+        :meth:`rope` of ``positions`` when the caller shares it over layers (computed here otherwise).
         """
         s, p = self.shape, f"model.layers.{layer}."
         x = rms_norm(h, self.params[p + "input_layernorm.weight"], s.rms_norm_eps)
         lead = x.shape[:-1]
-        q = self.linear(p + "self_attn.q_proj", x).view(*lead, s.num_attention_heads, s.head_dim)
-        k = self.linear(p + "self_attn.k_proj", x).view(*lead, s.num_key_value_heads, s.head_dim)
-        v = self.linear(p + "self_attn.v_proj", x).view(*lead, s.num_key_value_heads, s.head_dim)
+        q, k, v = self.linears(layer, "self_attn.qkv", x)
+        q = q.view(*lead, s.num_attention_heads, s.head_dim)
+        k = k.view(*lead, s.num_key_value_heads, s.head_dim)
+        v = v.view(*lead, s.num_key_value_heads, s.head_dim)
         q = rms_norm(q, self.params[p + "self_attn.q_norm.weight"], s.rms_norm_eps)
         k = rms_norm(k, self.params[p + "self_attn.k_norm.weight"], s.rms_norm_eps)
-        return self.rotary(q, positions), self.rotary(k, positions), v
+        rope = rope or self.rope(positions, q.dtype)
+        return self.rotary(q, rope), self.rotary(k, rope), v
 
     def attention_output(self, layer: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Residual stream after the layer: ``h [..., hidden]``, ``attn [..., Hq, D]`` -> ``[..., hidden]``."""
         s, p = self.shape, f"model.layers.{layer}."
         h = h + self.linear(p + "self_attn.o_proj", attn.flatten(-2))
         x = rms_norm(h, self.params[p + "post_attention_layernorm.weight"], s.rms_norm_eps)
-        gate = F.silu(self.linear(p + "mlp.gate_proj", x))
-        return h + self.linear(p + "mlp.down_proj", gate * self.linear(p + "mlp.up_proj", x))
+        gate, up = self.linears(layer, "mlp.gate_up", x)
+        return h + self.linear(p + "mlp.down_proj", F.silu(gate) * up)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: ``[..., hidden]`` -> fp32 logits ``[..., vocab]``."""

@@ -311,18 +311,11 @@ class TorchRolloutEngine:
 
         t0 = self._now()
         cache.reserve(block_table, seq_len)
-        last = torch.empty(batch, self.shape.hidden_size, dtype=self.model.dtype, device=self.device)
-
-        def keep_last(start: int, h: torch.Tensor) -> None:  # the hidden state after each prompt's last token
-            ends_here = (seq_len - 1 >= start) & (seq_len - 1 < start + h.shape[1])
-            last[ends_here] = h[ends_here, (seq_len - 1 - start)[ends_here]]
-
         adapter = self.model.lora
         if speculative is not None:  # the prompt is the dense policy's (what the verify passes read)
             self.model.lora = None
         try:
-            self._prefill(cache, block_table, ids, seq_len, keep_last)
-            logits = self.model.logits(last)
+            logits = self._prefill_shared(cache, block_table, prompt_ids, ids, seq_len)
         finally:
             self.model.lora = adapter
         if speculative is not None:
@@ -542,6 +535,41 @@ class TorchRolloutEngine:
             ids[b, : s.numel()] = s
         return ids, lengths
 
+    def _prefill_shared(
+        self,
+        cache: PagedKVCache,
+        block_table: torch.Tensor,
+        prompt_ids: list[torch.Tensor],
+        ids: torch.Tensor,
+        seq_len: torch.Tensor,
+    ) -> torch.Tensor:
+        """Prefill each distinct prompt of the wave once (a GRPO group repeats its prompt) and copy its
+        keys, values and centroids into the pages of the rows that repeat it -> logits [B, V] of every
+        row's last prompt token. Pages for the prompts must be reserved."""
+        first: dict[tuple[int, ...], int] = {}
+        source = [first.setdefault(tuple(p.tolist()), row) for row, p in enumerate(prompt_ids)]
+        unique = sorted(set(source))
+        rows = torch.tensor(unique, device=self.device)
+        u_len = seq_len[rows]
+        last = torch.empty(len(unique), self.shape.hidden_size, dtype=self.model.dtype, device=self.device)
+
+        def keep_last(start: int, h: torch.Tensor) -> None:  # the hidden state after each prompt's last token
+            ends_here = (u_len - 1 >= start) & (u_len - 1 < start + h.shape[1])
+            last[ends_here] = h[ends_here, (u_len - 1 - start)[ends_here]]
+
+        unique_table = block_table[rows]
+        self._prefill(cache, unique_table, ids[rows, : int(u_len.max())], u_len, keep_last)
+        if copies := [(row, src) for row, src in enumerate(source) if row != src]:
+            dst_rows, src_rows = torch.tensor(copies, device=self.device).T
+            n_pages = math.ceil(int(seq_len.max()) / self.page_size)
+            live = block_table[dst_rows, :n_pages] >= 0  # the pages the prompt fills
+            dst = block_table[dst_rows, :n_pages][live].long()
+            src = block_table[src_rows, :n_pages][live].long()
+            for pool in (*cache.k_pages, *cache.v_pages, *cache.centroids):
+                pool[dst] = pool[src]
+        index = torch.tensor([unique.index(s) for s in source], device=self.device)
+        return self.model.logits(last.index_select(0, index))
+
     def _prefill(
         self,
         cache: PagedKVCache,
@@ -562,8 +590,9 @@ class TorchRolloutEngine:
             end = min(t, start + chunk)
             positions = torch.arange(start, end, device=self.device)[None, :].expand(ids.shape[0], -1)
             h = self.model.embed(ids[:, start:end])
+            rope = self.model.rope(positions, h.dtype)
             for layer in range(self.shape.num_layers):
-                q, k, v = self.model.attention_inputs(layer, h, positions)
+                q, k, v = self.model.attention_inputs(layer, h, positions, rope)
                 cache.write_prefill(layer, block_table, k, v, lengths, start=start)
                 k_all, v_all = cache.contiguous(layer, block_table, lengths.clamp(max=end))  # [B, Hkv, L, D]
                 attn = causal_attention(

@@ -1,15 +1,20 @@
 """The synthetic verifiable task: follow a chain of pointers through a table given early in the prompt.
 
-Nodes are upper-case letters. The prompt holds a table of ``num_nodes`` entries in random order, then the
-start node. ``Kn5`` = node ``K`` points to node ``N`` (written lower-case) and the edge adds 5; ``K.`` = node
-``K`` ends its chain::
+Nodes are names of ``name_length`` upper-case letters (1: at most 26 nodes; 2: up to 676, for chains of
+hundreds of hops). The prompt holds a table of ``num_nodes`` entries in random order, then the start node.
+``Kn5`` = node ``K`` points to node ``N`` (written lower-case) and the edge adds 5; ``K.`` = node ``K``
+ends its chain::
 
-    (Ax3,Q.,Xq5,B.)\n?A\n
+    (Ax3,Q.,Xq5,B.)\n?A\n              two-letter names: (KQmb5,MB.,...)\n?KQ\n
 
 The reference solution walks the chain, copying each visited entry followed by the running sum mod 10 of
 the edge digits, and ends with the answer = the chain's last node + the final sum::
 
     Ax3=3 Xq5=8 Q.\n!Q8
+
+With two-letter names a hop is 8 characters of solution (``KQmb5=3 ``) and a table entry 6, so 150 hops
+make a ~1,200-token solution whose every hop reads its successor and digit from a table up to ~2,000
+tokens back: the long-context miniature (``recipes/tiny_cpu.yaml``).
 
 Why it suits sparse rollout: no node is visited twice, so each step's successor and digit (2 of its 6
 characters) can only be read from the table in the prompt, far back, while the other characters are local
@@ -25,6 +30,8 @@ successor; the lower-case successor occurs once in the table, followed by the di
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import random
 import re
 import string
@@ -33,11 +40,24 @@ from dataclasses import dataclass
 
 from sparrow_nemo.config.schema import AT_LEAST_ONE, NON_NEGATIVE, Section, interval, knob
 from sparrow_nemo.rewards.registry import register_reward
+from sparrow_nemo.tasks.tokenizer import MAX_LETTERS, alphabet
 
 NODE_NAMES = string.ascii_uppercase
 END = "."
 _ANSWER_RE = re.compile(r"!(\S*)")
-_ENTRY_RE = re.compile(r"([A-Z])(?:([a-z])(\d)|\.)")
+
+
+def node_names(name_length: int, letters: int = 26) -> list[str]:
+    """Every node name of ``name_length`` letters of :func:`~sparrow_nemo.tasks.tokenizer.alphabet`
+    ``(letters)``, in order (letters ** name_length names)."""
+    return ["".join(chars) for chars in itertools.product(alphabet(letters), repeat=name_length)]
+
+
+def _entry_re(name_length: int, letters: int) -> re.Pattern[str]:
+    """A table entry: node name, then successor (lower case) and digit, or END."""
+    upper = re.escape(alphabet(letters))
+    lower = re.escape(alphabet(letters).lower())
+    return re.compile(rf"([{upper}]{{{name_length}}})(?:([{lower}]{{{name_length}}})(\d)|\.)")
 
 
 @dataclass(frozen=True)
@@ -55,37 +75,60 @@ class ChainProblem:
 @dataclass(frozen=True)
 class ChainTaskConfig(Section):
     """Difficulty knobs (the recipe's ``task`` section); each problem draws its sizes uniformly from the
-    inclusive ranges. Prompt length = 4 * num_nodes + 5 - (number of chains); trace length = 6 * num_hops + 6
-    characters (at most 156; with the prompt at most 260). The tiny recipes use (2, 4) nodes, (1, 2) hops."""
+    inclusive ranges. With name length L the prompt has (2L + 2) * num_nodes + L + 4 - L * (number of chains)
+    characters and the trace (2L + 4) * (num_hops + 1). The tiny recipes use (2, 4) nodes, (1, 2) hops."""
 
     num_nodes: tuple[int, ...] = knob(
         (8, 26),
-        "(min, max) table entries per problem (one upper-case letter each, so 2..26)",
-        check=interval(2, 26),
+        "(min, max) table entries per problem (at most letters ** name_length: 26 with one-letter names)",
+        check=interval(2, MAX_LETTERS**3),
     )
     num_hops: tuple[int, ...] = knob(
         (2, 25),
-        "(min, max) pointer hops on the queried chain, clamped to num_nodes - 1 (6 response characters per hop)",
+        "(min, max) pointer hops on the queried chain, clamped to num_nodes - 1 (2 * name_length + 4 response "
+        "characters per hop)",
         check=AT_LEAST_ONE,
     )
     seed: int = knob(0, "problems are a pure function of (seed, index)", check=NON_NEGATIVE)
+    name_length: int = knob(
+        1,
+        "letters per node name: 1 = single letters (the original task), 2 = chains of hundreds",
+        check=interval(1, 3),
+    )
+    letters: int = knob(
+        26,
+        "size of the names' alphabet: 26 = A-Z; more adds non-ASCII letters with a one-character lower case "
+        "(sparrow_nemo.tasks.tokenizer.alphabet: one token each, so the model's vocab_size must hold "
+        "80 + 2 * (letters - 26) ids)",
+        check=interval(26, MAX_LETTERS),
+    )
 
     def check(self) -> None:
         for key in ("num_nodes", "num_hops"):
             value = getattr(self, key)
             if len(value) != 2 or value[0] > value[1]:
                 raise self.invalid(key, "two integers [min, max] with min <= max")
+        most = self.letters**self.name_length
+        if self.num_nodes[1] > most:
+            raise self.invalid(
+                "num_nodes",
+                f"a maximum <= {most} ({self.name_length}-letter names of {self.letters} letters)",
+            )
         if self.num_hops[0] > self.num_nodes[1] - 1:
             raise self.invalid("num_hops", f"a minimum <= num_nodes max - 1 ({self.num_nodes[1] - 1})")
 
 
-def make_problem(rng: random.Random, num_nodes: int, num_hops: int) -> ChainProblem:
-    """A problem with ``num_nodes`` table entries whose queried chain has ``num_hops`` hops (<= num_nodes - 1)."""
-    if not (1 <= num_hops <= num_nodes - 1 and num_nodes <= len(NODE_NAMES)):
+def make_problem(
+    rng: random.Random, num_nodes: int, num_hops: int, name_length: int = 1, letters: int = 26
+) -> ChainProblem:
+    """A problem with ``num_nodes`` table entries whose queried chain has ``num_hops`` hops (<= num_nodes - 1),
+    nodes named by ``name_length`` of the first ``letters`` letters."""
+    pool = NODE_NAMES if (name_length, letters) == (1, 26) else node_names(name_length, letters)
+    if not (1 <= num_hops <= num_nodes - 1 and num_nodes <= len(pool)):
         raise ValueError(
-            f"need 1 <= num_hops <= num_nodes - 1 <= 25, got num_nodes={num_nodes}, num_hops={num_hops}"
+            f"need 1 <= num_hops <= num_nodes - 1 <= {len(pool) - 1}, got num_nodes={num_nodes}, num_hops={num_hops}"
         )
-    names = rng.sample(NODE_NAMES, num_nodes)
+    names = rng.sample(pool, num_nodes)
     digit = {k: rng.randrange(10) for k in names}
     succ: dict[str, str] = {}
     path, rest = names[: num_hops + 1], names[num_hops + 1 :]
@@ -125,7 +168,8 @@ def solve(prompt: str) -> str:
     table_line, _, query = prompt.partition("\n?")
     if not (table_line.startswith("(") and table_line.endswith(")")) or not query.strip():
         raise ValueError(f"not a chain prompt: {prompt[:40]!r}...")
-    table = {k: (int(d), n.upper()) if n else (0, END) for k, n, d in _ENTRY_RE.findall(table_line)}
+    entries = _entry_re(len(query.strip()), MAX_LETTERS).findall(table_line)
+    table = {k: (int(d), n.upper()) if n else (0, END) for k, n, d in entries}
     node, total, seen = query.strip(), 0, set()
     while True:
         if node not in table or node in seen:
@@ -151,27 +195,46 @@ def chain_reward(completion: str, answer: str) -> float:
 
 
 class ChainTask:
-    """A seeded, indexable stream of chain problems."""
+    """A seeded, indexable stream of chain problems.
 
-    def __init__(self, config: ChainTaskConfig | None = None) -> None:
+    ``ramp_problems``: warm-start pairs grow from the smallest sizes to the full ranges over this many
+    problems (:meth:`warm_start_pairs`); 0 = full ranges at once. ``problem(i)`` ignores it.
+    """
+
+    def __init__(self, config: ChainTaskConfig | None = None, ramp_problems: int = 0) -> None:
+        if ramp_problems < 0:
+            raise ValueError(f"ChainTask: ramp_problems must be >= 0, got {ramp_problems}")
         self.config = config or ChainTaskConfig()
+        self.ramp_problems = ramp_problems
 
-    def problem(self, index: int) -> ChainProblem:
-        """Problem number ``index`` (deterministic in (config.seed, index))."""
+    def problem(self, index: int, grown: float = 1.0) -> ChainProblem:
+        """Problem number ``index`` (deterministic in (config.seed, index, grown)).
+
+        ``grown`` in (0, 1] shrinks the size ranges toward their minimum, geometrically: the upper ends
+        become ``min * (max / min) ** grown`` (rounded), the warm-start's ramp (it stays on small tables
+        for a while, then grows faster).
+        """
         rng = random.Random(f"chain:{self.config.seed}:{index}")
-        num_nodes = rng.randint(*self.config.num_nodes)
-        num_hops = rng.randint(self.config.num_hops[0], min(self.config.num_hops[1], num_nodes - 1))
-        return make_problem(rng, num_nodes, num_hops)
+        (n_lo, n_hi), (h_lo, h_hi) = self.config.num_nodes, self.config.num_hops
+        num_nodes = rng.randint(n_lo, round(n_lo * (n_hi / n_lo) ** grown))
+        hops_hi = round(h_lo * (h_hi / h_lo) ** grown)
+        num_hops = rng.randint(min(h_lo, num_nodes - 1), min(hops_hi, num_nodes - 1))
+        return make_problem(rng, num_nodes, num_hops, self.config.name_length, self.config.letters)
 
     def problems(self, count: int, start: int = 0) -> list[ChainProblem]:
         """Problems ``start .. start + count - 1``."""
         return [self.problem(i) for i in range(start, start + count)]
 
     def warm_start_pairs(self, start: int = 0) -> Iterator[tuple[str, str]]:
-        """Endless (prompt, reference trace) pairs for supervised warm-start, from index ``start`` on."""
-        index = start
+        """Endless (prompt, reference trace) pairs for supervised warm-start, from index ``start`` on.
+
+        With ``ramp_problems`` = R > 0 the n-th pair's sizes grow geometrically from the ranges'
+        minimum to their full ranges over the first R pairs (a curriculum: a small model finds the
+        table look-up on small tables, then carries it to long ones).
+        """
+        index, ramp = start, self.ramp_problems
         while True:
-            p = self.problem(index)
+            p = self.problem(index, grown=min(1.0, (index - start + 1) / ramp) if ramp else 1.0)
             yield p.prompt, p.trace
             index += 1
 
@@ -179,3 +242,21 @@ class ChainTask:
     def reward(completion: str, answer: str) -> float:
         """See :func:`chain_reward`."""
         return chain_reward(completion, answer)
+
+
+def build_tasks(task: ChainTaskConfig, warmstart=None) -> tuple[ChainTask, ChainTask]:
+    """(RL task, warm-start task) from the recipe's ``task`` section and, optionally, its ``warmstart``
+    section, whose ``num_hops`` / ``num_nodes`` (when not null) give the warm-start problems other sizes and
+    whose ``ramp_steps`` (x ``batch_size`` problems) grows them from their minimum.
+
+    Raises the config's error (naming the sizes) when the warm-start's sizes do not make a valid task.
+    """
+    hops = getattr(warmstart, "num_hops", None)
+    nodes = getattr(warmstart, "num_nodes", None)
+    ws = dataclasses.replace(
+        task,
+        num_hops=tuple(hops) if hops is not None else task.num_hops,
+        num_nodes=tuple(nodes) if nodes is not None else task.num_nodes,
+    )
+    ramp = getattr(warmstart, "ramp_steps", 0) * getattr(warmstart, "batch_size", 1)
+    return ChainTask(task), ChainTask(ws, ramp_problems=ramp)

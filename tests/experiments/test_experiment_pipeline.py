@@ -59,6 +59,13 @@ def test_smoke_experiment_writes_runs_report_and_figures(tmp_path: Path) -> None
     for name in PLOT_NAMES:
         assert (tmp_path / "tiny_smoke_plots" / name).stat().st_size > 5000, name
         assert f"(tiny_smoke_plots/{name})" in report
+    results = json.loads(
+        (tmp_path / "tiny_smoke_results.json").read_text(),
+        parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}"),
+    )
+    assert [a["arm"] for a in results["arms"]] == list(spec.smoke_arms)
+    assert [c["letter"] for c in results["claims"]] == list("abcd")
+    assert all(a["eval_prompts"] > 0 and "bins" in a for a in results["arms"])
 
     # finished runs are skipped; --report-only rebuilds the same tables from the run folders
     stamp = (runs / "dense" / "seed_0" / "summary.json").stat().st_mtime_ns

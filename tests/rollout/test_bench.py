@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from sparrow_nemo.rollout import SamplingParams, TorchRolloutEngine
-from sparrow_nemo.rollout.bench import bench_rollout
+from sparrow_nemo.rollout.bench import bench_rollout, make_engine
 from sparrow_nemo.rollout.scoring import measure_mismatch
 from sparrow_nemo.sparse.mismatch import acceptance_rate
 from sparrow_nemo.sparse.schedule import BudgetSchedule
@@ -49,12 +49,11 @@ def test_bench_rollout_rows_and_table() -> None:
     lines: list[str] = []
     step = BudgetSchedule(bin_tokens=32, budgets=(32, 48), name="step")
     rows = bench_rollout(
-        SHAPE,
+        make_engine(SHAPE, dense_layers=1),
         batch=3,
         prompt_len=20,
         gen_len=40,
         schedules=["fixed:32", step],
-        dense_layers=1,
         print_fn=lines.append,
     )
     assert [r["schedule"] for r in rows] == ["dense", "fixed:32", "step"]
@@ -102,3 +101,37 @@ def test_throughput_script_appends_json_lines(tmp_path: Path) -> None:
         assert (
             r["torch"] == torch.__version__ and r["date"] and r["host"] is not None and r["tokens_per_s"] > 0
         )
+
+
+def test_cpu_decode_script_appends_json_lines(tmp_path: Path) -> None:
+    """benchmarks/cpu_decode.py (the README's bench numbers) on small contexts: one line per (context,
+    schedule) with the machine, the load before and after, the bound and the ratio."""
+    spec = importlib.util.spec_from_file_location("cpu_decode", REPO / "benchmarks" / "cpu_decode.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "d.jsonl"
+    argv = [
+        "--shape",
+        "tiny-test",
+        "--batch",
+        "2",
+        "--contexts",
+        "64",
+        "128",
+        "--steps",
+        "2",
+        "--repeats",
+        "1",
+    ]
+    script.main([*argv, "--fractions", "0.25", "--out", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["context"], r["schedule"]) for r in rows] == [
+        (64, "dense"),
+        (64, "25% fixed"),
+        (128, "dense"),
+        (128, "25% fixed"),
+    ]
+    for r in rows:
+        assert r["benchmark"] == "cpu_decode" and r["date"] and r["cpu_count"] >= 1
+        assert r["load_avg_1m_start"] >= 0 and r["tokens_per_s"] > 0 and r["bound_tokens_per_s"] > 0
+        assert r["dense_vs_bound"] > 0 and r["bandwidth_gb_s"] > 0

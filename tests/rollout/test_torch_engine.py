@@ -187,6 +187,34 @@ def test_mixed_length_batch_equals_each_prompt_alone(engine: TorchRolloutEngine)
             assert s.finish_reason == "length" and s.response_ids.numel() == 40
 
 
+@pytest.mark.parametrize("loop", ["compact", "static"])
+def test_repeated_prompts_are_prefilled_once_with_the_same_samples(
+    engine: TorchRolloutEngine, loop: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A GRPO-like batch (each prompt 3 times, interleaved): one prefill row per distinct prompt, and every
+    sample equals the one generated from a batch of distinct prompts with the same per-sample seeds."""
+    distinct = prompts([21, 40, 9], seed=4)
+    batch = [distinct[i % 3] for i in range(9)]
+    seeds = [sample_seed(1, i) for i in range(9)]
+    params = SamplingParams(max_new_tokens=14, temperature=1.0, seed=1, stop_token_ids=(3, 4))
+    sched = BudgetSchedule(bin_tokens=32, budgets=(32, 48), name="t")
+    eng = TorchRolloutEngine(engine.model, decode_loop=loop, stop_check_every=4)
+    rows: list[int] = []
+    original = eng._prefill
+
+    def counting(cache, table, ids, lengths, emit):
+        rows.append(ids.shape[0])
+        return original(cache, table, ids, lengths, emit)
+
+    monkeypatch.setattr(eng, "_prefill", counting)
+    shared = eng.generate(batch, params, sched, sample_seeds=seeds)
+    assert rows == [3]
+    for i, s in enumerate(shared.samples):
+        alone = engine.generate([batch[i]], params, sched, sample_seeds=[seeds[i]]).samples[0]
+        assert torch.equal(alone.response_ids, s.response_ids) and torch.equal(alone.cached_len, s.cached_len)
+        assert (alone.logprobs - s.logprobs).abs().max() < 1e-5
+
+
 def test_chunked_prefill_equals_whole_prompt_prefill(engine: TorchRolloutEngine) -> None:
     p, params = prompts([40, 7, 33, 16]), SamplingParams(max_new_tokens=12, seed=5, stop_token_ids=())
     sched = BudgetSchedule(bin_tokens=48, budgets=(32, 48), name="t")

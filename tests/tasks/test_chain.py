@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import random
 import re
 import statistics
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
@@ -13,6 +15,7 @@ from hypothesis import strategies as st
 from sparrow_nemo.tasks.chain import (
     ChainTask,
     ChainTaskConfig,
+    build_tasks,
     chain_reward,
     make_problem,
     parse_answer,
@@ -124,3 +127,94 @@ def test_make_problem_extremes_and_errors() -> None:
         ChainTaskConfig(num_nodes=(4, 6), num_hops=(7, 9))
     with pytest.raises(ValueError, match="not a chain prompt"):
         solve("hello")
+
+
+# ----- two-letter names: the long-context miniature ------------------------------------------------
+LONG = ChainTask(ChainTaskConfig(num_nodes=(40, 120), num_hops=(20, 110), seed=5, name_length=2))
+
+
+def test_one_letter_problems_are_those_of_the_original_generator() -> None:
+    """name_length=1 draws exactly what the single-letter generator drew (the recipes that keep it,
+    e.g. tiny_cpu_distill, see the same problems): a digest of 500 problems of two configurations."""
+    for cfg, digest in (
+        (ChainTaskConfig(num_nodes=(2, 4), num_hops=(1, 2), seed=0), "1ca6641beeeaf350"),
+        (ChainTaskConfig(seed=3), "e8bb4dddbd5538c2"),
+    ):
+        text = "".join(p.prompt + "|" + p.trace for p in ChainTask(cfg).problems(500))
+        assert hashlib.sha256(text.encode()).hexdigest()[:16] == digest
+
+
+def test_two_letter_chains_replay_the_table_and_match_the_solver() -> None:
+    for p in LONG.problems(40):
+        assert solve(p.prompt) == p.answer and chain_reward(p.trace, p.answer) == 1.0
+        entries = p.prompt[1 : p.prompt.index(")")].split(",")
+        table = {e[:2]: e[2:] for e in entries}
+        assert len(table) == p.num_nodes == len(entries)
+        *steps, last = p.trace.split("\n")[0].split(" ")
+        assert len(steps) == p.num_hops and last.endswith(".")
+        for i, step in enumerate(steps):
+            entry = step.split("=")[0]
+            assert table[entry[:2]] == entry[2:]
+            if i:
+                assert entry[:2] == steps[i - 1][2:4].upper()
+        # lengths: 6 characters per table entry (4 for END entries, no comma after the last), 8 per hop
+        assert len(p.prompt) == 6 * p.num_nodes + 6 - 2 * p.prompt.count(".")
+        assert len(p.trace) == 8 * p.num_hops + 8
+
+
+def test_two_letter_lookups_reach_hundreds_of_tokens_back() -> None:
+    """A hop's successor sits right after the only table occurrence of its node's name, and the reads
+    of a long chain's last hops lie more than 1,000 tokens behind."""
+    far = []
+    for p in LONG.problems(40):
+        table = p.prompt[: p.prompt.index(")")]
+        for m in re.finditer(r"([A-Z]{2})([a-z]{2})(\d)=", p.trace):
+            node, succ, _ = m.groups()
+            assert table.count(node) == 1 and table[table.index(node) + 2 : table.index(node) + 4] == succ
+            far.append(len(p.prompt) + m.start(2) - table.index(node))
+    assert statistics.median(far) > 300 and max(far) > 1000
+
+
+def test_build_tasks_gives_the_warm_start_its_own_sizes() -> None:
+    task_cfg = ChainTaskConfig(num_nodes=(40, 120), num_hops=(20, 110), seed=5, name_length=2, letters=26)
+    ws = SimpleNamespace(num_hops=(4, 8), num_nodes=(10, 12), ramp_steps=3, batch_size=16)
+    rl, warm = build_tasks(task_cfg, ws)
+    assert rl.config == LONG.config
+    assert (
+        warm.config.num_hops == (4, 8) and warm.config.num_nodes == (10, 12) and warm.config.name_length == 2
+    )
+    assert all(4 <= p.num_hops <= 8 for p in warm.problems(30))
+    assert (rl.ramp_problems, warm.ramp_problems) == (0, 48)  # ramp_steps x batch_size warm-start problems
+    same, again = build_tasks(task_cfg, SimpleNamespace(num_hops=None, num_nodes=None))
+    assert same.config == again.config == LONG.config
+    with pytest.raises(ValueError, match="num_nodes"):
+        build_tasks(task_cfg, SimpleNamespace(num_hops=(1, 2), num_nodes=(2, 700)))
+
+
+def test_single_token_names_from_a_large_alphabet() -> None:
+    """letters > 26: one-token names from non-ASCII letters too; the table lookups stay plain induction."""
+    task = ChainTask(ChainTaskConfig(num_nodes=(100, 250), num_hops=(90, 240), seed=2, letters=260))
+    tok = CharTokenizer(260)
+    for p in task.problems(20):
+        assert solve(p.prompt) == p.answer and chain_reward(p.trace, p.answer) == 1.0
+        assert len(tok.encode(p.prompt + p.trace)) == len(p.prompt + p.trace)
+        assert len(p.trace) == 6 * (p.num_hops + 1)
+        table = p.prompt[: p.prompt.index(")")]
+        for step in p.trace.split("\n")[0].split(" ")[:-1]:
+            node, succ = step[0], step[1]
+            assert table.count(node) == 1 and table[table.index(node) + 1] == succ
+    with pytest.raises(ValueError, match="letters"):
+        ChainTaskConfig(letters=10_000)
+
+
+def test_warm_start_ramp_grows_sizes_from_the_minimum() -> None:
+    """ramp_problems=R: the first pairs are the smallest tables, full ranges after R; RL problems unaffected."""
+    cfg = ChainTaskConfig(num_nodes=(2, 60), num_hops=(1, 50), seed=1, name_length=2)
+    task = ChainTask(cfg, ramp_problems=200)
+    pairs = task.warm_start_pairs(start=1000)
+    sizes = [solve(prompt) and prompt.count(",") + 1 for prompt, _ in (next(pairs) for _ in range(400))]
+    assert max(sizes[:20]) <= round(2 * 30 ** (20 / 200)) and max(sizes[300:]) > 40
+    assert statistics.mean(sizes[:100]) < statistics.mean(sizes[200:]) / 2
+    assert task.problem(5) == ChainTask(cfg).problem(5)
+    with pytest.raises(ValueError, match="ramp_problems"):
+        ChainTask(cfg, ramp_problems=-1)

@@ -1,0 +1,378 @@
+/* Paged decode attention on the CPU, reading the KV cache in place (sparrow_nemo/rollout/cpu_attention.py).
+ *
+ * Page j of (sequence b, KV head h) is the logical page page_idx[b, h, j] (or j itself when page_idx is
+ * NULL: every page, dense) and its physical page is block_table[b, logical]. Slots at or past seq_len[b],
+ * and padding entries (logical page < 0), get score -inf and are never read, so they may hold anything.
+ * Keys/values are fp32 with element strides (page, head, slot; the head dim is contiguous); q, scores,
+ * probs and out are contiguous fp32.
+ *   dense, two passes over the batch with sparrow_softmax_rows in between:
+ *     sparrow_paged_scores: scores[b, h, g, j * P + s] = scale * <q[b, h * G + g], K[page j of (b, h), slot s]>
+ *     sparrow_paged_values: out[b, h * G + g, :]      = sum_t probs[b, h, g, t] * V[page of t, slot of t]
+ *   sparse, one fused pass per sequence (scores, softmax, p.V), the next sequence's pages prefetched:
+ *     sparrow_paged_attention
+ *
+ * Every key and value is read once. With a head dim that is a multiple of 16 and 16-token pages, a page's
+ * 16 dot products are 16-lane vector FMAs followed by one transpose-and-add tree (no per-token horizontal
+ * sums); other shapes take a plain loop. The summation order is fixed by this code, not by the data.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define LANES 16
+typedef float v16 __attribute__((vector_size(LANES * sizeof(float))));
+typedef int32_t i16 __attribute__((vector_size(LANES * sizeof(int32_t))));
+
+#if defined(__clang__)
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (i16){__VA_ARGS__})
+#endif
+
+static inline v16 load16(const float *p) {
+    v16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+
+/* The 16 lane-sums of acc[0..15], in order: out[i] = sum over lanes of acc[i]. */
+static inline v16 reduce16(v16 acc[LANES]) {
+    v16 c[8], e[4], f[2];
+    for (int i = 0; i < 8; ++i) /* lanes: 8 partials of acc[2i], then 8 of acc[2i+1] */
+        c[i] = SHUFFLE(acc[2 * i], acc[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               SHUFFLE(acc[2 * i], acc[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int i = 0; i < 4; ++i) /* 4 partials each of 4 consecutive slots */
+        e[i] = SHUFFLE(c[2 * i], c[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+               SHUFFLE(c[2 * i], c[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int i = 0; i < 2; ++i) /* 2 partials each of 8 consecutive slots */
+        f[i] = SHUFFLE(e[2 * i], e[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+               SHUFFLE(e[2 * i], e[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return SHUFFLE(f[0], f[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           SHUFFLE(f[0], f[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+/* exp(x) lane-wise for x <= 0 (softmax weights after the max is subtracted): Cephes' expf (2^n times a
+ * degree-6 polynomial on |r| <= ln2 / 2, within a few ulp of expf); x < -87 (incl. -inf) gives 0. */
+static inline v16 exp16(v16 x) {
+    const v16 magic = (v16){0} + 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+    v16 n = (x * 1.44269504088896341f + magic) - magic;
+    v16 r = x - n * 0.693359375f - n * -2.12194440e-4f;
+    v16 y = (v16){0} + 1.9875691500e-4f;
+    y = y * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * (r * r) + r + 1.0f;
+    i16 bits = (__builtin_convertvector(n, i16) + 127) << 23;
+    v16 scale;
+    memcpy(&scale, &bits, sizeof scale);
+    i16 live = x >= -87.0f; /* lanes: -1 where exp(x) is a normal float */
+    v16 out = y * scale;
+    i16 ob;
+    memcpy(&ob, &out, sizeof ob);
+    ob &= live;
+    memcpy(&out, &ob, sizeof out);
+    return out;
+}
+
+/* In place: w[0 .. width) <- softmax(w) (fp32, max subtracted; -inf entries weigh 0; all -inf gives 0).
+ * Entry t always takes lane t % 16 of the sum and exp16, so a wider row whose extra entries are -inf gives
+ * the same bits (dense and a covering sparse budget agree exactly). */
+static inline v16 max16(v16 a, v16 b) {
+    i16 pick = a > b, ia, ib;
+    memcpy(&ia, &a, sizeof ia);
+    memcpy(&ib, &b, sizeof ib);
+    ia = (ia & pick) | (ib & ~pick);
+    memcpy(&a, &ia, sizeof a);
+    return a;
+}
+
+static void softmax_row(float *w, int64_t width) {
+    const int64_t full = width - width % LANES;
+    v16 tops = (v16){0} - INFINITY;
+    for (int64_t t = 0; t < full; t += LANES) tops = max16(tops, load16(w + t));
+    float top = -INFINITY;
+    for (int i = 0; i < LANES; ++i) top = tops[i] > top ? tops[i] : top;
+    for (int64_t t = full; t < width; ++t) top = w[t] > top ? w[t] : top;
+    if (top == -INFINITY) {
+        memset(w, 0, sizeof(float) * width);
+        return;
+    }
+    v16 acc = {0};
+    for (int64_t t = 0; t < full; t += LANES) {
+        v16 e = exp16(load16(w + t) - top);
+        acc += e;
+        store16(w + t, e);
+    }
+    if (full < width) { /* the tail as one chunk padded with -inf (its entries keep their lanes) */
+        float chunk[LANES];
+        for (int i = 0; i < LANES; ++i) chunk[i] = full + i < width ? w[full + i] : -INFINITY;
+        v16 e = exp16(load16(chunk) - top);
+        acc += e;
+        store16(chunk, e);
+        memcpy(w + full, chunk, sizeof(float) * (width - full));
+    }
+    float total = 0.0f;
+    for (int i = 0; i < LANES; ++i) total += acc[i];
+    const v16 inv = (v16){0} + 1.0f / total;
+    for (int64_t t = 0; t < full; t += LANES) store16(w + t, load16(w + t) * inv);
+    for (int64_t t = full; t < width; ++t) w[t] *= inv[0];
+}
+
+/* Each of ``rows`` contiguous rows of ``width`` entries <- its softmax (softmax_row). */
+void sparrow_softmax_rows(float *w, int64_t rows, int64_t width) {
+    for (int64_t r = 0; r < rows; ++r) softmax_row(w + r * width, width);
+}
+
+/* Logical page j of row (b, h) and its number of valid slots (0 for padding or pages past seq_len). */
+static inline int64_t page_slots(const int64_t *page_idx, const int64_t *seq_len, int64_t b, int64_t h,
+                                 int64_t j, int64_t hkv, int64_t n, int64_t page_size, int64_t *logical) {
+    *logical = page_idx ? page_idx[(b * hkv + h) * n + j] : j;
+    if (*logical < 0) return 0;
+    int64_t valid = seq_len[b] - *logical * page_size;
+    return valid < 0 ? 0 : (valid > page_size ? page_size : valid);
+}
+
+/* Scores of one page: out[s] = scale * <q, key_s> for s < valid, -inf after; keys at k (slot stride ks). */
+static void page_scores(const float *restrict q, const float *restrict k, int64_t ks, int64_t head_dim,
+                        int64_t page_size, int64_t valid, float scale, float *restrict out) {
+    if (page_size == LANES && head_dim % LANES == 0 && valid == LANES) {
+        v16 acc[LANES];
+        for (int s = 0; s < LANES; ++s) {
+            v16 a = load16(q) * load16(k + s * ks);
+            for (int64_t d = LANES; d < head_dim; d += LANES) a += load16(q + d) * load16(k + s * ks + d);
+            acc[s] = a;
+        }
+        store16(out, reduce16(acc) * scale);
+        return;
+    }
+    for (int64_t s = 0; s < page_size; ++s) {
+        float acc = -INFINITY;
+        if (s < valid) {
+            acc = 0.0f;
+            for (int64_t d = 0; d < head_dim; ++d) acc += q[d] * k[s * ks + d];
+            acc *= scale;
+        }
+        out[s] = acc;
+    }
+}
+
+/* out[:] += sum over the page's valid slots s of p[s] * value_s (values at v, slot stride vs). */
+static void page_values(const float *restrict p, const float *restrict v, int64_t vs, int64_t head_dim,
+                        int64_t valid, float *restrict out) {
+    if (head_dim % LANES == 0) {
+        for (int64_t d = 0; d < head_dim; d += LANES) {
+            /* four independent sums over the slots (s mod 4): no chain of dependent FMAs */
+            v16 acc[4] = {load16(out + d), {0}, {0}, {0}};
+            int64_t s = 0;
+            for (; s + 4 <= valid; s += 4)
+                for (int u = 0; u < 4; ++u) acc[u] += p[s + u] * load16(v + (s + u) * vs + d);
+            for (; s < valid; ++s) acc[0] += p[s] * load16(v + s * vs + d);
+            store16(out + d, (acc[0] + acc[1]) + (acc[2] + acc[3]));
+        }
+        return;
+    }
+    for (int64_t s = 0; s < valid; ++s)
+        for (int64_t d = 0; d < head_dim; ++d) out[d] += p[s] * v[s * vs + d];
+}
+
+/* Ask for the valid slots of a page that is read soon (a sparse row's pages lie scattered over the pool, in
+ * runs too short for the hardware prefetcher to follow). */
+static inline void prefetch_page(const float *p, int64_t valid, int64_t slot_stride, int64_t head_dim) {
+    const char *end = (const char *)(p + (valid - 1) * slot_stride + head_dim);
+    for (const char *c = (const char *)p; c < end; c += 64) __builtin_prefetch(c, 0, 3);
+}
+
+/* The address of logical page j of row (b, h) in a pool (NULL when it has no valid slot) -> valid slots. */
+static inline int64_t page_at(const float *pages, int64_t stride_p, int64_t stride_h, const int32_t *block_table,
+                              int64_t stride_bt, const int64_t *seq_len, const int64_t *page_idx, int64_t b,
+                              int64_t h, int64_t j, int64_t hkv, int64_t n, int64_t page_size, const float **at) {
+    int64_t logical;
+    const int64_t valid = page_slots(page_idx, seq_len, b, h, j, hkv, n, page_size, &logical);
+    *at = valid ? pages + (int64_t)block_table[b * stride_bt + logical] * stride_p + h * stride_h : NULL;
+    return valid;
+}
+
+void sparrow_paged_scores(const float *q, const float *k_pages, int64_t stride_kp, int64_t stride_kh,
+                          int64_t stride_ks, const int32_t *block_table, int64_t stride_bt,
+                          const int64_t *seq_len, const int64_t *page_idx, int64_t n, int64_t batch,
+                          int64_t hkv, int64_t group, int64_t head_dim, int64_t page_size, float scale,
+                          float *scores) {
+    const int64_t width = n * page_size;
+    for (int64_t b = 0; b < batch; ++b) {
+        for (int64_t j = 0; j < n; ++j) { /* heads inside pages: a dense row streams its pages in order */
+            for (int64_t h = 0; h < hkv; ++h) {
+                const float *qh = q + (b * hkv + h) * group * head_dim;
+                float *row = scores + (b * hkv + h) * group * width;
+                int64_t logical;
+                const int64_t valid = page_slots(page_idx, seq_len, b, h, j, hkv, n, page_size, &logical);
+                const float *kp =
+                    valid ? k_pages + (int64_t)block_table[b * stride_bt + logical] * stride_kp + h * stride_kh
+                          : k_pages;
+                for (int64_t g = 0; g < group; ++g)
+                    page_scores(qh + g * head_dim, kp, stride_ks, head_dim, page_size, valid, scale,
+                                row + g * width + j * page_size);
+            }
+        }
+    }
+}
+
+void sparrow_paged_values(const float *probs, const float *v_pages, int64_t stride_vp, int64_t stride_vh,
+                          int64_t stride_vs, const int32_t *block_table, int64_t stride_bt,
+                          const int64_t *seq_len, const int64_t *page_idx, int64_t n, int64_t batch,
+                          int64_t hkv, int64_t group, int64_t head_dim, int64_t page_size, float *out) {
+    const int64_t width = n * page_size;
+    memset(out, 0, sizeof(float) * batch * hkv * group * head_dim);
+    for (int64_t b = 0; b < batch; ++b) {
+        for (int64_t j = 0; j < n; ++j) {
+            for (int64_t h = 0; h < hkv; ++h) {
+                const float *restrict prow = probs + (b * hkv + h) * group * width;
+                float *restrict oh = out + (b * hkv + h) * group * head_dim;
+                int64_t logical;
+                const int64_t valid = page_slots(page_idx, seq_len, b, h, j, hkv, n, page_size, &logical);
+                if (!valid) continue;
+                const float *restrict vp =
+                    v_pages + (int64_t)block_table[b * stride_bt + logical] * stride_vp + h * stride_vh;
+                for (int64_t g = 0; g < group; ++g)
+                    page_values(prow + g * width + j * page_size, vp, stride_vs, head_dim, valid, oh + g * head_dim);
+            }
+        }
+    }
+}
+
+/* Decode attention over the pages of every (row b, KV head h), one row at a time: the scores of its pages
+ * into work [Hkv, G, n * P] (pages outer, heads inner: a dense row reads each page's heads together), the
+ * softmax of each (h, g) over them (fp32, max subtracted; -inf slots weigh 0), then p.V into out
+ * [B, Hkv * G, D]. While a row is scored (then weighted), the keys (then values) of the next row's page j are
+ * prefetched at its page j: a sparse row's pages are few and scattered, so their reads would otherwise wait
+ * on memory one page at a time. */
+void sparrow_paged_attention(const float *q, const float *k_pages, int64_t stride_kp, int64_t stride_kh,
+                             int64_t stride_ks, const float *v_pages, int64_t stride_vp, int64_t stride_vh,
+                             int64_t stride_vs, const int32_t *block_table, int64_t stride_bt,
+                             const int64_t *seq_len, const int64_t *page_idx, int64_t n, int64_t batch,
+                             int64_t hkv, int64_t group, int64_t head_dim, int64_t page_size, float scale,
+                             float *out, float *work) {
+    const int64_t width = n * page_size;
+    for (int64_t b = 0; b < batch; ++b) {
+        const float *kp, *vp, *ahead;
+        for (int64_t j = 0; j < n; ++j) {
+            for (int64_t h = 0; h < hkv; ++h) {
+                if (page_idx && b + 1 < batch) {
+                    const int64_t v = page_at(k_pages, stride_kp, stride_kh, block_table, stride_bt, seq_len,
+                                              page_idx, b + 1, h, j, hkv, n, page_size, &ahead);
+                    if (v) prefetch_page(ahead, v, stride_ks, head_dim);
+                }
+                const int64_t valid = page_at(k_pages, stride_kp, stride_kh, block_table, stride_bt, seq_len,
+                                              page_idx, b, h, j, hkv, n, page_size, &kp);
+                for (int64_t g = 0; g < group; ++g)
+                    page_scores(q + ((b * hkv + h) * group + g) * head_dim, valid ? kp : k_pages, stride_ks,
+                                head_dim, page_size, valid, scale, work + (h * group + g) * width + j * page_size);
+            }
+        }
+        for (int64_t r = 0; r < hkv * group; ++r) softmax_row(work + r * width, width);
+        float *o = out + b * hkv * group * head_dim;
+        memset(o, 0, sizeof(float) * hkv * group * head_dim);
+        for (int64_t j = 0; j < n; ++j) {
+            for (int64_t h = 0; h < hkv; ++h) {
+                if (page_idx && b + 1 < batch) {
+                    const int64_t v = page_at(v_pages, stride_vp, stride_vh, block_table, stride_bt, seq_len,
+                                              page_idx, b + 1, h, j, hkv, n, page_size, &ahead);
+                    if (v) prefetch_page(ahead, v, stride_vs, head_dim);
+                }
+                const int64_t valid = page_at(v_pages, stride_vp, stride_vh, block_table, stride_bt, seq_len,
+                                              page_idx, b, h, j, hkv, n, page_size, &vp);
+                if (!valid) continue;
+                for (int64_t g = 0; g < group; ++g)
+                    page_values(work + (h * group + g) * width + j * page_size, vp, stride_vs, head_dim, valid,
+                                o + (h * group + g) * head_dim);
+            }
+        }
+    }
+}
+
+/* Store one token per row at positions[b] (its index = the row's old length) and update its page's
+ * centroid incrementally in fp32, c <- c + (k - c) / (n + 1) with n = keys already in the page: what
+ * PagedKVCache.append does. k_new, v_new: [B, Hkv, D] contiguous; centroids: (page, head) strides. */
+void sparrow_paged_append(float *k_pages, float *v_pages, int64_t stride_kp, int64_t stride_kh,
+                          int64_t stride_ks, int64_t stride_vp, int64_t stride_vh, int64_t stride_vs,
+                          float *centroids, int64_t stride_cp, int64_t stride_ch, const int32_t *block_table,
+                          int64_t stride_bt, const int64_t *positions, const float *k_new, const float *v_new,
+                          int64_t batch, int64_t hkv, int64_t head_dim, int64_t page_size) {
+    for (int64_t b = 0; b < batch; ++b) {
+        const int64_t pos = positions[b], slot = pos % page_size;
+        const int64_t page = block_table[b * stride_bt + pos / page_size];
+        const float count = (float)(slot + 1);
+        for (int64_t h = 0; h < hkv; ++h) {
+            const float *kn = k_new + (b * hkv + h) * head_dim, *vn = v_new + (b * hkv + h) * head_dim;
+            float *kd = k_pages + page * stride_kp + h * stride_kh + slot * stride_ks;
+            float *vd = v_pages + page * stride_vp + h * stride_vh + slot * stride_vs;
+            float *c = centroids + page * stride_cp + h * stride_ch;
+            for (int64_t d = 0; d < head_dim; ++d) {
+                kd[d] = kn[d];
+                vd[d] = vn[d];
+                c[d] = c[d] + (kn[d] - c[d]) / count;
+            }
+        }
+    }
+}
+
+/* The Sparrow page choice (select_pages_from_centroids' rule) on the cache's centroids, read in place: page
+ * p of row (b, h) scores <q_mean[b, h], centroid of block_table[b, p], head h> (fp32); the row keeps every
+ * page when n = ceil(seq_len / P) <= budget / P, else its sink and local pages plus the top
+ * max(budget / P - sink - local, 0) middle pages by score, equal scores to the lower page index.
+ * q_mean: [B, Hkv, D] contiguous (the GQA group's mean query); centroids: (page, head) strides, head dim
+ * contiguous; out: [B, Hkv, NP] int64, the kept pages ascending then -1 (NP >= every row's n);
+ * counts: [B * Hkv] int64 pages kept per row; scores, scratch, keep: Hkv * NP-element work space.
+ * A row's pages are visited once for all its heads (a page's centroids of every head lie together). */
+void sparrow_select_pages(const float *q_mean, const float *centroids, int64_t stride_cp, int64_t stride_ch,
+                          const int32_t *block_table, int64_t stride_bt, const int64_t *seq_len,
+                          const int64_t *budget, int64_t batch, int64_t hkv, int64_t head_dim,
+                          int64_t num_pages, int64_t page_size, int64_t sink, int64_t local, int64_t *out,
+                          int64_t *counts, float *scores, int64_t *scratch, uint8_t *keep) {
+    for (int64_t b = 0; b < batch; ++b) {
+        const int64_t n = (seq_len[b] + page_size - 1) / page_size, pages = budget[b] / page_size;
+        int64_t top_k = pages - sink - local;
+        top_k = top_k < 0 ? 0 : top_k;
+        for (int64_t p = 0; p < num_pages; ++p) keep[p] = p < n && (n <= pages || p < sink || p >= n - local);
+        for (int64_t h = 1; h < hkv; ++h) memcpy(keep + h * num_pages, keep, num_pages);
+        if (n > pages && top_k > 0) {
+            /* per head, the best top_k middle pages so far, best first (scores[h * NP + i], scratch[...]);
+             * pages come in ascending order, so an equal score never displaces an earlier (lower) page */
+            int64_t held[hkv];
+            for (int64_t h = 0; h < hkv; ++h) held[h] = 0;
+            for (int64_t p = sink; p < n - local; ++p) {
+                const float *cp = centroids + (int64_t)block_table[b * stride_bt + p] * stride_cp;
+                for (int64_t h = 0; h < hkv; ++h) {
+                    const float *qm = q_mean + (b * hkv + h) * head_dim, *c = cp + h * stride_ch;
+                    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+                    for (int64_t d = 0; d < head_dim; ++d) acc += qm[d] * c[d];
+                    float *sc = scores + h * num_pages;
+                    int64_t *id = scratch + h * num_pages;
+                    if (held[h] == top_k && !(acc > sc[top_k - 1])) continue;
+                    int64_t i = held[h] < top_k ? held[h]++ : top_k - 1;
+                    for (; i > 0 && acc > sc[i - 1]; --i) {
+                        sc[i] = sc[i - 1];
+                        id[i] = id[i - 1];
+                    }
+                    sc[i] = acc;
+                    id[i] = p;
+                }
+            }
+            for (int64_t h = 0; h < hkv; ++h)
+                for (int64_t i = 0; i < held[h]; ++i) keep[h * num_pages + scratch[h * num_pages + i]] = 1;
+        }
+        for (int64_t h = 0; h < hkv; ++h) {
+            int64_t *dst = out + (b * hkv + h) * num_pages;
+            const uint8_t *k = keep + h * num_pages;
+            int64_t c = 0;
+            for (int64_t p = 0; p < num_pages; ++p)
+                if (k[p]) dst[c++] = p;
+            counts[b * hkv + h] = c;
+            for (int64_t p = c; p < num_pages; ++p) dst[p] = -1;
+        }
+    }
+}
