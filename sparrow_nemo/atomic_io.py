@@ -1,6 +1,6 @@
 """Atomic file writes: a reader sees either the old file or the complete new one, never a torn one.
 
-Used by the checkpoints (:mod:`sparrow_nemo.policy.checkpoint`) and by the metrics file a resumed run
+Used by the checkpoints (:mod:`sparrow_nemo.checkpoint.atomic`) and by the metrics file a resumed run
 rewrites (:mod:`sparrow_nemo.grpo.metrics`); it knows neither.
 """
 

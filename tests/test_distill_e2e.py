@@ -27,7 +27,7 @@ import pytest
 import torch
 from policy._helpers import free_port, single_rank_env
 
-from sparrow_nemo.grpo.checkpointing import read_run_state
+from sparrow_nemo.checkpoint.run_state import read_run_state
 from sparrow_nemo.grpo.distill_report import distill_rounds, measure_adapter
 from sparrow_nemo.grpo.metrics import read_metrics
 from sparrow_nemo.grpo.prompts import build_prompt_source

@@ -48,8 +48,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _check_resume(config, run_dir: str | None) -> None:
     """A resume whose checkpoints hold another model shape fails here, before the run folder is written."""
-    from sparrow_nemo.grpo.checkpointing import resume_candidates
-    from sparrow_nemo.policy.resume import check_resume_shape
+    from sparrow_nemo.checkpoint.run_state import resume_candidates
+    from sparrow_nemo.policy.checkpoint import check_resume_shape
 
     if config.checkpoint.resume == "auto" and run_dir is None and config.checkpoint.dir is None:
         return  # a new run folder: nothing to resume
@@ -59,10 +59,10 @@ def _check_resume(config, run_dir: str | None) -> None:
 
 def _train(config, args: argparse.Namespace) -> int:
     """Exit status of the training itself (a stop signal propagates as Preempted)."""
+    from sparrow_nemo.checkpoint.atomic import CheckpointError
     from sparrow_nemo.grpo.summary import format_summary
     from sparrow_nemo.grpo.trainer import NonFiniteTrainingError, train
     from sparrow_nemo.grpo.world import rank
-    from sparrow_nemo.policy.checkpoint import CheckpointError
     from sparrow_nemo.policy.train_step import NonFiniteWeightsError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")

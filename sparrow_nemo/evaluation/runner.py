@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from sparrow_nemo.evaluation.passk import default_ks, pass_at_k
-from sparrow_nemo.rollout.engine import RolloutEngine, SamplingParams
+from sparrow_nemo.rollout.engine import RolloutBatch, RolloutEngine, SamplingParams
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 
@@ -84,7 +84,7 @@ def evaluate_samples(
     ks: Sequence[int] | None = None,
     decode: Callable[[list[int]], str] | None = None,
 ) -> tuple[list[PromptResult], float]:
-    """Generate ``n`` samples per prompt in one ``engine.generate`` call and score them.
+    """Generate ``n`` samples per prompt in one ``engine.generate`` call and score them (:func:`score_samples`).
 
     Sample j of prompt i is request ``i * n + j`` (seed ``sample_seed(sampling.seed, i * n + j)``).
 
@@ -104,6 +104,27 @@ def evaluate_samples(
     for k in ks:
         pass_at_k(n, 0, k)  # validates k against n before any generation
     batch = engine.generate([p for p in prompts for _ in range(n)], sampling, schedule)
+    return score_samples(batch, answers, reward, n, ks, decode), batch.tokens_per_second()
+
+
+def score_samples(
+    batch: RolloutBatch,
+    answers: Sequence[Any],
+    reward: Callable[[list[int], Any], float],
+    n: int,
+    ks: Sequence[int],
+    decode: Callable[[list[int]], str] | None = None,
+) -> list[PromptResult]:
+    """Per-prompt results of a generated batch whose samples ``i * n .. i * n + n - 1`` answer ``answers[i]``.
+
+    Args:
+        batch: ``len(answers) * n`` samples, prompt-major.
+        reward: ``(response ids, answer) -> reward in [0, 1]``; a sample is correct when it is >= 1.
+        ks: pass@k values to compute, each in [1, n].
+        decode: optional ``ids -> text`` to store the responses.
+    """
+    if len(batch.samples) != len(answers) * n:
+        raise ValueError(f"score_samples: {len(batch.samples)} samples for {len(answers)} prompts x n={n}")
     results = []
     for i, answer in enumerate(answers):
         samples = batch.samples[i * n : (i + 1) * n]
@@ -122,7 +143,7 @@ def evaluate_samples(
                 responses=[decode(r) for r in ids] if decode is not None else [],
             )
         )
-    return results, batch.tokens_per_second()
+    return results
 
 
 def summarize(results: Sequence[PromptResult], n: int, tokens_per_s: float, schedule: str) -> EvalSummary:

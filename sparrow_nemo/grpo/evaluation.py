@@ -1,8 +1,10 @@
 """Evaluate the current rollout policy on fixed held-out prompts: accuracy and rollout speed.
 
-Split over every engine of the run (:meth:`~sparrow_nemo.grpo.process_model.RankPlan.eval_items`): each
-generates its contiguous part of the prompts, prompt ``i`` seeded ``sample_seed(sampling.seed, i)`` as on one
-rank, and the counts are summed over the ranks (:meth:`EvalTally.reduce`).
+The n=1 case of :mod:`sparrow_nemo.evaluation.runner` (whose :func:`~sparrow_nemo.evaluation.runner.score_samples`
+scores the samples), split over every engine of the run
+(:meth:`~sparrow_nemo.grpo.process_model.RankPlan.eval_items`), which the runner (one engine) does not do: each
+rank generates its contiguous part of the prompts, prompt ``i`` seeded ``sample_seed(sampling.seed, i)`` as on
+one rank, and the counts are summed over the ranks (:meth:`EvalTally.reduce`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from sparrow_nemo.config.schema import AT_LEAST_ONE, Section, knob
+from sparrow_nemo.evaluation.runner import score_samples
 from sparrow_nemo.grpo.process_model import reduce_max, reduce_sums
 from sparrow_nemo.grpo.prompt_source import PromptItem, PromptSource
 from sparrow_nemo.rollout.engine import RolloutEngine, SamplingParams
@@ -101,11 +104,11 @@ def evaluate(
     start = time.perf_counter()
     batch = engine.generate([i.prompt_ids for i in mine], sampling, schedule, sample_seeds=seeds)
     seconds = time.perf_counter() - start
-    rewards = [source.reward(s.response_ids.tolist(), i.answer) for s, i in zip(batch.samples, mine)]
+    results = score_samples(batch, [i.answer for i in mine], source.reward, n=1, ks=[1])
     return EvalTally(
         prompts=len(mine),
-        correct=sum(r >= 1.0 for r in rewards),
-        reward_sum=float(sum(rewards)),
+        correct=sum(r.correct for r in results),
+        reward_sum=float(sum(r.rewards[0] for r in results)),
         tokens=batch.num_response_tokens,
         seconds=seconds,
         schedule=schedule.name,

@@ -13,7 +13,7 @@ import torch
 from sparrow_nemo.grpo.losses import LossNormalizer, PolicyLossConfig, compute_policy_loss, masked_mean
 from sparrow_nemo.policy.batch import PolicyBatch
 from sparrow_nemo.policy.logprobs import LogprobOutput
-from sparrow_nemo.policy.schedule import LossFn
+from sparrow_nemo.policy.pipeline import LossFn
 
 
 def grpo_loss_fn(config: PolicyLossConfig, normalizer: LossNormalizer) -> LossFn:

@@ -18,7 +18,7 @@ rules that span sections. Defaults are each component's own (mostly the paper's 
 - ``data``: :class:`~sparrow_nemo.grpo.data.PromptDataConfig`
 - ``reward``: :class:`~sparrow_nemo.rewards.registry.RewardConfig`
 - ``task``: :class:`~sparrow_nemo.tasks.chain.ChainTaskConfig`
-- ``checkpoint``: :class:`~sparrow_nemo.grpo.checkpointing.CheckpointConfig`
+- ``checkpoint``: :class:`~sparrow_nemo.grpo.checkpoint.CheckpointConfig`
 - ``logging``: :class:`~sparrow_nemo.grpo.metrics.LoggingConfig`; its ``wandb``:
   :class:`~sparrow_nemo.grpo.wandb_logger.WandbConfig`
 - ``evaluation``: :class:`~sparrow_nemo.grpo.evaluation.EvaluationConfig`
@@ -52,7 +52,7 @@ from sparrow_nemo.config.schema import (
 )
 from sparrow_nemo.config.yaml_io import dump_yaml
 from sparrow_nemo.grpo.advantages import advantage_names
-from sparrow_nemo.grpo.checkpointing import CheckpointConfig
+from sparrow_nemo.grpo.checkpoint import CheckpointConfig
 from sparrow_nemo.grpo.data import PromptDataConfig
 from sparrow_nemo.grpo.distill import DistillConfig
 from sparrow_nemo.grpo.evaluation import EvaluationConfig

@@ -23,7 +23,7 @@ Per step (:meth:`GrpoTrainer.step`), each phase timed as ``timing/<phase>``:
    the step's row (JSONL, TensorBoard) with ``timing/step``.
 
 Resume and preemption: the constructor restores the newest usable checkpoint (``checkpoint.resume``;
-:mod:`sparrow_nemo.grpo.checkpointing`). SIGTERM / SIGUSR1 (:mod:`sparrow_nemo.grpo.preemption`) are agreed
+:mod:`sparrow_nemo.grpo.checkpoint`). SIGTERM / SIGUSR1 (:mod:`sparrow_nemo.grpo.preemption`) are agreed
 between steps and between the phases before the update: a stop there abandons the step (its prompts are
 drawn again on resume), checkpoints the last completed step and raises :class:`Preempted`.
 All run state is in :class:`TrainerState`; rank 0 writes the files.
@@ -39,15 +39,10 @@ from typing import Any
 import torch
 
 from sparrow_nemo.callbacks import CallbackList, StepReport, TailMismatchScheduler, instantiate_callbacks
+from sparrow_nemo.checkpoint.run_state import prune_checkpoints, resume_candidates, write_run_state
 from sparrow_nemo.grpo import setup, world
 from sparrow_nemo.grpo.advantages import compute_advantages
-from sparrow_nemo.grpo.checkpointing import (
-    TrainerState,
-    load_run_checkpoint,
-    prune_checkpoints,
-    resume_candidates,
-    write_run_state,
-)
+from sparrow_nemo.grpo.checkpoint import TrainerState, load_run_checkpoint
 from sparrow_nemo.grpo.distill import STATE_KEY as DISTILL_KEY
 from sparrow_nemo.grpo.distill import DistillData, DistillSparse, Probe
 from sparrow_nemo.grpo.evaluation import evaluate

@@ -1,181 +1,217 @@
-"""Atomic checkpoint directories: per-rank files + a JSON manifest written last, verified on load.
+"""Save and resume the policy: model shard + optimizer state + RNG states, one torch file per rank.
 
-Protocol (any number of ranks, shared filesystem):
+The files hold tensors and plain containers only and are read with ``torch.load(weights_only=True)``: a
+tampered checkpoint (even one whose manifest hashes were recomputed) cannot run code when loaded. The RNG
+states are torch's (CPU, CUDA, megatron's tracker), all seeded from ``trainer.seed``; Python's and numpy's
+global generators are not stored: nothing on the training path draws from them (every random choice goes
+through a seeded ``torch.Generator`` or ``random.Random``), and storing their unseeded states made the
+files of two identical runs differ.
 
-1. every rank writes its files into ``<root>/<name>.partial`` (each file: temp name, fsync,
-   ``os.replace``);
-2. after a barrier, rank 0 hashes the files (sha256), writes ``manifest.json`` (atomically), and
-   renames the directory to ``<root>/<name>`` (``os.replace``; an older copy is moved aside first).
-
-A crash at any point leaves either the previous complete checkpoint or a ``.partial`` directory
-that :func:`verify_checkpoint` refuses (no manifest) and :func:`latest_checkpoint` ignores. A file
-altered after the save fails its hash.
+Written through :mod:`sparrow_nemo.checkpoint.atomic` (atomic directory + sha256 manifest), so an
+interrupted save never loads. On GPU the distributed optimizer's DP-sharded moments go in one extra
+file per TP x PP shard (megatron's ``save_parameter_state``; not exercised on the CPU test machine).
+These are plain per-rank torch files, not megatron's
+``dist_checkpointing``: resuming needs the same TP/PP/DP layout (a different one is refused with
+a message naming both); re-sharding on resume goes through the HF export/import instead.
 """
 
 from __future__ import annotations
 
-import errno
-import hashlib
-import json
-import logging
-import os
+import dataclasses
+import pickle
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from sparrow_nemo.atomic_io import atomic_write, fsync_dir
+from sparrow_nemo.checkpoint.atomic import (
+    CheckpointError,
+    atomic_torch_save,
+    finalize,
+    partial_dir,
+    read_manifest,
+    sha256_file,
+    verify_checkpoint,
+)
+from sparrow_nemo.model_shapes import Qwen3Shape
+from sparrow_nemo.policy.model import PolicyModelSpec, unwrap_model
 
-logger = logging.getLogger(__name__)
-
-MANIFEST = "manifest.json"
-PARTIAL_SUFFIX = ".partial"
+#: 2: weights_only-loadable files, no python/numpy RNG states
+FORMAT_VERSION = 2
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint directory that is incomplete, corrupted or for another layout."""
+def _rank_file(spec: PolicyModelSpec) -> str:
+    from megatron.core import parallel_state as ps
+
+    return f"policy_tp{spec.tp_rank:02d}_pp{spec.pp_rank:02d}_dp{ps.get_data_parallel_rank():03d}.pt"
 
 
-def _disk_full(path: Path, exc: BaseException) -> CheckpointError | None:
-    """A one-line CheckpointError when ``exc`` (raised writing ``path``) means the disk is full, else None.
+def _param_state_file(spec: PolicyModelSpec) -> str:
+    """The distributed optimizer's parameter state of one TP x PP shard (GPU; written by DP rank 0)."""
+    return f"optim_param_state_tp{spec.tp_rank:02d}_pp{spec.pp_rank:02d}.pt"
 
-    Python reports ENOSPC / EDQUOT as an OSError; ``torch.save`` as a RuntimeError of its zip writer whose
-    context is that OSError (or, from C++, "file write failed", told apart by the free space left; checked
-    before the temp file goes).
+
+def rng_state() -> dict:
+    """The RNGs the training draws from (torch CPU, CUDA, megatron's tracker); tensors only."""
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["tracker"] = get_cuda_rng_tracker().get_states()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore :func:`rng_state`."""
+    torch.set_rng_state(state["torch"])
+    if torch.cuda.is_available() and "cuda" in state:
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        torch.cuda.set_rng_state_all(state["cuda"])
+        get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _meta(spec: PolicyModelSpec, step: int) -> dict:
+    return {
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "layout": spec.layout.to_dict(),
+        "shape": dataclasses.asdict(spec.shape),
+        "use_te": spec.use_te,
+    }
+
+
+def save_policy_checkpoint(
+    root: str | Path,
+    step: int,
+    model: torch.nn.Module,
+    optimizer,
+    spec: PolicyModelSpec,
+    write_extra: Callable[[Path], None] | None = None,
+) -> Path:
+    """Collective: every rank writes its shard; returns ``<root>/step_<step>`` once complete.
+
+    A full disk on any rank is a :class:`CheckpointError` on every rank, and the partial folder is removed.
+
+    ``write_extra(staging_dir)`` (rank 0 only) adds more files to the checkpoint before the manifest is
+    written (the trainer's state): they are hashed and renamed together with the shards.
     """
-    free = shutil.disk_usage(path.parent).free
-    chain: list[BaseException] = []
-    while exc is not None and exc not in chain:
-        chain.append(exc)
-        exc = exc.__cause__ or exc.__context__
-    full = any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in chain)
-    full = full or any(
-        isinstance(e, RuntimeError) and "write failed" in str(e) and free < 1 << 20 for e in chain
-    )
-    if not full:
-        return None
-    return CheckpointError(
-        f"{path}: the disk is full ({free} bytes free in {path.parent}); checkpoint not written"
-    )
+    name = f"step_{step:08d}"
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        shutil.rmtree(Path(root) / f"{name}.partial", ignore_errors=True)  # leftovers of a crashed save
+    dist.barrier()
+    staging = partial_dir(root, name)
+    payload = {
+        "model": unwrap_model(model).state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "rng": rng_state(),
+        "step": step,
+    }
 
-
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that a reader sees either the old file or the complete new one.
-
-    Raises:
-        CheckpointError: the disk is full (the temp file is removed).
-    """
-    path = Path(path)
-    atomic_write(path, lambda f: f.write(data), lambda exc: _disk_full(path, exc))
-
-
-def atomic_torch_save(obj: Any, path: str | Path) -> None:
-    """``torch.save(obj)`` to ``path`` atomically (temp file in the same directory, then rename).
-
-    Raises:
-        CheckpointError: the disk is full (the temp file is removed).
-    """
-    path = Path(path)
-    atomic_write(path, lambda f: torch.save(obj, f), lambda exc: _disk_full(path, exc))
-
-
-def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
-    """Hex sha256 of a file's bytes."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
-def partial_dir(root: str | Path, name: str) -> Path:
-    """The staging directory every rank writes into (created if absent)."""
-    path = Path(root) / f"{name}{PARTIAL_SUFFIX}"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-def finalize(root: str | Path, name: str, meta: dict[str, Any]) -> Path:
-    """Rank 0, after all ranks wrote into :func:`partial_dir`: manifest (hashes + ``meta``), then rename.
-
-    Returns:
-        The final checkpoint directory ``<root>/<name>``.
-    """
-    staging = Path(root) / f"{name}{PARTIAL_SUFFIX}"
-    files = sorted(p.name for p in staging.iterdir() if p.is_file() and not p.name.startswith("."))
-    if not files:
-        raise CheckpointError(f"{staging}: no files to finalize")
-    manifest = {**meta, "files": {n: sha256_file(staging / n) for n in files}}
-    atomic_write_bytes(staging / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True).encode())
+    error = None
+    try:
+        atomic_torch_save(payload, staging / _rank_file(spec))
+        optimizer.save_param_state(staging / _param_state_file(spec))
+        if rank0 and write_extra is not None:
+            write_extra(staging)
+    except CheckpointError as exc:  # the disk is full
+        error = str(exc)
     final = Path(root) / name
-    if final.exists():
-        old = Path(root) / f"{name}.old"
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-        os.replace(staging, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(staging, final)
-    fsync_dir(Path(root))
+    error = _first_error(error)
+    if error is None and rank0:
+        try:
+            final = finalize(root, name, _meta(spec, step))
+        except CheckpointError as exc:
+            error = str(exc)
+    error = _first_error(error)
+    if error is not None:  # every rank hears of it, and nothing half-written stays
+        if rank0:
+            shutil.rmtree(staging, ignore_errors=True)
+        dist.barrier()
+        raise CheckpointError(error)
     return final
 
 
-def read_manifest(path: str | Path) -> dict[str, Any]:
-    """The manifest of a checkpoint folder whose save completed (its files are not checked)."""
-    path = Path(path)
-    if path.name.endswith(PARTIAL_SUFFIX):
-        raise CheckpointError(f"{path} is an unfinished save (no rename happened)")
-    manifest_path = path / MANIFEST
-    if not manifest_path.is_file():
-        raise CheckpointError(f"{path} has no {MANIFEST}: the save did not complete")
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path}: {MANIFEST} is not valid JSON ({exc})") from None
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
-        raise CheckpointError(f"{path}: {MANIFEST} is not a mapping with a 'files' mapping")
-    return manifest
+def _first_error(error: str | None) -> str | None:
+    """Collective: the first rank's error, if any rank has one (a barrier when none has)."""
+    errors = [error] * dist.get_world_size()
+    if dist.get_world_size() > 1:
+        dist.all_gather_object(errors, error)
+    else:
+        dist.barrier()
+    return next((e for e in errors if e is not None), None)
 
 
-def verify_checkpoint(path: str | Path, check_hashes: bool = True) -> dict[str, Any]:
-    """The manifest of a complete checkpoint; :class:`CheckpointError` names what is missing or wrong."""
-    path = Path(path)
-    manifest = read_manifest(path)
-    for name, digest in manifest.get("files", {}).items():
-        file = path / name
-        if not file.is_file():
-            raise CheckpointError(f"{path}: file '{name}' listed in the manifest is missing")
-        if check_hashes and sha256_file(file) != digest:
-            raise CheckpointError(f"{path}: file '{name}' does not match its sha256 in the manifest")
-    return manifest
+def check_resume_shape(candidates: list[Path], shape: Qwen3Shape) -> None:
+    """Before a run writes anything: refuse when no candidate checkpoint holds a model of ``shape`` (read
+    from the manifests only; unreadable candidates are the loader's business).
 
-
-def complete_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
-    """``(step, folder)`` of the checkpoints under ``root`` whose save completed (a readable manifest; the
-    files are checked when loading), newest first.
-
-    Ordered by the ``step`` in the manifest; for equal steps ``step_<n>`` comes before ``step_<n>.old``
-    (a complete earlier save of the same step, kept only if a re-save of that step died between its two
-    renames: still a valid fallback).
+    Raises:
+        CheckpointError: one line naming the checkpoint(s) and both shapes' differing fields.
     """
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found: list[tuple[int, bool, Path]] = []
-    for child in root.iterdir():
-        if not child.is_dir() or child.name.endswith(PARTIAL_SUFFIX):
-            continue
+    expected = dataclasses.asdict(shape)
+    mismatched = []
+    for path in candidates:
         try:
-            step = int(read_manifest(child).get("step", -1))
-        except (CheckpointError, TypeError, ValueError) as exc:
-            logger.warning("ignoring checkpoint folder %s: %s", child, exc)
-            continue
-        found.append((step, child.name.endswith(".old"), child))
-    return [(step, path) for step, _, path in sorted(found, key=lambda t: (-t[0], t[1], t[2].name))]
+            found = read_manifest(path).get("shape")
+        except CheckpointError:
+            return  # not a complete checkpoint: the loader reports or skips it
+        if found == expected:
+            return
+        diff = {
+            k: (found.get(k), v)
+            for k, v in expected.items()
+            if not isinstance(found, dict) or found.get(k) != v
+        }
+        mismatched.append(f"{path}: {diff}")
+    if mismatched:
+        raise CheckpointError(
+            f"no checkpoint to resume from has this run's model shape ((checkpoint, run) per differing field): "
+            f"{'; '.join(mismatched)}"
+        )
 
 
-def latest_checkpoint(root: str | Path) -> Path | None:
-    """The complete checkpoint under ``root`` with the highest ``step`` in its manifest (or None)."""
-    found = complete_checkpoints(root)
-    return found[0][1] if found else None
+def load_policy_checkpoint(path: str | Path, model: torch.nn.Module, optimizer, spec: PolicyModelSpec) -> int:
+    """Restore this rank's model, optimizer and RNG from a complete checkpoint; returns its step.
+
+    Everything this rank reads is checked (manifest, layout, sha256 of its files) before any state is
+    touched, so a :class:`CheckpointError` leaves the model, optimizer and RNG as they were.
+    """
+    path = Path(path)
+    manifest = verify_checkpoint(path, check_hashes=False)
+    expected = _meta(spec, manifest.get("step", -1))
+    for key in ("format_version", "layout", "shape"):
+        if manifest.get(key) != expected[key]:
+            raise CheckpointError(
+                f"{path}: checkpoint {key}={manifest.get(key)} but this run has {expected[key]}"
+            )
+    rank_file = _verified_file(path, manifest, _rank_file(spec))
+    param_state = None
+    if _param_state_file(spec) in manifest["files"]:
+        param_state = _verified_file(path, manifest, _param_state_file(spec))
+    try:
+        payload = torch.load(rank_file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:  # an object other than tensors and plain containers
+        first = str(exc).strip().splitlines()[0]
+        raise CheckpointError(
+            f"{rank_file}: refused, it holds more than tensors and plain data ({first})"
+        ) from None
+    unwrap_model(model).load_state_dict(payload["model"], strict=True)
+    optimizer.load_state_dict(payload["optimizer"])
+    if param_state is not None:
+        optimizer.load_param_state(param_state)
+    set_rng_state(payload["rng"])
+    return int(payload["step"])
+
+
+def _verified_file(path: Path, manifest: dict, name: str) -> Path:
+    """``path / name`` after checking it is listed in the manifest and matches its sha256."""
+    if name not in manifest["files"]:
+        raise CheckpointError(f"{path}: no file '{name}' for this rank in the manifest")
+    if sha256_file(path / name) != manifest["files"][name]:
+        raise CheckpointError(f"{path}: '{name}' does not match its sha256 in the manifest")
+    return path / name

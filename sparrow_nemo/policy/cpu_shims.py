@@ -19,7 +19,7 @@ megatron-core 0.16 assumes CUDA in a few spots that the CPU path of this project
   touch CUDA RNG state. Dropout is 0 in every Qwen3 config, so no random stream is lost.
 
 What is *not* shimmed here (the CPU path uses the torch equivalents of :mod:`sparrow_nemo.policy.optim` and
-:mod:`sparrow_nemo.policy.schedule`): megatron's pipeline schedules (``torch.zeros(..., device="cuda")``
+:mod:`sparrow_nemo.policy.pipeline`): megatron's pipeline schedules (``torch.zeros(..., device="cuda")``
 and CUDA p2p buffers), ``DistributedDataParallel`` (CUDA grad buffers) and the megatron optimizer
 (CUDA ``found_inf`` / grad-norm tensors). The tests run that GPU branch on CPU anyway, through a
 test-only shim that maps every CUDA allocation to CPU (``tests/megatron_gpu_branch/cuda_on_cpu.py``).

@@ -141,7 +141,7 @@ def clip_grads_cpu(model: torch.nn.Module, max_norm: float) -> float:
 class TorchPolicyOptimizer:
     """CPU optimizer: ``torch.optim.AdamW`` with megatron-equivalent grad sync and clipping."""
 
-    #: trained through the torch GPipe schedule (:mod:`sparrow_nemo.policy.schedule`)
+    #: trained through the torch GPipe schedule (:mod:`sparrow_nemo.policy.pipeline`)
     megatron_schedule = False
 
     def __init__(self, model: torch.nn.Module, settings: OptimizerSettings, tie_embeddings: bool) -> None:

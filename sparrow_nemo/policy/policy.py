@@ -17,6 +17,7 @@ from sparrow_nemo.config.schema import AT_LEAST_ONE, knob
 from sparrow_nemo.hf_qwen3 import LoraAdapter, resolve_dtype
 from sparrow_nemo.model_shapes import Qwen3Shape
 from sparrow_nemo.policy.batch import PolicyBatch
+from sparrow_nemo.policy.checkpoint import load_policy_checkpoint, save_policy_checkpoint
 from sparrow_nemo.policy.hf_import import export_hf_state_dict, load_hf_into_model
 from sparrow_nemo.policy.logprobs import TOP_K, LogprobOutput
 from sparrow_nemo.policy.lora import LoraConfig, MegatronLora, frozen
@@ -24,9 +25,8 @@ from sparrow_nemo.policy.memory import DEFAULT_MEMORY, MemorySettings
 from sparrow_nemo.policy.model import build_model
 from sparrow_nemo.policy.optim import OptimizerSettings, TorchPolicyOptimizer, wrap_for_training
 from sparrow_nemo.policy.parallel import ParallelLayout, destroy_parallel, initialize_parallel
+from sparrow_nemo.policy.pipeline import LossFn, compute_logprobs
 from sparrow_nemo.policy.reference import ReferenceWeights
-from sparrow_nemo.policy.resume import load_policy_checkpoint, save_policy_checkpoint
-from sparrow_nemo.policy.schedule import LossFn, compute_logprobs
 from sparrow_nemo.policy.sparse_forward import (
     SparsePlan,
     compute_sparse_logprobs,

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from sparrow_nemo.policy.batch import PolicyBatch
 from sparrow_nemo.policy.logprobs import TOP_K, LogprobOutput
 from sparrow_nemo.policy.model import PolicyModelSpec, unwrap_model
-from sparrow_nemo.policy.schedule import compute_logprobs
+from sparrow_nemo.policy.pipeline import compute_logprobs
 from sparrow_nemo.sparse.attention import select_pages_from_scores
 from sparrow_nemo.sparse.pattern import SparsePattern
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET, BudgetSchedule

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from sparrow_nemo.policy.batch import PolicyBatch
 from sparrow_nemo.policy.model import PolicyModelSpec
-from sparrow_nemo.policy.schedule import LossFn, broadcast_from_last_stage, run_microbatches
+from sparrow_nemo.policy.pipeline import LossFn, broadcast_from_last_stage, run_microbatches
 
 
 @dataclass

@@ -14,8 +14,10 @@ import torch
 
 from sparrow_nemo import cli
 from sparrow_nemo.evaluation import PromptResult, default_ks, pass_at_k, summarize
+from sparrow_nemo.evaluation.runner import score_samples
 from sparrow_nemo.hf_qwen3 import hf_config_dict
 from sparrow_nemo.model_shapes import PRESETS
+from sparrow_nemo.rollout.engine import RolloutBatch, RolloutSample
 
 
 @pytest.mark.parametrize(
@@ -50,6 +52,34 @@ def test_pass_at_k_errors_and_default_ks() -> None:
     with pytest.raises(ValueError, match="c=5 must be in \\[0, n=4\\]"):
         pass_at_k(4, 5, 1)
     assert default_ks(16) == [1, 2, 4, 8, 16] and default_ks(1) == [1] and default_ks(6) == [1, 2, 4, 6]
+
+
+def _sample(response: list[int]) -> RolloutSample:
+    n = len(response)
+    return RolloutSample(
+        prompt_ids=torch.tensor([1, 2]),
+        response_ids=torch.tensor(response),
+        logprobs=torch.zeros(n),
+        top_ids=torch.zeros(n, 1, dtype=torch.long),
+        top_logprobs=torch.zeros(n, 1),
+        cached_len=torch.arange(2, 2 + n),
+        kv_budget=torch.zeros(n, dtype=torch.long),
+        finish_reason="length",
+    )
+
+
+def test_score_samples_groups_prompt_major_and_counts_reward_one_as_correct() -> None:
+    # 2 prompts x n=3; the reward is 1 when the response's first token equals the answer, else 0.5
+    responses = [[7, 0], [3], [7], [4, 4, 4], [9], [4]]
+    batch = RolloutBatch([_sample(r) for r in responses], "dense", prefill_s=0.5, decode_s=0.5)
+    results = score_samples(
+        batch, [7, 4], lambda ids, answer: 1.0 if ids[0] == answer else 0.5, n=3, ks=[1, 3]
+    )
+    assert [r.rewards for r in results] == [[1.0, 0.5, 1.0], [1.0, 0.5, 1.0]]
+    assert [r.correct for r in results] == [2, 2] and [r.index for r in results] == [0, 1]
+    assert results[1].response_tokens == [3, 1, 1] and results[0].pass_at == {1: 2 / 3, 3: 1.0}
+    with pytest.raises(ValueError, match="6 samples for 3 prompts x n=3"):
+        score_samples(batch, [7, 4, 1], lambda ids, answer: 1.0, n=3, ks=[1])
 
 
 def test_summary_averages_over_prompts() -> None:

@@ -20,13 +20,13 @@ import pytest
 import torch
 from policy._helpers import make_hf_checkpoint, single_rank_env
 
+from sparrow_nemo.checkpoint.atomic import finalize, partial_dir
+from sparrow_nemo.checkpoint.run_state import read_run_state, write_run_state
 from sparrow_nemo.config import ConfigError
-from sparrow_nemo.grpo.checkpointing import read_run_state, write_run_state
 from sparrow_nemo.grpo.distill import DistillConfig, DistillData, DistillSparse, Probe, distill_loss_fn, k3
 from sparrow_nemo.grpo.recipe import load_config
 from sparrow_nemo.model_shapes import PRESETS
 from sparrow_nemo.policy.batch import PolicyBatch
-from sparrow_nemo.policy.checkpoint import finalize, partial_dir
 from sparrow_nemo.policy.logprobs import LogprobOutput
 from sparrow_nemo.policy.optim import OptimizerSettings
 from sparrow_nemo.policy.parallel import ParallelLayout

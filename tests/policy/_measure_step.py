@@ -61,7 +61,7 @@ def measure(case: dict) -> dict:
     from sparrow_nemo.policy.memory import MemorySettings
     from sparrow_nemo.policy.model import build_model
     from sparrow_nemo.policy.parallel import ParallelLayout, destroy_parallel, initialize_parallel
-    from sparrow_nemo.policy.schedule import run_microbatches
+    from sparrow_nemo.policy.pipeline import run_microbatches
 
     shape = Qwen3Shape(**case["shape"])
     memory = MemorySettings(**case["memory"])

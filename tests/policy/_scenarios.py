@@ -145,7 +145,7 @@ def roundtrip(rank: int, tp: int, pp: int, tied: bool, ckpt: str, out_file: str)
 
 def train_save_crash(rank: int, tp: int, pp: int, ckpt: str, root: str, out_file: str) -> None:
     """Step 1, save, step 2 (recorded), then die while saving step 2 (shards written, no manifest)."""
-    from sparrow_nemo.policy import resume
+    from sparrow_nemo.policy import checkpoint as policy_checkpoint
 
     policy = _setup(tp, pp, False, ckpt)
     batches = make_batches(policy.spec.shape.vocab_size, n=2 * NUM_MICRO, seed=11)
@@ -155,19 +155,19 @@ def train_save_crash(rank: int, tp: int, pp: int, ckpt: str, root: str, out_file
     weights = policy.export_hf()
     if rank == 0:
         torch.save({"loss": result.loss, "grad_norm": result.grad_norm, "weights": weights}, out_file)
-    original = resume.atomic_torch_save
+    original = policy_checkpoint.atomic_torch_save
 
     def save_then_die(obj, path):
         original(obj, path)
         os._exit(0)  # killed after this rank's shard, before the barrier and the manifest
 
-    resume.atomic_torch_save = save_then_die
+    policy_checkpoint.atomic_torch_save = save_then_die
     policy.save(root, 2)
 
 
 def resume_and_step(rank: int, tp: int, pp: int, root: str, out_file: str) -> None:
     """A fresh process: random init, resume from the latest complete checkpoint, run step 2."""
-    from sparrow_nemo.policy.checkpoint import latest_checkpoint
+    from sparrow_nemo.checkpoint.atomic import latest_checkpoint
 
     policy = _setup(tp, pp, False, None)
     latest = latest_checkpoint(root)

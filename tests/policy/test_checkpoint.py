@@ -8,8 +8,7 @@ import json
 import pytest
 import torch
 
-from sparrow_nemo.model_shapes import PRESETS
-from sparrow_nemo.policy.checkpoint import (
+from sparrow_nemo.checkpoint.atomic import (
     CheckpointError,
     atomic_torch_save,
     finalize,
@@ -17,9 +16,10 @@ from sparrow_nemo.policy.checkpoint import (
     partial_dir,
     verify_checkpoint,
 )
+from sparrow_nemo.model_shapes import PRESETS
+from sparrow_nemo.policy.checkpoint import FORMAT_VERSION, load_policy_checkpoint
 from sparrow_nemo.policy.model import PolicyModelSpec
 from sparrow_nemo.policy.parallel import ParallelLayout
-from sparrow_nemo.policy.resume import FORMAT_VERSION, load_policy_checkpoint
 
 
 def _save(root, step: int, value: float):

@@ -79,8 +79,8 @@ def test_policy_logprobs_and_loss_are_the_same_packed_or_padded(single_rank):
     from sparrow_nemo.model_shapes import PRESETS
     from sparrow_nemo.policy.optim import OptimizerSettings
     from sparrow_nemo.policy.parallel import ParallelLayout
+    from sparrow_nemo.policy.pipeline import run_microbatches
     from sparrow_nemo.policy.policy import MegatronPolicy
-    from sparrow_nemo.policy.schedule import run_microbatches
 
     shape = PRESETS["tiny-test"]
     policy = MegatronPolicy(shape, ParallelLayout(), OptimizerSettings(lr=1e-3), "float32")

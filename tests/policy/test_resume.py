@@ -7,8 +7,8 @@ import torch
 
 from policy._helpers import make_hf_checkpoint, run_distributed
 from policy._scenarios import resume_and_step, train_save_crash
+from sparrow_nemo.checkpoint.atomic import CheckpointError, latest_checkpoint, verify_checkpoint
 from sparrow_nemo.model_shapes import PRESETS
-from sparrow_nemo.policy.checkpoint import CheckpointError, latest_checkpoint, verify_checkpoint
 
 
 @pytest.mark.multiproc

@@ -19,17 +19,17 @@ import torch
 from policy._helpers import single_rank_env
 from policy._scenarios import SETTINGS, make_batches, pg_loss
 
-from sparrow_nemo.grpo.checkpointing import (
+from sparrow_nemo.checkpoint.atomic import CheckpointError, finalize, partial_dir
+from sparrow_nemo.checkpoint.run_state import (
     CALLBACK_TENSORS,
     TRAINER_STATE,
-    load_run_checkpoint,
     prune_checkpoints,
     read_run_state,
     resume_candidates,
     write_run_state,
 )
+from sparrow_nemo.grpo.checkpoint import load_run_checkpoint
 from sparrow_nemo.model_shapes import PRESETS
-from sparrow_nemo.policy.checkpoint import CheckpointError, finalize, partial_dir
 from sparrow_nemo.policy.parallel import ParallelLayout
 from sparrow_nemo.policy.policy import MegatronPolicy
 
@@ -146,7 +146,7 @@ def test_kill_during_the_checkpoint_write_leaves_the_previous_one_loadable(tmp_p
         sys.path[:0] = [{str(REPO / "tests")!r}]
         from reliability.test_checkpoint_files import _policy, _save
         from policy._helpers import single_rank_env
-        from sparrow_nemo.grpo.checkpointing import write_run_state
+        from sparrow_nemo.checkpoint.run_state import write_run_state
         from pathlib import Path
         root = Path({str(tmp_path / "ckpt")!r})
         with single_rank_env():

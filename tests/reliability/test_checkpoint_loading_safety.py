@@ -15,12 +15,12 @@ import pytest
 import torch
 from policy._helpers import single_rank_env
 
+from sparrow_nemo.checkpoint.atomic import MANIFEST, CheckpointError, sha256_file
 from sparrow_nemo.model_shapes import PRESETS
-from sparrow_nemo.policy.checkpoint import MANIFEST, CheckpointError, sha256_file
+from sparrow_nemo.policy.checkpoint import rng_state
 from sparrow_nemo.policy.optim import OptimizerSettings
 from sparrow_nemo.policy.parallel import ParallelLayout, destroy_parallel
 from sparrow_nemo.policy.policy import MegatronPolicy
-from sparrow_nemo.policy.resume import rng_state
 
 SHAPE = PRESETS["tiny-test"]
 

@@ -20,8 +20,8 @@ from sparrow_nemo.model_shapes import PRESETS
 from sparrow_nemo.policy.batch import PolicyBatch
 from sparrow_nemo.policy.logprobs import LogprobOutput
 from sparrow_nemo.policy.parallel import ParallelLayout
+from sparrow_nemo.policy.pipeline import LossFn
 from sparrow_nemo.policy.policy import MegatronPolicy
-from sparrow_nemo.policy.schedule import LossFn
 
 
 def nan_loss_in(calls: set[int], value: float = float("nan")) -> LossFn:

@@ -20,7 +20,7 @@ from sparrow_nemo.grpo.metrics import read_metrics
 from sparrow_nemo.grpo.objective import grpo_loss_fn
 from sparrow_nemo.grpo.recipe import load_config
 from sparrow_nemo.grpo.trainer import GrpoTrainer, NonFiniteTrainingError
-from sparrow_nemo.policy.schedule import LossFn
+from sparrow_nemo.policy.pipeline import LossFn
 
 OVERRIDES = [
     "warmstart.enabled=false",

@@ -20,9 +20,10 @@ from policy._helpers import run_distributed, single_rank_env
 
 from reliability import _train_process as tp
 from reliability.test_checkpoint_files import _policy, _weights
-from sparrow_nemo.grpo.checkpointing import load_run_checkpoint, resume_candidates, write_run_state
+from sparrow_nemo.checkpoint.atomic import verify_checkpoint
+from sparrow_nemo.checkpoint.run_state import resume_candidates, write_run_state
+from sparrow_nemo.grpo.checkpoint import load_run_checkpoint
 from sparrow_nemo.grpo.preemption import REQUEUE_EXIT, PreemptionGuard
-from sparrow_nemo.policy.checkpoint import verify_checkpoint
 
 
 @pytest.fixture

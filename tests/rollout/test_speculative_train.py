@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from sparrow_nemo.checkpoint.run_state import read_run_state
 from sparrow_nemo.config import ConfigError
-from sparrow_nemo.grpo.checkpointing import read_run_state
 from sparrow_nemo.grpo.recipe import load_config
 from sparrow_nemo.model_shapes import PRESETS
 from sparrow_nemo.rollout.engine import SamplingParams

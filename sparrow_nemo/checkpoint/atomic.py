@@ -1,0 +1,181 @@
+"""Atomic checkpoint directories: per-rank files + a JSON manifest written last, verified on load.
+
+Protocol (any number of ranks, shared filesystem):
+
+1. every rank writes its files into ``<root>/<name>.partial`` (each file: temp name, fsync,
+   ``os.replace``);
+2. after a barrier, rank 0 hashes the files (sha256), writes ``manifest.json`` (atomically), and
+   renames the directory to ``<root>/<name>`` (``os.replace``; an older copy is moved aside first).
+
+A crash at any point leaves either the previous complete checkpoint or a ``.partial`` directory
+that :func:`verify_checkpoint` refuses (no manifest) and :func:`latest_checkpoint` ignores. A file
+altered after the save fails its hash.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sparrow_nemo.atomic_io import atomic_write, fsync_dir
+
+logger = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+PARTIAL_SUFFIX = ".partial"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint directory that is incomplete, corrupted or for another layout."""
+
+
+def _disk_full(path: Path, exc: BaseException) -> CheckpointError | None:
+    """A one-line CheckpointError when ``exc`` (raised writing ``path``) means the disk is full, else None.
+
+    Python reports ENOSPC / EDQUOT as an OSError; ``torch.save`` as a RuntimeError of its zip writer whose
+    context is that OSError (or, from C++, "file write failed", told apart by the free space left; checked
+    before the temp file goes).
+    """
+    free = shutil.disk_usage(path.parent).free
+    chain: list[BaseException] = []
+    while exc is not None and exc not in chain:
+        chain.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    full = any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in chain)
+    full = full or any(
+        isinstance(e, RuntimeError) and "write failed" in str(e) and free < 1 << 20 for e in chain
+    )
+    if not full:
+        return None
+    return CheckpointError(
+        f"{path}: the disk is full ({free} bytes free in {path.parent}); checkpoint not written"
+    )
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that a reader sees either the old file or the complete new one.
+
+    Raises:
+        CheckpointError: the disk is full (the temp file is removed).
+    """
+    path = Path(path)
+    atomic_write(path, lambda f: f.write(data), lambda exc: _disk_full(path, exc))
+
+
+def atomic_torch_save(obj: Any, path: str | Path) -> None:
+    """``torch.save(obj)`` to ``path`` atomically (temp file in the same directory, then rename).
+
+    Raises:
+        CheckpointError: the disk is full (the temp file is removed).
+    """
+    path = Path(path)
+    atomic_write(path, lambda f: torch.save(obj, f), lambda exc: _disk_full(path, exc))
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
+    """Hex sha256 of a file's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def partial_dir(root: str | Path, name: str) -> Path:
+    """The staging directory every rank writes into (created if absent)."""
+    path = Path(root) / f"{name}{PARTIAL_SUFFIX}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def finalize(root: str | Path, name: str, meta: dict[str, Any]) -> Path:
+    """Rank 0, after all ranks wrote into :func:`partial_dir`: manifest (hashes + ``meta``), then rename.
+
+    Returns:
+        The final checkpoint directory ``<root>/<name>``.
+    """
+    staging = Path(root) / f"{name}{PARTIAL_SUFFIX}"
+    files = sorted(p.name for p in staging.iterdir() if p.is_file() and not p.name.startswith("."))
+    if not files:
+        raise CheckpointError(f"{staging}: no files to finalize")
+    manifest = {**meta, "files": {n: sha256_file(staging / n) for n in files}}
+    atomic_write_bytes(staging / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True).encode())
+    final = Path(root) / name
+    if final.exists():
+        old = Path(root) / f"{name}.old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(staging, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(staging, final)
+    fsync_dir(Path(root))
+    return final
+
+
+def read_manifest(path: str | Path) -> dict[str, Any]:
+    """The manifest of a checkpoint folder whose save completed (its files are not checked)."""
+    path = Path(path)
+    if path.name.endswith(PARTIAL_SUFFIX):
+        raise CheckpointError(f"{path} is an unfinished save (no rename happened)")
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        raise CheckpointError(f"{path} has no {MANIFEST}: the save did not complete")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: {MANIFEST} is not valid JSON ({exc})") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        raise CheckpointError(f"{path}: {MANIFEST} is not a mapping with a 'files' mapping")
+    return manifest
+
+
+def verify_checkpoint(path: str | Path, check_hashes: bool = True) -> dict[str, Any]:
+    """The manifest of a complete checkpoint; :class:`CheckpointError` names what is missing or wrong."""
+    path = Path(path)
+    manifest = read_manifest(path)
+    for name, digest in manifest.get("files", {}).items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"{path}: file '{name}' listed in the manifest is missing")
+        if check_hashes and sha256_file(file) != digest:
+            raise CheckpointError(f"{path}: file '{name}' does not match its sha256 in the manifest")
+    return manifest
+
+
+def complete_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
+    """``(step, folder)`` of the checkpoints under ``root`` whose save completed (a readable manifest; the
+    files are checked when loading), newest first.
+
+    Ordered by the ``step`` in the manifest; for equal steps ``step_<n>`` comes before ``step_<n>.old``
+    (a complete earlier save of the same step, kept only if a re-save of that step died between its two
+    renames: still a valid fallback).
+    """
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found: list[tuple[int, bool, Path]] = []
+    for child in root.iterdir():
+        if not child.is_dir() or child.name.endswith(PARTIAL_SUFFIX):
+            continue
+        try:
+            step = int(read_manifest(child).get("step", -1))
+        except (CheckpointError, TypeError, ValueError) as exc:
+            logger.warning("ignoring checkpoint folder %s: %s", child, exc)
+            continue
+        found.append((step, child.name.endswith(".old"), child))
+    return [(step, path) for step, _, path in sorted(found, key=lambda t: (-t[0], t[1], t[2].name))]
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The complete checkpoint under ``root`` with the highest ``step`` in its manifest (or None)."""
+    found = complete_checkpoints(root)
+    return found[0][1] if found else None
