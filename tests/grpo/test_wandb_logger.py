@@ -42,8 +42,8 @@ def _records(run_file: Path) -> list:
             pos += left
             continue
         _, length, kind = struct.unpack("<IHB", raw[pos : pos + 7])
-        if kind == 0:
-            break
+        if kind == 0 or pos + 7 + length > len(raw):
+            break  # the end, or a record W&B's core process is still writing
         fragment = raw[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind == 1:  # FULL
@@ -67,12 +67,18 @@ def _history(run_file: Path, timeout_s: float = 180.0) -> list[dict[str, float]]
 
     W&B's core process writes the file after ``finish()`` returns: wait for its exit record.
     """
+    from google.protobuf.message import DecodeError
+
     deadline = time.monotonic() + timeout_s
-    records = _records(run_file)
+    records: list = []
     while not any(r.WhichOneof("record_type") == "exit" for r in records):
-        assert time.monotonic() < deadline, f"{run_file}: no exit record after {timeout_s:g} s"
-        time.sleep(0.5)
-        records = _records(run_file)
+        assert time.monotonic() < deadline, f"{run_file}: no complete exit record after {timeout_s:g} s"
+        try:
+            records = _records(run_file)
+        except DecodeError:  # read while a record was half written: read again
+            records = []
+        if not any(r.WhichOneof("record_type") == "exit" for r in records):
+            time.sleep(0.5)
     rows = []
     for record in records:
         if record.WhichOneof("record_type") == "history":
