@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
@@ -295,3 +295,19 @@ class RolloutEngine(Protocol):
     def wake(self) -> None:
         """Take the memory back (before the refit); generation after wake() equals generation before sleep()."""
         ...
+
+
+class EngineWrapper:
+    """Base of engines that wrap another one: every attribute it does not define is the wrapped engine's.
+
+    Args:
+        engine: the wrapped :class:`RolloutEngine`.
+    """
+
+    def __init__(self, engine: RolloutEngine) -> None:
+        self.engine = engine
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "engine":  # not set yet (e.g. during unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.engine, name)

@@ -17,31 +17,22 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
-from sparrow_nemo.rollout.engine import RolloutBatch, RolloutEngine, SamplingParams, TokenProgress
+from sparrow_nemo.rollout.engine import EngineWrapper, RolloutBatch, SamplingParams, TokenProgress
 from sparrow_nemo.rollout.sampling import batch_seeds
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 logger = logging.getLogger(__name__)
 
 
-class OomRetryEngine:
+class OomRetryEngine(EngineWrapper):
     """:class:`~sparrow_nemo.rollout.engine.RolloutEngine` around ``engine`` whose ``generate`` splits on OOM.
 
     Args:
         engine: any rollout engine whose ``generate`` accepts ``sample_seeds`` (both backends do).
     """
-
-    def __init__(self, engine: RolloutEngine) -> None:
-        self.engine = engine
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "engine":  # not set yet (e.g. during unpickling): no recursion
-            raise AttributeError(name)
-        return getattr(self.engine, name)
 
     def generate(
         self,

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from sparrow_nemo.rollout.engine import (
+    EngineWrapper,
     RolloutBatch,
     RolloutEngine,
     RolloutSample,
@@ -154,7 +155,7 @@ class SpeculativePlanner:
         self.plan = None if state["plan"] is None else SpeculativePlan.from_dict(state["plan"])
 
 
-class RolloutModeEngine:
+class RolloutModeEngine(EngineWrapper):
     """:class:`~sparrow_nemo.rollout.engine.RolloutEngine` around ``engine`` whose ``generate`` follows ``mode``
     (see the module docstring); every other attribute is the wrapped engine's.
 
@@ -168,14 +169,9 @@ class RolloutModeEngine:
             raise ValueError(f"RolloutModeEngine: mode must be 'dense' or 'speculative', got '{mode}'")
         if mode == "speculative" and planner is None:
             raise ValueError("RolloutModeEngine: mode 'speculative' needs a SpeculativePlanner")
-        self.engine = engine
+        super().__init__(engine)
         self.mode = mode
         self.planner = planner
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "engine":  # not set yet (e.g. during unpickling): no recursion
-            raise AttributeError(name)
-        return getattr(self.engine, name)
 
     def generate(
         self,
