@@ -8,7 +8,7 @@
  *   dense, two passes over the batch with sparrow_softmax_rows in between:
  *     sparrow_paged_scores: scores[b, h, g, j * P + s] = scale * <q[b, h * G + g], K[page j of (b, h), slot s]>
  *     sparrow_paged_values: out[b, h * G + g, :]      = sum_t probs[b, h, g, t] * V[page of t, slot of t]
- *   sparse, one fused pass per sequence (scores, softmax, p.V), the next sequence's pages prefetched:
+ *   sparse, one fused pass per sequence (scores, softmax, p.V), the pages of a later sequence touched first:
  *     sparrow_paged_attention
  *
  * Every key and value is read once. With a head dim that is a multiple of 16 and 16-token pages, a page's
@@ -179,23 +179,6 @@ static void page_values(const float *restrict p, const float *restrict v, int64_
         for (int64_t d = 0; d < head_dim; ++d) out[d] += p[s] * v[s * vs + d];
 }
 
-/* Ask for the valid slots of a page that is read soon (a sparse row's pages lie scattered over the pool, in
- * runs too short for the hardware prefetcher to follow). */
-static inline void prefetch_page(const float *p, int64_t valid, int64_t slot_stride, int64_t head_dim) {
-    const char *end = (const char *)(p + (valid - 1) * slot_stride + head_dim);
-    for (const char *c = (const char *)p; c < end; c += 64) __builtin_prefetch(c, 0, 3);
-}
-
-/* The address of logical page j of row (b, h) in a pool (NULL when it has no valid slot) -> valid slots. */
-static inline int64_t page_at(const float *pages, int64_t stride_p, int64_t stride_h, const int32_t *block_table,
-                              int64_t stride_bt, const int64_t *seq_len, const int64_t *page_idx, int64_t b,
-                              int64_t h, int64_t j, int64_t hkv, int64_t n, int64_t page_size, const float **at) {
-    int64_t logical;
-    const int64_t valid = page_slots(page_idx, seq_len, b, h, j, hkv, n, page_size, &logical);
-    *at = valid ? pages + (int64_t)block_table[b * stride_bt + logical] * stride_p + h * stride_h : NULL;
-    return valid;
-}
-
 void sparrow_paged_scores(const float *q, const float *k_pages, int64_t stride_kp, int64_t stride_kh,
                           int64_t stride_ks, const int32_t *block_table, int64_t stride_bt,
                           const int64_t *seq_len, const int64_t *page_idx, int64_t n, int64_t batch,
@@ -243,54 +226,102 @@ void sparrow_paged_values(const float *probs, const float *v_pages, int64_t stri
     }
 }
 
-/* Decode attention over the pages of every (row b, KV head h), one row at a time: the scores of its pages
- * into work [Hkv, G, n * P] (pages outer, heads inner: a dense row reads each page's heads together), the
- * softmax of each (h, g) over them (fp32, max subtracted; -inf slots weigh 0), then p.V into out
- * [B, Hkv * G, D]. While a row is scored (then weighted), the keys (then values) of the next row's page j are
- * prefetched at its page j: a sparse row's pages are few and scattered, so their reads would otherwise wait
- * on memory one page at a time. */
+/* A sparse row's page list: rows[h * stride + j] is logical page j of KV head h (-1: padding). The pages of
+ * row b lie scattered over the pool, so waiting on their loads is what costs there. */
+typedef struct {
+    const int64_t *rows;
+    int64_t stride, n;
+} PageList;
+
+/* Valid slots of page j of KV head h of row b (0 for padding or past seq_len) and its address in a pool. */
+static inline int64_t list_page(PageList list, const float *pages, int64_t stride_p, int64_t stride_h,
+                                const int32_t *table, int64_t len, int64_t h, int64_t j, int64_t page_size,
+                                const float **at) {
+    const int64_t logical = list.rows ? list.rows[h * list.stride + j] : j;
+    int64_t valid = logical < 0 ? 0 : len - logical * page_size;
+    valid = valid < 0 ? 0 : (valid > page_size ? page_size : valid);
+    *at = valid ? pages + (int64_t)table[logical] * stride_p + h * stride_h : pages;
+    return valid;
+}
+
+/* The decode-attention pools of one layer and the row geometry the row functions share. */
+typedef struct {
+    const float *k_pages, *v_pages;
+    int64_t stride_kp, stride_kh, stride_ks, stride_vp, stride_vh, stride_vs;
+    const int32_t *block_table;
+    int64_t stride_bt;
+    const int64_t *seq_len;
+    int64_t hkv, group, head_dim, page_size;
+} Pools;
+
+/* Touch (one demand load) the first key and value of each page of row b's list: their address translations
+ * and line fetches start now, and the hardware prefetcher follows the rest of each page. Measured on the
+ * 2-core CI machine: this helps a little, __builtin_prefetch of every line (one and two rows ahead) did not. */
+static void touch_row(const Pools *m, int64_t b, PageList list) {
+    const int32_t *table = m->block_table + b * m->stride_bt;
+    for (int64_t j = 0; j < list.n; ++j)
+        for (int64_t h = 0; h < m->hkv; ++h) {
+            const float *at;
+            if (!list_page(list, m->k_pages, m->stride_kp, m->stride_kh, table, m->seq_len[b], h, j, m->page_size,
+                           &at))
+                continue;
+            (void)*(const volatile float *)at;
+            list_page(list, m->v_pages, m->stride_vp, m->stride_vh, table, m->seq_len[b], h, j, m->page_size, &at);
+            (void)*(const volatile float *)at;
+        }
+}
+
+/* Row b's attention over the pages of its list: the scores of its pages into work [Hkv, G, n * P] (pages
+ * outer, heads inner), the softmax of each (h, g) over them (fp32, max subtracted; -inf slots weigh 0), then
+ * p.V into out [Hkv * G, D]. */
+static void attend_row(const Pools *m, const float *q, int64_t b, PageList list, float scale, float *out,
+                       float *work) {
+    const int64_t hkv = m->hkv, group = m->group, d = m->head_dim, ps = m->page_size, width = list.n * ps;
+    const int32_t *table = m->block_table + b * m->stride_bt;
+    const float *kp, *vp;
+    for (int64_t j = 0; j < list.n; ++j)
+        for (int64_t h = 0; h < hkv; ++h) {
+            const int64_t valid =
+                list_page(list, m->k_pages, m->stride_kp, m->stride_kh, table, m->seq_len[b], h, j, ps, &kp);
+            for (int64_t g = 0; g < group; ++g)
+                page_scores(q + (h * group + g) * d, kp, m->stride_ks, d, ps, valid, scale,
+                            work + (h * group + g) * width + j * ps);
+        }
+    for (int64_t r = 0; r < hkv * group; ++r) softmax_row(work + r * width, width);
+    memset(out, 0, sizeof(float) * hkv * group * d);
+    for (int64_t j = 0; j < list.n; ++j)
+        for (int64_t h = 0; h < hkv; ++h) {
+            const int64_t valid =
+                list_page(list, m->v_pages, m->stride_vp, m->stride_vh, table, m->seq_len[b], h, j, ps, &vp);
+            if (!valid) continue;
+            for (int64_t g = 0; g < group; ++g)
+                page_values(work + (h * group + g) * width + j * ps, vp, m->stride_vs, d, valid,
+                            out + (h * group + g) * d);
+        }
+}
+
+/* Rows touched ahead of the one computed (touch_row). */
+#define TOUCH_AHEAD 2
+
+/* Decode attention over the pages of every (row b, KV head h), one row at a time (attend_row) into out
+ * [B, Hkv * G, D]; page_idx [B, Hkv, n] (NULL: every page, dense). With a page list (sparse), the pages of row
+ * b + TOUCH_AHEAD are touched before row b is computed. */
 void sparrow_paged_attention(const float *q, const float *k_pages, int64_t stride_kp, int64_t stride_kh,
                              int64_t stride_ks, const float *v_pages, int64_t stride_vp, int64_t stride_vh,
                              int64_t stride_vs, const int32_t *block_table, int64_t stride_bt,
                              const int64_t *seq_len, const int64_t *page_idx, int64_t n, int64_t batch,
                              int64_t hkv, int64_t group, int64_t head_dim, int64_t page_size, float scale,
                              float *out, float *work) {
-    const int64_t width = n * page_size;
+    const Pools m = {k_pages,  v_pages,   stride_kp, stride_kh, stride_ks, stride_vp, stride_vh, stride_vs,
+                     block_table, stride_bt, seq_len, hkv,    group,     head_dim,  page_size};
+    const int64_t heads = hkv * group * head_dim;
+#define LIST(row) ((PageList){page_idx ? page_idx + (row) * hkv * n : NULL, n, n})
     for (int64_t b = 0; b < batch; ++b) {
-        const float *kp, *vp, *ahead;
-        for (int64_t j = 0; j < n; ++j) {
-            for (int64_t h = 0; h < hkv; ++h) {
-                if (page_idx && b + 1 < batch) {
-                    const int64_t v = page_at(k_pages, stride_kp, stride_kh, block_table, stride_bt, seq_len,
-                                              page_idx, b + 1, h, j, hkv, n, page_size, &ahead);
-                    if (v) prefetch_page(ahead, v, stride_ks, head_dim);
-                }
-                const int64_t valid = page_at(k_pages, stride_kp, stride_kh, block_table, stride_bt, seq_len,
-                                              page_idx, b, h, j, hkv, n, page_size, &kp);
-                for (int64_t g = 0; g < group; ++g)
-                    page_scores(q + ((b * hkv + h) * group + g) * head_dim, valid ? kp : k_pages, stride_ks,
-                                head_dim, page_size, valid, scale, work + (h * group + g) * width + j * page_size);
-            }
-        }
-        for (int64_t r = 0; r < hkv * group; ++r) softmax_row(work + r * width, width);
-        float *o = out + b * hkv * group * head_dim;
-        memset(o, 0, sizeof(float) * hkv * group * head_dim);
-        for (int64_t j = 0; j < n; ++j) {
-            for (int64_t h = 0; h < hkv; ++h) {
-                if (page_idx && b + 1 < batch) {
-                    const int64_t v = page_at(v_pages, stride_vp, stride_vh, block_table, stride_bt, seq_len,
-                                              page_idx, b + 1, h, j, hkv, n, page_size, &ahead);
-                    if (v) prefetch_page(ahead, v, stride_vs, head_dim);
-                }
-                const int64_t valid = page_at(v_pages, stride_vp, stride_vh, block_table, stride_bt, seq_len,
-                                              page_idx, b, h, j, hkv, n, page_size, &vp);
-                if (!valid) continue;
-                for (int64_t g = 0; g < group; ++g)
-                    page_values(work + (h * group + g) * width + j * page_size, vp, stride_vs, head_dim, valid,
-                                o + (h * group + g) * head_dim);
-            }
-        }
+        if (page_idx)
+            for (int64_t t = b ? b + TOUCH_AHEAD : 0; t <= b + TOUCH_AHEAD && t < batch; ++t) touch_row(&m, t, LIST(t));
+        attend_row(&m, q + b * heads, b, LIST(b), scale, out + b * heads, work);
     }
+#undef LIST
 }
 
 /* Store one token per row at positions[b] (its index = the row's old length) and update its page's
@@ -319,60 +350,164 @@ void sparrow_paged_append(float *k_pages, float *v_pages, int64_t stride_kp, int
     }
 }
 
+/* Scores of row b's middle pages lo .. hi-1 for every KV head: scores[h * NP + p] = <q_mean[b, h], centroid of
+ * block_table[b, p], head h> (fp32). With a head dim that is a multiple of 16, 16 pages at a time as 16-lane
+ * FMAs and one transpose-and-add tree (reduce16); else a plain loop. */
+static void centroid_scores(const float *qm, const float *centroids, int64_t stride_cp, int64_t stride_ch,
+                            const int32_t *table, int64_t lo, int64_t hi, int64_t hkv, int64_t head_dim,
+                            int64_t num_pages, float *scores) {
+    if (head_dim % LANES == 0) {
+        for (int64_t p0 = lo; p0 < hi; p0 += LANES) {
+            const int64_t live = hi - p0 < LANES ? hi - p0 : LANES;
+            const float *cp[LANES];
+            for (int64_t i = 0; i < LANES; ++i) /* lanes past hi score page p0 again and are not stored */
+                cp[i] = centroids + (int64_t)table[p0 + (i < live ? i : 0)] * stride_cp;
+            for (int64_t h = 0; h < hkv; ++h) {
+                const float *q = qm + h * head_dim;
+                v16 acc[LANES];
+                for (int i = 0; i < LANES; ++i) {
+                    const float *c = cp[i] + h * stride_ch;
+                    v16 a = load16(q) * load16(c);
+                    for (int64_t d = LANES; d < head_dim; d += LANES) a += load16(q + d) * load16(c + d);
+                    acc[i] = a;
+                }
+                float sums[LANES];
+                store16(sums, reduce16(acc));
+                memcpy(scores + h * num_pages + p0, sums, sizeof(float) * live);
+            }
+        }
+        return;
+    }
+    for (int64_t p = lo; p < hi; ++p) {
+        const float *cp = centroids + (int64_t)table[p] * stride_cp;
+        for (int64_t h = 0; h < hkv; ++h) {
+            const float *q = qm + h * head_dim, *c = cp + h * stride_ch;
+            float acc = 0.0f;
+            for (int64_t d = 0; d < head_dim; ++d) acc += q[d] * c[d];
+            scores[h * num_pages + p] = acc;
+        }
+    }
+}
+
+/* The geometry of the page choice of one layer (sparrow_select_pages' arguments). */
+typedef struct {
+    const float *centroids;
+    int64_t stride_cp, stride_ch;
+    const int32_t *block_table;
+    int64_t stride_bt;
+    const int64_t *seq_len, *budget;
+    int64_t hkv, head_dim, num_pages, page_size, sink, local;
+} Choice;
+
+/* Row b's page choice (sparrow_select_pages' rule) for q_mean [Hkv, D]: out [Hkv, NP] the kept pages ascending
+ * then -1, counts [Hkv]; returns the most pages any head keeps. scores, scratch, keep: Hkv * NP work space,
+ * best: NP. The middle pages are scored for all heads at once (centroid_scores), then each head keeps its best
+ * top_k in one pass over its scores (an insertion list, best first; a page enters only when it beats the
+ * current last, so an equal score never displaces a lower page). */
+static int64_t select_row(const Choice *c, const float *q_mean, int64_t b, int64_t *out, int64_t *counts,
+                          float *scores, int64_t *scratch, uint8_t *keep, float *best) {
+    const int64_t np = c->num_pages, sink = c->sink, local = c->local;
+    const int64_t n = (c->seq_len[b] + c->page_size - 1) / c->page_size, pages = c->budget[b] / c->page_size;
+    int64_t top_k = pages - sink - local, most = 0;
+    top_k = top_k < 0 ? 0 : top_k;
+    const int64_t lo = sink, hi = n - local; /* the middle pages */
+    const int choose = n > pages && top_k > 0 && hi > lo;
+    if (choose)
+        centroid_scores(q_mean, c->centroids, c->stride_cp, c->stride_ch, c->block_table + b * c->stride_bt, lo, hi,
+                        c->hkv, c->head_dim, np, scores);
+    for (int64_t h = 0; h < c->hkv; ++h) {
+        uint8_t *k = keep + h * np;
+        for (int64_t p = 0; p < n; ++p) k[p] = n <= pages || p < sink || p >= n - local;
+        if (choose) {
+            const float *sc = scores + h * np;
+            int64_t *id = scratch + h * np, held = 0;
+            for (int64_t p = lo; p < hi; ++p) {
+                const float s = sc[p];
+                if (held == top_k && !(s > best[top_k - 1])) continue;
+                int64_t i = held < top_k ? held++ : top_k - 1;
+                for (; i > 0 && s > best[i - 1]; --i) {
+                    best[i] = best[i - 1];
+                    id[i] = id[i - 1];
+                }
+                best[i] = s;
+                id[i] = p;
+            }
+            for (int64_t i = 0; i < held; ++i) k[id[i]] = 1;
+        }
+        int64_t *dst = out + h * np, kept = 0;
+        for (int64_t p = 0; p < n; ++p) {
+            dst[kept] = p;
+            kept += k[p];
+        }
+        for (int64_t p = kept; p < np; ++p) dst[p] = -1;
+        counts[h] = kept;
+        most = kept > most ? kept : most;
+    }
+    return most;
+}
+
+/* The GQA group's mean query of row b: q [Hkv * G, D] -> q_mean [Hkv, D] (sum over the group, then / G). */
+static void mean_query(const float *q, int64_t hkv, int64_t group, int64_t head_dim, float *q_mean) {
+    for (int64_t h = 0; h < hkv; ++h)
+        for (int64_t d = 0; d < head_dim; ++d) {
+            float sum = 0.0f;
+            for (int64_t g = 0; g < group; ++g) sum += q[(h * group + g) * head_dim + d];
+            q_mean[h * head_dim + d] = sum / (float)group;
+        }
+}
+
 /* The Sparrow page choice (select_pages_from_centroids' rule) on the cache's centroids, read in place: page
  * p of row (b, h) scores <q_mean[b, h], centroid of block_table[b, p], head h> (fp32); the row keeps every
  * page when n = ceil(seq_len / P) <= budget / P, else its sink and local pages plus the top
- * max(budget / P - sink - local, 0) middle pages by score, equal scores to the lower page index.
+ * max(budget / P - sink - local, 0) middle pages by score, equal scores to the lower page index (select_row).
  * q_mean: [B, Hkv, D] contiguous (the GQA group's mean query); centroids: (page, head) strides, head dim
  * contiguous; out: [B, Hkv, NP] int64, the kept pages ascending then -1 (NP >= every row's n);
- * counts: [B * Hkv] int64 pages kept per row; scores, scratch, keep: Hkv * NP-element work space.
- * A row's pages are visited once for all its heads (a page's centroids of every head lie together). */
+ * counts: [B * Hkv] int64 pages kept per row; scores, scratch, keep: Hkv * NP-element work space. */
 void sparrow_select_pages(const float *q_mean, const float *centroids, int64_t stride_cp, int64_t stride_ch,
                           const int32_t *block_table, int64_t stride_bt, const int64_t *seq_len,
                           const int64_t *budget, int64_t batch, int64_t hkv, int64_t head_dim,
                           int64_t num_pages, int64_t page_size, int64_t sink, int64_t local, int64_t *out,
                           int64_t *counts, float *scores, int64_t *scratch, uint8_t *keep) {
-    for (int64_t b = 0; b < batch; ++b) {
-        const int64_t n = (seq_len[b] + page_size - 1) / page_size, pages = budget[b] / page_size;
-        int64_t top_k = pages - sink - local;
-        top_k = top_k < 0 ? 0 : top_k;
-        for (int64_t p = 0; p < num_pages; ++p) keep[p] = p < n && (n <= pages || p < sink || p >= n - local);
-        for (int64_t h = 1; h < hkv; ++h) memcpy(keep + h * num_pages, keep, num_pages);
-        if (n > pages && top_k > 0) {
-            /* per head, the best top_k middle pages so far, best first (scores[h * NP + i], scratch[...]);
-             * pages come in ascending order, so an equal score never displaces an earlier (lower) page */
-            int64_t held[hkv];
-            for (int64_t h = 0; h < hkv; ++h) held[h] = 0;
-            for (int64_t p = sink; p < n - local; ++p) {
-                const float *cp = centroids + (int64_t)block_table[b * stride_bt + p] * stride_cp;
-                for (int64_t h = 0; h < hkv; ++h) {
-                    const float *qm = q_mean + (b * hkv + h) * head_dim, *c = cp + h * stride_ch;
-                    float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-                    for (int64_t d = 0; d < head_dim; ++d) acc += qm[d] * c[d];
-                    float *sc = scores + h * num_pages;
-                    int64_t *id = scratch + h * num_pages;
-                    if (held[h] == top_k && !(acc > sc[top_k - 1])) continue;
-                    int64_t i = held[h] < top_k ? held[h]++ : top_k - 1;
-                    for (; i > 0 && acc > sc[i - 1]; --i) {
-                        sc[i] = sc[i - 1];
-                        id[i] = id[i - 1];
-                    }
-                    sc[i] = acc;
-                    id[i] = p;
-                }
-            }
-            for (int64_t h = 0; h < hkv; ++h)
-                for (int64_t i = 0; i < held[h]; ++i) keep[h * num_pages + scratch[h * num_pages + i]] = 1;
+    const Choice c = {centroids, stride_cp, stride_ch, block_table, stride_bt, seq_len, budget,
+                      hkv,       head_dim,  num_pages, page_size,   sink,      local};
+    float best[num_pages > 0 ? num_pages : 1];
+    for (int64_t b = 0; b < batch; ++b)
+        select_row(&c, q_mean + b * hkv * head_dim, b, out + b * hkv * num_pages, counts + b * hkv, scores,
+                   scratch, keep, best);
+}
+
+/* Sparse decode attention in one pass over the batch: row b's page choice (select_row on the group-mean
+ * query) then its attention over the kept pages (attend_row), the choice running TOUCH_AHEAD rows ahead so
+ * that the chosen pages are touched before they are read. Equal to sparrow_select_pages followed by
+ * sparrow_paged_attention on its pages, bit for bit. q: [B, Hkv * G, D]; out: [B, Hkv * G, D];
+ * page_idx: [B, Hkv, NP] int64 the choice (as sparrow_select_pages' out), counts [B * Hkv];
+ * work: Hkv * G * NP * P + Hkv * D floats; scores, scratch, keep: Hkv * NP elements. */
+void sparrow_sparse_attention(const float *q, const float *centroids, int64_t stride_cp, int64_t stride_ch,
+                              const float *k_pages, int64_t stride_kp, int64_t stride_kh, int64_t stride_ks,
+                              const float *v_pages, int64_t stride_vp, int64_t stride_vh, int64_t stride_vs,
+                              const int32_t *block_table, int64_t stride_bt, const int64_t *seq_len,
+                              const int64_t *budget, int64_t batch, int64_t hkv, int64_t group, int64_t head_dim,
+                              int64_t num_pages, int64_t page_size, int64_t sink, int64_t local, float scale,
+                              float *out, int64_t *page_idx, int64_t *counts, float *work, float *scores,
+                              int64_t *scratch, uint8_t *keep) {
+    const Choice c = {centroids, stride_cp, stride_ch, block_table, stride_bt, seq_len, budget,
+                      hkv,       head_dim,  num_pages, page_size,   sink,      local};
+    const Pools m = {k_pages,  v_pages,   stride_kp, stride_kh, stride_ks, stride_vp, stride_vh, stride_vs,
+                     block_table, stride_bt, seq_len, hkv,    group,     head_dim,  page_size};
+    const int64_t heads = hkv * group * head_dim;
+    float best[num_pages > 0 ? num_pages : 1], *q_mean = work + hkv * group * num_pages * page_size;
+    int64_t most[TOUCH_AHEAD + 1]; /* pages kept by rows b .. b + TOUCH_AHEAD (ring) */
+    for (int64_t t = 0; t < batch + TOUCH_AHEAD; ++t) {
+        if (t < batch) { /* choose row t and touch its pages */
+            mean_query(q + t * heads, hkv, group, head_dim, q_mean);
+            int64_t *rows = page_idx + t * hkv * num_pages;
+            most[t % (TOUCH_AHEAD + 1)] = select_row(&c, q_mean, t, rows, counts + t * hkv, scores, scratch, keep, best);
+            touch_row(&m, t, (PageList){rows, num_pages, most[t % (TOUCH_AHEAD + 1)]});
         }
-        for (int64_t h = 0; h < hkv; ++h) {
-            int64_t *dst = out + (b * hkv + h) * num_pages;
-            const uint8_t *k = keep + h * num_pages;
-            int64_t c = 0;
-            for (int64_t p = 0; p < num_pages; ++p)
-                if (k[p]) dst[c++] = p;
-            counts[b * hkv + h] = c;
-            for (int64_t p = c; p < num_pages; ++p) dst[p] = -1;
-        }
+        const int64_t b = t - TOUCH_AHEAD;
+        if (b >= 0)
+            attend_row(&m, q + b * heads, b,
+                       (PageList){page_idx + b * hkv * num_pages, num_pages, most[b % (TOUCH_AHEAD + 1)]}, scale,
+                       out + b * heads, work);
     }
 }

@@ -61,20 +61,27 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams, uniforms: torch.
     """
     if params.temperature == 0:
         return logits.argmax(dim=-1)
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1).double()
+    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    # the fp32 sort orders exactly as the fp64 one would (the cast is exact and monotonic) and costs less
     sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-    rank = torch.arange(sorted_p.shape[-1], device=logits.device)
-    keep = torch.ones_like(sorted_p, dtype=torch.bool)
-    if params.top_k > 0:
-        keep &= rank < params.top_k
-    if params.top_p < 1.0:
-        mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
-        keep &= mass_before < params.top_p
-    kept = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
-    cdf = torch.cumsum(kept, dim=-1)
+    sorted_p = sorted_p.double()
+    vocab = sorted_p.shape[-1]
+    if params.top_k > 0 or params.top_p < 1.0:
+        rank = torch.arange(vocab, device=logits.device)
+        keep = torch.ones_like(sorted_p, dtype=torch.bool)
+        if params.top_k > 0:
+            keep &= rank < params.top_k
+        if params.top_p < 1.0:
+            mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+            keep &= mass_before < params.top_p
+        sorted_p = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
+        last = keep.sum(dim=-1) - 1
+    else:  # nothing filtered: every token is kept, no mask to build
+        last = torch.full((sorted_p.shape[0],), vocab - 1, device=logits.device)
+    cdf = torch.cumsum(sorted_p, dim=-1)
     target = uniforms.to(device=logits.device, dtype=torch.float64) * cdf[:, -1]
     pick = torch.searchsorted(cdf, target[:, None], right=True).squeeze(-1)
-    pick = torch.minimum(pick, keep.sum(dim=-1) - 1)
+    pick = torch.minimum(pick, last)
     return order.gather(-1, pick[:, None]).squeeze(-1)
 
 
