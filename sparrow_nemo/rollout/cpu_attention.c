@@ -127,6 +127,52 @@ void sparrow_softmax_rows(float *w, int64_t rows, int64_t width) {
     for (int64_t r = 0; r < rows; ++r) softmax_row(w + r * width, width);
 }
 
+/* The sampler's sort (sparrow_nemo/rollout/sampling.py): each row of x [rows, width] fp32 (no NaN; -0 sorts
+ * below +0) in descending order, equal values in index order, i.e. torch.sort(x, descending=True, stable=True):
+ * values [rows, width] fp32 and order [rows, width] int64. An LSD radix sort (stable by construction) on an
+ * order-reversing integer key of each float, four passes of 8 bits, a pass skipped when every key of the
+ * row has the same digit there. keys, tmp_keys: width uint32; tmp_order: width int64 work space. */
+void sparrow_sort_rows_desc(const float *x, int64_t rows, int64_t width, float *values, int64_t *order,
+                            uint32_t *keys, uint32_t *tmp_keys, int64_t *tmp_order) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *row = x + r * width;
+        uint32_t *k = keys, *kt = tmp_keys;
+        int64_t *o = order + r * width, *ot = tmp_order;
+        for (int64_t i = 0; i < width; ++i) {
+            uint32_t bits;
+            memcpy(&bits, row + i, sizeof bits);
+            const uint32_t up = bits & 0x80000000u ? ~bits : bits | 0x80000000u; /* ascending with the float */
+            k[i] = ~up;                                                            /* descending */
+            o[i] = i;
+        }
+        for (int shift = 0; shift < 32; shift += 8) {
+            int64_t count[256] = {0};
+            for (int64_t i = 0; i < width; ++i) ++count[(k[i] >> shift) & 255u];
+            if (width && count[(k[0] >> shift) & 255u] == width) continue; /* one digit: the pass moves nothing */
+            int64_t at = 0;
+            for (int d = 0; d < 256; ++d) {
+                const int64_t c = count[d];
+                count[d] = at;
+                at += c;
+            }
+            for (int64_t i = 0; i < width; ++i) {
+                const int64_t dst = count[(k[i] >> shift) & 255u]++;
+                kt[dst] = k[i];
+                ot[dst] = o[i];
+            }
+            uint32_t *ks = k;
+            k = kt;
+            kt = ks;
+            int64_t *os = o;
+            o = ot;
+            ot = os;
+        }
+        int64_t *dst = order + r * width;
+        if (o != dst) memcpy(dst, o, sizeof(int64_t) * width);
+        for (int64_t i = 0; i < width; ++i) values[r * width + i] = row[dst[i]];
+    }
+}
+
 /* Logical page j of row (b, h) and its number of valid slots (0 for padding or pages past seq_len). */
 static inline int64_t page_slots(const int64_t *page_idx, const int64_t *seq_len, int64_t b, int64_t h,
                                  int64_t j, int64_t hkv, int64_t n, int64_t page_size, int64_t *logical) {

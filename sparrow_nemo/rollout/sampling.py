@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
+import sparrow_nemo.rollout.cpu_attention as cpu_attention
 from sparrow_nemo.rollout.engine import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -47,6 +48,15 @@ def draw_uniforms(generators: Sequence[torch.Generator]) -> torch.Tensor:
     return torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators])
 
 
+def _sort_descending(probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.sort(probs, dim=-1, descending=True, stable=True)`` of fp32 ``[B, V]`` probabilities: on the
+    CPU the decode kernels' radix sort (same values and order, a fraction of the time), else torch's. Sorting
+    the fp32 values orders exactly as sorting their fp64 casts would (the cast is exact and monotonic)."""
+    if probs.device.type == "cpu" and probs.dim() == 2 and cpu_attention.available():
+        return cpu_attention.sort_rows_descending(probs)
+    return torch.sort(probs, dim=-1, descending=True, stable=True)
+
+
 def sample_tokens(logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor) -> torch.Tensor:
     """Pick one token per row.
 
@@ -62,8 +72,7 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams, uniforms: torch.
     if params.temperature == 0:
         return logits.argmax(dim=-1)
     probs = torch.softmax(logits.float() / params.temperature, dim=-1)
-    # the fp32 sort orders exactly as the fp64 one would (the cast is exact and monotonic) and costs less
-    sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    sorted_p, order = _sort_descending(probs)
     sorted_p = sorted_p.double()
     vocab = sorted_p.shape[-1]
     if params.top_k > 0 or params.top_p < 1.0:
