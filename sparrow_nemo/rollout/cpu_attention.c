@@ -206,6 +206,35 @@ static void page_scores(const float *restrict q, const float *restrict k, int64_
     }
 }
 
+/* page_scores for the group queries q[g * D ..] (g < group) of one KV head against the same page: out rows
+ * g * out_stride. Full vector pages take two queries per pass over the page's keys (each key loaded once
+ * for both); the arithmetic of each query is page_scores', so the results are the same bits. */
+static void group_scores(const float *restrict q, int64_t group, const float *restrict k, int64_t ks,
+                         int64_t head_dim, int64_t page_size, int64_t valid, float scale, float *restrict out,
+                         int64_t out_stride) {
+    int64_t g = 0;
+    if (page_size == LANES && head_dim % LANES == 0 && valid == LANES)
+        for (; g + 2 <= group; g += 2) {
+            const float *q0 = q + g * head_dim, *q1 = q0 + head_dim;
+            v16 acc0[LANES], acc1[LANES];
+            for (int s = 0; s < LANES; ++s) {
+                const float *ks0 = k + s * ks;
+                v16 kd = load16(ks0), a0 = load16(q0) * kd, a1 = load16(q1) * kd;
+                for (int64_t d = LANES; d < head_dim; d += LANES) {
+                    kd = load16(ks0 + d);
+                    a0 += load16(q0 + d) * kd;
+                    a1 += load16(q1 + d) * kd;
+                }
+                acc0[s] = a0;
+                acc1[s] = a1;
+            }
+            store16(out + g * out_stride, reduce16(acc0) * scale);
+            store16(out + (g + 1) * out_stride, reduce16(acc1) * scale);
+        }
+    for (; g < group; ++g)
+        page_scores(q + g * head_dim, k, ks, head_dim, page_size, valid, scale, out + g * out_stride);
+}
+
 /* out[:] += sum over the page's valid slots s of p[s] * value_s (values at v, slot stride vs). */
 static void page_values(const float *restrict p, const float *restrict v, int64_t vs, int64_t head_dim,
                         int64_t valid, float *restrict out) {
@@ -241,9 +270,7 @@ void sparrow_paged_scores(const float *q, const float *k_pages, int64_t stride_k
                 const float *kp =
                     valid ? k_pages + (int64_t)block_table[b * stride_bt + logical] * stride_kp + h * stride_kh
                           : k_pages;
-                for (int64_t g = 0; g < group; ++g)
-                    page_scores(qh + g * head_dim, kp, stride_ks, head_dim, page_size, valid, scale,
-                                row + g * width + j * page_size);
+                group_scores(qh, group, kp, stride_ks, head_dim, page_size, valid, scale, row + j * page_size, width);
             }
         }
     }
@@ -329,9 +356,8 @@ static void attend_row(const Pools *m, const float *q, int64_t b, PageList list,
         for (int64_t h = 0; h < hkv; ++h) {
             const int64_t valid =
                 list_page(list, m->k_pages, m->stride_kp, m->stride_kh, table, m->seq_len[b], h, j, ps, &kp);
-            for (int64_t g = 0; g < group; ++g)
-                page_scores(q + (h * group + g) * d, kp, m->stride_ks, d, ps, valid, scale,
-                            work + (h * group + g) * width + j * ps);
+            group_scores(q + h * group * d, group, kp, m->stride_ks, d, ps, valid, scale,
+                         work + h * group * width + j * ps, width);
         }
     for (int64_t r = 0; r < hkv * group; ++r) softmax_row(work + r * width, width);
     memset(out, 0, sizeof(float) * hkv * group * d);
