@@ -254,6 +254,37 @@ static void page_values(const float *restrict p, const float *restrict v, int64_
         for (int64_t d = 0; d < head_dim; ++d) out[d] += p[s] * v[s * vs + d];
 }
 
+/* page_values for the group's weights p[g * p_stride ..] (g < group) of one KV head over the same page: out
+ * rows g * D. With a vector head dim, two queries per pass over the page's values (each value loaded once
+ * for both); the arithmetic of each query is page_values', so the results are the same bits. */
+static void group_values(const float *restrict p, int64_t p_stride, int64_t group, const float *restrict v,
+                         int64_t vs, int64_t head_dim, int64_t valid, float *restrict out) {
+    int64_t g = 0;
+    if (head_dim % LANES == 0)
+        for (; g + 2 <= group; g += 2) {
+            const float *p0 = p + g * p_stride, *p1 = p0 + p_stride;
+            float *o0 = out + g * head_dim, *o1 = o0 + head_dim;
+            for (int64_t d = 0; d < head_dim; d += LANES) {
+                v16 a[4] = {load16(o0 + d), {0}, {0}, {0}}, c[4] = {load16(o1 + d), {0}, {0}, {0}};
+                int64_t s = 0;
+                for (; s + 4 <= valid; s += 4)
+                    for (int u = 0; u < 4; ++u) {
+                        const v16 x = load16(v + (s + u) * vs + d);
+                        a[u] += p0[s + u] * x;
+                        c[u] += p1[s + u] * x;
+                    }
+                for (; s < valid; ++s) {
+                    const v16 x = load16(v + s * vs + d);
+                    a[0] += p0[s] * x;
+                    c[0] += p1[s] * x;
+                }
+                store16(o0 + d, (a[0] + a[1]) + (a[2] + a[3]));
+                store16(o1 + d, (c[0] + c[1]) + (c[2] + c[3]));
+            }
+        }
+    for (; g < group; ++g) page_values(p + g * p_stride, v, vs, head_dim, valid, out + g * head_dim);
+}
+
 void sparrow_paged_scores(const float *q, const float *k_pages, int64_t stride_kp, int64_t stride_kh,
                           int64_t stride_ks, const int32_t *block_table, int64_t stride_bt,
                           const int64_t *seq_len, const int64_t *page_idx, int64_t n, int64_t batch,
@@ -292,8 +323,7 @@ void sparrow_paged_values(const float *probs, const float *v_pages, int64_t stri
                 if (!valid) continue;
                 const float *restrict vp =
                     v_pages + (int64_t)block_table[b * stride_bt + logical] * stride_vp + h * stride_vh;
-                for (int64_t g = 0; g < group; ++g)
-                    page_values(prow + g * width + j * page_size, vp, stride_vs, head_dim, valid, oh + g * head_dim);
+                group_values(prow + j * page_size, width, group, vp, stride_vs, head_dim, valid, oh);
             }
         }
     }
@@ -366,9 +396,8 @@ static void attend_row(const Pools *m, const float *q, int64_t b, PageList list,
             const int64_t valid =
                 list_page(list, m->v_pages, m->stride_vp, m->stride_vh, table, m->seq_len[b], h, j, ps, &vp);
             if (!valid) continue;
-            for (int64_t g = 0; g < group; ++g)
-                page_values(work + (h * group + g) * width + j * ps, vp, m->stride_vs, d, valid,
-                            out + (h * group + g) * d);
+            group_values(work + h * group * width + j * ps, width, group, vp, m->stride_vs, d, valid,
+                         out + h * group * d);
         }
 }
 
