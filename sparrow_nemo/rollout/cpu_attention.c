@@ -9,7 +9,8 @@
  *     sparrow_paged_scores: scores[b, h, g, j * P + s] = scale * <q[b, h * G + g], K[page j of (b, h), slot s]>
  *     sparrow_paged_values: out[b, h * G + g, :]      = sum_t probs[b, h, g, t] * V[page of t, slot of t]
  *   sparse, one fused pass per sequence (scores, softmax, p.V), the pages of a later sequence touched first:
- *     sparrow_paged_attention
+ *     sparrow_paged_attention (a given page list), sparrow_sparse_attention (the page choice in the same pass)
+ *   the page choice alone: sparrow_select_pages; the sampler's sort: sparrow_sort_rows_desc
  *
  * Every key and value is read once. With a head dim that is a multiple of 16 and 16-token pages, a page's
  * 16 dot products are 16-lane vector FMAs followed by one transpose-and-add tree (no per-token horizontal

@@ -4,10 +4,12 @@
 :func:`sparrow_nemo.sparse.attention.decode_attention` computes over the gathered pages, but in a small C
 kernel (``cpu_attention.c``) that follows the block table to each page of the pool, so every key and value
 is read once from where it lives. Dense decode (every page of every row) streams the pool in two passes,
-q.K then p.V, with the kernel's fp32 softmax between them; sparse decode (the method layer's page choice, a
-few scattered pages per row) runs one fused pass per row (scores, softmax, p.V) while it prefetches the next
-row's pages. Both use the same arithmetic per page and slot, so a budget that covers the sequence gives the
-dense result bit for bit.
+q.K then p.V, with the kernel's fp32 softmax between them; sparse decode (a given page list, a few scattered
+pages per row) runs one fused pass per row (scores, softmax, p.V). ``sparse_decode_attention`` is the engine's
+sparse step: the page choice (:func:`select_pages`' rule) and that attention in one pass over the batch, the
+choice a few rows ahead so the chosen pages are touched before they are read. All use the same arithmetic per
+page and slot, so a budget that covers the sequence gives the dense result bit for bit.
+``sort_rows_descending`` is the sampler's sort (``sampling.sample_tokens``) in the same library.
 
 The kernel is compiled on first use with the system C compiler (``$CC``, default ``cc``; ``-O3
 -march=native``) into ``$SPARROW_CACHE/cpu_kernels/`` (default ``~/.cache/sparrow_nemo/cpu_kernels/``),
