@@ -110,21 +110,22 @@ class KernelVerify:
         return out.to(q.dtype)
 
 
-def write_tokens(
-    cache: PagedKVCache,
-    layer: int,
-    block_table: torch.Tensor,
-    positions: torch.Tensor,
-    valid: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-) -> None:
-    """Store the keys/values ``k, v [B, T, Hkv, D]`` of ``positions [B, T]`` where ``valid [B, T]`` (pages
-    reserved); centroids are left alone (:func:`rebuild_centroids` repairs them after the acceptance test)."""
+def token_slots(
+    cache: PagedKVCache, block_table: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """Where the valid tokens of ``positions [B, T]`` (``valid [B, T]``, pages reserved) live: (row, column,
+    physical page, slot), each [N] int64 - the same for every layer."""
     rows, cols = torch.nonzero(valid, as_tuple=True)
     pos = positions[rows, cols]
-    page = block_table[rows, pos // cache.page_size].long()
-    slot = pos % cache.page_size
+    return rows, cols, block_table[rows, pos // cache.page_size].long(), pos % cache.page_size
+
+
+def write_tokens(
+    cache: PagedKVCache, layer: int, slots: tuple[torch.Tensor, ...], k: torch.Tensor, v: torch.Tensor
+) -> None:
+    """Store the keys/values ``k, v [B, T, Hkv, D]`` at ``slots`` (:func:`token_slots`); centroids are left
+    alone (:func:`rebuild_centroids` repairs them after the acceptance test)."""
+    rows, cols, page, slot = slots
     cache.k_pages[layer][page, :, slot] = k[rows, cols].to(cache.k_pages[layer].dtype)
     cache.v_pages[layer][page, :, slot] = v[rows, cols].to(cache.v_pages[layer].dtype)
 
@@ -174,9 +175,11 @@ def verify_forward(
     adapter, model.lora = model.lora, None
     try:
         h = model.embed(tokens)
+        rope = model.rope(positions, h.dtype)  # once for every layer
+        slots = token_slots(cache, block_table, positions, valid)
         for layer in range(model.shape.num_layers):
-            q, k, v = model.attention_inputs(layer, h, positions)
-            write_tokens(cache, layer, block_table, positions, valid, k, v)
+            q, k, v = model.attention_inputs(layer, h, positions, rope)
+            write_tokens(cache, layer, slots, k, v)
             attn = attention.attend(q, cache, layer, block_table, start, num_queries)
             h = model.attention_output(layer, h, attn)
         return model.logits(h)
