@@ -387,7 +387,7 @@ void sparrow_select_pages(const float *q_mean, const float *centroids, int64_t s
  * register-blocked over VQ query rows; p.V accumulates VQ rows per loaded value vector.
  * q, out: [B, T, Hq, D] contiguous fp32 (Hq = Hkv * G, head h * G + g); work: Hkv * T * G * (W + 2 * D) floats,
  * W = n * P with n >= every row's page count. */
-#define VQ 8
+#define VQ 6
 
 /* t[d] = column d of the 16 x 16 block whose rows are a[0..15] (four stages, each swapping one bit of the
  * row index with the same bit of the column index: two-source shuffles, no scalar moves). */
