@@ -4,10 +4,12 @@
 :func:`sparrow_nemo.sparse.attention.decode_attention` computes over the gathered pages, but in a small C
 kernel (``cpu_attention.c``) that follows the block table to each page of the pool, so every key and value
 is read once from where it lives. Dense decode (every page of every row) streams the pool in two passes,
-q.K then p.V, with the kernel's fp32 softmax between them; sparse decode (the method layer's page choice, a
-few scattered pages per row) runs one fused pass per row (scores, softmax, p.V) while it prefetches the next
-row's pages. Both use the same arithmetic per page and slot, so a budget that covers the sequence gives the
-dense result bit for bit.
+q.K then p.V, with the kernel's fp32 softmax between them; sparse decode (a given page list, a few scattered
+pages per row) runs one fused pass per row (scores, softmax, p.V). ``sparse_decode_attention`` is the engine's
+sparse step: the page choice (:func:`select_pages`' rule) and that attention in one pass over the batch, the
+choice a few rows ahead so the chosen pages are touched before they are read. All use the same arithmetic per
+page and slot, so a budget that covers the sequence gives the dense result bit for bit.
+``sort_rows_descending`` is the sampler's sort (``sampling.sample_tokens``) in the same library.
 
 The kernel is compiled on first use with the system C compiler (``$CC``, default ``cc``; ``-O3
 -march=native``) into ``$SPARROW_CACHE/cpu_kernels/`` (default ``~/.cache/sparrow_nemo/cpu_kernels/``),
@@ -151,7 +153,27 @@ def _library() -> ctypes.CDLL | None:
         _P,
         _P,
     ]
+    lib.sparrow_sparse_attention.argtypes = [
+        _P,
+        _P,
+        _I64,
+        _I64,
+        _P,
+        *[_I64] * 3,
+        _P,
+        *[_I64] * 3,
+        _P,
+        _I64,
+        _P,
+        _P,
+        *[_I64] * 8,
+        _F32,
+        *[_P] * 7,
+    ]
+    lib.sparrow_sort_rows_desc.argtypes = [_P, _I64, _I64, *[_P] * 5]
     for fn in (
+        lib.sparrow_sort_rows_desc,
+        lib.sparrow_sparse_attention,
         lib.sparrow_paged_scores,
         lib.sparrow_paged_values,
         lib.sparrow_softmax_rows,
@@ -169,13 +191,14 @@ def available() -> bool:
 
 
 def supports(q: torch.Tensor, cache: PagedKVCache) -> bool:
-    """Whether :func:`paged_decode_attention` and :func:`paged_append` take these tensors: CPU, fp32
-    queries/keys and cache, head dim contiguous."""
+    """Whether this module's kernels take these tensors: CPU, fp32 queries/keys and cache (centroids
+    included), head dim contiguous."""
     k = cache.k_pages[0]
     return (
         q.device.type == "cpu"
         and q.dtype == torch.float32
         and k.dtype == torch.float32
+        and cache.centroids[0].dtype == torch.float32
         and k.stride(-1) == 1
         and available()
     )
@@ -233,6 +256,103 @@ def select_pages(
         keep.data_ptr(),
     )
     return out[..., : int(counts.max())]
+
+
+def sparse_decode_attention(
+    q: torch.Tensor,
+    cache: PagedKVCache,
+    layer: int,
+    block_table: torch.Tensor,
+    seq_len: torch.Tensor,
+    budget_tokens: torch.Tensor,
+    sink_pages: int,
+    local_pages: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sparse decode step of attention in one kernel pass over the batch: each row's page choice
+    (:func:`select_pages`' rule on the cache's centroids, the group-mean query summed then divided by G)
+    and its attention over the kept pages (:func:`paged_decode_attention`'s arithmetic), the choice running a
+    few rows ahead so that the chosen pages are already on their way when they are read.
+
+    Args: as :func:`paged_decode_attention` and :func:`select_pages` (``budget_tokens [B]`` integer tokens).
+
+    Returns:
+        (``[B, Hq, D]`` fp32 attention, ``[B, Hkv, n]`` int64 the kept pages ascending, -1 padded).
+    """
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("sparse_decode_attention: the CPU kernel is not available (see available())")
+    k_pages, v_pages, cent = cache.k_pages[layer], cache.v_pages[layer], cache.centroids[layer]
+    batch, hq, d = q.shape
+    hkv, ps = k_pages.shape[1], cache.page_size
+    group = hq // hkv
+    seq_len = seq_len.to(torch.int64).contiguous()
+    table = block_table.to(torch.int32).contiguous()
+    budget = budget_tokens.to(torch.int64).contiguous()
+    q = q.float().contiguous()
+    num_pages = -(-int(seq_len.max()) // ps)
+    out = torch.empty(batch, hq, d, dtype=torch.float32)
+    page_idx = torch.empty(batch, hkv, num_pages, dtype=torch.int64)
+    counts = torch.empty(batch * hkv, dtype=torch.int64)
+    work = torch.empty(hkv * (group * num_pages * ps + d), dtype=torch.float32)
+    scores = torch.empty(hkv, num_pages, dtype=torch.float32)
+    scratch = torch.empty(hkv, num_pages, dtype=torch.int64)
+    keep = torch.empty(hkv, num_pages, dtype=torch.uint8)
+    lib.sparrow_sparse_attention(
+        q.data_ptr(),
+        cent.data_ptr(),
+        *cent.stride()[:2],
+        k_pages.data_ptr(),
+        *k_pages.stride()[:3],
+        v_pages.data_ptr(),
+        *v_pages.stride()[:3],
+        table.data_ptr(),
+        table.stride(0),
+        seq_len.data_ptr(),
+        budget.data_ptr(),
+        batch,
+        hkv,
+        group,
+        d,
+        num_pages,
+        ps,
+        sink_pages,
+        local_pages,
+        1.0 / d**0.5,
+        out.data_ptr(),
+        page_idx.data_ptr(),
+        counts.data_ptr(),
+        work.data_ptr(),
+        scores.data_ptr(),
+        scratch.data_ptr(),
+        keep.data_ptr(),
+    )
+    return out, page_idx
+
+
+def sort_rows_descending(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.sort(x, dim=-1, descending=True, stable=True)`` of a CPU fp32 ``[rows, width]`` tensor
+    without NaNs (the sampler's sort), as one kernel call: (values, int64 indices), equal values in index
+    order. Raises when the kernel is not available."""
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("sort_rows_descending: the CPU kernel is not available (see available())")
+    x = x.contiguous()
+    rows, width = x.shape
+    values = torch.empty_like(x)
+    order = torch.empty(rows, width, dtype=torch.int64)
+    keys = torch.empty(2, width, dtype=torch.int32)  # two uint32 key buffers
+    tmp_order = torch.empty(width, dtype=torch.int64)
+    lib.sparrow_sort_rows_desc(
+        x.data_ptr(),
+        rows,
+        width,
+        values.data_ptr(),
+        order.data_ptr(),
+        keys[0].data_ptr(),
+        keys[1].data_ptr(),
+        tmp_order.data_ptr(),
+    )
+    return values, order
 
 
 def paged_append(

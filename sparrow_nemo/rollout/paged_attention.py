@@ -86,12 +86,11 @@ def decode_attention_torch(
     """
     ps, hkv = cache.page_size, cache.k_pages[layer].shape[1]
     if cpu_attention.supports(q, cache):
-        page_idx = None
-        if budget_tokens is not None:
-            page_idx = cpu_attention.select_pages(
-                q, cache, layer, block_table, seq_len, budget_tokens, sink_pages, local_pages
-            )
-        return cpu_attention.paged_decode_attention(q, cache, layer, block_table, seq_len, page_idx)
+        if budget_tokens is None:
+            return cpu_attention.paged_decode_attention(q, cache, layer, block_table, seq_len, None)
+        return cpu_attention.sparse_decode_attention(
+            q, cache, layer, block_table, seq_len, budget_tokens, sink_pages, local_pages
+        )[0]
     if budget_tokens is None:
         page_idx = all_pages(seq_len, hkv, ps)
     else:

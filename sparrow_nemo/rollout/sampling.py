@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
+import sparrow_nemo.rollout.cpu_attention as cpu_attention
 from sparrow_nemo.rollout.engine import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -47,6 +48,15 @@ def draw_uniforms(generators: Sequence[torch.Generator]) -> torch.Tensor:
     return torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators])
 
 
+def _sort_descending(probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.sort(probs, dim=-1, descending=True, stable=True)`` of fp32 ``[B, V]`` probabilities: on the
+    CPU the decode kernels' radix sort (same values and order, a fraction of the time), else torch's. Sorting
+    the fp32 values orders exactly as sorting their fp64 casts would (the cast is exact and monotonic)."""
+    if probs.device.type == "cpu" and probs.dim() == 2 and cpu_attention.available():
+        return cpu_attention.sort_rows_descending(probs)
+    return torch.sort(probs, dim=-1, descending=True, stable=True)
+
+
 def sample_tokens(logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor) -> torch.Tensor:
     """Pick one token per row.
 
@@ -61,20 +71,26 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams, uniforms: torch.
     """
     if params.temperature == 0:
         return logits.argmax(dim=-1)
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1).double()
-    sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-    rank = torch.arange(sorted_p.shape[-1], device=logits.device)
-    keep = torch.ones_like(sorted_p, dtype=torch.bool)
-    if params.top_k > 0:
-        keep &= rank < params.top_k
-    if params.top_p < 1.0:
-        mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
-        keep &= mass_before < params.top_p
-    kept = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
-    cdf = torch.cumsum(kept, dim=-1)
+    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    sorted_p, order = _sort_descending(probs)
+    sorted_p = sorted_p.double()
+    vocab = sorted_p.shape[-1]
+    if params.top_k > 0 or params.top_p < 1.0:
+        rank = torch.arange(vocab, device=logits.device)
+        keep = torch.ones_like(sorted_p, dtype=torch.bool)
+        if params.top_k > 0:
+            keep &= rank < params.top_k
+        if params.top_p < 1.0:
+            mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+            keep &= mass_before < params.top_p
+        sorted_p = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
+        last = keep.sum(dim=-1) - 1
+    else:  # nothing filtered: every token is kept, no mask to build
+        last = torch.full((sorted_p.shape[0],), vocab - 1, device=logits.device)
+    cdf = torch.cumsum(sorted_p, dim=-1)
     target = uniforms.to(device=logits.device, dtype=torch.float64) * cdf[:, -1]
     pick = torch.searchsorted(cdf, target[:, None], right=True).squeeze(-1)
-    pick = torch.minimum(pick, keep.sum(dim=-1) - 1)
+    pick = torch.minimum(pick, last)
     return order.gather(-1, pick[:, None]).squeeze(-1)
 
 

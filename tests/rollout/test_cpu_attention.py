@@ -8,6 +8,9 @@ lengths, padded page lists and scattered physical pages. Tolerance 1e-5 (fp32, d
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
 import torch
 
@@ -21,7 +24,16 @@ from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 from ._helpers import SHAPE
 
-pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="no C compiler for the CPU kernel")
+# Only a machine without a C compiler may skip: where one exists, a kernel that fails to build fails here
+# (test_the_kernel_builds_where_a_compiler_exists names the compiler's error) instead of skipping silently.
+pytestmark = pytest.mark.skipif(
+    shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler for the CPU kernel"
+)
+
+
+def test_the_kernel_builds_where_a_compiler_exists():
+    cpu_attention._build()  # raises with the compiler's message when the source does not compile
+    assert cpu_attention.available()
 
 
 def filled_cache(
@@ -183,3 +195,25 @@ def test_selection_is_the_method_layers(page_size: int) -> None:
         zero, cent, seq_len, torch.full((5,), 6 * page_size), page_size, 1, 2
     )
     assert torch.equal(tie, expect)
+
+
+@pytest.mark.parametrize("page_size,head_dim,group", [(16, 32, 2), (4, 24, 3)], ids=str)
+def test_fused_sparse_step_is_select_then_attend(page_size: int, head_dim: int, group: int) -> None:
+    """sparse_decode_attention (choice and attention in one pass) keeps the method layer's pages and returns
+    what paged_decode_attention returns on them, bit for bit; a covering budget gives the dense result."""
+    lengths = [300, 17, 160, 64, 1, 129]
+    cache, table = filled_cache(lengths, 2, head_dim, page_size, seed=5)
+    seq_len = torch.tensor(lengths)
+    gen = torch.Generator().manual_seed(9)
+    cent = cache.gather_centroids(0, table, seq_len)
+    for budget in ([64, 64, 64, 64, 64, 64], [128, 16, 48, 1000, 64, 32], [0] * 6, [10_000] * 6):
+        budget = torch.tensor(budget)
+        q = torch.randn(len(lengths), 2 * group, head_dim, generator=gen)
+        out, page_idx = cpu_attention.sparse_decode_attention(q, cache, 0, table, seq_len, budget, 1, 2)
+        expect = select_pages_from_centroids(q, cent, seq_len, budget, page_size, 1, 2)
+        assert torch.equal(page_idx[..., : expect.shape[-1]], expect)
+        assert (page_idx[..., expect.shape[-1] :] == -1).all()
+        assert torch.equal(out, cpu_attention.paged_decode_attention(q, cache, 0, table, seq_len, expect))
+        assert (out - reference(q, cache, table, seq_len, expect)).abs().max() < 1e-5
+    dense = cpu_attention.paged_decode_attention(q, cache, 0, table, seq_len, None)
+    assert torch.equal(out, dense)  # the last budget covers every row

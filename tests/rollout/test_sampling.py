@@ -80,3 +80,53 @@ def test_bad_sampling_params_name_the_field() -> None:
     ]:
         with pytest.raises(ValueError, match=field):
             SamplingParams(**kwargs)
+
+
+def torch_draw(logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor) -> torch.Tensor:
+    """The draw written with torch.sort (fp64, stable) and the full filter mask: the definition the fast
+    path must reproduce token for token."""
+    probs = torch.softmax(logits.float() / params.temperature, dim=-1).double()
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    rank = torch.arange(sorted_p.shape[-1])
+    keep = torch.ones_like(sorted_p, dtype=torch.bool)
+    if params.top_k > 0:
+        keep &= rank < params.top_k
+    if params.top_p < 1.0:
+        keep &= torch.cumsum(sorted_p, dim=-1) - sorted_p < params.top_p
+    cdf = torch.cumsum(torch.where(keep, sorted_p, torch.zeros_like(sorted_p)), dim=-1)
+    pick = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True).squeeze(-1)
+    return order.gather(-1, torch.minimum(pick, keep.sum(dim=-1) - 1)[:, None]).squeeze(-1)
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.9), (1.0, 50, 0.5)]
+)
+def test_draws_equal_the_torch_sort_definition(temperature: float, top_k: int, top_p: float) -> None:
+    """Same tokens as the torch.sort definition for the same uniforms, with tied and zero probabilities
+    (masked and repeated logits) and uniforms at both ends."""
+    gen = torch.Generator().manual_seed(3)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    for vocab in (128, 1000):
+        logits = 3 * torch.randn(64, vocab, generator=gen)
+        logits[:, ::7] = -float("inf")
+        logits[:, 1] = logits[:, 2]
+        uniforms = torch.rand(64, generator=gen, dtype=torch.float64)
+        uniforms[0], uniforms[1] = 0.0, 1.0 - 2**-53
+        assert torch.equal(sample_tokens(logits, params, uniforms), torch_draw(logits, params, uniforms))
+
+
+def test_the_kernel_sort_is_torch_stable_descending_sort() -> None:
+    """sort_rows_descending gives torch.sort(descending=True, stable=True)'s values and indices: ties in
+    index order, zeros, negatives, infinities, a width that is not a power of two."""
+    cpu_attention = pytest.importorskip("sparrow_nemo.rollout.cpu_attention")
+    if not cpu_attention.available():
+        pytest.skip("no C compiler for the CPU kernel")
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(33, 301, generator=gen)
+    x[:, ::5] = 0.0
+    x[:, 1::9] = x[:, 2::9][:, : x[:, 1::9].shape[1]]
+    x[0, :4] = torch.tensor([float("inf"), -float("inf"), -0.5, 1e-30])
+    x[1] = 0.25  # one value: every pass skipped
+    values, order = cpu_attention.sort_rows_descending(x)
+    expect = torch.sort(x, dim=-1, descending=True, stable=True)
+    assert torch.equal(values, expect.values) and torch.equal(order, expect.indices)
