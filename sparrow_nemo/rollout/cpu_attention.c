@@ -757,13 +757,10 @@ void sparrow_paged_verify_attention(const float *q, const float *k_pages, int64_
                     float *dst = qs + (h * span + t * group + g) * head_dim;
                     for (int64_t d = 0; d < head_dim; ++d) dst[d] = src[d] * scale;
                 }
-        for (int64_t j = 0; j < pages; ++j) { /* pages outer, heads inner: the pool is read in order */
+        for (int64_t j = 0; j < pages; ++j) { /* pages outer, heads inner: the pool is read in order (the
+                                                hardware prefetcher follows it) */
             const int64_t valid = length - j * page_size < page_size ? length - j * page_size : page_size;
             const float *kp = k_pages + (int64_t)table[j] * stride_kp;
-            if (j + 1 < pages)
-                for (int64_t h = 0; h < hkv; ++h)
-                    prefetch_page(k_pages + (int64_t)table[j + 1] * stride_kp + h * stride_kh, page_size, stride_ks,
-                                  head_dim);
             for (int64_t h = 0; h < hkv; ++h)
                 page_scores_rows(qs + h * span * head_dim, rows, kp + h * stride_kh, stride_ks, head_dim, page_size,
                                  valid, scores + h * span * width + j * page_size, width);
@@ -779,10 +776,6 @@ void sparrow_paged_verify_attention(const float *q, const float *k_pages, int64_
         for (int64_t j = 0; j < pages; ++j) {
             const int64_t valid = length - j * page_size < page_size ? length - j * page_size : page_size;
             const float *vp = v_pages + (int64_t)table[j] * stride_vp;
-            if (j + 1 < pages)
-                for (int64_t h = 0; h < hkv; ++h)
-                    prefetch_page(v_pages + (int64_t)table[j + 1] * stride_vp + h * stride_vh, page_size, stride_vs,
-                                  head_dim);
             for (int64_t h = 0; h < hkv; ++h)
                 page_values_rows(scores + h * span * width + j * page_size, rows, width, vp + h * stride_vh,
                                  stride_vs, head_dim, valid, os + h * span * head_dim);

@@ -35,13 +35,11 @@ from sparrow_nemo.rollout.decode_step import DecodeStep
 from sparrow_nemo.rollout.engine import FinishReason, RolloutSample, SamplingParams, TokenTally
 from sparrow_nemo.rollout.paged_cache import PagedKVCache
 from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder
-from sparrow_nemo.rollout.sampling import draw_uniforms, token_logprobs
+from sparrow_nemo.rollout.sampling import draw_uniforms, sample_tokens, token_logprobs
 from sparrow_nemo.rollout.spec_verify import VerifyAttention, rebuild_centroids, verify_forward
 from sparrow_nemo.rollout.speculative import (
     SpeculativeConfig,
     draw_round_uniforms,
-    kept_probs,
-    sample_from,
     verify_drafts,
 )
 from sparrow_nemo.rollout.stopping import StopRule
@@ -170,7 +168,7 @@ class SpeculativeDecoder:
         gens = list(generators)
         try:
             u = torch.zeros(batch, dtype=torch.float64) if greedy else draw_uniforms(gens)
-            pending = sample_from(kept_probs(logits, self.sampling), u)
+            pending = sample_tokens(logits, self.sampling, u)
             self._emit(samples, rows, pending[:, None].tolist(), [1] * batch, max_new)
             self._record(
                 samples, rows, logits[:, None], pending[:, None], torch.ones_like(cached), cached - 1
@@ -264,7 +262,7 @@ class SpeculativeDecoder:
             seq = cached[sub] + j + 1
             budget = None if self.schedule.is_dense else self.schedule.budgets_for(seq)
             lg = self.step(self.cache, block_table[sub], feed[sub], seq, budget)
-            drafts[sub, j] = sample_from(kept_probs(lg, self.sampling), uniforms[sub, j])
+            drafts[sub, j] = sample_tokens(lg, self.sampling, uniforms[sub, j])
             logits[sub, j] = lg
             budgets[sub, j] = torch.full_like(seq, DENSE_BUDGET) if budget is None else budget
             feed = drafts[:, j]
