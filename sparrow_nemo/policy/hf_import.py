@@ -19,7 +19,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from sparrow_nemo.hf_qwen3 import (
     CheckpointFormatError,
@@ -38,6 +37,7 @@ from sparrow_nemo.policy.tp_layout import (
     all_gather_shards,
     fuse_fc1,
     fuse_qkv,
+    gather_stage_tensors,
     merge_shards,
     split_shard,
 )
@@ -171,10 +171,4 @@ def export_hf_state_dict(model: torch.nn.Module, spec: PolicyModelSpec) -> dict[
             local[name] = tensor.cpu()
     if spec.layout.pp == 1:
         return local
-    gathered: list[dict[str, torch.Tensor] | None] = [None] * spec.layout.pp
-    dist.all_gather_object(gathered, local, group=parallel_state.get_pipeline_model_parallel_group())
-    merged: dict[str, torch.Tensor] = {}
-    for part in gathered:
-        for name, tensor in part.items():
-            merged.setdefault(name, tensor)
-    return merged
+    return gather_stage_tensors(local, parallel_state.get_pipeline_model_parallel_group())

@@ -29,7 +29,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from sparrow_nemo.hf_qwen3 import LoraAdapter
 from sparrow_nemo.model_shapes import Qwen3Shape
@@ -43,6 +42,7 @@ from sparrow_nemo.policy.tp_layout import (
     all_gather_shards,
     fuse_fc1,
     fuse_qkv,
+    gather_stage_tensors,
     merge_shards,
     split_shard,
 )
@@ -345,10 +345,12 @@ class MegatronLora(torch.nn.Module):
                 for name, part in zip(hf_modules, merged, strict=True):
                     pair = (replicated, part) if column else (part, replicated)
                     out[f"model.layers.{layer}.{name}"] = tuple(t.cpu() for t in pair)
-        if self.spec.layout.pp > 1:
-            parts: list[dict | None] = [None] * self.spec.layout.pp
-            dist.all_gather_object(parts, out, group=ps.get_pipeline_model_parallel_group())
-            out = {k: v for part in parts for k, v in part.items()}
+        if self.spec.layout.pp > 1:  # every stage's layers, as named tensors (the pair's halves as .a / .b)
+            flat = {
+                f"{name}.{half}": t for name, pair in out.items() for half, t in zip("ab", pair, strict=True)
+            }
+            flat = gather_stage_tensors(flat, ps.get_pipeline_model_parallel_group())
+            out = {name[:-2]: (flat[name[:-2] + ".a"], t) for name, t in flat.items() if name.endswith(".b")}
         return LoraAdapter(weights=out, scaling=self.config.scaling)
 
     @staticmethod

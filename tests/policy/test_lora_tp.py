@@ -1,4 +1,4 @@
-"""LoRA under tensor parallelism: TP=2 (two gloo processes) gives what TP=1 gives (fp32, CPU).
+"""LoRA under model parallelism: TP=2 and PP=2 (two gloo processes each) give what one rank gives (fp32, CPU).
 
 Checked on the sparse forward with the adapter: log-probs before training, one adapter step
 (loss, pre-clip grad norm, every gradient and updated matrix exported in HF names), and that the
@@ -44,9 +44,9 @@ def _pg_loss(out: LogprobOutput, batch: PolicyBatch) -> tuple[torch.Tensor, dict
     return loss, {}
 
 
-def lora_step(rank: int, tp: int, ckpt: str, out_file: str) -> None:
+def lora_step(rank: int, tp: int, pp: int, ckpt: str, out_file: str) -> None:
     """Sparse logprobs with LoRA, one adapter step, exports; rank 0 saves them."""
-    layout = ParallelLayout.for_world(int(os.environ["WORLD_SIZE"]), tp=tp)
+    layout = ParallelLayout.for_world(int(os.environ["WORLD_SIZE"]), tp=tp, pp=pp)
     policy = MegatronPolicy(SHAPE, layout, OptimizerSettings(lr=1e-3), "float32", hf_dir=ckpt)
     config, adapter = random_lora(seed=5)
     policy.enable_lora(config, adapter)
@@ -81,14 +81,16 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora_tp")
     ckpt = str(make_hf_checkpoint(SHAPE, root / "hf"))
     with single_rank_env():
-        lora_step(0, 1, ckpt, str(root / "tp1.pt"))
-    run_distributed(lora_step, 2, 2, ckpt, str(root / "tp2.pt"))
-    return [torch.load(root / f"tp{n}.pt", weights_only=False) for n in (1, 2)]
+        lora_step(0, 1, 1, ckpt, str(root / "one.pt"))
+    run_distributed(lora_step, 2, 2, 1, ckpt, str(root / "tp2.pt"))
+    run_distributed(lora_step, 2, 1, 2, ckpt, str(root / "pp2.pt"))
+    return {name: torch.load(root / f"{name}.pt", weights_only=False) for name in ("one", "tp2", "pp2")}
 
 
 @pytest.mark.multiproc
-def test_tp2_lora_matches_tp1(runs):
-    ref, got = runs
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_model_parallel_lora_matches_one_rank(runs, layout):
+    ref, got = runs["one"], runs[layout]
     for key in ("logprobs", "entropy", "topk_logprobs"):
         torch.testing.assert_close(
             getattr(got["before"], key), getattr(ref["before"], key), atol=ATOL, rtol=0
@@ -110,5 +112,5 @@ def test_tp2_lora_matches_tp1(runs):
 
 @pytest.mark.multiproc
 def test_adapter_step_leaves_the_policy_alone(runs):
-    for run in runs:
+    for run in runs.values():
         assert run["dense_same"] and run["weights_same"]
