@@ -8,13 +8,14 @@ prompts of ``--prompt-len`` tokens (so the cached length runs from prompt-len to
 - ``dense``: every layer reads the whole cache each step;
 - ``sparse``: the paper's scheduled sparse rollout: per bin of ``--bin-tokens`` cached tokens, a budget of
   ``--fraction`` of the bin's upper end (rounded up to whole pages, at least 4 pages), non-decreasing;
-- ``speculative k=K``: the same schedule drafts K tokens per dense verify (lossless: dense-distributed).
+- ``speculative k=K``: the same schedule drafts K tokens per dense verify (lossless: dense-distributed);
+  with ``--draft-budgets``, also ``speculative k=K draft=N``: drafts under a fixed N-token budget instead.
 
 Decode tokens/s excludes the prefill (the same work in every arm), twice: per second of wall time, and per
 second of this process's CPU time (one torch thread: the CPU time of a generate minus that of a 1-token
 generate of the same prompts in the same repeat), which a shared, loaded machine disturbs much less; the
 speedups over dense are medians over the repeats of each repeat's ratio. Each arm is one JSON line appended to
-``benchmarks/results/speculative_rollout.jsonl`` with the machine, the 1-minute load average before the run,
+``benchmarks/results/speculative_rollout.jsonl`` with the machine, the 1-minute load average before and after the run,
 the date, the speedup over dense of the same run, and for the speculative arms the measured acceptance
 (exact sum_v min(p, q) of the tested drafts), accept rate, tokens per verify and the tokens per verify the
 acceptance predicts, E = (1 - alpha^(k+1)) / (1 - alpha).
@@ -57,6 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=1920)
     p.add_argument("--gen-len", type=int, default=256)
     p.add_argument("--ks", type=int, nargs="+", default=[4, 8], help="draft tokens per verify (one arm each)")
+    p.add_argument("--draft-budgets", type=int, nargs="*", default=[],
+                   help="fixed draft budgets (tokens, whole pages): one more speculative arm per k and budget")  # fmt: skip
     p.add_argument("--fraction", type=float, default=0.1, help="sparse budget, fraction of the bin's length")
     p.add_argument("--bin-tokens", type=int, default=256)
     p.add_argument("--page-size", type=int, default=16)
@@ -100,7 +103,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )
     dense = BudgetSchedule.dense(args.bin_tokens, args.page_size)
     arms = {"dense": (dense, None), "sparse": (schedule, None)}
-    arms.update({f"speculative k={k}": (schedule, SpeculativeConfig(draft_tokens=(k,))) for k in args.ks})
+    for k in args.ks:
+        arms[f"speculative k={k}"] = (schedule, SpeculativeConfig(draft_tokens=(k,)))
+        for n in args.draft_budgets:
+            draft = BudgetSchedule(args.bin_tokens, (n,), args.page_size, name=f"fixed:{n}")
+            arms[f"speculative k={k} draft={n}"] = (schedule, SpeculativeConfig((k,), draft_schedule=draft))
 
     first_token = replace(sampling, max_new_tokens=1)
     times: dict[str, list[float]] = {name: [] for name in arms}
@@ -125,15 +132,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     meta = {
         **machine_info("cpu"),
         "load_avg_1m": load,
+        "load_avg_1m_after": os.getloadavg()[0],
         "benchmark": "speculative_rollout",
         "shape": args.shape,
     }
     config = {k: getattr(args, k) for k in ("batch", "prompt_len", "gen_len", "fraction", "bin_tokens",
                                              "page_size", "dense_layers", "repeats")}  # fmt: skip
     rows = []
-    for name, (sched, _) in arms.items():
+    for name, (sched, spec) in arms.items():
+        drafted = sched if spec is None else spec.schedule_for(sched)
         rows.append({
-            **meta, **config, "arm": name, "schedule": list(sched.budgets),
+            **meta, **config, "arm": name, "schedule": list(drafted.budgets),
             "decode_tokens_per_s": tokens / statistics.median(times[name]),
             "decode_tokens_per_cpu_s": tokens / statistics.median(cpu[name]),
             "decode_s": times[name], "decode_cpu_s": cpu[name],
@@ -145,7 +154,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     with args.out.open("a") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
-    print(f"{'arm':<18} {'tok/s':>8} {'vs dense':>9} {'CPU tok/s':>9} {'vs dense':>9} {'alpha':>6} "
+    print(f"{'arm':<30} {'tok/s':>8} {'vs dense':>9} {'CPU tok/s':>9} {'vs dense':>9} {'alpha':>6} "
           f"{'tok/verify':>10} {'predicted':>9}")  # fmt: skip
     for r in rows:
         extra = (
@@ -153,9 +162,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
             if "alpha" in r
             else ""
         )
-        print(f"{r['arm']:<18} {r['decode_tokens_per_s']:>8.0f} {r['speedup_vs_dense']:>8.2f}x "
+        print(f"{r['arm']:<30} {r['decode_tokens_per_s']:>8.0f} {r['speedup_vs_dense']:>8.2f}x "
               f"{r['decode_tokens_per_cpu_s']:>9.0f} {r['speedup_vs_dense_cpu']:>8.2f}x {extra}")  # fmt: skip
-    print(f"wrote {len(rows)} lines to {args.out} (load average {load:.1f} before the run)", file=sys.stderr)
+    print(f"wrote {len(rows)} lines to {args.out} (load average {load:.1f} before the run, "
+          f"{meta['load_avg_1m_after']:.1f} after)", file=sys.stderr)  # fmt: skip
     return rows
 
 

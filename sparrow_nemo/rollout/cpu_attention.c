@@ -614,3 +614,176 @@ void sparrow_sparse_attention(const float *q, const float *centroids, int64_t st
                        out + b * heads, work);
     }
 }
+
+/* ---------------------------------------------------------------- speculative verify (multi-query, dense)
+ * Dense causal attention of T query positions per row over the paged cache: query t of row b sits at cache
+ * position start[b] + t and attends to positions 0 .. start[b] + t (its own key/value already stored); only
+ * the first num_queries[b] queries of a row are computed (the rest of out is zero) and only the pages holding
+ * positions below start[b] + num_queries[b] are read. Every key and value of a (row, KV head) is read once
+ * for all of its num_queries * G query rows (the T positions and the G query heads sharing the KV head):
+ * the scores of a page are a [rows x D] x [D x P] product on the page's keys transposed once (P = 16 lanes),
+ * register-blocked over VQ query rows; p.V accumulates VQ rows per loaded value vector.
+ * q, out: [B, T, Hq, D] contiguous fp32 (Hq = Hkv * G, head h * G + g); work: Hkv * T * G * (W + 2 * D) floats,
+ * W = n * P with n >= every row's page count. */
+#define VQ 6
+
+/* t[d] = column d of the 16 x 16 block whose rows are a[0..15] (four stages, each swapping one bit of the
+ * row index with the same bit of the column index: two-source shuffles, no scalar moves). */
+static inline void transpose16(v16 a[LANES]) {
+    v16 b[LANES];
+    for (int i = 0; i < LANES; i += 2) {
+        b[i] = SHUFFLE(a[i], a[i + 1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
+        b[i + 1] = SHUFFLE(a[i], a[i + 1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+    }
+    for (int i = 0; i < LANES; i += 4)
+        for (int o = 0; o < 2; ++o) {
+            a[i + o] = SHUFFLE(b[i + o], b[i + o + 2], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
+            a[i + o + 2] = SHUFFLE(b[i + o], b[i + o + 2], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+        }
+    for (int i = 0; i < LANES; i += 8)
+        for (int o = 0; o < 4; ++o) {
+            b[i + o] = SHUFFLE(a[i + o], a[i + o + 4], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+            b[i + o + 4] = SHUFFLE(a[i + o], a[i + o + 4], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+        }
+    for (int o = 0; o < 8; ++o) {
+        a[o] = SHUFFLE(b[o], b[o + 8], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+        a[o + 8] = SHUFFLE(b[o], b[o + 8], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    }
+}
+
+/* nr (a constant after inlining) query rows' scores against a page of transposed keys kt[d] (slots on lanes). */
+static inline __attribute__((always_inline)) void scores_block(const float *restrict qs, const v16 *restrict kt,
+                                                               int64_t head_dim, float *restrict scores,
+                                                               int64_t stride, const int nr) {
+    v16 acc[VQ];
+    for (int i = 0; i < nr; ++i) acc[i] = (v16){0};
+    for (int64_t d = 0; d < head_dim; ++d) {
+        const v16 kv = kt[d];
+        for (int i = 0; i < nr; ++i) acc[i] += qs[i * head_dim + d] * kv;
+    }
+    for (int i = 0; i < nr; ++i) store16(scores + i * stride, acc[i]);
+}
+
+/* nr query rows' out[:, d .. d + 15] += p . V over the page's valid slots. */
+static inline __attribute__((always_inline)) void values_block(const float *restrict p, int64_t stride,
+                                                               const float *restrict v, int64_t vs, int64_t valid,
+                                                               float *restrict out, int64_t head_dim,
+                                                               const int nr) {
+    v16 acc[VQ];
+    for (int i = 0; i < nr; ++i) acc[i] = load16(out + i * head_dim);
+    for (int64_t s = 0; s < valid; ++s) {
+        const v16 vv = load16(v + s * vs);
+        for (int i = 0; i < nr; ++i) acc[i] += p[i * stride + s] * vv;
+    }
+    for (int i = 0; i < nr; ++i) store16(out + i * head_dim, acc[i]);
+}
+
+/* scores[r * stride + s] = <qs[r], key_s> for the rows r < rows and slots s < valid of one page. */
+static void page_scores_rows(const float *restrict qs, int64_t rows, const float *restrict k, int64_t ks,
+                             int64_t head_dim, int64_t page_size, int64_t valid, float *restrict scores,
+                             int64_t stride) {
+    if (page_size != LANES || head_dim % LANES || head_dim > 256) {
+        for (int64_t r = 0; r < rows; ++r)
+            for (int64_t s = 0; s < valid; ++s) {
+                float acc = 0.0f;
+                for (int64_t d = 0; d < head_dim; ++d) acc += qs[r * head_dim + d] * k[s * ks + d];
+                scores[r * stride + s] = acc;
+            }
+        return;
+    }
+    v16 kt[256]; /* kt[d] = the page's keys' coordinate d, slots on lanes (0 past valid) */
+    for (int64_t d = 0; d < head_dim; d += LANES) {
+        v16 *blk = kt + d;
+        for (int64_t s = 0; s < LANES; ++s) blk[s] = s < valid ? load16(k + s * ks + d) : (v16){0};
+        transpose16(blk);
+    }
+    int64_t r = 0;
+    for (; rows - r >= VQ; r += VQ) scores_block(qs + r * head_dim, kt, head_dim, scores + r * stride, stride, VQ);
+    if (rows - r >= 4) {
+        scores_block(qs + r * head_dim, kt, head_dim, scores + r * stride, stride, 4);
+        r += 4;
+    }
+    if (rows - r >= 2) {
+        scores_block(qs + r * head_dim, kt, head_dim, scores + r * stride, stride, 2);
+        r += 2;
+    }
+    if (rows - r >= 1) scores_block(qs + r * head_dim, kt, head_dim, scores + r * stride, stride, 1);
+}
+
+/* out[r, :] += sum over slots s < valid of p[r * stride + s] * value_s, rows r < rows (D a multiple of 16
+ * takes register blocks of up to VQ rows per 16-wide slice of the head dim). */
+static void page_values_rows(const float *restrict p, int64_t rows, int64_t stride, const float *restrict v,
+                             int64_t vs, int64_t head_dim, int64_t valid, float *restrict out) {
+    if (head_dim % LANES) {
+        for (int64_t r = 0; r < rows; ++r)
+            for (int64_t s = 0; s < valid; ++s)
+                for (int64_t d = 0; d < head_dim; ++d) out[r * head_dim + d] += p[r * stride + s] * v[s * vs + d];
+        return;
+    }
+    for (int64_t d = 0; d < head_dim; d += LANES) {
+        int64_t r = 0;
+        for (; rows - r >= VQ; r += VQ)
+            values_block(p + r * stride, stride, v + d, vs, valid, out + r * head_dim + d, head_dim, VQ);
+        if (rows - r >= 4) {
+            values_block(p + r * stride, stride, v + d, vs, valid, out + r * head_dim + d, head_dim, 4);
+            r += 4;
+        }
+        if (rows - r >= 2) {
+            values_block(p + r * stride, stride, v + d, vs, valid, out + r * head_dim + d, head_dim, 2);
+            r += 2;
+        }
+        if (rows - r >= 1) values_block(p + r * stride, stride, v + d, vs, valid, out + r * head_dim + d, head_dim, 1);
+    }
+}
+
+void sparrow_paged_verify_attention(const float *q, const float *k_pages, int64_t stride_kp, int64_t stride_kh,
+                                    int64_t stride_ks, const float *v_pages, int64_t stride_vp,
+                                    int64_t stride_vh, int64_t stride_vs, const int32_t *block_table,
+                                    int64_t stride_bt, const int64_t *start, const int64_t *num_queries,
+                                    int64_t width, int64_t batch, int64_t t_max, int64_t hkv, int64_t group,
+                                    int64_t head_dim, int64_t page_size, float scale, float *out, float *work) {
+    const int64_t hq = hkv * group, span = t_max * group; /* span: query rows per KV head, at most */
+    float *scores = work, *qs = work + hkv * span * width, *os = qs + hkv * span * head_dim;
+    memset(out, 0, sizeof(float) * batch * t_max * hq * head_dim);
+    for (int64_t b = 0; b < batch; ++b) {
+        const int64_t nq = num_queries[b], length = start[b] + nq, rows = nq * group;
+        const int64_t pages = (length + page_size - 1) / page_size;
+        const int32_t *table = block_table + b * stride_bt;
+        /* rows of KV head h: r = t * G + g (position t, query head h * G + g), at qs + h * span * D */
+        for (int64_t h = 0; h < hkv; ++h)
+            for (int64_t t = 0; t < nq; ++t)
+                for (int64_t g = 0; g < group; ++g) {
+                    const float *src = q + ((b * t_max + t) * hq + h * group + g) * head_dim;
+                    float *dst = qs + (h * span + t * group + g) * head_dim;
+                    for (int64_t d = 0; d < head_dim; ++d) dst[d] = src[d] * scale;
+                }
+        for (int64_t j = 0; j < pages; ++j) { /* pages outer, heads inner: the pool is read in order (the
+                                                hardware prefetcher follows it) */
+            const int64_t valid = length - j * page_size < page_size ? length - j * page_size : page_size;
+            const float *kp = k_pages + (int64_t)table[j] * stride_kp;
+            for (int64_t h = 0; h < hkv; ++h)
+                page_scores_rows(qs + h * span * head_dim, rows, kp + h * stride_kh, stride_ks, head_dim, page_size,
+                                 valid, scores + h * span * width + j * page_size, width);
+        }
+        for (int64_t h = 0; h < hkv; ++h)
+            for (int64_t r = 0; r < rows; ++r) { /* causal: row r sees positions 0 .. start + r / G */
+                float *row = scores + (h * span + r) * width;
+                const int64_t seen = start[b] + r / group + 1;
+                softmax_row(row, seen);
+                memset(row + seen, 0, sizeof(float) * (length - seen));
+            }
+        memset(os, 0, sizeof(float) * hkv * span * head_dim);
+        for (int64_t j = 0; j < pages; ++j) {
+            const int64_t valid = length - j * page_size < page_size ? length - j * page_size : page_size;
+            const float *vp = v_pages + (int64_t)table[j] * stride_vp;
+            for (int64_t h = 0; h < hkv; ++h)
+                page_values_rows(scores + h * span * width + j * page_size, rows, width, vp + h * stride_vh,
+                                 stride_vs, head_dim, valid, os + h * span * head_dim);
+        }
+        for (int64_t h = 0; h < hkv; ++h)
+            for (int64_t t = 0; t < nq; ++t)
+                for (int64_t g = 0; g < group; ++g)
+                    memcpy(out + ((b * t_max + t) * hq + h * group + g) * head_dim,
+                           os + (h * span + t * group + g) * head_dim, sizeof(float) * head_dim);
+    }
+}

@@ -474,3 +474,76 @@ def paged_decode_attention(
         work.data_ptr(),
     )
     return out
+
+
+@functools.cache
+def _verify_kernel():
+    """``sparrow_paged_verify_attention`` of the loaded library with its argument types (None without one)."""
+    lib = _library()
+    if lib is None:
+        return None
+    fn = lib.sparrow_paged_verify_attention
+    fn.argtypes = [_P, _P, *[_I64] * 3, _P, *[_I64] * 3, _P, _I64, _P, _P, *[_I64] * 7, _F32, _P, _P]
+    fn.restype = None
+    return fn
+
+
+def paged_verify_attention(
+    q: torch.Tensor,
+    cache: PagedKVCache,
+    layer: int,
+    block_table: torch.Tensor,
+    start: torch.Tensor,
+    num_queries: torch.Tensor,
+) -> torch.Tensor:
+    """Dense causal attention of a few query positions per row over the paged cache, read in place (the
+    speculative verify pass): query i of row b sits at cache position ``start[b] + i`` and attends to
+    positions 0 .. start[b] + i, whose keys/values are already stored.
+
+    Args:
+        q: [B, T, Hq, D] fp32 (Hq a multiple of the cache's KV heads).
+        cache, layer: the paged cache (fp32) and the layer to read.
+        block_table: [B, max_pages] int32 with pages for positions below ``start + num_queries``.
+        start: [B] int64 tokens cached before the first query; num_queries: [B] int64 in 1 .. T, the queries
+            of each row that are computed (the rest of the output is 0, and their positions are never read).
+
+    Returns:
+        [B, T, Hq, D] fp32: per query softmax(q.K / sqrt(D)) . V over its visible positions. Every key and
+        value of a (row, KV head) is read once for all of its queries and query heads.
+    """
+    fn = _verify_kernel()
+    if fn is None:
+        raise RuntimeError("paged_verify_attention: the CPU kernel is not available (see available())")
+    k_pages, v_pages = cache.k_pages[layer], cache.v_pages[layer]
+    batch, t, hq, d = q.shape
+    hkv, ps = k_pages.shape[1], cache.page_size
+    start = start.to(torch.int64).contiguous()
+    num_queries = num_queries.to(torch.int64).contiguous()
+    table = block_table.to(torch.int32).contiguous()
+    width = -(-int((start + num_queries).max()) // ps) * ps
+    q = q.float().contiguous()
+    out = torch.empty(batch, t, hq, d, dtype=torch.float32)
+    group = hq // hkv
+    work = torch.empty(hkv * t * group * (width + 2 * d), dtype=torch.float32)
+    fn(
+        q.data_ptr(),
+        k_pages.data_ptr(),
+        *k_pages.stride()[:3],
+        v_pages.data_ptr(),
+        *v_pages.stride()[:3],
+        table.data_ptr(),
+        table.stride(0),
+        start.data_ptr(),
+        num_queries.data_ptr(),
+        width,
+        batch,
+        t,
+        hkv,
+        group,
+        d,
+        ps,
+        1.0 / d**0.5,
+        out.data_ptr(),
+        work.data_ptr(),
+    )
+    return out

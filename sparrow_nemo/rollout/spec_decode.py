@@ -35,13 +35,11 @@ from sparrow_nemo.rollout.decode_step import DecodeStep
 from sparrow_nemo.rollout.engine import FinishReason, RolloutSample, SamplingParams, TokenTally
 from sparrow_nemo.rollout.paged_cache import PagedKVCache
 from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder
-from sparrow_nemo.rollout.sampling import draw_uniforms, token_logprobs
+from sparrow_nemo.rollout.sampling import draw_uniforms, sample_tokens, token_logprobs
 from sparrow_nemo.rollout.spec_verify import VerifyAttention, rebuild_centroids, verify_forward
 from sparrow_nemo.rollout.speculative import (
     SpeculativeConfig,
     draw_round_uniforms,
-    kept_probs,
-    sample_from,
     verify_drafts,
 )
 from sparrow_nemo.rollout.stopping import StopRule
@@ -170,7 +168,7 @@ class SpeculativeDecoder:
         gens = list(generators)
         try:
             u = torch.zeros(batch, dtype=torch.float64) if greedy else draw_uniforms(gens)
-            pending = sample_from(kept_probs(logits, self.sampling), u)
+            pending = sample_tokens(logits, self.sampling, u)
             self._emit(samples, rows, pending[:, None].tolist(), [1] * batch, max_new)
             self._record(
                 samples, rows, logits[:, None], pending[:, None], torch.ones_like(cached), cached - 1
@@ -211,11 +209,12 @@ class SpeculativeDecoder:
         k_list = k.tolist()
         width = max(k_list)
         self.cache.reserve(block_table, cached + (width + 1 if self.pad_queries else k + 1))
-        drafts, draft_logits, budgets = self._draft(block_table, cached, pending, k, width, gens)
+        greedy = self.sampling.temperature == 0
+        u_draft, u_accept, u_final = draw_round_uniforms(gens, k_list, width, greedy)
+        drafts, draft_logits, budgets = self._draft(block_table, cached, pending, k, width, u_draft)
         tokens = torch.cat([pending[:, None], drafts], dim=1)  # [b, width + 1]
         valid = torch.arange(width + 1, device=k.device)[None, :] <= k[:, None]
         dense = verify_forward(self.model, self.verify, self.cache, block_table, tokens, cached, valid)
-        u_accept, u_final = draw_round_uniforms(gens, k_list, width, self.sampling.temperature == 0)
         verdict = verify_drafts(dense, draft_logits, drafts, k, self.sampling, u_accept, u_final)
 
         accepted = verdict.accepted.tolist()
@@ -226,12 +225,12 @@ class SpeculativeDecoder:
         tested = verdict.tested
         positions = cached[:, None] + 1 + torch.arange(width, device=cached.device)[None, :]
         is_accepted = torch.arange(width, device=k.device)[None, :] < verdict.accepted[:, None]
+        counts = tested.sum(dim=1).tolist()  # each row's tests, split out of one masked selection per field
+        fields = (positions, verdict.alpha.float(), is_accepted, budgets)
+        parts = [f[tested].split(counts) for f in fields]
         starts = (cached + 1).tolist()
         for b, s in enumerate(rows):
-            t = tested[b]
-            samples[s].tests.append(
-                (positions[b, t], verdict.alpha[b, t].float(), is_accepted[b, t], budgets[b, t])
-            )
+            samples[s].tests.append(tuple(part[b] for part in parts))
             samples[s].rounds.append((starts[b], k_list[b], emitted[b]))
         new_cached = cached + verdict.accepted + 1
         going = torch.tensor([samples[s].finish is None for s in rows], device=cached.device)
@@ -246,29 +245,24 @@ class SpeculativeDecoder:
         pending: torch.Tensor,
         k: torch.Tensor,
         width: int,
-        gens: list[torch.Generator],
+        uniforms: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``width`` sparse steps over the rows still drafting -> (drafts [b, width] int64, their logits
-        [b, width, V] fp32, the draft budgets [b, width] int64); entries past a row's k are 0."""
+        """``width`` sparse steps over the rows still drafting, draft token j of row b drawn with
+        ``uniforms [b, width]`` -> (drafts [b, width] int64, their logits [b, width, V] fp32, the draft budgets
+        [b, width] int64); entries past a row's k are 0."""
         b = cached.shape[0]
         device = cached.device
         drafts = torch.zeros(b, width, dtype=torch.int64, device=device)
         logits = torch.zeros(b, width, self.model.shape.vocab_size, dtype=torch.float32, device=device)
         budgets = torch.zeros(b, width, dtype=torch.int64, device=device)
-        greedy = self.sampling.temperature == 0
+        every = int(k.min()) if b else 0  # steps that every row takes (no row selection needed)
         feed = pending
         for j in range(width):
-            sub = torch.nonzero(k > j)[:, 0]
+            sub = slice(None) if j < every else torch.nonzero(k > j)[:, 0]
             seq = cached[sub] + j + 1
             budget = None if self.schedule.is_dense else self.schedule.budgets_for(seq)
             lg = self.step(self.cache, block_table[sub], feed[sub], seq, budget)
-            picks = sub.tolist()
-            u = (
-                torch.zeros(len(picks), dtype=torch.float64)
-                if greedy
-                else draw_uniforms([gens[r] for r in picks])
-            )
-            drafts[sub, j] = sample_from(kept_probs(lg, self.sampling), u)
+            drafts[sub, j] = sample_tokens(lg, self.sampling, uniforms[sub, j])
             logits[sub, j] = lg
             budgets[sub, j] = torch.full_like(seq, DENSE_BUDGET) if budget is None else budget
             feed = drafts[:, j]

@@ -134,6 +134,11 @@ def sample_from(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return order.gather(-1, pick[:, None]).squeeze(-1)
 
 
+#: float64 elements of p (and as many of q) that :func:`verify_drafts` forms at once: at batch 64 and a
+#: 151,936-token vocabulary that is one draft position at a time (78 MB each), at the tiny CPU shapes all of them
+PROBS_ELEMENTS = 1 << 24
+
+
 @dataclass(frozen=True)
 class Verdict:
     """The outcome of one verify pass (B rows, K = the most draft tokens of any row).
@@ -176,46 +181,50 @@ def verify_drafts(
     """
     batch, width = drafts.shape
     device = dense_logits.device
-    alive = torch.ones(batch, dtype=torch.bool, device=device)
-    accepted = torch.zeros(batch, dtype=torch.int64, device=device)
-    next_token = torch.zeros(batch, dtype=torch.int64, device=device)
     alpha = torch.zeros(batch, width, dtype=torch.float64, device=device)
-    tested = torch.zeros(batch, width, dtype=torch.bool, device=device)
+    ok = torch.zeros(batch, width, dtype=torch.bool, device=device)
+    step = max(1, PROBS_ELEMENTS // max(1, batch * dense_logits.shape[-1]))  # positions per chunk
+    for j in range(0, width, step):  # every position of a chunk at once: no per-position loop at small V
+        e = min(j + step, width)
+        p = sampling_probs(dense_logits[:, j:e], sampling)  # [B, e - j, V]
+        q = sampling_probs(draft_logits[:, j:e], sampling)
+        alpha[:, j:e] = torch.minimum(p, q).sum(dim=-1)
+        d = drafts[:, j:e, None]
+        ok[:, j:e] = accept_uniforms[:, j:e].to(device) * q.gather(2, d)[..., 0] < p.gather(2, d)[..., 0]
+    in_run = torch.arange(width, device=device)[None, :] < num_drafts[:, None]
+    passed = torch.cumprod((ok & in_run).to(torch.int64), dim=1)  # 1 while every draft so far passed
+    accepted = passed.sum(dim=1)
+    tested = in_run & (torch.arange(width, device=device)[None, :] <= accepted[:, None])
+    rows = torch.arange(batch, device=device)
+    rejected = accepted < num_drafts  # the first rejection is at position `accepted`
+    at = torch.clamp(accepted, max=max(width - 1, 0))
     u_final = final_uniforms.to(device)
-    for j in range(width):
-        p = sampling_probs(dense_logits[:, j], sampling)
-        q = sampling_probs(draft_logits[:, j], sampling)
-        alpha[:, j] = torch.minimum(p, q).sum(dim=-1)
-        d = drafts[:, j : j + 1]
-        ok = accept_uniforms[:, j].to(device) * q.gather(1, d)[:, 0] < p.gather(1, d)[:, 0]
-        tested[:, j] = alive & (j < num_drafts)
-        rejected = tested[:, j] & ~ok
-        if bool(rejected.any()):
-            residual = torch.clamp(p[rejected] - q[rejected], min=0.0)
-            next_token[rejected] = sample_from(residual, u_final[rejected])
-        accepted += (tested[:, j] & ok).to(torch.int64)
-        alive &= ~rejected
-    bonus = alive  # every draft accepted: one more token from the dense distribution after the last
+    next_token = torch.zeros(batch, dtype=torch.int64, device=device)
+    if bool(rejected.any()):
+        r = rows[rejected]
+        p = sampling_probs(dense_logits[r, at[r]], sampling)
+        residual = torch.clamp(p - sampling_probs(draft_logits[r, at[r]], sampling), min=0.0)
+        next_token[r] = sample_from(residual, u_final[r])
+    bonus = ~rejected  # every draft accepted: one more token from the dense distribution after the last
     if bool(bonus.any()):
-        rows = torch.nonzero(bonus)[:, 0]
-        next_token[rows] = sample_from(
-            kept_probs(dense_logits[rows, num_drafts[rows]], sampling), u_final[rows]
-        )
+        r = rows[bonus]
+        next_token[r] = sample_from(kept_probs(dense_logits[r, num_drafts[r]], sampling), u_final[r])
     return Verdict(accepted=accepted, next_token=next_token, alpha=alpha, tested=tested)
 
 
 def draw_round_uniforms(
     generators: Sequence[torch.Generator], num_drafts: Sequence[int], width: int, greedy: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A round's acceptance draws, after the draft's: per row ``k_b`` uniforms then one more, from the row's
-    own generator (so a sample's draws depend only on its own state). -> ([B, width], [B]) float64 on CPU,
-    zeros where a row has no draft and everywhere when ``greedy`` (no draws at all)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A round's draws, per row from its own generator in one call (so a sample's draws depend only on its own
+    state): ``k_b`` for the draft tokens, then ``k_b`` for the acceptance tests, then one for the emitted token,
+    in this order, as ``2 k_b + 1`` single draws would give them. -> (draft [B, width], accept [B, width],
+    final [B]) float64 on CPU, zeros past a row's k and everywhere when ``greedy`` (no draws at all)."""
+    draft = torch.zeros(len(generators), width, dtype=torch.float64)
     accept = torch.zeros(len(generators), width, dtype=torch.float64)
     final = torch.zeros(len(generators), dtype=torch.float64)
     if greedy:
-        return accept, final
+        return draft, accept, final
     for b, (g, k) in enumerate(zip(generators, num_drafts)):
-        if k:
-            accept[b, :k] = torch.rand(k, generator=g, dtype=torch.float64)
-        final[b] = torch.rand(1, generator=g, dtype=torch.float64)[0]
-    return accept, final
+        u = torch.rand(2 * k + 1, generator=g, dtype=torch.float64)
+        draft[b, :k], accept[b, :k], final[b] = u[:k], u[k : 2 * k], u[2 * k]
+    return draft, accept, final

@@ -30,6 +30,7 @@ from sparrow_nemo.rollout.spec_decode import SpeculativeSample
 from sparrow_nemo.rollout.spec_verify import TorchVerify, rebuild_centroids, verify_forward
 from sparrow_nemo.rollout.speculative import (
     SpeculativeConfig,
+    draw_round_uniforms,
     kept_probs,
     sample_from,
     sampling_probs,
@@ -135,6 +136,19 @@ def test_greedy_rule_accepts_while_the_draft_is_the_dense_argmax() -> None:
     assert v.accepted.tolist() == [2, 3, 0]
     assert v.next_token.tolist() == [0, 2, 4]  # the dense argmax at the first mismatch, or the bonus
     assert v.tested.tolist() == [[True, True, True], [True, True, True], [True, False, False]]
+
+
+def test_a_round_draws_what_single_draws_in_order_give() -> None:
+    """Per row: its k draft draws, then k acceptance draws, then the emitted token's, from its own generator."""
+    ks = [3, 0, 5]
+    got = draw_round_uniforms([torch.Generator().manual_seed(s) for s in (1, 2, 3)], ks, 5, greedy=False)
+    for b, (k, seed) in enumerate(zip(ks, (1, 2, 3))):
+        g = torch.Generator().manual_seed(seed)
+        singles = [float(torch.rand(1, generator=g, dtype=torch.float64)) for _ in range(2 * k + 1)]
+        assert got[0][b, :k].tolist() == singles[:k] and got[1][b, :k].tolist() == singles[k : 2 * k]
+        assert float(got[2][b]) == singles[2 * k]
+        assert not got[0][b, k:].any() and not got[1][b, k:].any()
+    assert all(not t.any() for t in draw_round_uniforms([torch.Generator()], [4], 4, greedy=True))
 
 
 def test_config_k_per_bin_and_round_trip() -> None:

@@ -39,15 +39,25 @@ def test_fraction_schedule_grows_in_whole_pages(bench) -> None:
 def test_tiny_run_writes_one_consistent_line_per_arm(bench, tmp_path: Path) -> None:
     out = tmp_path / "spec.jsonl"
     args = ["--shape", "tiny-test", "--batch", "2", "--prompt-len", "40", "--gen-len", "12", "--ks", "2", "5"]
-    rows = bench.main([*args, "--bin-tokens", "16", "--page-size", "4", "--repeats", "2", "--out", str(out)])
+    args += ["--draft-budgets", "8", "--bin-tokens", "16", "--page-size", "4", "--repeats", "2"]
+    rows = bench.main([*args, "--out", str(out)])
     lines = [json.loads(line) for line in out.read_text().splitlines()]
+    arms = [
+        "dense",
+        "sparse",
+        "speculative k=2",
+        "speculative k=2 draft=8",
+        "speculative k=5",
+        "speculative k=5 draft=8",
+    ]
+    assert [r["arm"] for r in lines] == arms == [r["arm"] for r in rows]
     assert (
-        [r["arm"] for r in lines]
-        == ["dense", "sparse", "speculative k=2", "speculative k=5"]
-        == [r["arm"] for r in rows]
-    )
+        lines[3]["schedule"] == [8] and lines[2]["schedule"] == lines[1]["schedule"]
+    )  # what each arm drafted with
     for r in lines:
-        assert {"host", "date", "load_avg_1m", "batch", "prompt_len", "gen_len"} <= set(r)
+        assert {"host", "date", "load_avg_1m", "load_avg_1m_after", "batch", "prompt_len", "gen_len"} <= set(
+            r
+        )
         assert r["decode_tokens_per_s"] > 0 and len(r["decode_s"]) == len(r["decode_cpu_s"]) == 2
         assert r["decode_tokens_per_cpu_s"] > 0
     assert lines[0]["speedup_vs_dense"] == lines[0]["speedup_vs_dense_cpu"] == 1.0

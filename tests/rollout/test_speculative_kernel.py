@@ -23,7 +23,7 @@ pytest.importorskip("triton")
 
 from sparrow_nemo.rollout import SamplingParams, TorchRolloutEngine  # noqa: E402
 from sparrow_nemo.rollout.paged_cache import PagedKVCache  # noqa: E402
-from sparrow_nemo.rollout.spec_verify import KernelVerify, TorchVerify  # noqa: E402
+from sparrow_nemo.rollout.spec_verify import KernelVerify, verify_attention_torch  # noqa: E402
 from sparrow_nemo.rollout.speculative import SpeculativeConfig  # noqa: E402
 from sparrow_nemo.sparse.schedule import BudgetSchedule  # noqa: E402
 
@@ -46,8 +46,8 @@ def test_kernel_verify_attention_equals_the_torch_one() -> None:
     table = order.view(3, 8).to(DEVICE)
     start = torch.tensor([13, 2, 25], device=DEVICE)  # tokens cached before the T new ones
     q = torch.randn(3, 4, 8, 16, generator=gen).to(DEVICE)  # T = 4 queries, 8 query heads (group 4)
-    got = KernelVerify().attend(q, cache, 0, table, start)
-    want = TorchVerify().attend(q, cache, 0, table, start)
+    got = KernelVerify().attend(q, cache, 0, table, start, torch.full_like(start, 4))
+    want = verify_attention_torch(q, cache, 0, table, start)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
