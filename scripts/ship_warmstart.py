@@ -26,10 +26,10 @@ from pathlib import Path
 
 import torch
 
-from sparrow_nemo.grpo import setup
 from sparrow_nemo.grpo.prompts import build_prompt_source
 from sparrow_nemo.grpo.recipe import load_config
 from sparrow_nemo.grpo.warmstart import MANIFEST, SHIPPED_ROOT, ensure_warm_start, file_sha256
+from sparrow_nemo.grpo.world import start_processes
 from sparrow_nemo.policy.parallel import destroy_parallel
 
 
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> Path:
     with tempfile.TemporaryDirectory() as cache:
         config = load_config(args.config, [*args.overrides, f"warmstart.cache_dir={cache}"])
         source = build_prompt_source(config)
-        setup.start_processes()
+        start_processes()
         t0 = time.perf_counter()
         try:
             folder = ensure_warm_start(config, source, config.logging.progress_bar, use_shipped=False)

@@ -1,0 +1,63 @@
+"""The shipped warm-starts: scripts/ship_warmstart.py writes a loadable, hash-listed folder, and the long-CoT
+recipe's checkpoint is shipped under the key the current code and recipe give (else its first run trains for
+~20 minutes instead of loading it)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from sparrow_nemo.grpo import warmstart
+from sparrow_nemo.grpo.prompts import build_prompt_source
+from sparrow_nemo.grpo.recipe import load_config
+from sparrow_nemo.grpo.world import one_rank_world
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _ship_script():
+    spec = importlib.util.spec_from_file_location("ship_warmstart", REPO / "scripts" / "ship_warmstart.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_ship_script_writes_a_folder_that_a_fresh_run_loads_instead_of_training(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    script = _ship_script()
+    monkeypatch.setattr(script, "SHIPPED_ROOT", tmp_path / "shipped")
+    small = ["model.preset=tiny-test", "warmstart.steps=2", "logging.progress_bar=false"]
+    with one_rank_world():
+        folder = script.main(["--config", "tiny_cpu_smoke", *small])
+    manifest = json.loads((folder / warmstart.MANIFEST).read_text())
+    assert manifest["key"] == folder.name and manifest["recipe"] == "tiny_cpu_smoke"
+    assert set(manifest["sha256"]) == {"config.json", "model.safetensors", "warmstart.json"}
+    assert all(warmstart.file_sha256(folder / f) == h for f, h in manifest["sha256"].items())
+
+    monkeypatch.setattr(warmstart, "SHIPPED_ROOT", tmp_path / "shipped")
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("trained although the shipped checkpoint has the key")
+
+    monkeypatch.setattr(warmstart, "_train_and_cache", no_training)
+    config = load_config("tiny_cpu_smoke", [*small, f"warmstart.cache_dir={tmp_path / 'cache'}"])
+    with one_rank_world():
+        got = warmstart.ensure_warm_start(config, build_prompt_source(config), show_progress=False)
+    assert got.name == folder.name
+    assert (got / "model.safetensors").read_bytes() == (folder / "model.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("recipe", ["tiny_cpu_long", "tiny_cpu_long_smoke"])
+def test_the_long_recipe_warm_start_is_shipped_for_the_current_code(recipe: str) -> None:
+    config = load_config(recipe, [])
+    with one_rank_world():
+        key = warmstart.cache_key(config, "CharTokenizer", warmstart.SINGLE_RANK)
+    assert warmstart.shipped_checkpoint(key) is not None, (
+        f"no shipped warm-start for {recipe} under key {key}: the recipe's warm-start settings or the code in "
+        f"grpo.warmstart.WARMSTART_SOURCES changed; remake it with "
+        f"`python scripts/ship_warmstart.py --config tiny_cpu_long` (~20 min) and delete the old folder"
+    )
