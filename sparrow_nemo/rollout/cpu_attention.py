@@ -204,6 +204,20 @@ def supports(q: torch.Tensor, cache: PagedKVCache) -> bool:
     )
 
 
+def _pool_args(k_pages: torch.Tensor, v_pages: torch.Tensor, table: torch.Tensor) -> tuple[int, ...]:
+    """The kernels' paged-cache arguments: the key pool's address and strides of its first three dims, the
+    value pool's, the block table's address and row stride (``k_pages``/``v_pages`` [pages, Hkv, ps, D] fp32,
+    ``table`` [B, P] int32)."""
+    return (
+        k_pages.data_ptr(),
+        *k_pages.stride()[:3],
+        v_pages.data_ptr(),
+        *v_pages.stride()[:3],
+        table.data_ptr(),
+        table.stride(0),
+    )
+
+
 def select_pages(
     q: torch.Tensor,
     cache: PagedKVCache,
@@ -301,12 +315,7 @@ def sparse_decode_attention(
         q.data_ptr(),
         cent.data_ptr(),
         *cent.stride()[:2],
-        k_pages.data_ptr(),
-        *k_pages.stride()[:3],
-        v_pages.data_ptr(),
-        *v_pages.stride()[:3],
-        table.data_ptr(),
-        table.stride(0),
+        *_pool_args(k_pages, v_pages, table),
         seq_len.data_ptr(),
         budget.data_ptr(),
         batch,
@@ -455,12 +464,7 @@ def paged_decode_attention(
     work = torch.empty(hkv, group, n * ps, dtype=torch.float32)
     lib.sparrow_paged_attention(
         q.data_ptr(),
-        k_pages.data_ptr(),
-        *k_pages.stride()[:3],
-        v_pages.data_ptr(),
-        *v_pages.stride()[:3],
-        table.data_ptr(),
-        table.stride(0),
+        *_pool_args(k_pages, v_pages, table),
         seq_len.data_ptr(),
         page_idx.data_ptr(),
         n,
@@ -527,12 +531,7 @@ def paged_verify_attention(
     work = torch.empty(hkv * t * group * (width + 2 * d), dtype=torch.float32)
     fn(
         q.data_ptr(),
-        k_pages.data_ptr(),
-        *k_pages.stride()[:3],
-        v_pages.data_ptr(),
-        *v_pages.stride()[:3],
-        table.data_ptr(),
-        table.stride(0),
+        *_pool_args(k_pages, v_pages, table),
         start.data_ptr(),
         num_queries.data_ptr(),
         width,
