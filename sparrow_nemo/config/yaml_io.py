@@ -10,10 +10,16 @@ the file (or the command line), the line and what was expected:
   expands to ~10^9 values; counting is linear in the distinct nodes) and recursive aliases;
 - the same key twice in one mapping (YAML itself keeps the last one silently); ``<<`` merge keys
   may still be overridden, as YAML defines.
+
+Booleans are YAML 1.2's: only ``true`` / ``false`` (any case as YAML writes them). PyYAML follows YAML 1.1,
+where ``off``, ``on``, ``yes``, ``no`` are booleans too, so ``tail_scheduler.adapt=off`` (a mode name) would
+arrive as ``False`` and be refused; here it is the string ``"off"``, and ``enabled: yes`` is a string that a
+boolean knob refuses with its one line.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +95,17 @@ class _LimitedLoader(yaml.SafeLoader):
                 )
             seen[key] = key_node.start_mark
         return super().construct_mapping(node, deep)
+
+
+_BOOL = "tag:yaml.org,2002:bool"
+# SafeLoader's implicit resolvers without YAML 1.1's yes/no/on/off booleans, then YAML 1.2's true/false
+_LimitedLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag != _BOOL]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_LimitedLoader.add_implicit_resolver(
+    _BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
 
 
 def _expanded_size(root: Node) -> int:

@@ -23,6 +23,9 @@ def test_set_existing_key_and_later_override_wins() -> None:
         ("++a.b={k: v}", "++", ("a", "b"), {"k": "v"}),
         ("a=null", "", ("a",), None),
         ("a=true", "", ("a",), True),
+        ("a=False", "", ("a",), False),
+        ("a=off", "", ("a",), "off"),  # YAML 1.2 booleans: off / on / yes / no are words
+        ("a=[on, no]", "", ("a",), ["on", "no"]),
         ("a=x=y", "", ("a",), "x=y"),
         ("a=", "", ("a",), ""),
         ("a._target_=pkg.Mod", "", ("a", "_target_"), "pkg.Mod"),
@@ -32,6 +35,15 @@ def test_override_parsing_uses_yaml_values(
     text: str, mode: str, path: tuple[str, ...], value: object
 ) -> None:
     assert Override.parse(text) == Override(mode, path, value)
+
+
+def test_a_mode_named_off_is_set_unquoted() -> None:
+    assert load_config(None, ["tail_scheduler.adapt=off"]).tail_scheduler.adapt == "off"
+
+
+def test_a_yaml_1_1_boolean_word_is_refused_by_a_boolean_knob() -> None:
+    with pytest.raises(ConfigError, match=r"^config error: warmstart\.enabled=yes \(from command line\) - "):
+        load_config(None, ["warmstart.enabled=yes"])
 
 
 @pytest.mark.parametrize("text", ["noequals", "=1", "+++a=1", "a..b=1", "a.b =1", "a=[1, 2"])
