@@ -137,6 +137,13 @@ class WarmstartConfig(Section):
         "minimum to their full sizes (0 = none): a small model finds the table look-up on small tables first",
         check=NON_NEGATIVE,
     )
+    filler_ramp_steps: tuple[int, ...] | None = knob(
+        None,
+        "(first, last) step of the filler's own linear growth from filler_tokens' minimum to its maximum (before "
+        "first: the minimum; the look-up is learned on short prompts, then the haystack grows); null = with "
+        "ramp_steps",
+        check=NON_NEGATIVE,
+    )
     cache_dir: str | None = knob(
         None,
         "cache folder; null = $SPARROW_CACHE/warmstart, else ~/.cache/sparrow_nemo/warmstart",
@@ -144,7 +151,7 @@ class WarmstartConfig(Section):
     )
 
     def check(self) -> None:
-        for key in ("num_hops", "num_nodes", "filler_tokens"):
+        for key in ("num_hops", "num_nodes", "filler_tokens", "filler_ramp_steps"):
             value = getattr(self, key)
             if value is not None and (len(value) != 2 or value[0] > value[1]):
                 raise self.invalid(key, "null or two integers [min, max] with 1 <= min <= max")

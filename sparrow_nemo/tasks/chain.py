@@ -233,22 +233,34 @@ class ChainTask:
     """A seeded, indexable stream of chain problems.
 
     ``ramp_problems``: warm-start pairs grow from the smallest sizes to the full ranges over this many
-    problems (:meth:`warm_start_pairs`); 0 = full ranges at once. ``problem(i)`` ignores it.
+    problems (:meth:`warm_start_pairs`); 0 = full ranges at once. ``filler_ramp`` = (first, last): the
+    filler instead stays at its minimum for the first ``first`` pairs and grows to its full range by pair
+    ``last`` (None = with the sizes). ``problem(i)`` ignores both.
     """
 
-    def __init__(self, config: ChainTaskConfig | None = None, ramp_problems: int = 0) -> None:
+    def __init__(
+        self,
+        config: ChainTaskConfig | None = None,
+        ramp_problems: int = 0,
+        filler_ramp: tuple[int, int] | None = None,
+    ) -> None:
         if ramp_problems < 0:
             raise ValueError(f"ChainTask: ramp_problems must be >= 0, got {ramp_problems}")
+        if filler_ramp is not None and not 0 <= filler_ramp[0] <= filler_ramp[1]:
+            raise ValueError(
+                f"ChainTask: filler_ramp must be (first, last) with 0 <= first <= last, got {filler_ramp}"
+            )
         self.config = config or ChainTaskConfig()
         self.ramp_problems = ramp_problems
+        self.filler_ramp = filler_ramp
 
-    def problem(self, index: int, grown: float = 1.0) -> ChainProblem:
-        """Problem number ``index`` (deterministic in (config.seed, index, grown)).
+    def problem(self, index: int, grown: float = 1.0, filler_grown: float | None = None) -> ChainProblem:
+        """Problem number ``index`` (deterministic in (config.seed, index, grown, filler_grown)).
 
         ``grown`` in (0, 1] shrinks the size ranges toward their minimum, geometrically: the upper ends
         become ``min * (max / min) ** grown`` (rounded), the warm-start's ramp (it stays on small tables
-        for a while, then grows faster); the filler's upper end grows linearly, ``min + (max - min) * grown``
-        (its minimum may be 0). The filler length has its own random stream, so the filler knob leaves the
+        for a while, then grows faster). ``filler_grown`` in [0, 1] (None = ``grown``) shrinks the filler's
+        upper end linearly, ``min + (max - min) * filler_grown`` (its minimum may be 0). The filler length has its own random stream, so the filler knob leaves the
         table and the chain of problem ``index`` as they are.
         """
         cfg = self.config
@@ -258,7 +270,7 @@ class ChainTask:
         hops_hi = round(h_lo * (h_hi / h_lo) ** grown)
         num_hops = rng.randint(min(h_lo, num_nodes - 1), min(hops_hi, num_nodes - 1))
         filler = random.Random(f"filler:{cfg.seed}:{index}").randint(
-            f_lo, f_lo + round((f_hi - f_lo) * grown)
+            f_lo, f_lo + round((f_hi - f_lo) * (grown if filler_grown is None else filler_grown))
         )
         return make_problem(rng, num_nodes, num_hops, cfg.name_length, cfg.letters, filler)
 
@@ -271,11 +283,18 @@ class ChainTask:
 
         With ``ramp_problems`` = R > 0 the n-th pair's sizes grow geometrically from the ranges'
         minimum to their full ranges over the first R pairs (a curriculum: a small model finds the
-        table look-up on small tables, then carries it to long ones).
+        table look-up on small tables, then carries it to long ones). ``filler_ramp`` = (first, last): the
+        n-th pair's filler grows linearly from pair ``first`` to pair ``last`` (the look-up first, on short
+        prompts; then the haystack).
         """
         index, ramp = start, self.ramp_problems
         while True:
-            p = self.problem(index, grown=min(1.0, (index - start + 1) / ramp) if ramp else 1.0)
+            n = index - start + 1
+            filler_grown = None
+            if self.filler_ramp is not None:
+                first, last = self.filler_ramp
+                filler_grown = 1.0 if n >= last else max(0.0, (n - first) / (last - first))
+            p = self.problem(index, min(1.0, n / ramp) if ramp else 1.0, filler_grown)
             yield p.prompt, p.trace
             index += 1
 
@@ -288,7 +307,8 @@ class ChainTask:
 def build_tasks(task: ChainTaskConfig, warmstart=None) -> tuple[ChainTask, ChainTask]:
     """(RL task, warm-start task) from the recipe's ``task`` section and, optionally, its ``warmstart``
     section, whose ``num_hops`` / ``num_nodes`` / ``filler_tokens`` (when not null) give the warm-start problems other sizes and
-    whose ``ramp_steps`` (x ``batch_size`` problems) grows them from their minimum.
+    whose ``ramp_steps`` (x ``batch_size`` problems) grows them from their minimum (the filler over
+    ``filler_ramp_steps`` when given).
 
     Raises the config's error (naming the sizes) when the warm-start's sizes do not make a valid task.
     """
@@ -301,5 +321,8 @@ def build_tasks(task: ChainTaskConfig, warmstart=None) -> tuple[ChainTask, Chain
         num_nodes=tuple(nodes) if nodes is not None else task.num_nodes,
         filler_tokens=tuple(filler) if filler is not None else task.filler_tokens,
     )
-    ramp = getattr(warmstart, "ramp_steps", 0) * getattr(warmstart, "batch_size", 1)
-    return ChainTask(task), ChainTask(ws, ramp_problems=ramp)
+    batch = getattr(warmstart, "batch_size", 1)
+    ramp = getattr(warmstart, "ramp_steps", 0) * batch
+    filler_ramp = getattr(warmstart, "filler_ramp_steps", None)
+    filler_ramp = None if filler_ramp is None else (filler_ramp[0] * batch, filler_ramp[1] * batch)
+    return ChainTask(task), ChainTask(ws, ramp_problems=ramp, filler_ramp=filler_ramp)

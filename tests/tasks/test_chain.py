@@ -273,6 +273,32 @@ def test_no_filler_reproduces_the_original_problems_and_the_ramp_grows_it_linear
     assert statistics.mean(filler[:200]) < statistics.mean(filler[400:]) / 2
     _, warm = build_tasks(base, SimpleNamespace(num_hops=None, num_nodes=None, filler_tokens=(0, 64)))
     assert warm.config.filler_tokens == (0, 64)
+
+
+def test_the_filler_can_have_its_own_ramp_after_the_look_up_phase() -> None:
+    """warmstart.filler_ramp_steps = (first, last): no filler for `first` steps (the problems of the filler-free
+    task, pair for pair), then it grows linearly to its full range by step `last`."""
+    base = ChainTaskConfig(num_nodes=(3, 26), num_hops=(1, 22), seed=0)
+    ws = SimpleNamespace(
+        num_hops=None,
+        num_nodes=None,
+        filler_tokens=(0, 1000),
+        ramp_steps=5,
+        batch_size=4,
+        filler_ramp_steps=(50, 100),
+    )
+    _, warm = build_tasks(base, ws)
+    assert warm.filler_ramp == (200, 400) and warm.ramp_problems == 20
+    plain = build_tasks(
+        base, SimpleNamespace(**{**vars(ws), "filler_tokens": None, "filler_ramp_steps": None})
+    )[1]
+    pairs, plain_pairs = warm.warm_start_pairs(), plain.warm_start_pairs()
+    got = [next(pairs) for _ in range(800)]
+    assert got[:200] == [next(plain_pairs) for _ in range(200)]
+    filler = [sum(prompt.count(c) for c in FILLER) for prompt, _ in got]
+    assert max(filler[200:240]) <= 200 and max(filler[400:]) > 900
+    with pytest.raises(ValueError, match="filler_ramp"):
+        ChainTask(base, filler_ramp=(10, 5))
     with pytest.raises(ValueError, match="filler_tokens"):
         ChainTaskConfig(filler_tokens=(10, 5))
     with pytest.raises(ValueError, match="filler_tokens"):
