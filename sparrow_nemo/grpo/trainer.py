@@ -60,7 +60,7 @@ from sparrow_nemo.grpo.timing import PhaseTimer
 from sparrow_nemo.grpo.update import UpdateBatch, UpdateResult, mini_batch_order, update_policy
 from sparrow_nemo.grpo.wandb_logger import open_wandb
 from sparrow_nemo.grpo.warmstart import ensure_warm_start
-from sparrow_nemo.rollout.cost_fit import rollout_cost_model
+from sparrow_nemo.rollout.cost_fit import COST_HARDWARE_FILE, rollout_cost_model
 from sparrow_nemo.rollout.oom_retry import OomRetryEngine
 from sparrow_nemo.rollout.sampling import sample_seed
 from sparrow_nemo.rollout.spec_rollout import with_rollout_mode
@@ -127,9 +127,11 @@ class GrpoTrainer:
             setup.build_engine(config, weights, self.prompts.tokenizer) if self.plan.leads_engine else None
         )
         del weights
-        # rank 0 (it leads the first engine) prices decode steps on its engine (on the CPU: fitted, ~1-2 s)
+        # rank 0 (it leads the first engine) prices decode steps on its engine (CPU: fitted in ~1-2 s, kept in
+        # the run folder for a resume)
+        saved = self.run_dir / COST_HARDWARE_FILE
         self.cost_model = world.broadcast_from_rank0(
-            rollout_cost_model(config, engine) if self.is_main else None
+            rollout_cost_model(config, engine, saved) if self.is_main else None
         )
         self.rollout_engine = (
             OomRetryEngine(with_rollout_mode(config, engine, self.cost_model)) if engine is not None else None

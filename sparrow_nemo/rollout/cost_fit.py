@@ -44,6 +44,7 @@ from sparrow_nemo.sparse.schedule import BudgetSchedule
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "COST_HARDWARE_FILE",
     "FitPoint",
     "engine_cost_model",
     "fit_cpu_hardware",
@@ -59,6 +60,8 @@ FIT_REPEATS = 2
 #: the fit's short and (at most) long cached lengths, tokens
 FIT_SHORT = 64
 FIT_LONG = 2048
+#: the file of a run folder that keeps the constants fitted at its start (read again on resume)
+COST_HARDWARE_FILE = "cost_hardware.json"
 
 
 @dataclass(frozen=True)
@@ -219,12 +222,26 @@ def rollout_hardware(spec: str, engine: Any) -> Hardware:
     return HARDWARE["h100" if "H100" in gpu.upper() else "h200"]
 
 
-def rollout_cost_model(config: Any, engine: Any) -> DecodeCostModel:
+def rollout_cost_model(config: Any, engine: Any, saved: Path | None = None) -> DecodeCostModel:
     """The decode cost model of ``engine`` on the recipe's ``rollout.cost_hardware``: a torch engine's model,
-    dense layers and element sizes, else (TensorRT-LLM) ``model`` and ``sparsity.dense_layers`` in bf16."""
+    dense layers and element sizes, else (TensorRT-LLM) ``model`` and ``sparsity.dense_layers`` in bf16.
+
+    ``saved``: where a run keeps fitted constants (a JSON file in its folder). When it exists they are read
+    instead of fitted, so a resumed run prices steps, and the speculative planner decides, as before the
+    interruption; a fit writes it (atomically).
+    """
     from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
 
-    hardware = rollout_hardware(config.rollout.cost_hardware, engine)
+    spec = config.rollout.cost_hardware
+    fitting = spec == "auto" and isinstance(engine, TorchRolloutEngine) and engine.device.type == "cpu"
+    if fitting and saved is not None and saved.is_file():
+        hardware = Hardware.from_json(saved)
+    else:
+        hardware = rollout_hardware(spec, engine)
+        if fitting and saved is not None:
+            partial = saved.with_name(saved.name + ".partial")
+            hardware.to_json(partial)
+            partial.replace(saved)
     if isinstance(engine, TorchRolloutEngine):
         return engine_cost_model(engine, hardware)
     return DecodeCostModel(config.model.shape(), hardware, dense_layers=config.sparsity.dense_layers)

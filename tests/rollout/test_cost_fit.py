@@ -11,6 +11,7 @@ from sparrow_nemo.config import ConfigError
 from sparrow_nemo.grpo.recipe import load_config
 from sparrow_nemo.model_shapes import PRESETS
 from sparrow_nemo.rollout.cost_fit import (
+    COST_HARDWARE_FILE,
     FitPoint,
     fit_cpu_hardware,
     rollout_cost_model,
@@ -99,3 +100,15 @@ def test_bad_cost_hardware_is_a_one_line_config_error() -> None:
         ConfigError, match=r"rollout\.cost_hardware.*auto, h200, h100 or a path ending in \.json"
     ):
         load_config("tiny_cpu_smoke", ["rollout.cost_hardware=a100"])
+
+
+def test_a_run_folder_keeps_its_fitted_constants_for_the_resume(engine, tmp_path) -> None:
+    config = load_config("tiny_cpu_smoke", ["model.preset=tiny-test"])
+    saved = tmp_path / COST_HARDWARE_FILE
+    first = rollout_cost_model(config, engine, saved)
+    assert first.hardware.name == "cpu (fitted)" and Hardware.from_json(saved) == first.hardware
+    TRUE.to_json(saved)  # what an earlier attempt of the run had fitted
+    assert rollout_cost_model(config, engine, saved).hardware == TRUE  # read, not fitted again
+    named = load_config("tiny_cpu_smoke", ["model.preset=tiny-test", "rollout.cost_hardware=h100"])
+    assert rollout_cost_model(named, engine, tmp_path / "other.json").hardware == HARDWARE["h100"]
+    assert not (tmp_path / "other.json").exists()  # named constants are not written
