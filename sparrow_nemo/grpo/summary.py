@@ -84,6 +84,10 @@ def build_summary(
         )
     }
     if speculative["accept_rate"] is not None:  # rollout.mode=speculative: the end evaluation speculated too
+        last = steps[-1]
+        bins = sorted(int(k.rsplit("_", 1)[1]) for k in last if k.startswith("spec/k/bin_"))
+        speculative["last_k"] = [int(last[f"spec/k/bin_{b}"]) for b in bins]  # the plan of the last step
+        speculative["last_draft_budget"] = [int(last[f"spec/budget/bin_{b}"]) for b in bins]
         summary["speculative"] = speculative
     return summary
 
@@ -128,6 +132,15 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"{_fmt(spec['tokens_per_verify'], '.2f')} tokens per verify (predicted "
             f"{_fmt(spec['predicted_tokens_per_verify'], '.2f')} from the measured acceptance)"
         )
+        if spec.get("last_k"):
+            lines.append(
+                f"last step's plan per bin: k {spec['last_k']}, draft budget {spec['last_draft_budget']} tokens"
+                + (
+                    " (k = 0: plain dense decoding where drafting would not pay)"
+                    if 0 in spec["last_k"]
+                    else ""
+                )
+            )
         lines.append(
             f"rollout speedup vs dense: predicted {_fmt(spec['predicted_speedup'], '.2f')}x ({hardware} cost model), "
             f"measured {_fmt(summary.get('measured_rollout_speedup'), '.2f')}x (this machine, speculative vs dense "

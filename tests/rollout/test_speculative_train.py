@@ -164,6 +164,7 @@ def test_sparrow_train_speculative_end_to_end(tmp_path: Path) -> None:
         assert row["rollout_is/log_ppl_diff"] == 0.0
     summary = (run / "summary.txt").read_text()
     assert "speculative rollout (lossless)" in summary and "speculative vs dense" in summary
+    assert "last step's plan per bin: k [" in summary and "(h200 cost model)" in summary
     assert (run / "plots" / "speculative.png").is_file() and (
         run / "plots" / "speculative_tokens.png"
     ).is_file()
