@@ -33,7 +33,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -42,11 +42,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rollout_throughput import machine_info
 
 from sparrow_nemo.model_shapes import PRESETS
+from sparrow_nemo.rollout.cost_fit import engine_cost_model, fit_cpu_hardware
 from sparrow_nemo.rollout.engine import SamplingParams
 from sparrow_nemo.rollout.speculative import SpeculativeConfig
 from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
+from sparrow_nemo.sparse.cost_model import DecodeCostModel
 from sparrow_nemo.sparse.schedule import BudgetSchedule
-from sparrow_nemo.sparse.speculative_cost import expected_tokens_per_verify
+from sparrow_nemo.sparse.speculative_cost import (
+    SpeculativeCostModel,
+    SpeculativePlan,
+    expected_tokens_per_verify,
+)
 
 RESULTS = Path(__file__).resolve().parent / "results" / "speculative_rollout.jsonl"
 
@@ -109,6 +115,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             draft = BudgetSchedule(args.bin_tokens, (n,), args.page_size, name=f"fixed:{n}")
             arms[f"speculative k={k} draft={n}"] = (schedule, SpeculativeConfig((k,), draft_schedule=draft))
 
+    # the decode cost model fitted to this CPU and engine (sparrow_nemo.rollout.cost_fit): its prediction per arm
+    fitted = engine_cost_model(engine, fit_cpu_hardware(engine, batch=args.batch, seed=args.seed))
     first_token = replace(sampling, max_new_tokens=1)
     times: dict[str, list[float]] = {name: [] for name in arms}
     cpu: dict[str, list[float]] = {name: [] for name in arms}
@@ -141,6 +149,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     for name, (sched, spec) in arms.items():
         drafted = sched if spec is None else spec.schedule_for(sched)
+        predicted = _predicted_speedup(fitted, sched, spec, stats.get(name), args)
         rows.append({
             **meta, **config, "arm": name, "schedule": list(drafted.budgets),
             "decode_tokens_per_s": tokens / statistics.median(times[name]),
@@ -148,13 +157,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
             "decode_s": times[name], "decode_cpu_s": cpu[name],
             "speedup_vs_dense": statistics.median(d / t for d, t in zip(times["dense"], times[name])),
             "speedup_vs_dense_cpu": statistics.median(d / t for d, t in zip(cpu["dense"], cpu[name])),
+            "predicted_speedup_fitted": predicted, "fitted_hardware": asdict(fitted.hardware),
             **stats.get(name, {}),
         })  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("a") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
-    print(f"{'arm':<30} {'tok/s':>8} {'vs dense':>9} {'CPU tok/s':>9} {'vs dense':>9} {'alpha':>6} "
+    print(f"{'arm':<30} {'tok/s':>8} {'vs dense':>9} {'CPU tok/s':>9} {'vs dense':>9} {'fitted':>7} {'alpha':>6} "
           f"{'tok/verify':>10} {'predicted':>9}")  # fmt: skip
     for r in rows:
         extra = (
@@ -163,10 +173,28 @@ def main(argv: list[str] | None = None) -> list[dict]:
             else ""
         )
         print(f"{r['arm']:<30} {r['decode_tokens_per_s']:>8.0f} {r['speedup_vs_dense']:>8.2f}x "
-              f"{r['decode_tokens_per_cpu_s']:>9.0f} {r['speedup_vs_dense_cpu']:>8.2f}x {extra}")  # fmt: skip
+              f"{r['decode_tokens_per_cpu_s']:>9.0f} {r['speedup_vs_dense_cpu']:>8.2f}x "
+              f"{r['predicted_speedup_fitted']:>6.2f}x {extra}")  # fmt: skip
     print(f"wrote {len(rows)} lines to {args.out} (load average {load:.1f} before the run, "
           f"{meta['load_avg_1m_after']:.1f} after)", file=sys.stderr)  # fmt: skip
     return rows
+
+
+def _predicted_speedup(model: DecodeCostModel, schedule, spec, stats: dict | None, args) -> float:
+    """The fitted cost model's speedup over dense for an arm: a schedule, or speculation with its measured alpha."""
+    lengths, prompt = [args.gen_len] * args.batch, args.prompt_len
+    if spec is None:
+        return model.predicted_speedup(schedule, lengths, prompt)
+    draft = spec.schedule_for(schedule)
+    bins = (prompt + args.gen_len) // args.bin_tokens + 1
+    plan = SpeculativePlan(
+        args.bin_tokens,
+        tuple(draft.budgets[min(b, len(draft.budgets) - 1)] for b in range(bins)),
+        (spec.draft_tokens[0],) * bins,
+    )
+    return SpeculativeCostModel(model, args.page_size).predicted_speedup(
+        plan, [stats["alpha"]], lengths, prompt
+    )
 
 
 def _draft_stats(samples, k: int) -> dict[str, float]:

@@ -7,9 +7,12 @@ scored dense), for every bin of cached length with at least ``sparsity.min_bin_t
 statistic (p5) and its confidence bounds come from the :class:`StepReport` (computed once per step over all
 ranks, :mod:`sparrow_nemo.callbacks.tail_stats`). Then, in this order:
 
-1. collapse guard: when the mean response length or the mean reward fell by more than ``collapse_drop``
-   (a fraction) below its best over the previous ``collapse_window`` steps AND some bin is below the
-   threshold, install the dense schedule for the rest of the run and log ``collapse guard: ...``;
+1. collapse guard: when the mean response length or the mean reward of the last ``collapse_smooth`` steps fell
+   below the best mean of as many consecutive earlier steps of the ``collapse_window`` by more than
+   ``collapse_drop`` (a fraction of that best) and by more than ``collapse_noise_z`` standard errors of the
+   difference (the step-to-step noise, from successive differences: with a few prompts per step the step reward
+   is noisy) AND some bin is below the threshold, install the dense schedule for the rest of the run and log
+   ``collapse guard: ...``;
 2. ``mode`` ``raise`` / ``raise_and_lower``: each bin below the threshold (``ucb < threshold``) moves one
    rung of the budget ladder above the budget it was measured at (later bins are lifted to stay monotone;
    several raised bins combine by per-bin maximum, so a bin is never moved two rungs in one step);
@@ -26,6 +29,7 @@ the starting schedule. State (schedule, counters, guard window, history) round-t
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 from collections import deque
@@ -76,16 +80,35 @@ class TailSchedulerConfig(Section):
         "(experiments turn it off to watch a collapse happen)",
     )
     collapse_window: int = knob(
-        10, "steps over which the running best reward / response length is taken", check=AT_LEAST_ONE
+        20, "steps (this one included) whose reward / response length the guard compares", check=AT_LEAST_ONE
     )
     collapse_drop: float = knob(
-        0.3, "relative drop below the running best that counts as collapsing", check=OPEN_UNIT
+        0.5,
+        "relative fall of the last collapse_smooth steps' mean below the best earlier such mean that counts as "
+        "collapsing (a collapse takes reward or length most of the way to 0)",
+        check=OPEN_UNIT,
     )
-    collapse_min_steps: int = knob(3, "steps of history before the guard can fire", check=AT_LEAST_ONE)
+    collapse_min_steps: int = knob(
+        3,
+        "earlier steps (before the last collapse_smooth) needed before the guard can fire",
+        check=AT_LEAST_ONE,
+    )
+    collapse_smooth: int = knob(
+        5, "steps (this one included) averaged as the current value; 1 = this step alone", check=AT_LEAST_ONE
+    )
+    collapse_noise_z: float = knob(
+        3.0,
+        "the fall must also exceed this many standard errors of the difference of two collapse_smooth-step means "
+        "(step noise from successive differences); 0 = the relative drop alone",
+        check=NON_NEGATIVE,
+    )
 
     def check(self) -> None:
-        if self.collapse_min_steps > self.collapse_window:
-            raise self.invalid("collapse_min_steps", f"<= collapse_window ({self.collapse_window})")
+        if self.collapse_min_steps + self.collapse_smooth > self.collapse_window:
+            raise self.invalid(
+                "collapse_min_steps",
+                f"<= collapse_window - collapse_smooth ({self.collapse_window} - {self.collapse_smooth})",
+            )
 
 
 class TailMismatchScheduler(Callback):
@@ -127,12 +150,14 @@ class TailMismatchScheduler(Callback):
         self.collapse_guard = settings.collapse_guard
         self.collapse_drop = settings.collapse_drop
         self.collapse_min_steps = settings.collapse_min_steps
+        self.collapse_smooth = settings.collapse_smooth
+        self.collapse_noise_z = settings.collapse_noise_z
         self.calibrate = sparsity.calibrate if calibrate is None else calibrate
         self.write_files = write_files
         self.collapsed = False
         self.history: list[dict[str, Any]] = []
         self._above_streak: dict[int, int] = {}
-        self._recent: deque[tuple[float, float]] = deque(maxlen=settings.collapse_window)
+        self._recent: deque[tuple[float, float]] = deque(maxlen=settings.collapse_window - 1)
         self._restored = False
 
     # ----- names ---------------------------------------------------------------------------
@@ -241,22 +266,35 @@ class TailMismatchScheduler(Callback):
 
     # ----- decisions -----------------------------------------------------------------------
     def _collapse_reason(self, report: StepReport) -> str:
-        """Why the run looks collapsing (empty when it does not), from the running best of the window."""
-        if len(self._recent) < self.collapse_min_steps:
+        """Why the run looks collapsing (empty when it does not), from the window of previous steps."""
+        if len(self._recent) < self.collapse_min_steps + self.collapse_smooth - 1:
             return ""
-        best_reward = max(r for r, _ in self._recent)
-        best_length = max(n for _, n in self._recent)
-        reasons = []
-        if best_length > 0 and report.response_length_mean < (1 - self.collapse_drop) * best_length:
-            reasons.append(
-                f"response length {report.response_length_mean:.1f} < {1 - self.collapse_drop:.2f} x best "
-                f"{best_length:.1f}"
+        reasons = [
+            self._fall(name, [step[i] for step in self._recent] + [now], digits)
+            for i, name, now, digits in (
+                (1, "response length", report.response_length_mean, 1),
+                (0, "reward", report.reward_mean, 4),
             )
-        if best_reward > 0 and report.reward_mean < (1 - self.collapse_drop) * best_reward:
-            reasons.append(
-                f"reward {report.reward_mean:.4f} < {1 - self.collapse_drop:.2f} x best {best_reward:.4f}"
-            )
-        return "; ".join(reasons)
+        ]
+        return "; ".join(r for r in reasons if r)
+
+    def _fall(self, name: str, window: list[float], digits: int) -> str:
+        """``name`` collapsing, said in words (empty when not): the mean of the last ``collapse_smooth`` values of
+        ``window`` (oldest first, this step last) against the best mean of as many consecutive earlier values."""
+        n = self.collapse_smooth
+        earlier = window[:-n]
+        current = sum(window[-n:]) / n
+        k = min(n, len(earlier))
+        best = max(sum(earlier[i : i + k]) / k for i in range(len(earlier) - k + 1))
+        # step noise from successive differences: neither a slow trend nor the fall itself widens it much
+        steps = [b - a for a, b in itertools.pairwise(window)]
+        mean_step = sum(steps) / len(steps)
+        noise = (sum((d - mean_step) ** 2 for d in steps) / len(steps) / 2) ** 0.5
+        margin = max(self.collapse_drop * best, self.collapse_noise_z * noise * (2 / n) ** 0.5)
+        if best <= 0 or best - current <= margin:
+            return ""
+        what = f"{name} {current:.{digits}f}" + (f" (mean of the last {n} steps)" if n > 1 else "")
+        return f"{what} < best {best:.{digits}f} - {margin:.{digits}f}"
 
     def _go_dense(
         self,

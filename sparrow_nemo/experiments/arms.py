@@ -31,9 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from sparrow_nemo.config import ConfigError
+from sparrow_nemo.config.yaml_io import YamlProblem, load_yaml
 from sparrow_nemo.grpo.recipe import SparrowConfig, load_config
 
 __all__ = ["OUTCOMES", "ROLES", "Arm", "ArmsError", "ArmsSpec", "arm_config", "load_arms"]
@@ -153,14 +152,12 @@ def _parse_arm(entry: Any, index: int, path: Path) -> Arm:
 def load_arms(path: str | Path) -> ArmsSpec:
     """Parse and check an arms file; ArmsError (one line) on any problem."""
     path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
+    try:  # the recipes' YAML: 1.2 booleans (true/false only), bounded nesting and size, no duplicate keys
+        data = load_yaml(path.read_text())
     except OSError as exc:
         raise ArmsError(f"cannot read arms file {path}: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line = f" line {mark.line + 1}" if mark else ""
-        raise ArmsError(f"invalid YAML in arms file {path}{line}: {getattr(exc, 'problem', exc)}") from None
+    except YamlProblem as problem:
+        raise ArmsError(f"invalid YAML in arms file {path}{problem.where()}: {problem.problem}") from None
     if not isinstance(data, dict):
         raise ArmsError(f"{path}: expected a mapping with 'arms' at the top level")
     allowed = {"threshold", "outcome", "degrade_margin", "min_bin_tokens", "common", "arms", "smoke"}

@@ -180,8 +180,9 @@ def render_report(
         "per response token, union-of-top-20 lower bound; p5 (all tokens) is the mean over steps of each "
         "step's p5, lowest bin p5 the pooled per-bin tail below. Tokens/s: rollout generation on this machine "
         "(shared CPU: noisy); measured speedup = held-out decode tokens/s with the arm's schedule / dense; "
-        "predicted speedup = the H200 decode cost model for this tiny model at these lengths (weights and "
-        "per-step overhead dominate a 30-token cache, so it stays near 1). CPU = process time of the run.",
+        "predicted speedup = the decode cost model of the run's rollout.cost_hardware (recorded runs: H200; "
+        "now auto = fitted to the CPU) for this tiny model at these lengths (weights and per-step overhead "
+        "dominate a 30-token cache, so it stays near 1). CPU = process time of the run.",
         "",
         "## Acceptance per bin of cached length (pooled over steps and seeds)",
         "",

@@ -60,7 +60,7 @@ def write_plots(history: Sequence[dict[str, Any]], threshold: float, out_dir: Pa
             [
                 ("spec/tokens_per_verify", "tokens per verify (measured)"),
                 ("spec/predicted_tokens_per_verify", "tokens per verify (from acceptance)"),
-                ("spec/predicted_speedup", "predicted speedup vs dense (H200)"),
+                ("spec/predicted_speedup", "predicted speedup vs dense (cost model)"),
             ],
             None,
         )

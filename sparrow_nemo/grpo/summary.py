@@ -41,8 +41,11 @@ def timing_per_phase(history: Sequence[dict[str, Any]]) -> dict[str, float]:
     return {phase: sum(v) / len(v) for phase, v in values.items()}
 
 
-def build_summary(state, history: Sequence[dict[str, Any]], config: SparrowConfig) -> dict[str, Any]:
-    """The summary dict (JSON-ready) of a finished run; ``state`` is the trainer's :class:`TrainerState`."""
+def build_summary(
+    state, history: Sequence[dict[str, Any]], config: SparrowConfig, cost_hardware: str = ""
+) -> dict[str, Any]:
+    """The summary dict (JSON-ready) of a finished run; ``state`` is the trainer's :class:`TrainerState`,
+    ``cost_hardware`` the name of the constants its decode cost model predicted with."""
     steps = [row for row in history if row["step"] >= 0]
     evals = state.evals
     threshold = config.sparsity.threshold
@@ -63,6 +66,7 @@ def build_summary(state, history: Sequence[dict[str, Any]], config: SparrowConfi
         "initial_schedule": state.initial_schedule.to_dict() if state.initial_schedule else None,
         "final_schedule": state.schedule.to_dict(),
         "predicted_speedup_mean": sum(predicted) / len(predicted) if predicted else None,
+        "cost_hardware": cost_hardware,
         "timing_mean_s": timing_per_phase(steps),
         "evals": evals,
     }
@@ -80,6 +84,10 @@ def build_summary(state, history: Sequence[dict[str, Any]], config: SparrowConfi
         )
     }
     if speculative["accept_rate"] is not None:  # rollout.mode=speculative: the end evaluation speculated too
+        last = steps[-1]
+        bins = sorted(int(k.rsplit("_", 1)[1]) for k in last if k.startswith("spec/k/bin_"))
+        speculative["last_k"] = [int(last[f"spec/k/bin_{b}"]) for b in bins]  # the plan of the last step
+        speculative["last_draft_budget"] = [int(last[f"spec/budget/bin_{b}"]) for b in bins]
         summary["speculative"] = speculative
     return summary
 
@@ -95,6 +103,7 @@ def _fmt(value: Any, spec: str = ".3f") -> str:
 
 def format_summary(summary: dict[str, Any]) -> str:
     """A few lines of text for the terminal."""
+    hardware = summary.get("cost_hardware") or "h200"  # summaries written before the field: H200 constants
     lines = [
         f"steps: {summary['steps']}",
         f"accuracy on held-out prompts: start {_fmt(summary['accuracy_start'])} -> end "
@@ -114,7 +123,7 @@ def format_summary(summary: dict[str, Any]) -> str:
     spec = summary.get("speculative")
     if spec is None:
         lines.append(
-            f"rollout speedup vs dense: predicted {_fmt(summary['predicted_speedup_mean'], '.2f')}x (H200 cost model), "
+            f"rollout speedup vs dense: predicted {_fmt(summary['predicted_speedup_mean'], '.2f')}x ({hardware} cost model), "
             f"measured {_fmt(summary.get('measured_rollout_speedup'), '.2f')}x (this machine)"
         )
     else:
@@ -123,8 +132,17 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"{_fmt(spec['tokens_per_verify'], '.2f')} tokens per verify (predicted "
             f"{_fmt(spec['predicted_tokens_per_verify'], '.2f')} from the measured acceptance)"
         )
+        if spec.get("last_k"):
+            lines.append(
+                f"last step's plan per bin: k {spec['last_k']}, draft budget {spec['last_draft_budget']} tokens"
+                + (
+                    " (k = 0: plain dense decoding where drafting would not pay)"
+                    if 0 in spec["last_k"]
+                    else ""
+                )
+            )
         lines.append(
-            f"rollout speedup vs dense: predicted {_fmt(spec['predicted_speedup'], '.2f')}x (H200 cost model), "
+            f"rollout speedup vs dense: predicted {_fmt(spec['predicted_speedup'], '.2f')}x ({hardware} cost model), "
             f"measured {_fmt(summary.get('measured_rollout_speedup'), '.2f')}x (this machine, speculative vs dense "
             "evaluation)"
         )

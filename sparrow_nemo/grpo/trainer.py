@@ -60,10 +60,10 @@ from sparrow_nemo.grpo.timing import PhaseTimer
 from sparrow_nemo.grpo.update import UpdateBatch, UpdateResult, mini_batch_order, update_policy
 from sparrow_nemo.grpo.wandb_logger import open_wandb
 from sparrow_nemo.grpo.warmstart import ensure_warm_start
+from sparrow_nemo.rollout.cost_fit import COST_HARDWARE_FILE, rollout_cost_model
 from sparrow_nemo.rollout.oom_retry import OomRetryEngine
 from sparrow_nemo.rollout.sampling import sample_seed
 from sparrow_nemo.rollout.spec_rollout import with_rollout_mode
-from sparrow_nemo.sparse.cost_model import HARDWARE, DecodeCostModel
 from sparrow_nemo.sparse.pattern import SparsePattern
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
@@ -123,14 +123,19 @@ class GrpoTrainer:
             world.broadcast_from_rank0(str(make_run_dir(config, run_dir)) if self.is_main else None)
         )
         weights = engine_weights(self.policy)  # collective: every rank takes part
-        self.rollout_engine = (
-            OomRetryEngine(
-                with_rollout_mode(config, setup.build_engine(config, weights, self.prompts.tokenizer))
-            )
-            if self.plan.leads_engine
-            else None
+        engine = (
+            setup.build_engine(config, weights, self.prompts.tokenizer) if self.plan.leads_engine else None
         )
         del weights
+        # rank 0 (it leads the first engine) prices decode steps on its engine (CPU: fitted in ~1-2 s, kept in
+        # the run folder for a resume)
+        saved = self.run_dir / COST_HARDWARE_FILE
+        self.cost_model = world.broadcast_from_rank0(
+            rollout_cost_model(config, engine, saved) if self.is_main else None
+        )
+        self.rollout_engine = (
+            OomRetryEngine(with_rollout_mode(config, engine, self.cost_model)) if engine is not None else None
+        )
         self.sampling = setup.sampling_params(config)
         schedule = config.sparsity.build_schedule()
         if schedule.is_dense:  # the preset's pages and bins are nominal: use the engine's and the recipe's
@@ -149,9 +154,6 @@ class GrpoTrainer:
             open_wandb(config.logging.wandb, self.run_dir, config.to_dict()) if self.is_main else None,
         )
         self.loss_config = config.grpo.loss
-        self.cost_model = DecodeCostModel(
-            config.model.shape(), HARDWARE["h200"], dense_layers=config.sparsity.dense_layers
-        )
         self._logged: dict[str, float] = {}
         self._nonfinite_streak = 0  # steps in a row whose update was skipped for a NaN/inf loss or gradient
         self.preemption = PreemptionGuard()
@@ -277,7 +279,7 @@ class GrpoTrainer:
         if self.scheduler is not None:
             self.scheduler.on_train_end(self)
         self.callbacks.on_train_end(self)
-        summary = build_summary(self.state, self.metrics.history, cfg)
+        summary = build_summary(self.state, self.metrics.history, cfg, self.cost_model.hardware.name)
         if self.is_main:
             if cfg.logging.plots:
                 write_plots(self.metrics.history, cfg.sparsity.threshold, self.run_dir / "plots")

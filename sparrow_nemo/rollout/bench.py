@@ -225,6 +225,55 @@ def fill_random_cache(engine: TorchRolloutEngine, batch: int, context: int, extr
     return cache, table, seq_len
 
 
+def time_decode_steps(
+    engine: TorchRolloutEngine,
+    context: int,
+    configs: Sequence[BudgetSchedule],
+    batch: int,
+    steps: int,
+    seed: int = 0,
+    repeats: int = 3,
+    between_turns: Callable[[], None] | None = None,
+) -> tuple[list[float], list[float]]:
+    """Seconds of ``steps`` decode steps of ``batch`` rows at ``context`` cached tokens, per configuration.
+
+    Every configuration decodes from the same cache of random keys and values (:func:`fill_random_cache`),
+    one untimed step first, with the engine's own decode step and sampling (static loop, no stop checks);
+    the configurations take turns ``repeats`` times (``between_turns`` runs after each turn) and each keeps
+    its best time, so a burst of load on a shared machine hits all of them alike and rarely the kept number.
+    The timed steps run at cached lengths ``context + 2 .. context + steps + 1``.
+
+    Returns (kept KV fraction per configuration: mean budget / cached length capped at 1, best seconds).
+    """
+    sampling = SamplingParams(max_new_tokens=steps + 1, temperature=1.0, stop_token_ids=(), logprobs_topk=20)
+    cache, table, seq_len = fill_random_cache(engine, batch, context, steps + 2, seed)
+    decoders = [
+        StaticDecoder(
+            engine.decode_step, engine.backend, cache, table, seq_len, steps + 2, sampling, s, steps + 2
+        )
+        for s in configs
+    ]
+    best = [math.inf] * len(configs)
+    for _ in range(repeats):
+        for i, dec in enumerate(decoders):
+            dec.seq_len.copy_(seq_len)  # back to the filled cache: the same steps every time
+            dec.step_idx.fill_(1)
+            dec.tokens.random_(3, engine.shape.vocab_size)
+            dec.run(1)
+            t0 = engine._now()
+            dec.run(steps)
+            best[i] = min(best[i], engine._now() - t0)
+        if between_turns is not None:
+            between_turns()
+    kept = [
+        float((d.rec_budget[2 : steps + 2] / d.rec_cached[2 : steps + 2]).clamp(max=1.0).mean())
+        for d in decoders
+    ]
+    del decoders
+    cache.release(table)
+    return kept, best
+
+
 def decode_throughput(
     engine: TorchRolloutEngine,
     contexts: Sequence[int],
@@ -237,11 +286,8 @@ def decode_throughput(
 ) -> list[dict[str, float | str | int]]:
     """Decode tokens/s at each cached length, dense and under ``schedules(context)``, with the memory bound.
 
-    Every configuration decodes ``steps`` tokens per row (one untimed step first) from a cache holding
-    ``context`` random tokens per row, with the engine's own decode step and sampling (static loop, no
-    stop checks). The configurations of a context take turns ``repeats`` times and each keeps its best
-    time, so a burst of load on a shared machine hits all of them alike and rarely the kept number.
-    ``bandwidth`` (bytes/s, read + written) defaults to the best :func:`copy_bandwidth` measured in the
+    Every configuration decodes ``steps`` tokens per row from a cache holding ``context`` random tokens per
+    row, timed by :func:`time_decode_steps`. ``bandwidth`` (bytes/s, read + written) defaults to the best :func:`copy_bandwidth` measured in the
     same turns (a higher bandwidth is a stricter bound).
 
     Returns one row per (context, schedule), dense first: ``context``, ``schedule``, ``tokens_per_s``,
@@ -255,36 +301,17 @@ def decode_throughput(
             f"{steps}, {repeats}"
         )
     bw = bandwidth or copy_bandwidth()
-    sampling = SamplingParams(max_new_tokens=steps + 1, temperature=1.0, stop_token_ids=(), logprobs_topk=20)
     measured: list[tuple[int, list[str], list[float], list[float]]] = []  # context, names, kept KV, seconds
     for context in contexts:
-        cache, table, seq_len = fill_random_cache(engine, batch, context, steps + 2, seed)
         configs = [BudgetSchedule.dense(engine.page_size * 8, engine.page_size), *schedules(context)]
-        decoders = [
-            StaticDecoder(
-                engine.decode_step, engine.backend, cache, table, seq_len, steps + 2, sampling, s, steps + 2
-            )
-            for s in configs
-        ]
-        best = [math.inf] * len(configs)
-        for _ in range(repeats):
-            for i, dec in enumerate(decoders):
-                dec.seq_len.copy_(seq_len)  # back to the filled cache: the same steps every time
-                dec.step_idx.fill_(1)
-                dec.tokens.random_(3, engine.shape.vocab_size)
-                dec.run(1)
-                t0 = engine._now()
-                dec.run(steps)
-                best[i] = min(best[i], engine._now() - t0)
-            if bandwidth is None:  # the copy takes its turns too: the bound uses the best bandwidth seen
+
+        def between_turns() -> None:  # the copy takes its turns too: the bound uses the best bandwidth seen
+            nonlocal bw
+            if bandwidth is None:
                 bw = max(bw, copy_bandwidth(repeats=1))
-        kept = [
-            float((d.rec_budget[2 : steps + 2] / d.rec_cached[2 : steps + 2]).clamp(max=1.0).mean())
-            for d in decoders
-        ]
+
+        kept, best = time_decode_steps(engine, context, configs, batch, steps, seed, repeats, between_turns)
         measured.append((context, [c.name or "custom" for c in configs], kept, best))
-        del decoders
-        cache.release(table)
     rows: list[dict[str, float | str | int]] = []
     for context, names, kept, best in measured:
         mean_cached = context + (steps + 3) / 2  # the timed steps run at cached lengths +2 .. +steps+1

@@ -28,6 +28,7 @@ import torch
 
 from sparrow_nemo.config.schema import AT_LEAST_ONE, NON_NEGATIVE, UNIT, Section, interval, knob, one_of
 from sparrow_nemo.hf_qwen3 import LoraAdapter
+from sparrow_nemo.sparse.cost_model import HARDWARE
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 FinishReason = Literal["stop_token", "stop_string", "length"]
@@ -84,7 +85,7 @@ class SpeculativeRolloutConfig(Section):
     adapt: bool = knob(
         True,
         "after every step, re-plan the draft budget (among sparsity.calibration.candidate_budgets) and k per bin "
-        "from the acceptance measured so far, for the most predicted tokens/s (H200 cost model)",
+        "from the acceptance measured so far, for the most predicted tokens/s (rollout.cost_hardware's cost model)",
     )
     decay: float = knob(
         0.5,
@@ -125,6 +126,12 @@ class RolloutConfig(SamplingParams):
     attention_impl: Literal["auto", "torch", "triton"] = knob(
         "auto", "decode attention: torch gather path, Triton kernels, or auto (Triton where it can run)"
     )
+    cost_hardware: str = knob(
+        "auto",
+        "constants of the decode cost model (predicted speedups, the speculative planner): auto (a GPU's preset "
+        "by its name; on the CPU fitted at startup from timed decode steps of the engine), h200, h100, or a "
+        "Hardware JSON file (sparrow_nemo.rollout.cost_fit)",
+    )
     tensor_parallel_size: int = knob(
         1,
         "GPUs per rollout engine (engine tensor parallelism). 1 = one engine per GPU, colocated with that GPU's "
@@ -138,6 +145,8 @@ class RolloutConfig(SamplingParams):
         super().check()
         if self.temperature == 0:
             raise self.invalid("temperature", "a number > 0")
+        if self.cost_hardware not in ("auto", *HARDWARE) and not self.cost_hardware.endswith(".json"):
+            raise self.invalid("cost_hardware", f"auto, {', '.join(HARDWARE)} or a path ending in .json")
         if self.mode == "speculative" and self.backend != "torch":
             raise self.invalid(
                 "mode", "sparse or dense with backend trtllm (speculative rollout runs on the torch engine)"

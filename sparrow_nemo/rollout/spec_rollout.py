@@ -33,6 +33,7 @@ from sparrow_nemo.rollout.engine import (
 )
 from sparrow_nemo.rollout.spec_decode import DraftLog
 from sparrow_nemo.rollout.speculative import SpeculativeConfig
+from sparrow_nemo.sparse.cost_model import DecodeCostModel
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET, BudgetSchedule
 from sparrow_nemo.sparse.speculative_cost import (
     AcceptanceTable,
@@ -281,17 +282,15 @@ def speculative_metrics(
     return m
 
 
-def with_rollout_mode(config, engine: RolloutEngine) -> RolloutEngine:
+def with_rollout_mode(config, engine: RolloutEngine, decode: DecodeCostModel) -> RolloutEngine:
     """``engine`` as ``config.rollout.mode`` wants it: itself for sparse, else a :class:`RolloutModeEngine`
-    (speculative: with a :class:`SpeculativePlanner` from ``rollout.speculative`` and ``sparsity``)."""
-    from sparrow_nemo.sparse.cost_model import HARDWARE, DecodeCostModel
-
+    (speculative: with a :class:`SpeculativePlanner` from ``rollout.speculative`` and ``sparsity`` on the
+    decode cost model ``decode``: :func:`sparrow_nemo.rollout.cost_fit.rollout_cost_model`)."""
     r, s = config.rollout, config.sparsity
     if r.mode == "sparse":
         return engine
     if r.mode == "dense":
         return RolloutModeEngine(engine, "dense")
-    decode = DecodeCostModel(config.model.shape(), HARDWARE["h200"], dense_layers=s.dense_layers)
     batch = min(r.max_batch_size, config.grpo.prompts_per_step * config.grpo.samples_per_prompt)
     planner = SpeculativePlanner(
         SpeculativeCostModel(decode, s.page_size),

@@ -2,7 +2,7 @@
 
 One decode step of a batch costs (Kinetics-style "effective FLOPs", expressed in seconds)
 
-    time = FLOPs / peak_flops + bytes / mem_bandwidth + step_overhead_s
+    time = FLOPs / peak_flops + bytes / mem_bandwidth + page_bytes / page_read_bandwidth + step_overhead_s
 
 i.e. the compute term and the memory term are added, not overlapped with max(): the sum is what
 Kinetics uses to rank inference configurations, it is an upper bound of an overlapped kernel and
@@ -13,7 +13,10 @@ it keeps both terms visible when the memory term dominates (long-context decode)
   page scoring 2 * Hkv * D * pages scored per sparse layer per sequence.
 - bytes: all non-embedding weights once per step; K and V of every token read (2 * Hkv * D *
   kv_bytes per token per layer); the page centroids scored (Hkv * D * centroid_bytes per page
-  per sparse layer; centroids are 1/page_size of the keys in count).
+  per sparse layer; centroids are 1/page_size of the keys in count). The K and V a sparse layer reads
+  from the pages it selected are ``page_bytes``: scattered runs of one page of one KV head, which a GPU
+  reads as fast as the rest (``page_read_bandwidth`` unset) and a CPU core several times slower
+  (measured: docs/cpu_decode.md; :mod:`sparrow_nemo.rollout.cost_fit` fits it).
 
 The first ``dense_layers`` layers always read the whole cache (the paper keeps 2 layers dense);
 the others read the pages that :func:`sparrow_nemo.sparse.attention.selected_page_count` keeps
@@ -54,18 +57,21 @@ class Hardware:
         peak_flops: dense bf16 matmul throughput, FLOP/s.
         mem_bandwidth: achievable HBM bandwidth, bytes/s.
         step_overhead_s: fixed time per decode step (kernel launches, sampling), seconds.
+        page_read_bandwidth: bandwidth of a sparse layer's reads of its selected pages, bytes/s; None =
+            ``mem_bandwidth``.
     """
 
     name: str
     peak_flops: float
     mem_bandwidth: float
     step_overhead_s: float = 0.0
+    page_read_bandwidth: float | None = None
 
     def __post_init__(self) -> None:
-        if self.peak_flops <= 0 or self.mem_bandwidth <= 0:
+        if self.peak_flops <= 0 or self.mem_bandwidth <= 0 or (self.page_read_bandwidth or 1.0) <= 0:
             raise ValueError(
-                f"hardware '{self.name}': peak_flops and mem_bandwidth must be > 0, got "
-                f"{self.peak_flops} and {self.mem_bandwidth}"
+                f"hardware '{self.name}': peak_flops, mem_bandwidth and page_read_bandwidth must be > 0, got "
+                f"{self.peak_flops}, {self.mem_bandwidth} and {self.page_read_bandwidth}"
             )
         if self.step_overhead_s < 0:
             raise ValueError(
@@ -80,14 +86,22 @@ class Hardware:
         if not isinstance(data, dict) or set(data) - names or {"peak_flops", "mem_bandwidth"} - set(data):
             raise ValueError(
                 f"{path}: expected a JSON object with keys peak_flops, mem_bandwidth and optionally "
-                f"name, step_overhead_s; got {sorted(data) if isinstance(data, dict) else type(data).__name__}"
+                f"name, step_overhead_s, page_read_bandwidth; got "
+                f"{sorted(data) if isinstance(data, dict) else type(data).__name__}"
             )
+        page_bw = data.get("page_read_bandwidth")
         return cls(
             name=str(data.get("name", Path(path).stem)),
             peak_flops=float(data["peak_flops"]),
             mem_bandwidth=float(data["mem_bandwidth"]),
             step_overhead_s=float(data.get("step_overhead_s", 0.0)),
+            page_read_bandwidth=None if page_bw is None else float(page_bw),
         )
+
+    @property
+    def page_bandwidth(self) -> float:
+        """Bytes/s of a sparse layer's selected-page reads (``page_read_bandwidth`` or ``mem_bandwidth``)."""
+        return self.page_read_bandwidth or self.mem_bandwidth
 
     def to_json(self, path: str | Path) -> None:
         """Write the constants as JSON (the format :meth:`from_json` reads)."""
@@ -197,11 +211,40 @@ class DecodeCostModel:
         kv_d = s.num_key_value_heads * s.head_dim
 
         flops = 2 * params * n_live + ((4 * head_d * kv_layer_tokens + 2 * kv_d * pages) * live).sum(-1)
-        per_seq_bytes = 2 * kv_d * self.kv_bytes * kv_layer_tokens + kv_d * self.centroid_bytes * pages
+        in_order, scattered = self.step_bytes(cached_len, kv_tokens_read, scored_pages, live)
         stepping = (n_live > 0).to(torch.float64)  # steps with at least one live sequence
-        mem_bytes = stepping * (params * self.weight_bytes) + (per_seq_bytes * live).sum(-1)
         overhead = stepping * hw.step_overhead_s
-        return StepCost(flops / hw.peak_flops, mem_bytes / hw.mem_bandwidth, overhead)
+        memory = in_order / hw.mem_bandwidth + scattered / hw.page_bandwidth
+        return StepCost(flops / hw.peak_flops, memory, overhead)
+
+    def step_bytes(
+        self,
+        cached_len: torch.Tensor,
+        kv_tokens_read: torch.Tensor,
+        scored_pages: torch.Tensor,
+        live: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Bytes decode steps read, as :meth:`step_cost` takes its arguments: (in order, scattered) [...] float64.
+
+        Scattered = the K and V sparse layers read from their selected pages (only where a selection ran:
+        ``scored_pages > 0``); in order = the weights, the dense layers' K and V, the centroids scored, and a
+        sparse layer's K and V where it kept every page.
+        """
+        s = self.shape
+        sparse_layers = s.num_layers - self.dense_layers
+        live = live.to(torch.float64)
+        kv_d = s.num_key_value_heads * s.head_dim
+        kv_token = 2 * kv_d * self.kv_bytes  # K and V of one token in one layer
+        selected = (scored_pages > 0).to(torch.float64)
+        sparse_kv = sparse_layers * kv_tokens_read.to(torch.float64) * kv_token
+        per_seq_order = (
+            self.dense_layers * cached_len.to(torch.float64) * kv_token
+            + (1 - selected) * sparse_kv
+            + kv_d * self.centroid_bytes * (sparse_layers * scored_pages).to(torch.float64)
+        )
+        stepping = (live.sum(dim=-1) > 0).to(torch.float64)
+        weights = stepping * float(s.non_embedding_parameters()) * self.weight_bytes
+        return weights + (per_seq_order * live).sum(-1), (selected * sparse_kv * live).sum(-1)
 
     def sparse_reads(
         self, cached_len: torch.Tensor, schedule: BudgetSchedule

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import yaml
 
+from sparrow_nemo.config.yaml_io import YamlProblem, load_yaml
 from sparrow_nemo.sparse.pattern import PAGE_SIZE
 
 __all__ = ["DENSE_BUDGET", "PAPER_BIN_TOKENS", "PAPER_SCHEDULES", "RESERVED_PAGES", "BudgetSchedule"]
@@ -216,10 +217,10 @@ class BudgetSchedule:
         """Schedule from a YAML file path or a YAML string; a bad file is a one-line ValueError naming it."""
         is_file = isinstance(source, Path) or ("\n" not in source and os.path.isfile(source))
         where = f"schedule file {source}" if is_file else "schedule YAML"
-        try:
-            data = yaml.safe_load(Path(source).read_text() if is_file else source)
-        except yaml.YAMLError as exc:
-            raise ValueError(f"{where} does not parse: {' '.join(str(exc).split())}") from None
+        try:  # the recipes' YAML: 1.2 booleans (true/false only), bounded nesting and size, no duplicate keys
+            data = load_yaml(Path(source).read_text() if is_file else source)
+        except YamlProblem as problem:
+            raise ValueError(f"{where} does not parse{problem.where()}: {problem.problem}") from None
         try:
             return cls.from_dict(data)
         except ValueError as exc:

@@ -45,6 +45,8 @@ def make_report(
 
 
 OK = (400, 0.0, 0.99)  # a bin comfortably above 0.86 + lower_margin
+#: the collapse guard on single steps, by the relative drop alone (the tests of its basic rule)
+RAW = dict(collapse_smooth=1, collapse_noise_z=0.0, collapse_drop=0.3)
 BAD = (400, 0.10, 0.70)  # p5 = 0.70, far below
 
 
@@ -158,14 +160,14 @@ def test_raise_mode_never_lowers_and_off_mode_only_monitors(tmp_path) -> None:
 
 
 def test_collapse_guard_switches_to_dense_and_stays_there(tmp_path, caplog) -> None:
-    scheduler, trainer = _start(tmp_path, collapse_window=5, collapse_drop=0.3, collapse_min_steps=3)
+    scheduler, trainer = _start(tmp_path, collapse_window=5, collapse_min_steps=3, **RAW)
     for step, length in enumerate([100.0, 120.0, 110.0]):
         _step(scheduler, trainer, make_report(step, {0: OK}, length=length))
     with caplog.at_level(logging.WARNING):
-        metrics = _step(scheduler, trainer, make_report(3, {1: BAD}, length=80.0))  # 80 < 0.7 * 120
+        metrics = _step(scheduler, trainer, make_report(3, {1: BAD}, length=70.0))  # 70 < 0.7 * 110
     assert trainer.schedule.is_dense and trainer.schedule.bin_tokens == BIN
     assert metrics["sparsity/next_dense"] == 1 and metrics["sparsity/collapse_guard"] == 1
-    assert "collapse guard: step 3: response length 80.0" in caplog.text and "[1]" in caplog.text
+    assert "collapse guard: step 3: response length 70.0" in caplog.text and "[1]" in caplog.text
     assert scheduler.history[-1]["actions"][0]["action"] == "dense"
     metrics = _step(scheduler, trainer, make_report(4, {1: BAD}, length=10.0))
     assert trainer.schedule.is_dense and metrics["sparsity/collapse_guard"] == 0
@@ -182,15 +184,54 @@ def test_collapse_guard_switches_to_dense_and_stays_there(tmp_path, caplog) -> N
     ],
 )
 def test_collapse_guard_needs_a_drop_and_a_bin_below(tmp_path, bins, reward, length, dense) -> None:
-    scheduler, trainer = _start(tmp_path)
+    scheduler, trainer = _start(tmp_path, **RAW)
     for step in range(3):
         _step(scheduler, trainer, make_report(step, {0: OK}, reward=1.0, length=100.0))
     _step(scheduler, trainer, make_report(3, bins, reward=reward, length=length))
     assert trainer.schedule.is_dense == dense
 
 
+#: step rewards of a real run at 8 prompts per step (tiny_cpu_long, session 3, r2): noise, no collapse
+NOISY = [0.27, 0.44, 0.28, 0.23, 0.27, 0.14, 0.52, 0.38, 0.30, 0.19, 0.25, 0.33, 0.16, 0.36, 0.31, 0.09, 0.27]
+
+
+def _fires(tmp_path, rewards: list[float], **knobs) -> list[int]:
+    """Steps at which the guard fires on ``rewards`` (every step with a bin below; it fires once at most)."""
+    scheduler, trainer = _start(tmp_path, **knobs)
+    fired = []
+    for step, reward in enumerate(rewards):
+        if _step(scheduler, trainer, make_report(step, {1: BAD}, reward=reward))["sparsity/collapse_guard"]:
+            fired.append(step)
+    return fired
+
+
+def test_collapse_guard_ignores_step_to_step_reward_noise(tmp_path) -> None:
+    assert _fires(tmp_path / "raw", NOISY, **RAW) == [3]  # 0.23 < 0.7 x 0.44: the single-step rule fires
+    assert _fires(tmp_path / "default", NOISY) == []
+
+
+def test_collapse_guard_fires_on_a_sustained_fall(tmp_path) -> None:
+    fallen = [*NOISY[:10], 0.05, 0.02, 0.06, 0.03]  # a plateau of ~0.3, then collapsed to ~0.04
+    assert _fires(tmp_path, fallen) == [
+        13
+    ]  # the 4th low step: the 5-step mean is below half the earlier mean
+
+
+def test_collapse_guard_noise_margin_scales_with_the_spread(tmp_path) -> None:
+    steady = [0.30, 0.31, 0.29, 0.30, 0.31, 0.29, 0.10, 0.09, 0.10, 0.11, 0.10]  # a fall to 1/3, little noise
+    assert _fires(tmp_path / "steady", steady) == [9]
+    assert _fires(tmp_path / "strict", steady, collapse_noise_z=100.0) == []
+
+
+def test_collapse_smooth_must_fit_the_window() -> None:
+    from sparrow_nemo.callbacks.tail_scheduler import TailSchedulerConfig
+
+    with pytest.raises(ValueError, match="collapse_smooth"):
+        TailSchedulerConfig(collapse_window=4, collapse_smooth=5)
+
+
 def test_guard_waits_for_enough_history(tmp_path) -> None:
-    scheduler, trainer = _start(tmp_path, collapse_min_steps=3)
+    scheduler, trainer = _start(tmp_path, collapse_min_steps=3, **RAW)
     _step(scheduler, trainer, make_report(0, {0: OK}, length=100.0))
     _step(scheduler, trainer, make_report(1, {1: BAD}, length=10.0))
     assert not trainer.schedule.is_dense and trainer.schedule.budgets == (512, 1024, 1024)
@@ -214,7 +255,7 @@ def _script() -> list[StepReport]:
 
 
 def test_checkpoint_round_trip_restores_identical_behaviour(tmp_path) -> None:
-    kwargs = dict(mode="raise_and_lower", patience=2, collapse_window=4, collapse_min_steps=2)
+    kwargs = dict(mode="raise_and_lower", patience=2, collapse_window=4, collapse_min_steps=2, **RAW)
     script = _script()
     a, ta = _start(tmp_path / "a", **kwargs)
     for report in script[:5]:
@@ -255,7 +296,7 @@ def test_history_plot_handles_dense_and_no_history(tmp_path) -> None:
     scheduler, trainer = _start(tmp_path / "a")
     scheduler.on_train_end(trainer)
     assert not (tmp_path / "a" / "sparsity" / "tail_history.png").exists()
-    scheduler, trainer = _start(tmp_path / "b", collapse_min_steps=1)
+    scheduler, trainer = _start(tmp_path / "b", collapse_min_steps=1, **RAW)
     _step(scheduler, trainer, make_report(0, {0: OK, 3: BAD}, length=100.0))
     _step(scheduler, trainer, make_report(1, {1: BAD}, length=10.0))
     assert trainer.schedule.is_dense

@@ -133,6 +133,19 @@ def test_tail_per_bin_summary_and_plots(tmp_path: Path) -> None:
         and "bin   1: 0.900 / 0.700  ok  [0 tokens]" in text
     )
     assert "1.50x" in text and "seconds per step (mean): step 3.00, rollout 2.00" in text
+    assert "1.50x (h200 cost model)" in text  # a summary without the field: H200 constants, as they were
+    summary["cost_hardware"] = "cpu (fitted)"
+    summary["speculative"] = {
+        "accept_rate": 0.95,
+        "tokens_per_verify": 2.5,
+        "predicted_tokens_per_verify": 2.8,
+        "predicted_speedup": 0.9,
+        "last_k": [0, 0],
+        "last_draft_budget": [16, 16],
+    }
+    text = format_summary(summary)
+    assert "0.90x (cpu (fitted) cost model)" in text
+    assert "last step's plan per bin: k [0, 0], draft budget [16, 16] tokens (k = 0: plain dense" in text
     paths = write_plots(history, 0.86, tmp_path / "plots")
     assert sorted(p.name for p in paths) == [
         "response_length.png",

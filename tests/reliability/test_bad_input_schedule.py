@@ -44,7 +44,8 @@ def test_bad_schedule_file_names_file_bin_and_values(tmp_path: Path, text: str, 
 
 def test_unparsable_schedule_file_is_one_line(tmp_path: Path) -> None:
     path = write(tmp_path, "bin_tokens: 128\nbudgets: [64, 96\n")
-    with pytest.raises(ValueError, match=f"^schedule file {re.escape(str(path))} does not parse: ") as info:
+    where = f"schedule file {re.escape(str(path))} does not parse line 3, column 1: "
+    with pytest.raises(ValueError, match=f"^{where}expected ',' or ']'") as info:
         BudgetSchedule.from_yaml(path)
     assert "\n" not in str(info.value)
 

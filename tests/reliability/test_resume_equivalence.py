@@ -22,8 +22,10 @@ from reliability import _train_process as tp
 pytestmark = pytest.mark.slow
 
 STEPS = 6
-#: metrics that measure this machine's speed, not the computation (``timing/*``: seconds per phase)
-WALL_CLOCK = ("time", "rollout/tokens_per_s")
+#: metrics that measure this machine's speed, not the computation (``timing/*``: seconds per phase); the
+#: predicted speedups are the cost model's on constants each fresh run fits to the CPU (a resumed run reads its
+#: folder's: tests/rollout/test_cost_fit.py)
+WALL_CLOCK = ("time", "rollout/tokens_per_s", "sparsity/predicted_speedup")
 
 
 def _computed(row: dict) -> dict:

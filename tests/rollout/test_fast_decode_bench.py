@@ -137,6 +137,8 @@ def test_gpu_rollout_check_dry_mode(tmp_path: Path) -> None:
     """The prepared GPU script in --dry mode: imports, test collection, tiny benchmark, all exit 0."""
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
     env["RESULTS_DIR"] = str(tmp_path)
+    # the script's interpreter: this one (by default python3 on PATH: the image's, on the GPU machine)
+    env["PYTHON"] = sys.executable
     proc = subprocess.run(
         ["bash", str(REPO / "benchmarks" / "gpu_rollout_check.sh"), "--dry"],
         capture_output=True,

@@ -61,6 +61,10 @@ def test_tiny_run_writes_one_consistent_line_per_arm(bench, tmp_path: Path) -> N
         assert r["decode_tokens_per_s"] > 0 and len(r["decode_s"]) == len(r["decode_cpu_s"]) == 2
         assert r["decode_tokens_per_cpu_s"] > 0
     assert lines[0]["speedup_vs_dense"] == lines[0]["speedup_vs_dense_cpu"] == 1.0
+    assert lines[0]["predicted_speedup_fitted"] == pytest.approx(1.0)  # dense over itself
+    assert all(
+        r["predicted_speedup_fitted"] > 0 and r["fitted_hardware"]["name"] == "cpu (fitted)" for r in lines
+    )
     for r in lines[2:]:
         assert 0.0 <= r["alpha"] <= 1.0 + 1e-6 and 0.0 <= r["accept_rate"] <= 1.0
         assert 1.0 <= r["tokens_per_verify"] <= r["k"] + 1

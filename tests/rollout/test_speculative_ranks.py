@@ -37,6 +37,9 @@ OVERRIDES = [
     "logging.progress_bar=false",
     "logging.tensorboard=false",
     "checkpoint.enabled=false",
+    # fixed constants: both runs plan alike (each would fit its own to this CPU, and rightly stop speculating
+    # at these ~30-token contexts)
+    "rollout.cost_hardware=h200",
 ]
 EXACT = ("reward/mean", "reward/accuracy", "response_length/mean", "response_length/max", "rollout/tokens")
 #: the 2-rank run under torchrun, seconds (2 processes on 2 loaded cores)

@@ -24,6 +24,7 @@ from sparrow_nemo.checkpoint.run_state import read_run_state
 from sparrow_nemo.config import ConfigError
 from sparrow_nemo.grpo.recipe import load_config
 from sparrow_nemo.model_shapes import PRESETS
+from sparrow_nemo.rollout.cost_fit import rollout_cost_model
 from sparrow_nemo.rollout.engine import SamplingParams
 from sparrow_nemo.rollout.spec_decode import SpeculativeSample
 from sparrow_nemo.rollout.spec_rollout import RolloutModeEngine, with_rollout_mode
@@ -48,6 +49,11 @@ def engine() -> TorchRolloutEngine:
     )
 
 
+def _wrap(config, engine: TorchRolloutEngine):
+    """``engine`` in the recipe's rollout mode, on the recipe's cost model (fitted to this CPU)."""
+    return with_rollout_mode(config, engine, rollout_cost_model(config, engine))
+
+
 def _prompts() -> list[list[int]]:
     gen = torch.Generator().manual_seed(0)
     return [torch.randint(3, SHAPE.vocab_size, (n,), generator=gen).tolist() for n in (20, 35, 9, 44)]
@@ -57,17 +63,15 @@ SAMPLING = SamplingParams(max_new_tokens=40, temperature=1.0, seed=3, stop_token
 
 
 def test_dense_mode_decodes_every_call_densely(engine) -> None:
-    wrapped = with_rollout_mode(_config("rollout.mode=dense"), engine)
+    wrapped = _wrap(_config("rollout.mode=dense"), engine)
     assert isinstance(wrapped, RolloutModeEngine) and wrapped.planner is None
     out = wrapped.generate(_prompts(), SAMPLING, SCHEDULE)
     assert all(bool((s.kv_budget == DENSE_BUDGET).all()) for s in out.samples)
-    assert with_rollout_mode(_config(), engine) is engine  # sparse: the engine itself
+    assert _wrap(_config(), engine) is engine  # sparse: the engine itself
 
 
 def test_speculative_mode_and_its_planner(engine) -> None:
-    wrapped = with_rollout_mode(
-        _config("rollout.mode=speculative", "rollout.speculative.draft_tokens=3"), engine
-    )
+    wrapped = _wrap(_config("rollout.mode=speculative", "rollout.speculative.draft_tokens=3"), engine)
     planner = wrapped.planner
     assert planner.config_for(SCHEDULE).draft_tokens == (3, 3)
     out = wrapped.generate(_prompts(), SAMPLING, SCHEDULE)
@@ -98,7 +102,7 @@ def test_speculative_mode_and_its_planner(engine) -> None:
     assert list(planner.plan.budgets) == sorted(planner.plan.budgets)
     assert set(planner.plan.budgets) <= set(planner.candidates)
     state = json.loads(json.dumps(planner.state_dict()))
-    clone = with_rollout_mode(_config("rollout.mode=speculative"), engine).planner
+    clone = _wrap(_config("rollout.mode=speculative"), engine).planner
     clone.load_state_dict(state)
     assert clone.plan == planner.plan and clone.table.sums == planner.table.sums
     assert planner.config_for(SCHEDULE).draft_schedule.budgets == planner.plan.budgets
@@ -121,6 +125,9 @@ QUICK = [
     "logging.progress_bar=false",
     "logging.tensorboard=false",
     "checkpoint.every_n_steps=1",
+    # H200 constants: they speculate at these ~30-token contexts, where the ones fitted to this CPU rightly
+    # re-plan to k = 0 (a draft step costs about as much as a dense step when per-step overhead dominates)
+    "rollout.cost_hardware=h200",
 ]
 
 
@@ -157,6 +164,7 @@ def test_sparrow_train_speculative_end_to_end(tmp_path: Path) -> None:
         assert row["rollout_is/log_ppl_diff"] == 0.0
     summary = (run / "summary.txt").read_text()
     assert "speculative rollout (lossless)" in summary and "speculative vs dense" in summary
+    assert "last step's plan per bin: k [" in summary and "(h200 cost model)" in summary
     assert (run / "plots" / "speculative.png").is_file() and (
         run / "plots" / "speculative_tokens.png"
     ).is_file()

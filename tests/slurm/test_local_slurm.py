@@ -79,17 +79,20 @@ def _wait_until(condition: Callable[[], bool], timeout: float, what: str) -> Non
         time.sleep(1.0)
 
 
-def _no_process_of(run: Path) -> bool:
-    """No process on this machine has the run folder on its command line (every task of an attempt has)."""
-    needle = str(run).encode()
+def _attempt_gone(job: str, run: Path) -> bool:
+    """No process of the job's previous attempt is left on this machine: no training task (each has the run folder
+    on its command line) and no ``slurmstepd: [<job>.batch]`` / ``[<job>.0]`` (the batch shell, which may still
+    be between ``scontrol requeue`` and its exit, and the srun step)."""
+    needles = (str(run).encode(), f"slurmstepd: [{job}.".encode())
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
-            if needle in (entry / "cmdline").read_bytes():
-                return False
+            cmdline = (entry / "cmdline").read_bytes()
         except OSError:  # the process ended while we looked
             continue
+        if any(needle in cmdline for needle in needles):
+            return False
     return True
 
 
@@ -134,12 +137,16 @@ def _submit(env: dict[str, str], workdir: Path, *overrides: str) -> tuple[str, P
 
 
 def _diagnostics(env: dict[str, str], workdir: Path, job: str) -> str:
-    """The job record, the launcher's output and the end of every rank log (for a failure message)."""
+    """The job record, the launcher's output and the end of every rank log and daemon log (for a failure message)."""
     parts = [_slurm(env, "scontrol", "show", "job", job)]
     out = workdir / f"slurm-{JOB_NAME}-{job}.out"
     parts.append(out.read_text() if out.exists() else f"(no {out.name})")
     for log in sorted((workdir / "runs" / f"{JOB_NAME}-{job}" / "logs").glob("*.log")):
         parts.append(f"--- {log.name}\n" + "\n".join(log.read_text().splitlines()[-25:]))
+    for daemon in ("slurmctld", "slurmd"):  # scripts/ci_slurm_setup.sh writes them beside slurm.conf
+        log = Path(env["SLURM_CONF"]).parent / "log" / f"{daemon}.log"
+        if log.is_file():
+            parts.append(f"--- {daemon}.log\n" + "\n".join(log.read_text().splitlines()[-40:]))
     return "\n".join(parts)
 
 
@@ -176,13 +183,13 @@ def test_time_limit_signal_requeues_and_the_job_finishes(slurm_env: dict[str, st
     )
     # A requeued job is held ~2 minutes (Slurm's requeue begin-time) so that the previous attempt is fully
     # cleaned up first. Release it early, but only once the node is idle again and no process of the first
-    # attempt is left: a next attempt started beside a slow-exiting first one (still holding the rendezvous
-    # port, or ending late) ends FAILED.
+    # attempt is left: a next attempt started beside a slow-exiting first one (its batch shell not yet exited,
+    # a task still holding the rendezvous port) ends FAILED, at once and with no output (seen in CI).
     _wait_until(
         lambda: (
             _job_field(slurm_env, job, "JobState") == "PENDING"
             and _node_idle(slurm_env)
-            and _no_process_of(run)
+            and _attempt_gone(job, run)
         ),
         JOB_TIMEOUT,
         f"job {job} pending again on an idle node, its first attempt gone",

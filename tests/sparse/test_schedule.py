@@ -106,6 +106,13 @@ def test_dense_bins_are_written_as_words():
     assert BudgetSchedule.from_yaml(s.to_yaml()) == s and not s.is_dense
 
 
+def test_schedule_yaml_reads_as_the_recipes_do():
+    # YAML 1.2 booleans: a name "off" stays a name (YAML 1.1 made it False); duplicate keys are an error
+    assert BudgetSchedule.from_yaml("bin_tokens: 100\nbudgets: [64]\nname: off\n").name == "off"
+    with pytest.raises(ValueError, match=r"schedule YAML does not parse line 2.*duplicate key"):
+        BudgetSchedule.from_yaml("bin_tokens: 100\nbin_tokens: 50\nbudgets: [64]\n")
+
+
 def test_schedule_file_errors():
     with pytest.raises(ValueError, match=r"bin 2 has 32 tokens after bin 1 with 64"):
         BudgetSchedule.from_yaml("bin_tokens: 2000\nbudgets: [32, 64, 32]\n")
