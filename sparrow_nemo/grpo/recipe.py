@@ -125,10 +125,23 @@ class WarmstartConfig(Section):
     num_nodes: tuple[int, ...] | None = knob(
         None, "(min, max) table entries of the warm-start problems; null = task.num_nodes", check=AT_LEAST_ONE
     )
+    filler_tokens: tuple[int, ...] | None = knob(
+        None,
+        "(min, max) haystack characters of the warm-start problems; null = task.filler_tokens (a minimum below "
+        "the task's lets ramp_steps start on short prompts)",
+        check=NON_NEGATIVE,
+    )
     ramp_steps: int = knob(
         0,
-        "steps over which the warm-start problems grow (geometrically) from the ranges' minimum to their full "
-        "sizes (0 = none): a small model finds the table look-up on small tables first",
+        "steps over which the warm-start problems grow (geometrically; the filler linearly) from the ranges' "
+        "minimum to their full sizes (0 = none): a small model finds the table look-up on small tables first",
+        check=NON_NEGATIVE,
+    )
+    filler_ramp_steps: tuple[int, ...] | None = knob(
+        None,
+        "(first, last) step of the filler's own linear growth from filler_tokens' minimum to its maximum (before "
+        "first: the minimum; the look-up is learned on short prompts, then the haystack grows); null = with "
+        "ramp_steps",
         check=NON_NEGATIVE,
     )
     cache_dir: str | None = knob(
@@ -138,7 +151,7 @@ class WarmstartConfig(Section):
     )
 
     def check(self) -> None:
-        for key in ("num_hops", "num_nodes"):
+        for key in ("num_hops", "num_nodes", "filler_tokens", "filler_ramp_steps"):
             value = getattr(self, key)
             if value is not None and (len(value) != 2 or value[0] > value[1]):
                 raise self.invalid(key, "null or two integers [min, max] with 1 <= min <= max")

@@ -110,6 +110,7 @@ def cache_key(config: SparrowConfig, tokenizer_name: str, layout: tuple[int, int
             "batch_size": w.batch_size,
             "lr": w.lr,
             "ramp": warm_task.ramp_problems,
+            "filler_ramp": warm_task.filler_ramp,
         },
         "optimizer": optimizer,
         "micro_batch_size": p.micro_batch_size,

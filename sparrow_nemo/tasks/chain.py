@@ -26,6 +26,15 @@ chain cannot be found without walking it.
 Why a tiny model can learn it: both look-ups of a step are plain induction (find the earlier occurrence of
 the current token, copy the token after it). The upper-case node occurs once in the table, followed by its
 successor; the lower-case successor occurs once in the table, followed by the digit.
+
+The haystack (``filler_tokens``): the same table with its entries scattered through runs of :data:`FILLER`
+characters, which never occur in an entry, the trace or the answer, so every look-up still has exactly one
+match while the KV cache grows to ~1K+ tokens and each hop needs a handful of table pages among dozens of
+filler pages (what top-k page selection is good at)::
+
+    (;*+Ax3,->>;:Q.,*Xq5,;;-+:*B.:>)\n?A\n
+
+Stripping the filler gives back, character for character, the problem drawn without it.
 """
 
 from __future__ import annotations
@@ -44,6 +53,8 @@ from sparrow_nemo.tasks.tokenizer import MAX_LETTERS, alphabet
 
 NODE_NAMES = string.ascii_uppercase
 END = "."
+#: haystack characters: in the tokenizer's CHARSET (one token each) and never in an entry, a trace or an answer
+FILLER = ":;>+-*"
 _ANSWER_RE = re.compile(r"!(\S*)")
 
 
@@ -76,7 +87,8 @@ class ChainProblem:
 class ChainTaskConfig(Section):
     """Difficulty knobs (the recipe's ``task`` section); each problem draws its sizes uniformly from the
     inclusive ranges. With name length L the prompt has (2L + 2) * num_nodes + L + 4 - L * (number of chains)
-    characters and the trace (2L + 4) * (num_hops + 1). The tiny recipes use (2, 4) nodes, (1, 2) hops."""
+    characters (plus the filler) and the trace (2L + 4) * (num_hops + 1). The tiny recipes use (2, 4) nodes,
+    (1, 2) hops."""
 
     num_nodes: tuple[int, ...] = knob(
         (8, 26),
@@ -102,9 +114,15 @@ class ChainTaskConfig(Section):
         "80 + 2 * (letters - 26) ids)",
         check=interval(26, MAX_LETTERS),
     )
+    filler_tokens: tuple[int, ...] = knob(
+        (0, 0),
+        "(min, max) FILLER characters (one token each) scattered between the prompt table's entries: a haystack "
+        "that makes the KV cache long while the look-ups stay as easy; (0, 0) = none (the original problems)",
+        check=NON_NEGATIVE,
+    )
 
     def check(self) -> None:
-        for key in ("num_nodes", "num_hops"):
+        for key in ("num_nodes", "num_hops", "filler_tokens"):
             value = getattr(self, key)
             if len(value) != 2 or value[0] > value[1]:
                 raise self.invalid(key, "two integers [min, max] with min <= max")
@@ -119,10 +137,16 @@ class ChainTaskConfig(Section):
 
 
 def make_problem(
-    rng: random.Random, num_nodes: int, num_hops: int, name_length: int = 1, letters: int = 26
+    rng: random.Random,
+    num_nodes: int,
+    num_hops: int,
+    name_length: int = 1,
+    letters: int = 26,
+    filler: int = 0,
 ) -> ChainProblem:
     """A problem with ``num_nodes`` table entries whose queried chain has ``num_hops`` hops (<= num_nodes - 1),
-    nodes named by ``name_length`` of the first ``letters`` letters."""
+    nodes named by ``name_length`` of the first ``letters`` letters, and ``filler`` :data:`FILLER` characters
+    scattered between the table's entries (drawn after everything else: the same problem, with a haystack)."""
     pool = NODE_NAMES if (name_length, letters) == (1, 26) else node_names(name_length, letters)
     if not (1 <= num_hops <= num_nodes - 1 and num_nodes <= len(pool)):
         raise ValueError(
@@ -139,7 +163,8 @@ def make_problem(
         rest = rest[cut:]
     order = names[:]
     rng.shuffle(order)
-    prompt = "(" + ",".join(_entry(k, succ, digit) for k in order) + f")\n?{path[0]}\n"
+    entries = [_entry(k, succ, digit) for k in order]
+    prompt = "(" + _scatter(rng, entries, filler) + f")\n?{path[0]}\n"
     steps, total = [], 0
     for k in path[:-1]:
         total = (total + digit[k]) % 10
@@ -147,6 +172,16 @@ def make_problem(
     answer = f"{path[-1]}{total}"
     trace = " ".join([*steps, _entry(path[-1], succ, digit)]) + f"\n!{answer}"
     return ChainProblem(prompt=prompt, trace=trace, answer=answer, num_nodes=num_nodes, num_hops=num_hops)
+
+
+def _scatter(rng: random.Random, entries: list[str], filler: int) -> str:
+    """``entries`` joined by commas with ``filler`` random :data:`FILLER` characters split into runs before,
+    between (after each comma) and after them (uniform cut points); no rng draw when ``filler`` is 0."""
+    if filler == 0:
+        return ",".join(entries)
+    cuts = sorted(rng.randint(0, filler) for _ in entries)
+    runs = ["".join(rng.choices(FILLER, k=b - a)) for a, b in zip([0, *cuts], [*cuts, filler])]
+    return runs[0] + ",".join(run + e for run, e in zip(["", *runs[1:-1]], entries)) + runs[-1]
 
 
 def _entry(node: str, succ: dict[str, str], digit: dict[str, int]) -> str:
@@ -198,28 +233,46 @@ class ChainTask:
     """A seeded, indexable stream of chain problems.
 
     ``ramp_problems``: warm-start pairs grow from the smallest sizes to the full ranges over this many
-    problems (:meth:`warm_start_pairs`); 0 = full ranges at once. ``problem(i)`` ignores it.
+    problems (:meth:`warm_start_pairs`); 0 = full ranges at once. ``filler_ramp`` = (first, last): the
+    filler instead stays at its minimum for the first ``first`` pairs and grows to its full range by pair
+    ``last`` (None = with the sizes). ``problem(i)`` ignores both.
     """
 
-    def __init__(self, config: ChainTaskConfig | None = None, ramp_problems: int = 0) -> None:
+    def __init__(
+        self,
+        config: ChainTaskConfig | None = None,
+        ramp_problems: int = 0,
+        filler_ramp: tuple[int, int] | None = None,
+    ) -> None:
         if ramp_problems < 0:
             raise ValueError(f"ChainTask: ramp_problems must be >= 0, got {ramp_problems}")
+        if filler_ramp is not None and not 0 <= filler_ramp[0] <= filler_ramp[1]:
+            raise ValueError(
+                f"ChainTask: filler_ramp must be (first, last) with 0 <= first <= last, got {filler_ramp}"
+            )
         self.config = config or ChainTaskConfig()
         self.ramp_problems = ramp_problems
+        self.filler_ramp = filler_ramp
 
-    def problem(self, index: int, grown: float = 1.0) -> ChainProblem:
-        """Problem number ``index`` (deterministic in (config.seed, index, grown)).
+    def problem(self, index: int, grown: float = 1.0, filler_grown: float | None = None) -> ChainProblem:
+        """Problem number ``index`` (deterministic in (config.seed, index, grown, filler_grown)).
 
         ``grown`` in (0, 1] shrinks the size ranges toward their minimum, geometrically: the upper ends
         become ``min * (max / min) ** grown`` (rounded), the warm-start's ramp (it stays on small tables
-        for a while, then grows faster).
+        for a while, then grows faster). ``filler_grown`` in [0, 1] (None = ``grown``) shrinks the filler's
+        upper end linearly, ``min + (max - min) * filler_grown`` (its minimum may be 0). The filler length has its own random stream, so the filler knob leaves the
+        table and the chain of problem ``index`` as they are.
         """
-        rng = random.Random(f"chain:{self.config.seed}:{index}")
-        (n_lo, n_hi), (h_lo, h_hi) = self.config.num_nodes, self.config.num_hops
+        cfg = self.config
+        rng = random.Random(f"chain:{cfg.seed}:{index}")
+        (n_lo, n_hi), (h_lo, h_hi), (f_lo, f_hi) = cfg.num_nodes, cfg.num_hops, cfg.filler_tokens
         num_nodes = rng.randint(n_lo, round(n_lo * (n_hi / n_lo) ** grown))
         hops_hi = round(h_lo * (h_hi / h_lo) ** grown)
         num_hops = rng.randint(min(h_lo, num_nodes - 1), min(hops_hi, num_nodes - 1))
-        return make_problem(rng, num_nodes, num_hops, self.config.name_length, self.config.letters)
+        filler = random.Random(f"filler:{cfg.seed}:{index}").randint(
+            f_lo, f_lo + round((f_hi - f_lo) * (grown if filler_grown is None else filler_grown))
+        )
+        return make_problem(rng, num_nodes, num_hops, cfg.name_length, cfg.letters, filler)
 
     def problems(self, count: int, start: int = 0) -> list[ChainProblem]:
         """Problems ``start .. start + count - 1``."""
@@ -230,11 +283,18 @@ class ChainTask:
 
         With ``ramp_problems`` = R > 0 the n-th pair's sizes grow geometrically from the ranges'
         minimum to their full ranges over the first R pairs (a curriculum: a small model finds the
-        table look-up on small tables, then carries it to long ones).
+        table look-up on small tables, then carries it to long ones). ``filler_ramp`` = (first, last): the
+        n-th pair's filler grows linearly from pair ``first`` to pair ``last`` (the look-up first, on short
+        prompts; then the haystack).
         """
         index, ramp = start, self.ramp_problems
         while True:
-            p = self.problem(index, grown=min(1.0, (index - start + 1) / ramp) if ramp else 1.0)
+            n = index - start + 1
+            filler_grown = None
+            if self.filler_ramp is not None:
+                first, last = self.filler_ramp
+                filler_grown = 1.0 if n >= last else max(0.0, (n - first) / (last - first))
+            p = self.problem(index, min(1.0, n / ramp) if ramp else 1.0, filler_grown)
             yield p.prompt, p.trace
             index += 1
 
@@ -246,17 +306,23 @@ class ChainTask:
 
 def build_tasks(task: ChainTaskConfig, warmstart=None) -> tuple[ChainTask, ChainTask]:
     """(RL task, warm-start task) from the recipe's ``task`` section and, optionally, its ``warmstart``
-    section, whose ``num_hops`` / ``num_nodes`` (when not null) give the warm-start problems other sizes and
-    whose ``ramp_steps`` (x ``batch_size`` problems) grows them from their minimum.
+    section, whose ``num_hops`` / ``num_nodes`` / ``filler_tokens`` (when not null) give the warm-start problems other sizes and
+    whose ``ramp_steps`` (x ``batch_size`` problems) grows them from their minimum (the filler over
+    ``filler_ramp_steps`` when given).
 
     Raises the config's error (naming the sizes) when the warm-start's sizes do not make a valid task.
     """
     hops = getattr(warmstart, "num_hops", None)
     nodes = getattr(warmstart, "num_nodes", None)
+    filler = getattr(warmstart, "filler_tokens", None)
     ws = dataclasses.replace(
         task,
         num_hops=tuple(hops) if hops is not None else task.num_hops,
         num_nodes=tuple(nodes) if nodes is not None else task.num_nodes,
+        filler_tokens=tuple(filler) if filler is not None else task.filler_tokens,
     )
-    ramp = getattr(warmstart, "ramp_steps", 0) * getattr(warmstart, "batch_size", 1)
-    return ChainTask(task), ChainTask(ws, ramp_problems=ramp)
+    batch = getattr(warmstart, "batch_size", 1)
+    ramp = getattr(warmstart, "ramp_steps", 0) * batch
+    filler_ramp = getattr(warmstart, "filler_ramp_steps", None)
+    filler_ramp = None if filler_ramp is None else (filler_ramp[0] * batch, filler_ramp[1] * batch)
+    return ChainTask(task), ChainTask(ws, ramp_problems=ramp, filler_ramp=filler_ramp)

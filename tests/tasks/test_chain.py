@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import random
 import re
@@ -13,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparrow_nemo.tasks.chain import (
+    FILLER,
     ChainTask,
     ChainTaskConfig,
     build_tasks,
@@ -218,3 +220,86 @@ def test_warm_start_ramp_grows_sizes_from_the_minimum() -> None:
     assert task.problem(5) == ChainTask(cfg).problem(5)
     with pytest.raises(ValueError, match="ramp_problems"):
         ChainTask(cfg, ramp_problems=-1)
+
+
+# ----- the haystack: filler between the table's entries --------------------------------------------
+HAY = ChainTask(ChainTaskConfig(num_nodes=(22, 26), num_hops=(20, 25), seed=7, filler_tokens=(600, 1500)))
+
+
+def _strip(text: str) -> str:
+    return "".join(c for c in text if c not in FILLER)
+
+
+def test_filler_never_meets_an_entry_a_trace_or_an_answer_and_is_one_token_each() -> None:
+    tok = CharTokenizer()
+    assert len(tok.encode(FILLER)) == len(FILLER) == len(set(FILLER))
+    plain = ChainTask(dataclasses.replace(HAY.config, filler_tokens=(0, 0)))
+    for i, p in enumerate(HAY.problems(40)):
+        assert not set(FILLER) & set(p.trace + p.answer)
+        table, query = p.prompt.split("\n?")
+        assert not set(FILLER) & set(query)
+        assert 600 <= sum(table.count(c) for c in FILLER) <= 1500
+        assert len(tok.encode(p.prompt)) == len(p.prompt)
+        # stripping the filler gives back the problem drawn without it: same table, chain and answer
+        assert _strip(p.prompt) == plain.problem(i).prompt and p.trace == plain.problem(i).trace
+        assert solve(p.prompt) == p.answer and chain_reward(p.trace, p.answer) == 1.0
+        # no filler inside an entry: each hop's node and successor still have one table match each,
+        # followed by the looked-up token
+        for m in re.finditer(r"([A-Z])([a-z])(\d)=", p.trace):
+            node, succ, digit = m.groups()
+            assert table.count(node) == 1 and table[table.index(node) + 1] == succ
+            assert table.count(succ) == 1 and table[table.index(succ) + 1] == digit
+
+
+def test_filler_spreads_the_table_over_the_prompt() -> None:
+    """The entries are scattered, not bunched: the table's entries span most of a long prompt."""
+    spans = []
+    for p in HAY.problems(40):
+        where = [m.start() for m in re.finditer(r"[A-Z]", p.prompt.split("\n?")[0])]
+        spans.append((where[-1] - where[0]) / len(p.prompt))
+    assert statistics.median(spans) > 0.8
+
+
+def test_no_filler_reproduces_the_original_problems_and_the_ramp_grows_it_linearly() -> None:
+    base = ChainTaskConfig(num_nodes=(3, 26), num_hops=(1, 22), seed=0)
+    assert base.filler_tokens == (0, 0)
+    assert ChainTask(base).problems(50) == ChainTask(
+        dataclasses.replace(base, filler_tokens=(0, 0))
+    ).problems(50)
+    ramped = ChainTask(dataclasses.replace(base, filler_tokens=(0, 1000)), ramp_problems=400)
+    pairs = ramped.warm_start_pairs()
+    filler = [sum(prompt.count(c) for c in FILLER) for prompt, _ in (next(pairs) for _ in range(800))]
+    assert max(filler[:40]) <= 100 and max(filler[600:]) > 900  # grown/ramp: upper end 1000 * (n + 1) / 400
+    assert statistics.mean(filler[:200]) < statistics.mean(filler[400:]) / 2
+    _, warm = build_tasks(base, SimpleNamespace(num_hops=None, num_nodes=None, filler_tokens=(0, 64)))
+    assert warm.config.filler_tokens == (0, 64)
+
+
+def test_the_filler_can_have_its_own_ramp_after_the_look_up_phase() -> None:
+    """warmstart.filler_ramp_steps = (first, last): no filler for `first` steps (the problems of the filler-free
+    task, pair for pair), then it grows linearly to its full range by step `last`."""
+    base = ChainTaskConfig(num_nodes=(3, 26), num_hops=(1, 22), seed=0)
+    ws = SimpleNamespace(
+        num_hops=None,
+        num_nodes=None,
+        filler_tokens=(0, 1000),
+        ramp_steps=5,
+        batch_size=4,
+        filler_ramp_steps=(50, 100),
+    )
+    _, warm = build_tasks(base, ws)
+    assert warm.filler_ramp == (200, 400) and warm.ramp_problems == 20
+    plain = build_tasks(
+        base, SimpleNamespace(**{**vars(ws), "filler_tokens": None, "filler_ramp_steps": None})
+    )[1]
+    pairs, plain_pairs = warm.warm_start_pairs(), plain.warm_start_pairs()
+    got = [next(pairs) for _ in range(800)]
+    assert got[:200] == [next(plain_pairs) for _ in range(200)]
+    filler = [sum(prompt.count(c) for c in FILLER) for prompt, _ in got]
+    assert max(filler[200:240]) <= 200 and max(filler[400:]) > 900
+    with pytest.raises(ValueError, match="filler_ramp"):
+        ChainTask(base, filler_ramp=(10, 5))
+    with pytest.raises(ValueError, match="filler_tokens"):
+        ChainTaskConfig(filler_tokens=(10, 5))
+    with pytest.raises(ValueError, match="filler_tokens"):
+        ChainTaskConfig(filler_tokens=(-1, 5))

@@ -1,6 +1,6 @@
 """The shipped warm-starts: scripts/ship_warmstart.py writes a loadable, hash-listed folder, and the long-CoT
-recipe's checkpoint is shipped under the key the current code and recipe give (else its first run trains for
-~20 minutes instead of loading it)."""
+and haystack recipes' checkpoints are shipped under the keys the current code and recipes give (else their first
+runs train for 6-15 minutes instead of loading them)."""
 
 from __future__ import annotations
 
@@ -51,13 +51,16 @@ def test_ship_script_writes_a_folder_that_a_fresh_run_loads_instead_of_training(
     assert (got / "model.safetensors").read_bytes() == (folder / "model.safetensors").read_bytes()
 
 
-@pytest.mark.parametrize("recipe", ["tiny_cpu_long", "tiny_cpu_long_smoke"])
-def test_the_long_recipe_warm_start_is_shipped_for_the_current_code(recipe: str) -> None:
+@pytest.mark.parametrize(
+    "recipe", ["tiny_cpu_long", "tiny_cpu_long_smoke", "tiny_cpu_haystack", "tiny_cpu_haystack_smoke"]
+)
+def test_the_long_recipes_warm_starts_are_shipped_for_the_current_code(recipe: str) -> None:
     config = load_config(recipe, [])
     with one_rank_world():
         key = warmstart.cache_key(config, "CharTokenizer", warmstart.SINGLE_RANK)
     assert warmstart.shipped_checkpoint(key) is not None, (
         f"no shipped warm-start for {recipe} under key {key}: the recipe's warm-start settings or the code in "
         f"grpo.warmstart.WARMSTART_SOURCES changed; remake it with "
-        f"`python scripts/ship_warmstart.py --config tiny_cpu_long` (~20 min) and delete the old folder"
+        f"`python scripts/ship_warmstart.py --config {recipe.removesuffix('_smoke')}` (6-15 min) and delete the "
+        "old folder"
     )
