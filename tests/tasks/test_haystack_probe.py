@@ -4,8 +4,7 @@ a max-over-keys bound does)."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
+from script_module import load_script
 
 from sparrow_nemo.grpo import warmstart
 from sparrow_nemo.grpo.recipe import load_config
@@ -13,14 +12,9 @@ from sparrow_nemo.grpo.world import one_rank_world
 from sparrow_nemo.tasks.chain import ChainTask, ChainTaskConfig
 from sparrow_nemo.tasks.tokenizer import CharTokenizer
 
-REPO = Path(__file__).resolve().parents[2]
-
 
 def _probe():
-    spec = importlib.util.spec_from_file_location("haystack_probe", REPO / "scripts" / "haystack_probe.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("haystack_probe")
 
 
 def test_the_probe_positions_are_each_hops_node_and_its_table_successor() -> None:

@@ -4,25 +4,20 @@ runs train for 6-15 minutes instead of loading them)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from script_module import load_script
 
 from sparrow_nemo.grpo import warmstart
 from sparrow_nemo.grpo.prompts import build_prompt_source
 from sparrow_nemo.grpo.recipe import load_config
 from sparrow_nemo.grpo.world import one_rank_world
 
-REPO = Path(__file__).resolve().parents[2]
-
 
 def _ship_script():
-    spec = importlib.util.spec_from_file_location("ship_warmstart", REPO / "scripts" / "ship_warmstart.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("ship_warmstart")
 
 
 def test_ship_script_writes_a_folder_that_a_fresh_run_loads_instead_of_training(
