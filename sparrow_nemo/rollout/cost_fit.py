@@ -168,9 +168,8 @@ def _fit(engine: Any, batch: int, seed: int) -> Hardware:
         engine, long_ctx, [dense, fixed], batch, FIT_STEPS, seed, FIT_REPEATS
     )
     model = engine_cost_model(engine, Hardware("fit", 1.0, 1.0))
-    mean_offset = (
-        FIT_STEPS + 3
-    ) / 2  # the timed steps run at cached lengths context + 2 .. context + steps + 1
+    # the timed steps run at cached lengths context + 2 .. context + steps + 1
+    mean_offset = (FIT_STEPS + 3) / 2
 
     def point(context: int, schedule: BudgetSchedule, seconds: float) -> FitPoint:
         cached = torch.tensor([context + mean_offset])
@@ -208,40 +207,47 @@ def engine_cost_model(engine: Any, hardware: Hardware) -> DecodeCostModel:
     )
 
 
-def rollout_hardware(spec: str, engine: Any) -> Hardware:
-    """The hardware ``rollout.cost_hardware`` = ``spec`` names for ``engine`` (module docstring)."""
+def rollout_hardware(spec: str, engine: Any, saved: Path | None = None) -> Hardware:
+    """The hardware ``rollout.cost_hardware`` = ``spec`` names for ``engine`` (module docstring).
+
+    ``saved``: where a run keeps constants fitted to the CPU (a JSON file in its folder). When it exists they
+    are read instead of fitted, so a resumed run prices steps, and the speculative planner decides, as before
+    the interruption; a fit writes it (atomically).
+    """
+    from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
+
     if spec.endswith(".json"):
         if not Path(spec).is_file():
             raise FileNotFoundError(f"rollout.cost_hardware: {spec} not found (a Hardware JSON file)")
         return Hardware.from_json(spec)
     if spec != "auto":
         return HARDWARE[spec]
-    if torch.device(engine.device).type == "cpu":
-        return fit_cpu_hardware(engine)
-    gpu = torch.cuda.get_device_name(engine.device) if torch.cuda.is_available() else ""
+    torch_engine = isinstance(engine, TorchRolloutEngine)
+    if torch_engine and engine.device.type == "cpu":
+        if saved is not None and saved.is_file():
+            return Hardware.from_json(saved)
+        hardware = fit_cpu_hardware(engine)
+        if saved is not None:
+            partial = saved.with_name(saved.name + ".partial")
+            hardware.to_json(partial)
+            partial.replace(saved)
+        return hardware
+    # a GPU engine (TensorRT-LLM's has no device attribute: the process's current GPU)
+    gpu = (
+        torch.cuda.get_device_name(engine.device if torch_engine else None)
+        if torch.cuda.is_available()
+        else ""
+    )
     return HARDWARE["h100" if "H100" in gpu.upper() else "h200"]
 
 
 def rollout_cost_model(config: Any, engine: Any, saved: Path | None = None) -> DecodeCostModel:
-    """The decode cost model of ``engine`` on the recipe's ``rollout.cost_hardware``: a torch engine's model,
-    dense layers and element sizes, else (TensorRT-LLM) ``model`` and ``sparsity.dense_layers`` in bf16.
-
-    ``saved``: where a run keeps fitted constants (a JSON file in its folder). When it exists they are read
-    instead of fitted, so a resumed run prices steps, and the speculative planner decides, as before the
-    interruption; a fit writes it (atomically).
-    """
+    """The decode cost model of ``engine`` on the recipe's ``rollout.cost_hardware`` (:func:`rollout_hardware`,
+    ``saved`` as there): a torch engine's model, dense layers and element sizes, else (TensorRT-LLM) ``model``
+    and ``sparsity.dense_layers`` in bf16."""
     from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
 
-    spec = config.rollout.cost_hardware
-    fitting = spec == "auto" and isinstance(engine, TorchRolloutEngine) and engine.device.type == "cpu"
-    if fitting and saved is not None and saved.is_file():
-        hardware = Hardware.from_json(saved)
-    else:
-        hardware = rollout_hardware(spec, engine)
-        if fitting and saved is not None:
-            partial = saved.with_name(saved.name + ".partial")
-            hardware.to_json(partial)
-            partial.replace(saved)
+    hardware = rollout_hardware(config.rollout.cost_hardware, engine, saved)
     if isinstance(engine, TorchRolloutEngine):
         return engine_cost_model(engine, hardware)
     return DecodeCostModel(config.model.shape(), hardware, dense_layers=config.sparsity.dense_layers)

@@ -89,6 +89,8 @@ def test_cost_hardware_names_a_preset_a_file_or_auto(engine, tmp_path) -> None:
     with pytest.raises(FileNotFoundError, match=r"rollout.cost_hardware: .*nope\.json not found"):
         rollout_hardware(str(tmp_path / "nope.json"), engine)
     assert rollout_hardware("auto", engine).name == "cpu (fitted)"  # a CPU engine: fitted
+    if not torch.cuda.is_available():  # TensorRT-LLM's engine has no device attribute (a bare object here)
+        assert rollout_hardware("auto", object()) == HARDWARE["h200"]
     config = load_config("tiny_cpu_smoke", ["rollout.cost_hardware=h200", "model.preset=tiny-test"])
     model = rollout_cost_model(config, engine)
     assert model.hardware == HARDWARE["h200"] and model.kv_bytes == 4  # the engine's float32 cache
