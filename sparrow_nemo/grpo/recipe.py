@@ -155,6 +155,9 @@ class WarmstartConfig(Section):
             value = getattr(self, key)
             if value is not None and (len(value) != 2 or value[0] > value[1]):
                 raise self.invalid(key, "null or two integers [min, max] with 1 <= min <= max")
+        ramp = self.filler_ramp_steps
+        if ramp is not None and ramp[0] == ramp[1]:  # the linear growth between them would divide by zero
+            raise self.invalid("filler_ramp_steps", "null or [first, last] with first < last")
 
 
 @dataclass(frozen=True)

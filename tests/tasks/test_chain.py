@@ -303,3 +303,11 @@ def test_the_filler_can_have_its_own_ramp_after_the_look_up_phase() -> None:
         ChainTaskConfig(filler_tokens=(10, 5))
     with pytest.raises(ValueError, match="filler_tokens"):
         ChainTaskConfig(filler_tokens=(-1, 5))
+
+
+def test_a_filler_ramp_of_no_length_is_a_config_error() -> None:
+    from sparrow_nemo.config import ConfigError
+    from sparrow_nemo.grpo.recipe import load_config
+
+    with pytest.raises(ConfigError, match=r"warmstart\.filler_ramp_steps.*first < last"):
+        load_config("tiny_cpu_haystack", ["warmstart.filler_ramp_steps=[5,5]"])
