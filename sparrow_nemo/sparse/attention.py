@@ -6,6 +6,12 @@ its GQA group, dots that mean with every page centroid, and keeps the top-k page
 first ``sink_pages`` pages (attention sink) and the last ``local_pages`` pages (local window).
 Exact softmax attention then runs over the tokens of the kept pages only.
 
+``page_score="minmax"`` (an option beyond the paper, after Quest, Tang et al. 2024) keeps each page's
+per-channel minimum and maximum key instead and scores a page by the upper bound they give on the
+group-mean query's dot product with any key of the page: sum_d max(q_d * min_d, q_d * max_d). A page
+holding one key the query needs and fifteen it does not scores high under the bound and low under
+the mean (docs/METHOD.md, "page scores").
+
 Keys and queries are taken as attention sees them (after q/k RMSNorm and rotary embedding).
 Shapes use B = batch, Hq = query heads, Hkv = KV heads, G = Hq // Hkv, L = cache length
 (tokens), D = head dim, P = ceil(L / page_size) pages. Lengths and budgets are in tokens.
@@ -19,13 +25,18 @@ import math
 
 import torch
 
-from sparrow_nemo.sparse.pattern import PAGE_SIZE
+from sparrow_nemo.sparse.pattern import PAGE_SCORES, PAGE_SIZE
 
 __all__ = [
+    "PAGE_SCORES",
     "decode_attention",
+    "group_mean_query",
+    "key_bound_scores",
     "page_centroids",
+    "page_key_bounds",
     "select_pages",
     "select_pages_from_centroids",
+    "select_pages_from_key_bounds",
     "selected_page_count",
     "selected_token_mask",
     "sparse_decode_attention",
@@ -121,6 +132,55 @@ def page_centroids(k_cache: torch.Tensor, seq_len: torch.Tensor, page_size: int 
     return sums / counts[:, None, :, None]
 
 
+def page_key_bounds(
+    k_cache: torch.Tensor, seq_len: torch.Tensor, page_size: int = PAGE_SIZE
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel minimum and maximum key of every page (the ``minmax`` page score's landmarks).
+
+    Args:
+        k_cache: [B, Hkv, L, D] keys (any float dtype); positions >= seq_len are ignored.
+        seq_len: [B] integer, valid tokens per sequence (0 <= seq_len <= L).
+
+    Returns:
+        (k_min, k_max), each [B, Hkv, P, D] float32, P = ceil(L / page_size), over the valid tokens of
+        each page; pages at or past seq_len (no valid token) are all zeros in both.
+    """
+    _check_page_args(page_size)
+    _check_cache(k_cache, seq_len)
+    batch, num_kv_heads, max_len, head_dim = k_cache.shape
+    num_pages = math.ceil(max_len / page_size)
+    pos = torch.arange(num_pages * page_size, device=k_cache.device)
+    valid = (pos[None, :] < seq_len.to(k_cache.device)[:, None])[:, None, :, None]  # [B, 1, P*ps, 1]
+    keys = torch.zeros(
+        batch, num_kv_heads, num_pages * page_size, head_dim, dtype=torch.float32, device=k_cache.device
+    )
+    keys[:, :, :max_len] = k_cache.float()
+    paged = (batch, num_kv_heads, num_pages, page_size, head_dim)
+    k_min = keys.masked_fill(~valid, math.inf).view(paged).amin(dim=3)
+    k_max = keys.masked_fill(~valid, -math.inf).view(paged).amax(dim=3)
+    empty = ~valid.view(batch, 1, num_pages, page_size).any(dim=3)[..., None]  # [B, 1, P, 1]
+    return k_min.masked_fill(empty, 0.0), k_max.masked_fill(empty, 0.0)
+
+
+def group_mean_query(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """[B, Hq, D] queries -> [B, Hkv, D] float32 mean over each KV head's G = Hq // Hkv query heads."""
+    batch, num_heads, head_dim = q.shape
+    return q.float().view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim).mean(dim=2)
+
+
+def key_bound_scores(q_mean: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tensor) -> torch.Tensor:
+    """The ``minmax`` page score: an upper bound on ``q_mean . k`` over the keys k of each page.
+
+    Args:
+        q_mean: [B, Hkv, D] group-mean queries; k_min, k_max: [B, Hkv, P, D] per-page key bounds.
+
+    Returns:
+        [B, Hkv, P] float32, sum over d of max(q_d * k_min_d, q_d * k_max_d).
+    """
+    q = q_mean.float()[:, :, None, :]
+    return torch.maximum(q * k_min.float(), q * k_max.float()).sum(dim=-1)
+
+
 def selected_page_count(
     seq_len: torch.Tensor,
     budget_tokens: int | torch.Tensor,
@@ -157,6 +217,7 @@ def select_pages(
     page_size: int = PAGE_SIZE,
     sink_pages: int = 1,
     local_pages: int = 2,
+    page_score: str = "centroid",
 ) -> torch.Tensor:
     """Pages each KV head attends to at this decode step.
 
@@ -164,7 +225,8 @@ def select_pages(
     If n_pages <= budget_pages every page is kept. Otherwise pages [0, sink_pages) and the last
     ``local_pages`` pages are kept, plus the top k = max(budget_pages - sink_pages - local_pages, 0)
     of the middle pages [sink_pages, n_pages - local_pages), scored by dot(mean of the GQA group's
-    queries, page centroid) in float32. Equal scores: the lower page index wins.
+    queries, page centroid) in float32 (``page_score="minmax"``: by :func:`key_bound_scores` of that
+    mean query). Equal scores: the lower page index wins.
 
     Args:
         q: [B, Hq, D] queries of the token being decoded; query heads h*G .. h*G+G-1 share KV head h.
@@ -175,6 +237,13 @@ def select_pages(
         [B, Hkv, n] int64 logical page indices, ascending per row, padded with -1 at the end;
         n = the largest kept-page count over the batch (0 when nothing is kept).
     """
+    if page_score == "minmax":
+        k_min, k_max = page_key_bounds(k_cache, seq_len, page_size)
+        return select_pages_from_key_bounds(
+            q, k_min, k_max, seq_len, budget_tokens, page_size, sink_pages, local_pages
+        )
+    if page_score != "centroid":
+        raise ValueError(f"page_score must be one of {PAGE_SCORES}, got {page_score!r}")
     centroids = page_centroids(k_cache, seq_len, page_size)
     return select_pages_from_centroids(
         q, centroids, seq_len, budget_tokens, page_size, sink_pages, local_pages
@@ -201,19 +270,53 @@ def select_pages_from_centroids(
         [B, Hkv, n] int64 logical page indices, ascending, -1 padded (as :func:`select_pages`).
     """
     _check_page_args(page_size, sink_pages, local_pages)
-    if centroids.dim() != 4:
-        raise ValueError(f"centroids must be [B, Hkv, P, D], got shape {tuple(centroids.shape)}")
-    batch, num_kv_heads, num_pages, head_dim = centroids.shape
+    _check_landmarks(q, centroids, seq_len, page_size, "centroids")
+    scores = torch.einsum("bhd,bhpd->bhp", group_mean_query(q, centroids.shape[1]), centroids.float())
+    return select_pages_from_scores(scores, seq_len, budget_tokens, page_size, sink_pages, local_pages)
+
+
+def select_pages_from_key_bounds(
+    q: torch.Tensor,
+    k_min: torch.Tensor,
+    k_max: torch.Tensor,
+    seq_len: torch.Tensor,
+    budget_tokens: int | torch.Tensor,
+    page_size: int = PAGE_SIZE,
+    sink_pages: int = 1,
+    local_pages: int = 2,
+) -> torch.Tensor:
+    """:func:`select_pages` with ``page_score="minmax"`` given the per-page key bounds.
+
+    Args:
+        q: [B, Hq, D] queries; k_min, k_max: [B, Hkv, P, D] per-page minimum and maximum keys with
+            P >= ceil(max(seq_len) / page_size) (entries of pages past seq_len are ignored);
+        seq_len: [B] integer tokens; budget_tokens: int or [B] integer tokens.
+
+    Returns:
+        [B, Hkv, n] int64 logical page indices, ascending, -1 padded (as :func:`select_pages`).
+    """
+    _check_page_args(page_size, sink_pages, local_pages)
+    _check_landmarks(q, k_min, seq_len, page_size, "k_min")
+    if k_max.shape != k_min.shape:
+        raise ValueError(f"k_max shape {tuple(k_max.shape)} must equal k_min shape {tuple(k_min.shape)}")
+    scores = key_bound_scores(group_mean_query(q, k_min.shape[1]), k_min, k_max)
+    return select_pages_from_scores(scores, seq_len, budget_tokens, page_size, sink_pages, local_pages)
+
+
+def _check_landmarks(
+    q: torch.Tensor, landmarks: torch.Tensor, seq_len: torch.Tensor, page_size: int, name: str
+) -> None:
+    """Validate per-page landmarks [B, Hkv, P, D] against q [B, Hq, D] and seq_len [B]."""
+    if landmarks.dim() != 4:
+        raise ValueError(f"{name} must be [B, Hkv, P, D], got shape {tuple(landmarks.shape)}")
+    batch, _, num_pages, _ = landmarks.shape
     _check_seq_len(seq_len, batch)
     if batch and int(seq_len.max()) > num_pages * page_size:
         raise ValueError(
-            f"centroids hold P={num_pages} pages of {page_size} tokens, fewer than seq_len max "
+            f"{name} hold P={num_pages} pages of {page_size} tokens, fewer than seq_len max "
             f"{int(seq_len.max())} needs"
         )
-    group = _check_query(q, centroids)
-    q_mean = q.float().view(batch, num_kv_heads, group, head_dim).mean(dim=2)  # [B, Hkv, D]
-    scores = torch.einsum("bhd,bhpd->bhp", q_mean, centroids.float())  # [B, Hkv, P]
-    return select_pages_from_scores(scores, seq_len, budget_tokens, page_size, sink_pages, local_pages)
+    _check_query(q, landmarks)
 
 
 def select_pages_from_scores(
@@ -224,7 +327,7 @@ def select_pages_from_scores(
     sink_pages: int = 1,
     local_pages: int = 2,
 ) -> torch.Tensor:
-    """:func:`select_pages` given each page's score (GQA-averaged query . page centroid).
+    """:func:`select_pages` given each page's score (e.g. GQA-averaged query . page centroid).
 
     Args:
         scores: [B, Hkv, P] float page scores (entries of pages past seq_len are ignored);
@@ -352,6 +455,7 @@ def sparse_decode_attention(
     page_size: int = PAGE_SIZE,
     sink_pages: int = 1,
     local_pages: int = 2,
+    page_score: str = "centroid",
 ) -> torch.Tensor:
     """Exact attention over the pages :func:`select_pages` keeps (one decode step).
 
@@ -366,6 +470,8 @@ def sparse_decode_attention(
     _check_cache(k_cache, seq_len)
     if seq_len.numel() and int(seq_len.min()) < 1:
         raise ValueError("sparse_decode_attention needs seq_len >= 1 for every sequence (the current token)")
-    page_idx = select_pages(q, k_cache, seq_len, budget_tokens, page_size, sink_pages, local_pages)
+    page_idx = select_pages(
+        q, k_cache, seq_len, budget_tokens, page_size, sink_pages, local_pages, page_score
+    )
     mask = selected_token_mask(page_idx, seq_len, k_cache.shape[2], page_size)
     return decode_attention(q, k_cache, v_cache, mask)

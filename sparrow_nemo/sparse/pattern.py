@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sparrow_nemo.config.schema import AT_LEAST_ONE, NON_NEGATIVE, Section, knob
+from sparrow_nemo.config.schema import AT_LEAST_ONE, NON_NEGATIVE, Section, knob, one_of
 
-__all__ = ["PAGE_SIZE", "SparsePattern"]
+__all__ = ["PAGE_SCORES", "PAGE_SIZE", "SparsePattern"]
 
 #: Tokens per KV page in the paper (and every default in this project).
 PAGE_SIZE = 16
+#: How a decode step ranks pages (sparrow_nemo.sparse.attention): the paper's mean key, or Quest's key bounds.
+PAGE_SCORES = ("centroid", "minmax")
 
 
 @dataclass(frozen=True)
@@ -24,6 +26,12 @@ class SparsePattern(Section):
     sink_pages: int = knob(1, "first pages always kept (attention sink)", check=NON_NEGATIVE)
     local_pages: int = knob(2, "most recent pages always kept (local window)", check=NON_NEGATIVE)
     dense_layers: int = knob(2, "first decoder layers that always attend densely", check=NON_NEGATIVE)
+    page_score: str = knob(
+        "centroid",
+        "how pages are ranked: 'centroid' (the paper: group-mean query . mean key) or 'minmax' (Quest: the "
+        "upper bound per-channel min/max keys give on q . k; twice the scoring bytes)",
+        check=one_of(PAGE_SCORES),
+    )
 
     @property
     def min_budget(self) -> int:
@@ -32,4 +40,6 @@ class SparsePattern(Section):
 
     def pattern(self) -> SparsePattern:
         """Just the pattern (a subclass such as the recipe's ``SparsityConfig`` carries more)."""
-        return SparsePattern(self.page_size, self.sink_pages, self.local_pages, self.dense_layers)
+        return SparsePattern(
+            self.page_size, self.sink_pages, self.local_pages, self.dense_layers, self.page_score
+        )
