@@ -147,7 +147,8 @@ def test_centroid_bytes_are_counted_per_token() -> None:
     assert blocks * 16 * kv_per_token + pool_bytes <= budget
     assert centroid_bytes_per_token(0, 8, 128, 16) == 0  # only dense layers: nothing to count
     # minmax keeps key_min and key_max: twice the bytes
-    assert centroid_bytes_per_token(34, 8, 128, 16, page_score="minmax") == 2 * per_token
+    minmax = centroid_bytes_per_token(34, 8, 128, 16, page_score="minmax")
+    assert minmax == 2 * per_token and 0.10 < minmax / (kv_per_token + minmax) < 0.11
     with pytest.raises(ValueError, match="page_score must be one of"):
         centroid_bytes_per_token(34, 8, 128, 16, page_score="mean")
     with pytest.raises(ValueError, match="page_size >= 1"):
