@@ -4,7 +4,7 @@ One program per (sequence b, KV head h) row:
 
 1. budget and lengths, on the device: n_pages = ceil(seq_len / page_size), budget_pages =
    clamp(budget_tokens, 0, capacity) // page_size (no host-side ``.to``/``.clamp`` launches). A row
-   whose budget covers it keeps every page and reads no centroid (the dense fallback).
+   whose budget covers it keeps every page and reads no landmark (the dense fallback).
 2. scores: the GQA group's mean query dotted (float32) with the centroid of every middle page
    (``page_score="minmax"``, landmarks given as :class:`~sparrow_kernels.KeyBounds`: the key-bound
    score sum_d max(q_d * min_d, q_d * max_d), float32, two tiles per page), streamed through the
