@@ -28,11 +28,10 @@ training dtype, ``T`` the tokens of a micro-batch (``max_tokens_per_micro_batch`
   sparse forward the fp32 keys/values and page landmarks each sparse layer keeps plus one query block's
   scores;
 - rollout (the colocated engine, :class:`RolloutSpec`): its weights (the whole model: engine TP is 1)
-  and KV cache (keys, values, page landmarks: :func:`landmarks_per_page`), and how many full-length
-  sequences fit. TensorRT-LLM
-  runs one engine per GPU, asleep while the policy trains, whose pool takes
-  :data:`~sparrow_nemo.rollout.trtllm.KV_CACHE_FREE_FRACTION` of the memory the policy's weights, grads
-  and optimizer leave; the torch engine runs on rank 0 and stays awake through the training step, so its
+  and KV cache (keys, values, page landmarks: one centroid, or two key bounds under minmax), and how
+  many full-length sequences fit. TensorRT-LLM runs one engine per GPU, asleep while the policy trains,
+  whose pool takes :data:`~sparrow_nemo.rollout.trtllm.KV_CACHE_FREE_FRACTION` of the memory the policy's
+  weights, grads and optimizer leave; the torch engine runs on rank 0 and stays awake through the training step, so its
   KV cache gets what the training peak leaves.
 
 ``tests/policy/test_plan_measured.py`` measures a CPU training step's peak at several sizes against
@@ -49,21 +48,12 @@ from sparrow_nemo.policy.memory import DEFAULT_MEMORY, MemorySettings
 from sparrow_nemo.policy.model import padded_vocab_size
 from sparrow_nemo.policy.parallel import LayoutError, ParallelLayout, stage_layer_range
 from sparrow_nemo.policy.sparse_forward import QUERY_BLOCK
-from sparrow_nemo.sparse.pattern import PAGE_SCORES
 
 GIB = 1024**3
 _DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
 OPTIMIZERS = ("adam", "distributed_adam")
 #: bytes of one KV-cache element of the rollout engine (bf16)
 KV_BYTES = 2
-
-
-def landmarks_per_page(page_score: str) -> int:
-    """[Hkv, D] vectors a page keeps per layer to be scored (``sparsity.page_score``): the centroid (1), or
-    the per-channel minimum and maximum key (2, minmax)."""
-    if page_score not in PAGE_SCORES:
-        raise LayoutError(f"sparsity.page_score must be one of {PAGE_SCORES}, got {page_score!r}")
-    return 2 if page_score == "minmax" else 1
 
 
 @dataclass(frozen=True)
@@ -135,7 +125,7 @@ class RolloutSpec:
             the trainer does not put it to sleep, so it stays during training).
         max_batch_size: ``rollout.max_batch_size``.
         dtype: the engine's weight and KV dtype (``model.dtype``).
-        page_size: KV page tokens (:func:`landmarks_per_page` landmarks per page, layer and KV head: the
+        page_size: KV page tokens (``landmarks_per_page`` landmarks per page, layer and KV head: the
             torch engine's in the KV dtype in every layer, TensorRT-LLM's in fp32 in the sparse layers).
         dense_layers: leading layers without page selection (``sparsity.dense_layers``).
         page_score: ``sparsity.page_score`` (``"minmax"``: two landmarks per page).
@@ -340,6 +330,8 @@ def _distill_terms(
     fp32 keys and values every query block gathers from plus the page landmarks; kept for the layers full
     recompute does not recompute, and for one recomputed group while it runs.
     """
+    from sparrow_nemo.rollout.trtllm_kv_cache import landmarks_per_page
+
     lora = lora_parameters(shape, layout, stage, distill) * dtype_bytes * 4  # param, grad, AdamW m and v
     layers = list(stage_layer_range(shape.num_layers, layout.pp, stage))
     hq, hkv, d = (
@@ -396,21 +388,19 @@ def rollout_memory(
     """The engine's footprint next to the policy's ``resident`` bytes (trtllm: weights, grads, optimizer;
     torch: the whole training peak, since its engine stays awake on rank 0)."""
     from sparrow_nemo.rollout.trtllm import KV_CACHE_FREE_FRACTION
+    from sparrow_nemo.rollout.trtllm_kv_cache import centroid_bytes_per_token, landmarks_per_page
 
     nbytes = _DTYPE_BYTES[spec.dtype]
     engine_weights = shape.num_parameters() * nbytes
     kv = shape.num_layers * shape.num_key_value_heads * shape.head_dim
-    landmarks = landmarks_per_page(spec.page_score)
     if spec.backend == "trtllm":  # fp32 landmarks of the sparse layers (the KV-cache manager's pool)
-        from sparrow_nemo.rollout.trtllm_kv_cache import centroid_bytes_per_token
-
         sparse_layers = shape.num_layers - spec.dense_layers
-        per_landmark = centroid_bytes_per_token(
-            sparse_layers, shape.num_key_value_heads, shape.head_dim, spec.page_size
+        landmarks = centroid_bytes_per_token(
+            sparse_layers, shape.num_key_value_heads, shape.head_dim, spec.page_size, spec.page_score
         )
     else:  # the torch engine's paged cache: landmarks per page and layer in the KV dtype
-        per_landmark = kv * nbytes / spec.page_size
-    per_token = 2 * kv * nbytes + landmarks * per_landmark
+        landmarks = landmarks_per_page(spec.page_score) * kv * nbytes / spec.page_size
+    per_token = 2 * kv * nbytes + landmarks
     kv_per_sequence = int(per_token * seq_len)
     free = max(gpu_bytes - resident - engine_weights, 0)
     if spec.backend == "trtllm":

@@ -204,7 +204,7 @@ def test_minmax_counts_two_landmarks_per_page():
     extra = reports["minmax"][0].distill.activations - reports["centroid"][0].distill.activations
     assert extra == 26 * 4 * 128 * 4 // 16 * 39_936
     assert reports["minmax"][0].memory == reports["centroid"][0].memory  # the training phase is unchanged
-    with pytest.raises(LayoutError, match=r"sparsity\.page_score must be one of"):
+    with pytest.raises(ValueError, match="page_score must be one of"):
         plan(shape, rollout=RolloutSpec("torch", 4, "bf16", 16, page_score="mean"), **common)
 
 
