@@ -1,10 +1,10 @@
 """Attention for the torch rollout engine: dense causal prefill, and decode over the paged KV cache.
 
 Decode has two implementations with the same semantics (sparrow_nemo.sparse.attention):
-- ``torch``: the method layer's page selection (``select_pages_from_centroids``) on the cache's
-  incrementally maintained centroids; on the CPU (fp32) the chosen pages are read in place by a compiled
-  kernel (``cpu_attention``), elsewhere gathered per (sequence, KV head) into the method layer's masked
-  decode attention;
+- ``torch``: the method layer's page selection on the cache's incrementally maintained landmarks
+  (``select_pages_from_centroids``, or ``select_pages_from_key_bounds`` for a ``minmax`` cache); on the CPU
+  (fp32) a compiled kernel (``cpu_attention``) makes the same choice and reads the chosen pages in place,
+  elsewhere they are gathered per (sequence, KV head) into the method layer's masked decode attention;
 - ``triton``: the fused kernels of ``sparrow_kernels`` (select + attend in one call).
 """
 
@@ -17,7 +17,11 @@ import torch.nn.functional as F
 
 import sparrow_nemo.rollout.cpu_attention as cpu_attention
 from sparrow_nemo.rollout.paged_cache import PagedKVCache
-from sparrow_nemo.sparse.attention import decode_attention, select_pages_from_centroids
+from sparrow_nemo.sparse.attention import (
+    decode_attention,
+    select_pages_from_centroids,
+    select_pages_from_key_bounds,
+)
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET
 
 log = logging.getLogger(__name__)
@@ -72,8 +76,8 @@ def decode_attention_torch(
 ) -> torch.Tensor:
     """One decode step of attention over the paged cache (the current token already appended).
 
-    The page choice is the method layer's (``select_pages_from_centroids`` on the cache's incremental
-    centroids), batched over rows and KV heads. On the CPU with an fp32 cache the chosen pages are read
+    The page choice is the method layer's for the cache's page score (``select_pages_from_centroids`` on its
+    incremental centroids, ``select_pages_from_key_bounds`` on its key bounds), batched over rows and KV heads. On the CPU with an fp32 cache the chosen pages are read
     in place by :func:`~sparrow_nemo.rollout.cpu_attention.paged_decode_attention`; elsewhere they are
     gathered (:meth:`PagedKVCache.gather`) into the method layer's masked attention.
 
@@ -93,6 +97,11 @@ def decode_attention_torch(
         )[0]
     if budget_tokens is None:
         page_idx = all_pages(seq_len, hkv, ps)
+    elif cache.page_score == "minmax":
+        k_min, k_max = cache.gather_key_bounds(layer, block_table, seq_len)
+        page_idx = select_pages_from_key_bounds(
+            q, k_min, k_max, seq_len, budget_tokens, ps, sink_pages, local_pages
+        )
     else:
         cent = cache.gather_centroids(layer, block_table, seq_len)
         page_idx = select_pages_from_centroids(q, cent, seq_len, budget_tokens, ps, sink_pages, local_pages)
