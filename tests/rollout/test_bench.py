@@ -105,7 +105,7 @@ def test_throughput_script_appends_json_lines(tmp_path: Path) -> None:
 
 def test_cpu_decode_script_appends_json_lines(tmp_path: Path) -> None:
     """benchmarks/cpu_decode.py (the README's bench numbers) on small contexts: one line per (context,
-    schedule) with the machine, the load before and after, the bound and the ratio."""
+    schedule, page score) with the machine, the load before and after, the bound and the ratio."""
     spec = importlib.util.spec_from_file_location("cpu_decode", REPO / "benchmarks" / "cpu_decode.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
@@ -123,13 +123,11 @@ def test_cpu_decode_script_appends_json_lines(tmp_path: Path) -> None:
         "--repeats",
         "1",
     ]
-    script.main([*argv, "--fractions", "0.25", "--out", str(out)])
+    script.main([*argv, "--fractions", "0.25", "--out", str(out), "--page-scores", "centroid", "minmax"])
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [(r["context"], r["schedule"]) for r in rows] == [
-        (64, "dense"),
-        (64, "25% fixed"),
-        (128, "dense"),
-        (128, "25% fixed"),
+    configs = [(64, "dense"), (64, "25% fixed"), (128, "dense"), (128, "25% fixed")]
+    assert [(r["context"], r["schedule"], r["page_score"]) for r in rows] == [
+        (*c, score) for score in ("centroid", "minmax") for c in configs
     ]
     for r in rows:
         assert r["benchmark"] == "cpu_decode" and r["date"] and r["cpu_count"] >= 1
