@@ -52,3 +52,4 @@ def test_haystack_smoke_run_loads_the_shipped_warm_start_and_rolls_out_over_long
                 raised = row[f"sparsity/next_budget/bin_{b}"] > row[f"sparsity/budget/bin_{b}"]
                 assert raised or row["sparsity/collapse_guard"], (b, row)
     assert summary["measured_rollout_speedup"] > 0 and summary["predicted_speedup_mean"] > 0, summary
+    assert summary["measured_decode_speedup"] > 0, summary  # decode time only: prefill is dense in both

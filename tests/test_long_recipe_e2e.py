@@ -46,3 +46,4 @@ def test_long_smoke_run_loads_the_shipped_warm_start_and_rolls_out_long_response
     for b in decided:
         assert last[f"acceptance/p5/bin_{b}"] >= config.sparsity.threshold, (b, last)
     assert summary["measured_rollout_speedup"] > 0 and summary["predicted_speedup_mean"] > 0, summary
+    assert summary["measured_decode_speedup"] > 0, summary  # decode time only: prefill is dense in both

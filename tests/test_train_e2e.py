@@ -126,6 +126,9 @@ def test_smoke_run_trains_without_losing_accuracy_and_keeps_the_tail(smoke_overr
         "response_length/truncation_rate",
     ):
         assert key in last, key
+    for tag in ("start", "end", "end_dense"):  # decode-only throughput beside the wall number, every eval
+        assert summary["evals"][tag]["decode_tokens_per_s"] >= summary["evals"][tag]["tokens_per_s"] > 0, tag
+    assert summary["measured_decode_speedup"] > 0, summary
     for name in ("reward.png", "response_length.png", "tail_per_bin.png", "schedule.png"):
         assert (tmp_path / "plots" / name).stat().st_size > 1000
     step_dir = tmp_path / "checkpoints" / f"step_{config.trainer.max_steps:08d}"

@@ -41,13 +41,15 @@ class EvalResult:
     Attributes:
         accuracy: fraction of samples with reward 1. reward_mean: mean reward.
         response_length_mean: tokens. tokens_per_s: generated tokens per second of wall time (the slowest
-            engine's). schedule: the schedule's name. prompts: how many prompts.
+            engine's). decode_tokens_per_s: the same over decode time only (the slowest engine's; prefill,
+            dense under every schedule, left out). schedule: the schedule's name. prompts: how many prompts.
     """
 
     accuracy: float
     reward_mean: float
     response_length_mean: float
     tokens_per_s: float
+    decode_tokens_per_s: float
     schedule: str
     prompts: int
 
@@ -57,13 +59,15 @@ class EvalResult:
 
 @dataclass(frozen=True)
 class EvalTally:
-    """One rank's part of an evaluation: sums over its prompts and its generation time (seconds)."""
+    """One rank's part of an evaluation: sums over its prompts, its generation time and the decode part of
+    it (seconds)."""
 
     prompts: int
     correct: int
     reward_sum: float
     tokens: int
     seconds: float
+    decode_seconds: float
     schedule: str
 
     def reduce(self) -> EvalResult:
@@ -71,7 +75,7 @@ class EvalTally:
         prompts, correct, reward_sum, tokens = reduce_sums(
             [self.prompts, self.correct, self.reward_sum, self.tokens]
         )
-        (seconds,) = reduce_max([self.seconds])
+        seconds, decode_seconds = reduce_max([self.seconds, self.decode_seconds])
         if prompts == 0:
             raise ValueError("evaluate: no prompts")
         return EvalResult(
@@ -79,6 +83,7 @@ class EvalTally:
             reward_mean=reward_sum / prompts,
             response_length_mean=tokens / prompts,
             tokens_per_s=tokens / seconds if seconds > 0 else float("nan"),
+            decode_tokens_per_s=tokens / decode_seconds if decode_seconds > 0 else float("nan"),
             schedule=self.schedule,
             prompts=int(prompts),
         )
@@ -98,7 +103,7 @@ def evaluate(
     if not items:
         raise ValueError("evaluate: no prompts")
     if engine is None or not indices:
-        return EvalTally(0, 0, 0.0, 0, 0.0, schedule.name)
+        return EvalTally(0, 0, 0.0, 0, 0.0, 0.0, schedule.name)
     mine = [items[i] for i in indices]
     seeds = [sample_seed(sampling.seed, i) for i in indices]
     start = time.perf_counter()
@@ -111,5 +116,6 @@ def evaluate(
         reward_sum=float(sum(r.rewards[0] for r in results)),
         tokens=batch.num_response_tokens,
         seconds=seconds,
+        decode_seconds=batch.decode_s,
         schedule=schedule.name,
     )

@@ -125,9 +125,11 @@ def test_tail_per_bin_summary_and_plots(tmp_path: Path) -> None:
         "final_schedule": {"budgets": [96]},
         "predicted_speedup_mean": 1.5,
         "measured_rollout_speedup": 1.1,
+        "measured_decode_speedup": 1.7,
         "timing_mean_s": timing_per_phase(history),
     }
     text = format_summary(summary)
+    assert "measured 1.10x (this machine; decode only 1.70x" in text
     assert (
         "start 0.250 -> end 0.500 (sparse schedule), n/a -> n/a (dense)" in text
         and "bin   1: 0.900 / 0.700  ok  [0 tokens]" in text
