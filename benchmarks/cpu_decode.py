@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         ]
         for _ in range(args.repeats)
     ]
-    rows = [best_of([turn[i] for turn in turns]) for i in range(len(engines))]
+    bandwidth = max(r["bandwidth_gb_s"] for turn in turns for rows in turn for r in rows)
+    rows = [best_of([turn[i] for turn in turns], bandwidth) for i in range(len(engines))]
     for part in rows:
         print(format_throughput(part))
     rows = [row for part in rows for row in part]
@@ -108,14 +109,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     return rows
 
 
-def best_of(turns: list[list[dict]]) -> list[dict]:
+def best_of(turns: list[list[dict]], bandwidth: float) -> list[dict]:
     """One engine's throughput rows over several single-turn runs: per (context, schedule) the fastest turn,
-    its ratios to dense and the memory bound recomputed against the fastest dense turn and bandwidth."""
+    its ratios to dense and to the memory bound recomputed against the fastest dense turn and ``bandwidth``
+    (GB/s, the best copy of the whole run)."""
     best = [max(rows, key=lambda r: r["tokens_per_s"]) for rows in zip(*turns)]
     out = []
     for row in best:
         dense = next(r for r in best if r["context"] == row["context"] and r["schedule"] == "dense")
-        bandwidth = max(r["bandwidth_gb_s"] for rows in turns for r in rows)
         bound = row["bound_tokens_per_s"] * bandwidth / row["bandwidth_gb_s"]
         out.append(
             {

@@ -133,3 +133,31 @@ def test_cpu_decode_script_appends_json_lines(tmp_path: Path) -> None:
         assert r["benchmark"] == "cpu_decode" and r["date"] and r["cpu_count"] >= 1
         assert r["load_avg_1m_start"] >= 0 and r["tokens_per_s"] > 0 and r["bound_tokens_per_s"] > 0
         assert r["dense_vs_bound"] > 0 and r["bandwidth_gb_s"] > 0
+
+
+def test_page_score_calibration_script_appends_one_line_per_score(tmp_path: Path) -> None:
+    """benchmarks/page_score_calibration.py on the smoke recipe (random weights, no warm-start, a lenient
+    threshold so every bin takes the smaller candidate): one line per page score with its budgets and p5s."""
+    spec = importlib.util.spec_from_file_location(
+        "page_score_calibration", REPO / "benchmarks" / "page_score_calibration.py"
+    )
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "c.jsonl"
+    overrides = [
+        "warmstart.enabled=false",
+        "sparsity.calibration.num_prompts=2",
+        "sparsity.calibration.samples_per_prompt=1",
+        "sparsity.calibration.candidate_budgets=[64, 96]",
+        "rollout.max_new_tokens=24",
+        "sparsity.threshold=0.01",
+    ]
+    argv = ["--config", "tiny_cpu_smoke", "--out", str(out), "--work-dir", str(tmp_path / "w"), *overrides]
+    script.main(argv)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["page_score"] for r in rows] == ["centroid", "minmax"]
+    for r in rows:
+        assert r["benchmark"] == "page_score_calibration" and r["date"] and r["load_avg_1m_start"] >= 0
+        assert set(r["tails"]) == {"64", "96"} and r["budgets"] and set(r["budgets"]) <= {64, 96}
+        assert all(p is not None and p >= 0.01 for p in r["chosen_p5"])
+        assert (tmp_path / "w" / r["page_score"] / "calibration_table.json").is_file()
