@@ -77,8 +77,9 @@ def decode_attention_torch(
     """One decode step of attention over the paged cache (the current token already appended).
 
     The page choice is the method layer's for the cache's page score (``select_pages_from_centroids`` on its
-    incremental centroids, ``select_pages_from_key_bounds`` on its key bounds), batched over rows and KV heads. On the CPU with an fp32 cache the chosen pages are read
-    in place by :func:`~sparrow_nemo.rollout.cpu_attention.paged_decode_attention`; elsewhere they are
+    incremental centroids, ``select_pages_from_key_bounds`` on its key bounds), batched over rows and KV
+    heads. On the CPU with an fp32 cache the compiled kernel makes the same choice and reads the chosen pages
+    in place (:func:`~sparrow_nemo.rollout.cpu_attention.sparse_decode_attention`); elsewhere they are
     gathered (:meth:`PagedKVCache.gather`) into the method layer's masked attention.
 
     Args:
