@@ -148,12 +148,18 @@ class TorchDecode:
 
 
 class KernelDecode:
-    """The fused ``sparrow_kernels`` path: append with centroid update, and select + attend."""
+    """The fused ``sparrow_kernels`` path: append with landmark update, and select + attend."""
 
     def __init__(self) -> None:
         import sparrow_kernels
 
         self._k = sparrow_kernels
+
+    def _landmarks(self, cache: PagedKVCache, layer: int):
+        """What the kernels score pages by: the centroids, or a minmax cache's ``sparrow_kernels.KeyBounds``."""
+        if cache.page_score == "minmax":
+            return self._k.KeyBounds(cache.key_min[layer], cache.key_max[layer])
+        return cache.centroids[layer]
 
     def append(
         self,
@@ -168,7 +174,7 @@ class KernelDecode:
         self._k.append_kv(
             cache.k_pages[layer],
             cache.v_pages[layer],
-            cache.centroids[layer],
+            self._landmarks(cache, layer),
             block_table,
             positions,
             k_new.to(cache.k_pages[layer].dtype),
@@ -193,7 +199,7 @@ class KernelDecode:
             q,
             cache.k_pages[layer],
             cache.v_pages[layer],
-            cache.centroids[layer],
+            self._landmarks(cache, layer),
             block_table,
             seq_len,
             budget,
