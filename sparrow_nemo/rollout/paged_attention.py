@@ -209,6 +209,20 @@ class KernelDecode:
         )
 
 
+def decode_attention_backend(backend: str, page_score: str) -> TorchDecode | KernelDecode:
+    """The decode-attention object of a resolved ``backend`` (:func:`choose_backend`) for a cache of
+    ``page_score``; the fused kernels take ``minmax`` only where ``sparrow_kernels`` has ``KeyBounds``."""
+    if backend != "triton":
+        return TorchDecode()
+    kernels = KernelDecode()
+    if page_score == "minmax" and not hasattr(kernels._k, "KeyBounds"):
+        raise ValueError(
+            "page_score='minmax' on the triton backend needs sparrow_kernels with key bounds (KeyBounds); "
+            "use attention_backend='torch'"
+        )
+    return kernels
+
+
 _LOGGED: set[tuple[str, str]] = set()
 
 

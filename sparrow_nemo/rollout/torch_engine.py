@@ -1,8 +1,7 @@
 """The torch rollout engine: plain-torch Qwen3 with a paged KV cache and Sparrow sparse decode.
 
 - Prefill is dense (causal attention over the prompt); its keys/values go to the paged cache and
-  each page's landmarks are set from its keys: the centroid (mean key), or with ``page_score="minmax"``
-  the per-channel key bounds.
+  set each page's landmarks (its mean key, or its key bounds with ``page_score="minmax"``).
 - Decode appends one token per live sequence (landmarks updated incrementally), then every layer
   from ``dense_layers`` on attends only to the pages chosen by the method layer's rule (1 sink page,
   2 local pages, top-k by the GQA-averaged query's page score) within the budget the schedule gives for
@@ -36,9 +35,10 @@ from sparrow_nemo.rollout.engine import (
     TokenProgress,
     TokenTally,
 )
-from sparrow_nemo.rollout.paged_attention import KernelDecode, TorchDecode, causal_attention, choose_backend
+from sparrow_nemo.rollout.paged_attention import causal_attention, choose_backend, decode_attention_backend
 from sparrow_nemo.rollout.paged_cache import PagedKVCache
 from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder
+from sparrow_nemo.rollout.recorder import StepRecorder
 from sparrow_nemo.rollout.sampling import (
     batch_seeds,
     draw_uniforms,
@@ -65,8 +65,7 @@ class TorchRolloutEngine:
         model: the decoder (its device and dtype are the engine's).
         dense_layers: leading layers that always attend densely (paper: 2).
         page_size, sink_pages, local_pages: the sparse rule's constants (paper: 16, 1, 2).
-        page_score: how the sparse rule ranks pages, "centroid" (paper) or "minmax" (key bounds; the
-            cache keeps those landmarks instead of centroids).
+        page_score: how the sparse rule ranks pages: "centroid" (paper) or "minmax" (the cache's key bounds).
         attention_backend: "auto" (fused kernels on CUDA when available), "torch" or "triton".
         tokenizer: anything with ``decode(list[int]) -> str``; needed only for stop strings.
         max_batch_size: sequences decoded together (bounds the KV cache); None = all prompts at once.
@@ -125,12 +124,7 @@ class TorchRolloutEngine:
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.device = model.device
         self.backend = choose_backend(attention_backend, self.device)
-        if self.backend == "triton" and page_score == "minmax" and not _kernels_score_key_bounds():
-            raise ValueError(
-                "page_score='minmax' on the triton backend needs sparrow_kernels with key bounds (KeyBounds); "
-                "use attention_backend='torch'"
-            )
-        attention = KernelDecode() if self.backend == "triton" else TorchDecode()
+        attention = decode_attention_backend(self.backend, page_score)
         self.decode_step = DecodeStep(model, attention, dense_layers, sink_pages, local_pages)
         fast = self.device.type == "cuda" and self.backend == "triton"
         self.decode_loop = ("static" if fast else "compact") if decode_loop == "auto" else decode_loop
@@ -319,7 +313,7 @@ class TorchRolloutEngine:
         )
         ids, seq_len = self._pad(prompt_ids)
         gens = make_generators(seeds)
-        rec = _Recorder(batch)
+        rec = StepRecorder(batch)
 
         t0 = self._now()
         cache.reserve(block_table, seq_len)
@@ -558,8 +552,7 @@ class TorchRolloutEngine:
     ) -> torch.Tensor:
         """Prefill each distinct prompt of the wave once (a GRPO group repeats its prompt) and copy its
         keys, values and page landmarks into the pages of the rows that repeat it -> logits [B, V] of every
-        row's last prompt token. Pages for the prompts must be reserved (the copies take the page landmarks
-        along: centroids or key bounds)."""
+        row's last prompt token. Pages for the prompts must be reserved."""
         first: dict[tuple[int, ...], int] = {}
         source = [first.setdefault(tuple(p.tolist()), row) for row, p in enumerate(prompt_ids)]
         unique = sorted(set(source))
@@ -617,7 +610,7 @@ class TorchRolloutEngine:
 
     def _sample_and_record(
         self,
-        rec: _Recorder,
+        rec: StepRecorder,
         logits: torch.Tensor,
         sampling: SamplingParams,
         gens: list[torch.Generator],
@@ -634,35 +627,6 @@ class TorchRolloutEngine:
         budget = torch.full_like(cached_len, DENSE_BUDGET) if budgets is None else budgets
         rec.add(active, tokens, lp, top_ids, top_lp, cached_len, budget)
         return tokens
-
-
-class _Recorder:
-    """Per-step outputs of the live rows, regrouped per sample at the end."""
-
-    def __init__(self, batch: int) -> None:
-        self.batch = batch
-        self.steps: list[tuple[torch.Tensor, ...]] = []
-
-    def add(self, sample_idx: torch.Tensor, *fields: torch.Tensor) -> None:
-        """One decode step: ``sample_idx [b]`` and per-row fields (tokens, lp, top ids, top lp, len, budget)."""
-        self.steps.append((sample_idx, *fields))
-
-    def per_sample(self) -> list[dict[str, torch.Tensor]]:
-        """Fields of each sample in step order, on CPU."""
-        cols = [torch.cat(c).cpu() for c in zip(*self.steps)]
-        idx = cols[0]
-        order = torch.sort(idx, stable=True).indices
-        counts = torch.bincount(idx, minlength=self.batch).tolist()
-        names = ("response_ids", "logprobs", "top_ids", "top_logprobs", "cached_len", "kv_budget")
-        split = [c[order].split(counts) for c in cols[1:]]
-        return [{name: split[j][s] for j, name in enumerate(names)} for s in range(self.batch)]
-
-
-def _kernels_score_key_bounds() -> bool:
-    """Whether the installed sparrow_kernels select pages on key bounds (the ``minmax`` page score)."""
-    import sparrow_kernels
-
-    return hasattr(sparrow_kernels, "KeyBounds")
 
 
 def _empty_scores(topk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
