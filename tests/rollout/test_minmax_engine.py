@@ -8,7 +8,8 @@
   step is select-then-attend;
 - greedy decode of the engine equals a loop that decodes with ``sparse_decode_attention(page_score="minmax")``
   over a contiguous cache, token for token, for 240 tokens, on the C path and on the torch fallback;
-- the recipe key reaches ``sparrow bench rollout`` (printed), and TensorRT-LLM refuses it in one line.
+- the recipe key reaches the engine of train / calibrate / eval (``grpo.setup.build_engine``) and ``sparrow bench
+  rollout`` (printed), and TensorRT-LLM refuses it in one line.
 (Speculative rollback and minmax drafts: tests/rollout/test_speculative.py.)
 """
 
@@ -233,3 +234,14 @@ def test_trtllm_refuses_minmax_in_one_line() -> None:
     with pytest.raises(ConfigError, match=r"sparsity\.page_score") as err:
         load_config(None, ["rollout.backend=trtllm", "trainer.device=cuda", "sparsity.page_score=minmax"])
     assert "\n" not in str(err.value) and "rollout.backend=trtllm" in str(err.value)
+
+
+def test_the_recipe_builds_a_minmax_engine_for_train_calibrate_and_eval() -> None:
+    """grpo.setup.build_engine (the trainer's, sparrow calibrate's and sparrow eval's engine) reads the key."""
+    from sparrow_nemo.grpo.setup import build_engine
+
+    config = load_config("tiny_cpu_smoke", ["sparsity.page_score=minmax"])
+    weights = Qwen3Decoder.random(config.model.shape(), seed=0).params
+    engine = build_engine(config, weights)
+    assert engine.page_score == "minmax" and engine._ensure_cache(4).key_max
+    assert build_engine(load_config("tiny_cpu_smoke"), weights).page_score == "centroid"
