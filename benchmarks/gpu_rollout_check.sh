@@ -4,11 +4,13 @@
 #   1. versions and import hygiene (the rollout engine and the kernels import neither megatron nor transformers);
 #   2. the fast-decode tests natively on the GPU (static loop = compact loop, CUDA-graph replay = eager,
 #      fused kernels = torch path), limit 90 s;
-#   3. benchmarks/rollout_speedup.py: Qwen3 1.7B and 8B (then 4B, 14B while time is left), batch 64 (or what
-#      fits), prompt 512, generation 32K and 16K, dense vs the 0.86 preset; no configuration starts after
-#      280 s, limit 370 s.
+#   3. the page_score=minmax kernel tests natively (key-bound append, selection and fused decode against
+#      the method layer), limit 60 s;
+#   4. benchmarks/rollout_speedup.py: Qwen3 1.7B and 8B (then 4B, 14B while time is left), batch 64 (or what
+#      fits), prompt 512, generation 32K and 16K, dense vs the 0.86 preset, with the minmax selection and
+#      append timed beside the centroid's; no configuration starts after 260 s, limit 350 s.
 # Output: benchmarks/results/ (or $RESULTS_DIR): gpu_rollout_check_<mode>.log, gpu_rollout_check_<mode>_tests.xml,
-# rollout_speedup.jsonl; all copied to $OUT when set.
+# gpu_rollout_check_<mode>_minmax_tests.xml, rollout_speedup.jsonl; all copied to $OUT when set.
 #
 # Usage:  bash benchmarks/gpu_rollout_check.sh          # GPU (the image's python3; PYTHONPATH only, installs nothing)
 #         bash benchmarks/gpu_rollout_check.sh --tiny   # CPU, TRITON_INTERPRET=1: the same tests + tiny benchmark
@@ -35,18 +37,23 @@ print('imports ok; INTERPRETED =', sparrow_kernels.INTERPRETED)
 
 TESTS=(tests/rollout/test_fast_decode.py tests/rollout/test_fast_decode_bench.py tests/rollout/test_kernel_path.py)
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider "${TESTS[@]}" --junitxml "$RESULTS/gpu_rollout_check_${MODE}_tests.xml")
+MINMAX=("$PY" -m pytest -q -p no:cacheprovider tests/kernels/test_kernel_minmax.py
+        --junitxml "$RESULTS/gpu_rollout_check_${MODE}_minmax_tests.xml")
 BENCH=("$PY" benchmarks/rollout_speedup.py)
 case "$MODE" in
   gpu)
     step tests 90 "${PYTEST[@]}"
-    step benchmark 370 "${BENCH[@]}" --time-budget-s 280 --out "$RESULTS/rollout_speedup.jsonl"
+    step minmax 60 "${MINMAX[@]}"
+    step benchmark 350 "${BENCH[@]}" --time-budget-s 260 --out "$RESULTS/rollout_speedup.jsonl"
     ;;
   tiny)
     step tests 600 "${PYTEST[@]}"
+    step minmax 300 "${MINMAX[@]}"
     step benchmark 300 "${BENCH[@]}" --tiny --device cpu --out "$RESULTS/gpu_rollout_check_tiny_bench.jsonl"
     ;;
   dry)
     step tests 120 "${PYTEST[@]}" --collect-only
+    step minmax 120 "${MINMAX[@]}" --collect-only
     step benchmark 300 "${BENCH[@]}" --tiny --device cpu --e2e-tokens 0 \
       --out "$RESULTS/gpu_rollout_check_dry_bench.jsonl"
     ;;

@@ -5,7 +5,8 @@ dense schedule with the paper's 0.86 preset on the torch rollout engine's fast d
 kernels, static-shape decode step replayed from a CUDA graph, no host sync; EOS ignored) and reports:
 dense and sparse tokens/s, the speedup, the cost model's predicted speedup and memory-bound limit for
 the same run, the dense engine against the memory-bound limit of dense decoding at the measured copy
-bandwidth, and per-stage decode-step timings at the final cached length.
+bandwidth, and per-stage decode-step timings at the final cached length (including the ``minmax`` page
+score's selection and append, timed beside the centroid's: ``"minmax"`` in each line).
 
 Method (stated in every JSON line as "method"): a 16K-32K generation is 16K-32K decode steps per arm,
 which does not fit the 8-minute device call. So the KV cache is filled with random keys/values (with
@@ -226,7 +227,8 @@ def stage_ms(
     timer: Callable[[Callable[[], object]], float],
 ) -> dict[str, float]:
     """Per-layer kernel times at ``cached`` tokens (layer 0's pools; every layer has the same sizes):
-    sparse select / attend / merge, dense (all pages) attend / merge, append, and sampling + logprobs."""
+    sparse select / attend / merge, dense (all pages) attend / merge, append, sampling + logprobs, and the
+    ``minmax`` page score's select and append (key bounds of layer 0's keys)."""
     import sparrow_kernels as sk
 
     cache, s = engine._cache, engine.shape
@@ -246,6 +248,12 @@ def stage_ms(
     kv_new = torch.randn(batch, s.num_key_value_heads, s.head_dim, dtype=q.dtype, device=dev)
     pos = seq - 1
     out["append_ms"] = timer(lambda: sk.append_kv(k, v, cent, block_table, pos, kv_new, kv_new))
+    # page_score=minmax: the same selection scored on per-page key bounds (two landmark tiles per page),
+    # and the append that keeps them (the attention over the kept pages is the same kernel)
+    bounds = sk.KeyBounds(k.amin(dim=2), k.amax(dim=2))
+    minmax = (q, bounds, block_table, seq, arms[0][1], ps, engine.sink_pages, engine.local_pages)
+    out["sparse_minmax_select_ms"] = timer(lambda: sk.page_selection(*minmax))
+    out["append_minmax_ms"] = timer(lambda: sk.append_kv(k, v, bounds, block_table, pos, kv_new, kv_new))
     logits = torch.randn(batch, s.vocab_size, device=dev)
     uniforms = torch.rand(batch, dtype=torch.float64, device=dev)
 
@@ -276,6 +284,25 @@ def step_breakdown(
     )
     out["sample_ms"] = stages["sample_ms"]
     return out
+
+
+def minmax_stages(
+    stages: dict[str, float], sparse_step_ms: float, shape: Qwen3Shape, dense_layers: int
+) -> dict:
+    """The ``minmax`` page score at the final cached length: its per-layer select and append against the
+    centroid's, and the sparse step it implies (the centroid step with every sparse layer's selection and
+    every layer's append swapped; the attention over the kept pages is the same)."""
+    sparse_layers = shape.num_layers - dense_layers
+    extra = sparse_layers * (
+        stages["sparse_minmax_select_ms"] - stages["sparse_select_ms"]
+    ) + shape.num_layers * (stages["append_minmax_ms"] - stages["append_ms"])
+    return {
+        "select_ms": stages["sparse_minmax_select_ms"],
+        "select_over_centroid": stages["sparse_minmax_select_ms"] / stages["sparse_select_ms"],
+        "append_ms": stages["append_minmax_ms"],
+        "extra_ms_per_step": extra,
+        "sparse_step_ms_estimate": sparse_step_ms + extra,
+    }
 
 
 def cost_model_terms(
@@ -427,6 +454,7 @@ def run_config(
     row["stages_at_cached_len"] = last
     for arm in ("dense", "sparse"):
         row[f"{arm}_step_breakdown"] = step_breakdown(stages, steps_ms[arm], shape, engine.dense_layers, arm)
+    row["minmax"] = minmax_stages(stages, steps_ms["sparse"], shape, engine.dense_layers)
     cache.release(block_table)
     for arm, sched in (("dense", dense), ("sparse", schedule)) if e2e_regions else ():
         try:

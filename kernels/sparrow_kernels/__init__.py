@@ -2,9 +2,11 @@
 
 Public API (reference semantics in ``sparrow_nemo.sparse.attention``; cache layout below):
 
-- ``append_kv``: write a decoded token's K/V into its page and recompute the page centroid.
-- ``page_selection`` -> ``PageSelection``: GQA-mean query x page centroids, sink + local + top-k
+- ``append_kv``: write a decoded token's K/V into its page and recompute the page's landmarks.
+- ``page_selection`` -> ``PageSelection``: GQA-mean query x page landmarks, sink + local + top-k
   pages (logical and physical ids), one launch; ``select_pages_paged``: its (page_idx, counts).
+- ``KeyBounds``: per-page key_min / key_max, passed where centroids go to score pages with
+  ``page_score="minmax"`` (:mod:`sparrow_kernels.landmarks`).
 - ``decode_attention_paged``: one query token per sequence over a selection's pages (or every
   page), split-K flash-decoding with the merge fused, one launch.
 - ``sparse_decode_attention_paged``: selection and attention in one call (two launches).
@@ -17,8 +19,9 @@ Public API (reference semantics in ``sparrow_nemo.sparse.attention``; cache layo
 Layout every entry point takes as plain tensors (no engine object): k_pages, v_pages
 [num_pages, Hkv, page_size, D] in float32/float16/bfloat16 with any strides on the first three
 dimensions and a contiguous last one (so the K and V halves of one pool laid out
-[num_pages, 2, Hkv, page_size, D] work as ``pool[:, 0]``, ``pool[:, 1]``); centroids
-[num_pages, Hkv, D] in float32 or the cache dtype, last dim contiguous; block_table int32/int64
+[num_pages, 2, Hkv, page_size, D] work as ``pool[:, 0]``, ``pool[:, 1]``); centroids (or
+KeyBounds' key_min and key_max) [num_pages, Hkv, D] in float32 or the cache dtype, last dim
+contiguous; block_table int32/int64
 [B, P] (logical page -> physical page, row stride free, last dim contiguous; entries past a
 sequence's pages are never read); seq_len, positions, budgets int32/int64 [B] contiguous. Token t
 of sequence b lives in page block_table[b, t // page_size], slot t % page_size.
@@ -36,6 +39,7 @@ import importlib
 from typing import Any
 
 from sparrow_kernels._runtime import INTERPRETED, available, recorded_launches
+from sparrow_kernels.landmarks import KeyBounds
 
 _LAZY = {
     "append_kv": "sparrow_kernels.append",
@@ -49,7 +53,7 @@ _LAZY = {
     "verify_attention_paged": "sparrow_kernels.verify",
 }
 
-__all__ = ["INTERPRETED", "available", "recorded_launches", *_LAZY]
+__all__ = ["INTERPRETED", "KeyBounds", "available", "recorded_launches", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

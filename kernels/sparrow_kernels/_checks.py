@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from sparrow_kernels._runtime import available
+from sparrow_kernels.landmarks import KeyBounds, Landmarks
 
 _CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -76,16 +77,54 @@ def check_centroids(
     num_kv_heads: int,
     head_dim: int,
     key_dtype: torch.dtype | None = None,
+    name: str = "centroids",
 ) -> None:
-    """centroids [num_pages, Hkv, D] in float32 or the key cache's dtype (any of the three when
-    key_dtype is None)."""
+    """``name`` (centroids, key_min or key_max) [num_pages, Hkv, D] in float32 or the key cache's dtype
+    (any of the three when key_dtype is None)."""
     expected = (num_pages, num_kv_heads, head_dim)
     allowed = _CACHE_DTYPES if key_dtype is None else tuple(dict.fromkeys((torch.float32, key_dtype)))
     if tuple(centroids.shape) != expected or centroids.dtype not in allowed:
         names = "/".join(str(d).removeprefix("torch.") for d in allowed)
         raise ValueError(
-            f"centroids must be {names} [num_pages, Hkv, D]={expected}, got {centroids.dtype} {tuple(centroids.shape)}"
+            f"{name} must be {names} [num_pages, Hkv, D]={expected}, got {centroids.dtype} {tuple(centroids.shape)}"
         )
+
+
+def landmark_tensors(landmarks: Landmarks) -> dict[str, torch.Tensor]:
+    """The tensors of ``landmarks`` by name: {"centroids": c}, or {"key_min": lo, "key_max": hi}
+    for :class:`KeyBounds` (for the shape, device and stride checks)."""
+    named = (
+        dict(zip(("key_min", "key_max"), landmarks, strict=True))
+        if isinstance(landmarks, KeyBounds)
+        else {"centroids": landmarks}
+    )
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(
+                f"landmarks must be a centroid tensor or sparrow_kernels.KeyBounds of two tensors, got "
+                f"{type(landmarks).__name__} ({name}: {type(t).__name__})"
+            )
+    return named
+
+
+def check_landmarks(
+    landmarks: Landmarks,
+    num_pages: int,
+    num_kv_heads: int,
+    head_dim: int,
+    key_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Centroids, or :class:`KeyBounds` whose two tensors each pass :func:`check_centroids` (named
+    key_min / key_max) and share one dtype. Returns the two tensors a kernel reads: (centroids,
+    centroids) or (key_min, key_max)."""
+    named = landmark_tensors(landmarks)
+    for name, t in named.items():
+        check_centroids(t, num_pages, num_kv_heads, head_dim, key_dtype, name=name)
+    tensors = list(named.values())
+    first, second = tensors[0], tensors[-1]  # a centroid tensor is read as both
+    if first.dtype != second.dtype:
+        raise ValueError(f"key_min and key_max must share one dtype, got {first.dtype} and {second.dtype}")
+    return first, second
 
 
 def check_block_table(block_table: torch.Tensor, batch: int | None = None) -> int:

@@ -14,7 +14,7 @@ H100/H200). Per kernel it reports:
   (the occupancy limit from registers, shared memory and threads, H100/H200 SM limits);
 - ``tensor_core_mma``: MMA instructions in the PTX;
 - ``async_tile_copies``: asynchronous global->shared copies of [tile, D] tiles of the cache dtype
-  in the pipelined IR (K and V tiles for attention, centroid tiles for the selection),
+  in the pipelined IR (K and V tiles for attention, centroid or key_min and key_max tiles for the selection),
   ``ring_depth`` (shared-memory buffers per ring) and ``wait_depth`` (copy groups left in flight
   at the loop's wait: > 0 means the next tiles load while the current one is computed).
 
@@ -47,7 +47,8 @@ _REGS_PER_SM, _SMEM_PER_SM, _SMEM_RESERVED, _WARPS_PER_SM, _BLOCKS_PER_SM = 6553
 
 def qwen3_8b_launches() -> Iterator[tuple[str, Any]]:
     """(label, Launch) for every kernel variant of one Qwen3-8B decode step, a dense layer, a split
-    merge, an fp32 cache, and a k = 8 verify pass, recorded from the public entry points."""
+    merge, an fp32 cache, a k = 8 verify pass, and the ``minmax`` page score's append and selection
+    (bf16 key bounds), recorded from the public entry points."""
     import sparrow_kernels as sk
 
     batch, hq, hkv, d, page = 2, 32, 8, 128, 16
@@ -78,8 +79,11 @@ def qwen3_8b_launches() -> Iterator[tuple[str, Any]]:
                                   num_splits=1)  # fmt: skip
         k32, v32 = pages(torch.float32, hkv, page, d), pages(torch.float32, hkv, page, d)
         sk.decode_attention_paged(q.float(), k32, v32, block_table, seq_len, selection, num_splits=1)
+        bounds = sk.KeyBounds(pages(torch.bfloat16, hkv, d), pages(torch.bfloat16, hkv, d))
+        sk.append_kv(k, v, bounds, block_table, seq_len, kv_new, kv_new)
+        sk.page_selection(q, bounds, block_table, seq_len, budget)
     labels = ["append", "select", "decode_sparse", "decode_sparse_split4", "decode_dense", "verify_k8",
-              "decode_sparse_fp32"]  # fmt: skip
+              "decode_sparse_fp32", "append_minmax", "select_minmax"]  # fmt: skip
     yield from zip(labels, launches, strict=True)
 
 

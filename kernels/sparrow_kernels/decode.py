@@ -31,6 +31,7 @@ import triton.language as tl
 
 from sparrow_kernels import _checks
 from sparrow_kernels._runtime import INTERPRETED, launch, next_pow2, num_sms
+from sparrow_kernels.landmarks import Landmarks
 from sparrow_kernels.selection import PageSelection, page_selection
 
 #: Tokens per K/V tile of the attention kernel's loop (2 pages of 16: 39 KB of shared memory with the
@@ -416,7 +417,7 @@ def sparse_decode_attention_paged(
     q: torch.Tensor,
     k_pages: torch.Tensor,
     v_pages: torch.Tensor,
-    centroids: torch.Tensor,
+    landmarks: Landmarks,
     block_table: torch.Tensor,
     seq_len: torch.Tensor,
     budget_tokens: int | torch.Tensor,
@@ -428,12 +429,14 @@ def sparse_decode_attention_paged(
     """Sparrow sparse decode attention on the paged cache: select pages, then attend (scale 1/sqrt(D)).
 
     Two launches (selection, attention with its merge fused); one when ``budget_tokens`` is an int
-    covering the block table's capacity (dense layers, the dense schedule: no centroid is read),
+    covering the block table's capacity (dense layers, the dense schedule: no landmark is read),
     plus a counter memset if that dense call splits. Every launch is CUDA-graph capturable.
 
     Args:
         q: [B, Hq, D] in the cache dtype; k_pages, v_pages: [num_pages, Hkv, page_size, D];
-        centroids: [num_pages, Hkv, D] float32 or the cache dtype; block_table: int32/int64 [B, P];
+        landmarks: centroids [num_pages, Hkv, D] float32 or the cache dtype, or
+        :class:`~sparrow_kernels.KeyBounds` (``page_score="minmax"``: key_min, key_max of that shape,
+        scored by :func:`~sparrow_kernels.page_selection`'s key-bound rule); block_table: int32/int64 [B, P];
         seq_len: int32/int64 [B] tokens (the current token included); budget_tokens: int or
         int32/int64 [B] tokens.
 
@@ -444,9 +447,9 @@ def sparse_decode_attention_paged(
     capacity = block_table.shape[1] * page_size if block_table.dim() == 2 else 0
     if isinstance(budget_tokens, int) and not isinstance(budget_tokens, bool) and budget_tokens >= capacity:
         num_pages, num_kv_heads, _, head_dim = _checks.check_pages(k_pages, v_pages)
-        _checks.check_centroids(centroids, num_pages, num_kv_heads, head_dim)
+        _checks.check_landmarks(landmarks, num_pages, num_kv_heads, head_dim)
         selection = None
     else:
-        selection = page_selection(q, centroids, block_table, seq_len, budget_tokens, page_size, sink_pages,
+        selection = page_selection(q, landmarks, block_table, seq_len, budget_tokens, page_size, sink_pages,
                                    local_pages)  # fmt: skip
     return decode_attention_paged(q, k_pages, v_pages, block_table, seq_len, selection, num_splits=num_splits)

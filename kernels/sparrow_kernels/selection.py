@@ -4,11 +4,13 @@ One program per (sequence b, KV head h) row:
 
 1. budget and lengths, on the device: n_pages = ceil(seq_len / page_size), budget_pages =
    clamp(budget_tokens, 0, capacity) // page_size (no host-side ``.to``/``.clamp`` launches). A row
-   whose budget covers it keeps every page and reads no centroid (the dense fallback).
-2. scores: the GQA group's mean query dotted (float32) with the centroid of every middle page,
-   streamed through the block table (the row's block-table chunk preloaded, so each centroid
-   tile's address needs no dependent load and the tiles pipeline); the order-preserving uint32
-   image of each score goes to an L2-resident scratch row.
+   whose budget covers it keeps every page and reads no landmark (the dense fallback).
+2. scores: the GQA group's mean query dotted (float32) with the centroid of every middle page
+   (``page_score="minmax"``, landmarks given as :class:`~sparrow_kernels.KeyBounds`: the key-bound
+   score sum_d max(q_d * min_d, q_d * max_d), float32, two tiles per page), streamed through the
+   block table (the row's block-table chunk preloaded, so each landmark tile's address needs no
+   dependent load and the tiles pipeline); the order-preserving uint32 image of each score goes
+   to an L2-resident scratch row.
 3. top-k: a 3-pass radix select (11 + 11 + 10 bits, one histogram per pass) finds the k-th
    largest key exactly; equal keys are cut towards the lower page index by a running prefix count.
 4. output: kept pages in ascending logical order, as logical indices (-1 padded) and as physical
@@ -16,7 +18,9 @@ One program per (sequence b, KV head h) row:
    ticket per row for the attention kernel's split merge.
 
 This reproduces ``sparrow_nemo.sparse.attention.select_pages_from_centroids`` (stable descending
-sort of float32 scores) exactly, ties included, on the same centroids.
+sort of float32 scores) exactly, ties included, on the same centroids, and
+``select_pages_from_key_bounds`` on the same key bounds (up to the float32 summation order of a
+score: scores closer than that rounding may rank either way; exact ties stay exact ties).
 """
 
 from __future__ import annotations
@@ -29,8 +33,9 @@ import triton.language as tl
 
 from sparrow_kernels import _checks
 from sparrow_kernels._runtime import launch, next_pow2
+from sparrow_kernels.landmarks import Landmarks, page_score_of
 
-#: Middle pages scored per tile (a [SCORE_TILE, D] centroid tile).
+#: Middle pages scored per tile (a [SCORE_TILE, D] centroid tile, or a key_min and a key_max tile).
 SCORE_TILE = 64
 #: Pages handled per step of the chunked passes (block-table preload, histograms, output).
 CHUNK = 1024
@@ -87,14 +92,16 @@ def _radix_digit(keys_row, lo, hi, k, prefix, PREFIX_SHIFT: tl.constexpr, SHIFT:
 # Sizes and the scalar budget vary per call and their divisibility buys nothing: one compile for all.
 @triton.jit(do_not_specialize=["budget_scalar", "num_kv_heads", "max_pages", "sink_pages", "local_pages"])
 def _select_pages_kernel(
-    q, centroids, block_table, seq_len, budget, keys, page_idx, physical, counts, tickets,
+    q, landmarks, key_max, block_table, seq_len, budget, keys, page_idx, physical, counts, tickets,
     budget_scalar,
-    stride_qb, stride_qh, stride_cp, stride_ch, stride_bt, stride_kb, stride_ib, stride_pb,
+    stride_qb, stride_qh, stride_cp, stride_ch, stride_xp, stride_xh, stride_bt, stride_kb, stride_ib, stride_pb,
     num_kv_heads, max_pages, sink_pages, local_pages,
     GROUP: tl.constexpr, GROUP_POW2: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     SCORE_TILE: tl.constexpr, SCORE_STAGES: tl.constexpr, CHUNK: tl.constexpr, BUDGET_TENSOR: tl.constexpr,
+    MINMAX: tl.constexpr,
 ):  # fmt: skip
-    """Program b * Hkv + h: kept pages of row (b, h) (logical and physical), count, zeroed ticket."""
+    """Program b * Hkv + h: kept pages of row (b, h) (logical and physical), count, zeroed ticket.
+    ``landmarks`` holds the centroids, or with MINMAX key_min (and ``key_max`` the maxima)."""
     pid = tl.program_id(0)
     b = pid // num_kv_heads
     h = pid % num_kv_heads
@@ -129,12 +136,20 @@ def _select_pages_kernel(
             bt_chunk = tl.load(bt_row + cp, mask=cp < c1, other=0)
             for p0 in tl.range(
                 c0, c1, SCORE_TILE, num_stages=SCORE_STAGES
-            ):  # centroid tiles: async-copy ring
+            ):  # landmark tiles: async-copy ring
                 live = p0 + t < c1
                 phys = tl.gather(bt_chunk, p0 - c0 + t, 0).to(tl.int64)
-                c = tl.load(centroids + phys[:, None] * stride_cp + h * stride_ch + d[None, :],
+                c = tl.load(landmarks + phys[:, None] * stride_cp + h * stride_ch + d[None, :],
                             mask=live[:, None], other=0.0)  # fmt: skip
-                key = _order_key(tl.sum(c.to(tl.float32) * q_mean[None, :], axis=1))
+                if MINMAX:
+                    c_max = tl.load(key_max + phys[:, None] * stride_xp + h * stride_xh + d[None, :],
+                                    mask=live[:, None], other=0.0)  # fmt: skip
+                    bound = tl.maximum(
+                        c.to(tl.float32) * q_mean[None, :], c_max.to(tl.float32) * q_mean[None, :]
+                    )
+                    key = _order_key(tl.sum(bound, axis=1))
+                else:
+                    key = _order_key(tl.sum(c.to(tl.float32) * q_mean[None, :], axis=1))
                 tl.store(keys_row + p0 + t, key.to(tl.int32, bitcast=True), mask=live)
         tl.debug_barrier()  # the keys written by every thread are read back by others below
         d1, k = _radix_digit(keys_row, mid_lo, mid_hi, top_k, 0, 32, 21, 11, CHUNK)
@@ -171,29 +186,32 @@ def _select_pages_kernel(
 
 
 def _check_inputs(
-    q: torch.Tensor, centroids: torch.Tensor, block_table: torch.Tensor, seq_len: torch.Tensor, page_size: int
-) -> int:
-    """Validate the selection inputs; returns the GQA group size G."""
+    q: torch.Tensor, landmarks: Landmarks, block_table: torch.Tensor, seq_len: torch.Tensor, page_size: int
+) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """Validate the selection inputs; returns the GQA group size G and the two landmark tensors the
+    kernel reads (centroids twice, or key_min and key_max)."""
     _checks.check_page_args(page_size)
     _checks.check_block_table(block_table)
     batch = block_table.shape[0]
-    if centroids.dim() != 3:
-        raise ValueError(f"centroids must be [num_pages, Hkv, D], got shape {tuple(centroids.shape)}")
-    num_pages, num_kv_heads, head_dim = centroids.shape
+    named = _checks.landmark_tensors(landmarks)
+    lead_name, lead = next(iter(named.items()))
+    if lead.dim() != 3:
+        raise ValueError(f"{lead_name} must be [num_pages, Hkv, D], got shape {tuple(lead.shape)}")
+    num_pages, num_kv_heads, head_dim = lead.shape
     _checks.check_head_dim(head_dim)
-    _checks.check_centroids(centroids, num_pages, num_kv_heads, head_dim)
+    first, second = _checks.check_landmarks(landmarks, num_pages, num_kv_heads, head_dim)
     group = _checks.check_query(q, num_kv_heads, head_dim)
     if q.shape[0] != batch:
         raise ValueError(f"q has batch {q.shape[0]} but block_table has {batch} rows")
     _checks.check_per_seq("seq_len", seq_len, batch)
-    _checks.check_device(q=q, centroids=centroids, block_table=block_table, seq_len=seq_len)
-    _checks.check_last_dim_contiguous(q=q, centroids=centroids, block_table=block_table, seq_len=seq_len)
-    return group
+    _checks.check_device(q=q, **named, block_table=block_table, seq_len=seq_len)
+    _checks.check_last_dim_contiguous(q=q, **named, block_table=block_table, seq_len=seq_len)
+    return group, first, second
 
 
 def page_selection(
     q: torch.Tensor,
-    centroids: torch.Tensor,
+    landmarks: Landmarks,
     block_table: torch.Tensor,
     seq_len: torch.Tensor,
     budget_tokens: int | torch.Tensor,
@@ -207,12 +225,14 @@ def page_selection(
     (budget clamped to [0, P * page_size] on the device). If n_pages <= budget_pages all pages are
     kept; otherwise pages [0, sink_pages), the last local_pages pages, and the top
     k = max(budget_pages - sink_pages - local_pages, 0) middle pages by GQA-mean-query . centroid
-    score (float32; equal scores -> the lower page index wins).
+    score, or with key bounds by sum_d max(q_d * min_d, q_d * max_d) of that mean query (float32;
+    equal scores -> the lower page index wins).
 
     Args:
         q: [B, Hq, D] float32/float16/bfloat16; heads h*G .. h*G+G-1 belong to KV head h.
-        centroids: [num_pages, Hkv, D] float32/float16/bfloat16 per physical page (read as stored,
-            accumulated in float32).
+        landmarks: centroids [num_pages, Hkv, D] float32/float16/bfloat16 per physical page, or
+            :class:`~sparrow_kernels.KeyBounds` (key_min, key_max, each of that shape, one dtype);
+            read as stored, accumulated in float32.
         block_table: int32/int64 [B, P] logical -> physical page; seq_len: int32/int64 [B] tokens
             (the current token included).
         budget_tokens: an int, or an int32/int64 [B] tensor, of tokens including the sink and local pages.
@@ -221,10 +241,10 @@ def page_selection(
         :class:`PageSelection` (P = block_table.shape[1], static, so no device sync sizes it).
     """
     _checks.check_page_args(page_size, sink_pages, local_pages)
-    group = _check_inputs(q, centroids, block_table, seq_len, page_size)
+    group, first, second = _check_inputs(q, landmarks, block_table, seq_len, page_size)
     batch, max_pages = block_table.shape
     _checks.check_budget(budget_tokens, batch)
-    num_kv_heads, head_dim = centroids.shape[1:]
+    num_kv_heads, head_dim = first.shape[1:]
     device = q.device
     rows = batch * num_kv_heads
     keys = torch.empty(rows, max(max_pages, 1), dtype=torch.int32, device=device)
@@ -239,21 +259,22 @@ def page_selection(
     chunk = min(CHUNK, max(next_pow2(max_pages), SCORE_TILE))  # a multiple of SCORE_TILE
     launch(
         _select_pages_kernel, (rows,),
-        q, centroids, block_table, seq_len, budget_tokens if is_tensor else seq_len, keys, page_idx, physical,
+        q, first, second, block_table, seq_len, budget_tokens if is_tensor else seq_len, keys, page_idx, physical,
         counts, tickets,
         0 if is_tensor else budget_tokens,
-        q.stride(0), q.stride(1), centroids.stride(0), centroids.stride(1), block_table.stride(0),
-        keys.stride(0), page_idx.stride(1), physical.stride(1),
+        q.stride(0), q.stride(1), first.stride(0), first.stride(1), second.stride(0), second.stride(1),
+        block_table.stride(0), keys.stride(0), page_idx.stride(1), physical.stride(1),
         num_kv_heads, max_pages, sink_pages, local_pages,
         GROUP=group, GROUP_POW2=next_pow2(group), D=head_dim, PAGE=page_size, SCORE_TILE=SCORE_TILE,
-        SCORE_STAGES=SCORE_STAGES, CHUNK=chunk, BUDGET_TENSOR=is_tensor, num_warps=4,
+        SCORE_STAGES=SCORE_STAGES, CHUNK=chunk, BUDGET_TENSOR=is_tensor, MINMAX=page_score_of(landmarks) == "minmax",
+        num_warps=4,
     )  # fmt: skip
     return selection
 
 
 def select_pages_paged(
     q: torch.Tensor,
-    centroids: torch.Tensor,
+    landmarks: Landmarks,
     block_table: torch.Tensor,
     seq_len: torch.Tensor,
     budget_tokens: int | torch.Tensor,
@@ -267,6 +288,6 @@ def select_pages_paged(
         (page_idx int32 [B, Hkv, P] logical page indices ascending per row, padded with -1;
          counts int32 [B, Hkv] kept pages per row). P = block_table.shape[1].
     """
-    selection = page_selection(q, centroids, block_table, seq_len, budget_tokens, page_size, sink_pages,
+    selection = page_selection(q, landmarks, block_table, seq_len, budget_tokens, page_size, sink_pages,
                                local_pages)  # fmt: skip
     return selection.page_idx, selection.counts

@@ -62,7 +62,7 @@ from sparrow_nemo.model_shapes import ModelConfig
 from sparrow_nemo.policy.parallel import LayoutError, ParallelLayout
 from sparrow_nemo.policy.policy import PolicyConfig
 from sparrow_nemo.rewards.registry import RewardConfig
-from sparrow_nemo.rollout.engine import BACKEND_PAGE_SCORES, RolloutConfig
+from sparrow_nemo.rollout.engine import RolloutConfig
 from sparrow_nemo.sparse.config import SparsityConfig
 from sparrow_nemo.tasks.chain import ChainTaskConfig, build_tasks
 
@@ -279,12 +279,6 @@ class SparrowConfig(Section):
                 "rollout.tensor_parallel_size",
                 f"a divisor of policy.tensor_model_parallel_size={policy.tensor_model_parallel_size} "
                 "(an engine spans tensor-parallel ranks of one policy replica)",
-            )
-        scores = BACKEND_PAGE_SCORES[self.rollout.backend]
-        if self.sparsity.page_score not in scores:
-            raise self.invalid(
-                "sparsity.page_score",
-                f"one of {', '.join(scores)} with rollout.backend={self.rollout.backend}",
             )
         if self.rollout.backend == "trtllm" and self.trainer.device == "cpu":
             raise self.invalid("rollout.backend", "torch when trainer.device=cpu (TensorRT-LLM needs CUDA)")

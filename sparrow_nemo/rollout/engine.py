@@ -29,13 +29,9 @@ import torch
 from sparrow_nemo.config.schema import AT_LEAST_ONE, NON_NEGATIVE, UNIT, Section, interval, knob, one_of
 from sparrow_nemo.hf_qwen3 import LoraAdapter
 from sparrow_nemo.sparse.cost_model import HARDWARE
-from sparrow_nemo.sparse.pattern import PAGE_SCORES
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 FinishReason = Literal["stop_token", "stop_string", "length"]
-
-#: the page scores (``sparsity.page_score``) each ``rollout.backend`` decodes with; the recipe refuses the rest
-BACKEND_PAGE_SCORES: dict[str, tuple[str, ...]] = {"torch": PAGE_SCORES, "trtllm": ("centroid",)}
 
 #: ``on_tokens(n)``: ``n`` more response tokens were generated since the previous call (progress bars).
 TokenProgress = Callable[[int], None]

@@ -66,7 +66,7 @@ __all__ = ["TRTLLM_VERSION", "TrtllmRolloutEngine", "llm_kwargs", "sampling_kwar
 log = logging.getLogger(__name__)
 
 #: memory tags released by sleep() / taken back by wake() (``tensorrt_llm/_torch/virtual_memory.py``
-#: ``ExecutorMemoryType`` values; the KV cache, and the page centroids its manager owns, come back empty)
+#: ``ExecutorMemoryType`` values; the KV cache, and the page landmarks its manager owns, come back empty)
 SLEEP_TAGS = ("model", "kv_cache", "executor_extra", "model_extra", "sampler")
 #: bytes per IPC weight bucket
 REFIT_BUCKET_BYTES = 1 << 30
@@ -114,11 +114,11 @@ def llm_kwargs(
         "max_num_tokens": max(MAX_NUM_TOKENS, data.max_prompt_tokens),  # a whole prompt per step
         "sparse_attention_config": spec.to_config_dict(),
         "kv_cache_config": {
-            "enable_block_reuse": False,  # a reused block would carry no centroid
-            "tokens_per_block": spec.page_size,  # one centroid per KV block
+            "enable_block_reuse": False,  # a reused block would carry no page landmark
+            "tokens_per_block": spec.page_size,  # one page landmark per KV block
             "free_gpu_memory_fraction": KV_CACHE_FREE_FRACTION,
         },
-        "enable_chunked_prefill": False,  # a prompt's centroids are written by one context step
+        "enable_chunked_prefill": False,  # a prompt's page landmarks are written by one context step
         "attn_backend": "TRTLLM",
         "sampler_type": "TorchSampler",  # the sampler whose top-K logprobs this engine maps
         "cuda_graph_config": None,  # never captured yet (the prediction is capturable; not run)
@@ -448,7 +448,7 @@ class TrtllmRolloutEngine:
             self._push(list({**restore, **merged}.items()))
 
     def sleep(self) -> None:
-        """Release the engine's GPU memory (weights, KV cache and centroids: TensorRT-LLM's sleep)."""
+        """Release the engine's GPU memory (weights, KV cache and page landmarks: TensorRT-LLM's sleep)."""
         if self._asleep:
             return
         self._llm._collective_rpc("sleep", args=(list(SLEEP_TAGS),))

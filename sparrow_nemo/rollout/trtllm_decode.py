@@ -8,7 +8,8 @@ Where the sparse indices go depends on the GPU (:func:`generation_path`):
 - Anything else, Hopper (SM90) included: TensorRT-LLM's generation kernels ignore the indices (see
   :func:`generation_path`), so the plugin runs the whole generation phase itself with
   :func:`sparse_decode_step`: ``sparrow_kernels.append_kv`` writes the new token's K/V into TensorRT-LLM's
-  paged pool (and updates the page centroid), ``page_selection`` picks the pages (physical ids) and
+  paged pool (and updates the page's landmarks: centroid, or key bounds under ``page_score="minmax"``),
+  ``page_selection`` picks the pages (physical ids) by the same score and
   ``decode_attention_paged`` attends to them (three launches per layer), all over the pool's own pages and block table
   (:mod:`~sparrow_nemo.rollout.trtllm_layout`). The context phase stays TensorRT-LLM's.
 
@@ -22,8 +23,9 @@ import math
 from typing import Literal
 
 import torch
+from sparrow_kernels.landmarks import Landmarks
 
-from sparrow_nemo.rollout.trtllm_kv_cache import CentroidPool
+from sparrow_nemo.rollout.trtllm_kv_cache import LandmarkPool
 from sparrow_nemo.rollout.trtllm_layout import kv_page_views
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
@@ -101,7 +103,7 @@ def split_fused_qkv(
 def sparse_decode_step(
     qkv: torch.Tensor,
     layer_pool: torch.Tensor,
-    centroids: torch.Tensor,
+    landmarks: Landmarks,
     block_table: torch.Tensor,
     seq_len: torch.Tensor,
     budgets: torch.Tensor,
@@ -118,7 +120,9 @@ def sparse_decode_step(
             in the KV-cache dtype.
         layer_pool: ``get_buffers(layer, kv_layout="HND")`` [num_blocks, 2, Hkv, page, D]; the new
             token's K and V are written into it (where TensorRT-LLM's kernels would put them).
-        centroids: float32 [num_blocks, Hkv, D] the layer's page centroids (updated in place).
+        landmarks: the layer's page landmarks (:meth:`LandmarkPool.layer`, updated in place): float32
+            [num_blocks, Hkv, D] centroids, or a ``sparrow_kernels.KeyBounds`` of two (minmax); the
+            pages are scored by the matching rule.
         block_table: int32 [G, max_pages] (:func:`~sparrow_nemo.rollout.trtllm_layout.block_table_from_offsets`).
         seq_len: int32 [G] tokens in the cache with the current one. budgets: int32 [G] tokens.
         num_heads: query heads Hq. scale: softmax scale (``1 / (q_scaling * sqrt(D))``).
@@ -131,11 +135,11 @@ def sparse_decode_step(
     k_pages, v_pages = kv_page_views(layer_pool)
     num_kv_heads, page_size, head_dim = k_pages.shape[1:]
     q, k, v = split_fused_qkv(qkv, num_heads, num_kv_heads, head_dim)
-    sparrow_kernels.append_kv(k_pages, v_pages, centroids, block_table, seq_len - 1, k, v)
+    sparrow_kernels.append_kv(k_pages, v_pages, landmarks, block_table, seq_len - 1, k, v)
     # page_selection returns physical page ids and merge tickets too: the attention reads pages through
     # one indirection, with no logical -> physical translation between the two launches
     selection = sparrow_kernels.page_selection(
-        q, centroids, block_table, seq_len, budgets, page_size, sink_pages, local_pages
+        q, landmarks, block_table, seq_len, budgets, page_size, sink_pages, local_pages
     )
     out = sparrow_kernels.decode_attention_paged(q, k_pages, v_pages, block_table, seq_len, selection, scale)
     return out.reshape(q.shape[0], num_heads * head_dim)
@@ -144,7 +148,7 @@ def sparse_decode_step(
 def predict_native_indices(
     q: torch.Tensor,
     k: torch.Tensor,
-    pool: CentroidPool,
+    pool: LandmarkPool,
     layer_idx: int,
     block_table: torch.Tensor,
     seq_len: torch.Tensor,
@@ -153,9 +157,10 @@ def predict_native_indices(
     sink_pages: int,
     local_pages: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The SM100 path: update the centroids with the new keys, select pages, in TensorRT-LLM's layout.
+    """The SM100 path: update the page landmarks with the new keys, select pages, in TensorRT-LLM's layout.
 
-    TensorRT-LLM's attention op writes the new K/V itself on this path; only the centroid moves here.
+    TensorRT-LLM's attention op writes the new K/V itself on this path; only the landmarks move here
+    (centroids, or key bounds: the pool's page score decides the selection's too).
 
     Args:
         q: [G, Hq, D], k: [G, Hkv, D] the generation tokens' query and key (after norm and rotary).

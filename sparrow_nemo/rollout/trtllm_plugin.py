@@ -7,12 +7,13 @@ out as TensorRT-LLM lays them out; this module only wires them to TensorRT-LLM's
 
 - :class:`SparrowSparseAttentionConfig`: the ``sparse_attention_config`` class, ``algorithm: "sparrow"``
   (``tensorrt_llm/llmapi/llm_args.py`` ``BaseSparseAttentionConfig``);
-- :class:`SparrowKVCacheManager`: a ``KVCacheManager`` that owns the page centroids (RocketKV's pattern,
+- :class:`SparrowKVCacheManager`: a ``KVCacheManager`` that owns the page landmarks (centroids, or key
+  bounds under ``page_score="minmax"``; RocketKV's pattern,
   ``tensorrt_llm/_torch/attention_backend/sparse/rocket.py`` ``RocketKVCacheManager``): allocated in its
   ``__init__`` for ``blocks_in_primary_pool`` blocks, counted per token in the KV-cache budget
   (static ``get_cache_size_per_token(model_config, mapping, **kwargs)``), indexed by the KV block ids;
 - :class:`SparrowTrtllmAttention`: a ``TrtllmAttention`` (``tensorrt_llm/_torch/attention_backend/trtllm.py``)
-  whose ``sparse_kv_predict`` writes the prompts' page centroids and whose generation phase is sparse on
+  whose ``sparse_kv_predict`` writes the prompts' page landmarks and whose generation phase is sparse on
   every GPU: on the SM100 family ``sparse_attn_predict`` hands TensorRT-LLM the selected pages; elsewhere
   (Hopper) ``forward`` runs TensorRT-LLM's op on the context tokens only
   (``attention_input_type=context_only``, as its MLA module does in ``tensorrt_llm/_torch/modules/attention.py``)
@@ -60,7 +61,7 @@ from sparrow_nemo.rollout.trtllm_decode import (
     split_fused_qkv,
 )
 from sparrow_nemo.rollout.trtllm_kv_cache import (
-    CentroidPool,
+    LandmarkPool,
     centroid_bytes_per_token,
     context_token_positions,
 )
@@ -76,6 +77,10 @@ class SparrowSparseAttentionConfig(llm_args.BaseSparseAttentionConfig):
     sink_pages: int = Field(default=1, description="First pages always attended (attention sink).")
     local_pages: int = Field(default=2, description="Most recent pages always attended.")
     dense_layers: int = Field(default=2, description="First decoder layers that attend densely.")
+    page_score: str = Field(
+        default="centroid",
+        description="Page ranking: 'centroid' (mean key) or 'minmax' (per-page key bounds).",
+    )
     bin_tokens: int = Field(default=2000, description="Width of a schedule bin, tokens of cached length.")
     budgets: list[int | str] = Field(
         default_factory=lambda: ["dense"], description="KV budget per bin, tokens incl. the reserved pages."
@@ -110,7 +115,7 @@ _RUNTIME = _Runtime()
 
 
 class SparrowKVCacheManager(KVCacheManager):
-    """``KVCacheManager`` that also owns the page centroids of the sparse layers (module docstring)."""
+    """``KVCacheManager`` that also owns the page landmarks of the sparse layers (module docstring)."""
 
     def __init__(self, *args: Any, sparse_attn_config: SparrowSparseAttentionConfig, **kwargs: Any) -> None:
         kv_cache_config = args[0] if args else kwargs["kv_cache_config"]
@@ -122,20 +127,20 @@ class SparrowKVCacheManager(KVCacheManager):
         if self.tokens_per_block != spec.page_size:
             raise ValueError(
                 f"kv_cache_config.tokens_per_block={self.tokens_per_block} must equal the sparrow page_size "
-                f"{spec.page_size} (one centroid per KV block)"
+                f"{spec.page_size} (one page landmark per KV block)"
             )
         pools = layers_per_pool(self.kv_cache_pool_mapping)
         if len(pools) != 1:
             raise ValueError(f"the sparrow algorithm supports one KV-cache pool, this model has {len(pools)}")
         ((self.sparrow_pool_index, self.sparrow_layers_in_pool),) = pools.items()
-        layers = [layer for layer in self.layer_offsets if spec.keeps_centroids(layer)]
+        layers = [layer for layer in self.layer_offsets if spec.keeps_landmarks(layer)]
         heads = {self.num_kv_heads_per_layer[self.layer_offsets[layer]] for layer in layers}
         if len(heads) > 1:
             raise ValueError(
                 f"the sparrow algorithm needs one KV head count for all layers, got {sorted(heads)}"
             )
         kv_dtype = self.get_buffers(next(iter(self.layer_offsets)), kv_layout="HND").dtype
-        self.centroids = CentroidPool(
+        self.landmarks = LandmarkPool(
             self.blocks_in_primary_pool,
             layers,
             heads.pop() if heads else 1,
@@ -143,18 +148,19 @@ class SparrowKVCacheManager(KVCacheManager):
             spec.page_size,
             kv_dtype=kv_dtype,
             device="cuda",
+            page_score=spec.page_score,
         )
         self.budget_table = BudgetTable(spec.schedule, self.max_seq_len, "cuda")
         _RUNTIME.managers.add(self)
 
     def shutdown(self) -> None:
         _RUNTIME.managers.discard(self)
-        self.centroids = None
+        self.landmarks = None
         super().shutdown()
 
     @staticmethod
     def get_cache_size_per_token(model_config: Any, mapping: Any, **kwargs: Any) -> float:
-        """KV bytes per token (``KVCacheManager.get_cache_size_per_token``) plus the centroid bytes."""
+        """KV bytes per token (``KVCacheManager.get_cache_size_per_token``) plus the page-landmark bytes."""
         base = KVCacheManager.get_cache_size_per_token(model_config, mapping, **kwargs)
         spec = model_config.sparse_attention_config.spec()
         config = model_config.pretrained_config
@@ -162,8 +168,8 @@ class SparrowKVCacheManager(KVCacheManager):
         tp = 1 if mapping.enable_attention_dp else mapping.tp_size
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         heads = max(config.num_key_value_heads // tp, 1)
-        sparse = sum(1 for layer in layers if spec.keeps_centroids(layer))
-        return base + centroid_bytes_per_token(sparse, heads, head_dim, spec.page_size)
+        sparse = sum(1 for layer in layers if spec.keeps_landmarks(layer))
+        return base + centroid_bytes_per_token(sparse, heads, head_dim, spec.page_size, spec.page_score)
 
 
 class SparrowTrtllmAttention(TrtllmAttention):
@@ -241,7 +247,7 @@ class SparrowTrtllmAttention(TrtllmAttention):
     def sparse_kv_predict(
         self, q: torch.Tensor, k: torch.Tensor | None, metadata: Any, **kwargs: Any
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Context phase: write the prompts' page centroids; evict nothing (prefill stays dense)."""
+        """Context phase: write the prompts' page landmarks; evict nothing (prefill stays dense)."""
         if metadata.num_contexts == 0 or not self._sparse_now():
             return None, None
         _, keys = self._split(q, k, slice(0, metadata.num_ctx_tokens))
@@ -249,7 +255,7 @@ class SparrowTrtllmAttention(TrtllmAttention):
             metadata.seq_lens_cuda[: metadata.num_contexts], metadata.num_ctx_tokens
         )
         table = self._table(metadata, 0, metadata.num_contexts)
-        metadata.kv_cache_manager.centroids.write_prefill(self.layer_idx, keys, rows, positions, table)
+        metadata.kv_cache_manager.landmarks.write_prefill(self.layer_idx, keys, rows, positions, table)
         return None, None
 
     def sparse_attn_predict(
@@ -264,7 +270,7 @@ class SparrowTrtllmAttention(TrtllmAttention):
         return predict_native_indices(
             q_gen,
             k_gen,
-            metadata.kv_cache_manager.centroids,
+            metadata.kv_cache_manager.landmarks,
             self.layer_idx,
             table,
             seq_len,
@@ -309,7 +315,7 @@ class SparrowTrtllmAttention(TrtllmAttention):
         output[num_ctx:] = sparse_decode_step(
             q[num_ctx:],
             manager.get_buffers(self.layer_idx, kv_layout="HND"),
-            manager.centroids.layer(self.layer_idx),
+            manager.landmarks.layer(self.layer_idx),
             table,
             seq_len,
             budgets,

@@ -5,7 +5,7 @@ Physical pages are assigned in random order and the pool has spare pages, so a k
 ignores the block table or reads a page it should not is caught. Every cache slot that holds no
 valid token (past seq_len, or in an unassigned page) is filled with NaN: touching one poisons the
 result. Centroids come from the method layer's ``page_centroids`` (the specification), rounded to
-the centroid dtype under test.
+the centroid dtype under test; key bounds (``page_score="minmax"``) from its ``page_key_bounds``.
 """
 
 from __future__ import annotations
@@ -14,12 +14,14 @@ import math
 from dataclasses import dataclass
 
 import torch
-from sparrow_kernels import page_selection
+from sparrow_kernels import KeyBounds, page_selection
 
 from sparrow_nemo.sparse.attention import (
     page_centroids,
+    page_key_bounds,
     select_pages,
     select_pages_from_centroids,
+    select_pages_from_key_bounds,
     selected_page_count,
 )
 
@@ -109,17 +111,43 @@ def random_case(
     return DecodeCase(q, k, v, seq_len, budget, paged)
 
 
-def check_selection(case: DecodeCase, budget: torch.Tensor | int, **kw: int) -> None:
-    """page_selection on case.paged equals the method layer's select_pages_from_centroids on the
-    contiguous cache's page means in the same centroid dtype (same pages, order, -1 padding); its
-    counts equal selected_page_count, its physical ids are the block table's, its tickets are 0."""
+def key_bound_pools(case: DecodeCase, dtype: torch.dtype = torch.float32) -> KeyBounds:
+    """The method layer's page_key_bounds of case.k in case.paged's physical pages (NaN in every page
+    no sequence owns), in ``dtype``."""
     c = case.paged
-    selection = page_selection(case.q, c.centroids, c.block_table, c.seq_len, budget, **kw)
+    k_min, k_max = page_key_bounds(case.k, case.seq_len)  # [B, Hkv, P, D] float32
+    shape = c.centroids.shape
+    pools = KeyBounds(*(torch.full(shape, math.nan, dtype=dtype, device=c.k_pages.device) for _ in range(2)))
+    for b in range(k_min.shape[0]):
+        for p in range(math.ceil(int(case.seq_len[b]) / c.k_pages.shape[2])):
+            phys = int(c.block_table[b, p])
+            pools.key_min[phys] = k_min[b, :, p]
+            pools.key_max[phys] = k_max[b, :, p]
+    return pools
+
+
+def check_selection(
+    case: DecodeCase, budget: torch.Tensor | int, page_score: str = "centroid", **kw: int
+) -> None:
+    """page_selection on case.paged equals the method layer's select_pages_from_centroids on the
+    contiguous cache's page means in the same centroid dtype (``page_score="minmax"``:
+    select_pages_from_key_bounds on its page_key_bounds, the kernel reading them through the block
+    table as KeyBounds) (same pages, order, -1 padding); its counts equal selected_page_count, its
+    physical ids are the block table's, its tickets are 0."""
+    c = case.paged
+    if page_score == "minmax":
+        landmarks = key_bound_pools(case, c.centroids.dtype)
+        k_min, k_max = (t.to(c.centroids.dtype) for t in page_key_bounds(case.k, case.seq_len))
+        ref = select_pages_from_key_bounds(case.q, k_min, k_max, case.seq_len, budget, **kw)
+    else:
+        landmarks = c.centroids
+        centroids = page_centroids(case.k, case.seq_len).to(c.centroids.dtype)
+        ref = select_pages_from_centroids(case.q, centroids, case.seq_len, budget, **kw)
+    selection = page_selection(case.q, landmarks, c.block_table, c.seq_len, budget, **kw)
     page_idx, counts = selection.page_idx, selection.counts
-    centroids = page_centroids(case.k, case.seq_len).to(c.centroids.dtype)
-    ref = select_pages_from_centroids(case.q, centroids, case.seq_len, budget, **kw)
     if c.centroids.dtype == torch.float32:  # and the specification from the keys themselves
-        assert torch.equal(ref, select_pages(case.q, case.k, case.seq_len, budget, **kw))
+        spec = select_pages(case.q, case.k, case.seq_len, budget, page_score=page_score, **kw)
+        assert torch.equal(ref, spec)
     width = ref.shape[-1]
     assert page_idx.dtype == torch.int32 and page_idx.shape[:2] == ref.shape[:2]
     assert torch.equal(page_idx[..., :width].long().cpu(), ref.cpu())

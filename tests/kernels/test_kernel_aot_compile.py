@@ -4,7 +4,7 @@ the JIT's specialisation of the arguments the entry points really pass (Qwen3-8B
 The interpreter tests prove the arithmetic; this proves the same source is a valid compiled Triton
 program and that the kernels are what they were designed to be: no register spills, shared memory
 within an SM, at least 3 attention programs resident per SM, tensor-core MMAs, and K/V (and
-centroid) tiles that stream: asynchronous copies into a ring of >= 2 buffers with copies left in
+centroid, or key_min / key_max) tiles that stream: asynchronous copies into a ring of >= 2 buffers with copies left in
 flight while a tile is computed. Skipped where CUDA is present: there the native tests compile.
 """
 
@@ -29,7 +29,7 @@ def test_kernels_compile_for_sm90_and_stream() -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = {r["variant"]: r for r in map(json.loads, proc.stdout.splitlines())}
     assert set(rows) == {"append", "select", "decode_sparse", "decode_sparse_split4", "decode_dense",
-                         "verify_k8", "decode_sparse_fp32"}  # fmt: skip
+                         "verify_k8", "decode_sparse_fp32", "append_minmax", "select_minmax"}  # fmt: skip
     for row in rows.values():
         assert {"reg", "shared", "blocks_per_sm"} <= row.keys(), row
         assert row["local"] == 0, f"register spills in {row}"
@@ -46,4 +46,9 @@ def test_kernels_compile_for_sm90_and_stream() -> None:
     select = rows["select"]
     assert select["async_tile_copies"] >= 2 and select["ring_depth"] >= 2 and select["wait_depth"] >= 1, (
         select
+    )
+    # minmax: the key_min and key_max tiles both stream (prologue + loop copies of each)
+    bounds = rows["select_minmax"]
+    assert bounds["async_tile_copies"] >= 4 and bounds["ring_depth"] >= 2 and bounds["wait_depth"] >= 1, (
+        bounds
     )

@@ -121,6 +121,11 @@ def test_tiny_cpu_run_writes_a_consistent_line(bench: ModuleType, tmp_path: Path
         e2e = row[f"{arm}_e2e"]
         assert e2e["e2e_gen"] == 4 and e2e["e2e_decode_s"] > 0 and e2e["model_decode_s"] > 0
     assert row["speedup"] == pytest.approx(row["dense_decode_s"] / row["sparse_decode_s"])
+    minmax = row["minmax"]  # the key-bound score's select and append, timed beside the centroid's
+    assert minmax["select_ms"] > 0 and minmax["append_ms"] > 0
+    assert minmax["sparse_step_ms_estimate"] == pytest.approx(
+        row["sparse_step_breakdown"]["step_ms"] + minmax["extra_ms_per_step"]
+    )
     # The cost-model columns are the cost model's own numbers for this run.
     schedule = bench.TINY_SCHEDULE
     model = DecodeCostModel(
@@ -134,7 +139,8 @@ def test_tiny_cpu_run_writes_a_consistent_line(bench: ModuleType, tmp_path: Path
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU mode; on a GPU the script itself is the check")
 def test_gpu_rollout_check_dry_mode(tmp_path: Path) -> None:
-    """The prepared GPU script in --dry mode: imports, test collection, tiny benchmark, all exit 0."""
+    """The prepared GPU script in --dry mode: imports, test collection (the minmax kernel tests too), tiny
+    benchmark, all exit 0."""
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
     env["RESULTS_DIR"] = str(tmp_path)
     # the script's interpreter: this one (by default python3 on PATH: the image's, on the GPU machine)
@@ -148,6 +154,7 @@ def test_gpu_rollout_check_dry_mode(tmp_path: Path) -> None:
     )
     log = (tmp_path / "gpu_rollout_check_dry.log").read_text()
     assert proc.returncode == 0, log[-3000:]
-    assert "=== summary: imports=0 tests=0 benchmark=0" in log
+    assert "=== summary: imports=0 tests=0 minmax=0 benchmark=0" in log
+    assert "test_kernel_minmax.py::test_fused_sparse_decode_matches_method_layer" in log  # collected
     rows = [json.loads(x) for x in (tmp_path / "gpu_rollout_check_dry_bench.jsonl").read_text().splitlines()]
     assert len(rows) == 1 and rows[0]["speedup"] > 0

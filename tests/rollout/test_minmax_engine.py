@@ -9,7 +9,7 @@
 - greedy decode of the engine equals a loop that decodes with ``sparse_decode_attention(page_score="minmax")``
   over a contiguous cache, token for token, for 240 tokens, on the C path and on the torch fallback;
 - the recipe key reaches the engine of train / calibrate / eval (``grpo.setup.build_engine``) and ``sparrow bench
-  rollout`` (printed), and TensorRT-LLM refuses it in one line.
+  rollout`` (printed).
 (Speculative rollback and minmax drafts: tests/rollout/test_speculative.py.)
 """
 
@@ -22,7 +22,6 @@ import pytest
 import torch
 
 from sparrow_nemo import cli
-from sparrow_nemo.config import ConfigError
 from sparrow_nemo.grpo.recipe import load_config
 from sparrow_nemo.rollout import cpu_attention
 from sparrow_nemo.rollout.engine import SamplingParams
@@ -228,12 +227,6 @@ def test_bench_rollout_takes_the_page_score_from_the_recipe(capsys: pytest.Captu
     )
     out = capsys.readouterr().out
     assert "page score minmax" in out and "rollout bench: batch 2" in out
-
-
-def test_trtllm_refuses_minmax_in_one_line() -> None:
-    with pytest.raises(ConfigError, match=r"sparsity\.page_score") as err:
-        load_config(None, ["rollout.backend=trtllm", "trainer.device=cuda", "sparsity.page_score=minmax"])
-    assert "\n" not in str(err.value) and "rollout.backend=trtllm" in str(err.value)
 
 
 def test_the_recipe_builds_a_minmax_engine_for_train_calibrate_and_eval() -> None:

@@ -4,7 +4,7 @@ The pool is built and written the way TensorRT-LLM's C++ manager and attention k
 address it (``trtllm_pool.TrtllmPool``, independent of the adapter). The adapter's page views and block
 table must read exactly that; the Hopper generation step (``sparse_decode_step``: append into the pool,
 select, attend) run by the kernels under ``TRITON_INTERPRET=1`` must equal the method layer's
-``sparse_decode_attention`` on the same keys and values, and write the new token where TensorRT-LLM's
+``sparse_decode_attention`` on the same keys and values under both page scores (centroid, minmax), and write the new token where TensorRT-LLM's
 kernels will read it; the SM100 index path must produce TensorRT-LLM's index layout of the same pages.
 The whole per-step path must read no tensor value on the host (CUDA-graph capturable).
 """
@@ -30,7 +30,7 @@ from sparrow_nemo.rollout.trtllm_decode import (  # noqa: E402
     sparse_decode_step,
     to_trtllm_indices,
 )
-from sparrow_nemo.rollout.trtllm_kv_cache import CentroidPool, context_token_positions  # noqa: E402
+from sparrow_nemo.rollout.trtllm_kv_cache import LandmarkPool, context_token_positions  # noqa: E402
 from sparrow_nemo.rollout.trtllm_layout import block_table_from_offsets, kv_page_views  # noqa: E402
 from sparrow_nemo.sparse.attention import select_pages, sparse_decode_attention  # noqa: E402
 from sparrow_nemo.sparse.schedule import BudgetSchedule  # noqa: E402
@@ -53,7 +53,9 @@ pytestmark = pytest.mark.skipif(
 class Case:
     """Prompts written into a TensorRT-LLM-shaped pool, with the reference keys/values beside it."""
 
-    def __init__(self, seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, seed: int = 0, dtype: torch.dtype = torch.float32, page_score: str = "centroid"
+    ) -> None:
         gen = torch.Generator().manual_seed(seed)
         self.max_len = max(PROMPTS) + STEPS
         self.max_blocks = math.ceil(self.max_len / PS)
@@ -68,17 +70,17 @@ class Case:
         for row, n in enumerate(PROMPTS):
             for t in range(n):
                 self.pool.write(LAYER, self.offsets, row, t, self.keys[row, t], self.values[row, t])
-        self.centroids = CentroidPool(num_blocks, [LAYER], HKV, D, PS, kv_dtype=dtype)
+        self.landmarks = LandmarkPool(num_blocks, [LAYER], HKV, D, PS, kv_dtype=dtype, page_score=page_score)
         self.budget_table = BudgetTable(SCHEDULE, self.max_len, DEVICE)
 
     def table(self) -> torch.Tensor:
         return block_table_from_offsets(self.offsets, 0, 0, len(PROMPTS), LAYERS)
 
-    def prefill_centroids(self) -> None:
-        """The context phase's centroid write, from the packed prompt keys as TensorRT-LLM hands them."""
+    def prefill_landmarks(self) -> None:
+        """The context phase's landmark write, from the packed prompt keys as TensorRT-LLM hands them."""
         packed = torch.cat([self.keys[row, :n] for row, n in enumerate(PROMPTS)])
         rows, positions = context_token_positions(torch.tensor(PROMPTS, dtype=torch.int32), packed.shape[0])
-        self.centroids.write_prefill(LAYER, packed, rows, positions, self.table())
+        self.landmarks.write_prefill(LAYER, packed, rows, positions, self.table())
 
     def contiguous(self, seq_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The reference's [B, Hkv, L, D] keys and values (positions past seq_len zero)."""
@@ -117,9 +119,10 @@ def test_views_and_block_table_read_what_trtllm_wrote() -> None:
         block_table_from_offsets(case.offsets[0], 0, 0, 1, LAYERS)
 
 
-def test_hopper_decode_step_over_the_trtllm_pool_equals_the_method_layer() -> None:
-    case = Case()
-    case.prefill_centroids()
+@pytest.mark.parametrize("page_score", ["centroid", "minmax"])
+def test_hopper_decode_step_over_the_trtllm_pool_equals_the_method_layer(page_score: str) -> None:
+    case = Case(page_score=page_score)
+    case.prefill_landmarks()
     table = case.table()
     layer_pool = case.pool.get_buffers_hnd(LAYER)
     lengths = torch.tensor(PROMPTS)
@@ -131,7 +134,7 @@ def test_hopper_decode_step_over_the_trtllm_pool_equals_the_method_layer() -> No
         out = sparse_decode_step(
             case.fused_qkv(step, lengths),
             layer_pool,
-            case.centroids.layer(LAYER),
+            case.landmarks.layer(LAYER),
             table,
             seq_len,
             budgets,
@@ -144,16 +147,17 @@ def test_hopper_decode_step_over_the_trtllm_pool_equals_the_method_layer() -> No
             k_read, v_read = case.pool.read(LAYER, case.offsets, row, pos)
             assert torch.equal(k_read, case.keys[row, pos]) and torch.equal(v_read, case.values[row, pos])
         k_ref, v_ref = case.contiguous(seq_len)
-        expected = sparse_decode_attention(case.q[step], k_ref, v_ref, seq_len, budgets, PS, 1, 2)
+        expected = sparse_decode_attention(case.q[step], k_ref, v_ref, seq_len, budgets, PS, 1, 2, page_score)
         torch.testing.assert_close(out.view(-1, HQ, D), expected, rtol=1e-5, atol=1e-5)
         sparse_rows += int(((seq_len + PS - 1) // PS > budgets // PS).sum())
         lengths = lengths + 1
     assert sparse_rows > 0  # the budgets dropped pages: the comparison covered real selection
 
 
-def test_sm100_indices_are_trtllm_layout_of_the_method_layer_pages() -> None:
-    case = Case(seed=1)
-    case.prefill_centroids()
+@pytest.mark.parametrize("page_score", ["centroid", "minmax"])
+def test_sm100_indices_are_trtllm_layout_of_the_method_layer_pages(page_score: str) -> None:
+    case = Case(seed=1, page_score=page_score)
+    case.prefill_landmarks()
     table = case.table()
     lengths = torch.tensor(PROMPTS)
     seq_len = (lengths + 1).to(torch.int32)
@@ -163,10 +167,10 @@ def test_sm100_indices_are_trtllm_layout_of_the_method_layer_pages() -> None:
         case.pool.write(LAYER, case.offsets, row, pos, case.keys[row, pos], case.values[row, pos])
     budgets = case.budget_table.budgets(seq_len)
     indices, offsets = predict_native_indices(
-        q, k, case.centroids, LAYER, table, seq_len, budgets, sink_pages=1, local_pages=2
+        q, k, case.landmarks, LAYER, table, seq_len, budgets, sink_pages=1, local_pages=2
     )
     k_ref, _ = case.contiguous(seq_len)
-    expected = select_pages(q, k_ref, seq_len, budgets, PS, 1, 2)
+    expected = select_pages(q, k_ref, seq_len, budgets, PS, 1, 2, page_score)
     assert indices.is_contiguous() and indices.shape == (HKV, len(PROMPTS) * table.shape[1] + 1)
     stride, flat = indices.shape[-1], indices.view(-1)
     for b in range(len(PROMPTS)):
@@ -175,7 +179,7 @@ def test_sm100_indices_are_trtllm_layout_of_the_method_layer_pages() -> None:
             kept = expected[b, h][expected[b, h] >= 0]
             assert flat[h * stride + start : h * stride + end].tolist() == kept.tolist()
     page_idx, counts = sparrow_kernels.select_pages_paged(
-        q, case.centroids.layer(LAYER), table, seq_len, budgets, PS
+        q, case.landmarks.layer(LAYER), table, seq_len, budgets, PS
     )
     again, again_offsets = to_trtllm_indices(page_idx, counts)
     assert torch.equal(again, indices) and torch.equal(again_offsets, offsets)
@@ -200,8 +204,9 @@ def test_budget_table_updates_in_place() -> None:
         table.update(BudgetSchedule(bin_tokens=10, budgets=(16,), page_size=PS))
 
 
-def test_the_step_reads_no_tensor_on_the_host() -> None:
-    case = Case(seed=2)
+@pytest.mark.parametrize("page_score", ["centroid", "minmax"])
+def test_the_step_reads_no_tensor_on_the_host(page_score: str) -> None:
+    case = Case(seed=2, page_score=page_score)
     lengths = torch.tensor(PROMPTS)
     seq_len = (lengths + 1).to(torch.int32)
     packed = torch.cat([case.keys[row, :n] for row, n in enumerate(PROMPTS)])
@@ -210,12 +215,12 @@ def test_the_step_reads_no_tensor_on_the_host() -> None:
     with no_host_reads():
         table = block_table_from_offsets(case.offsets, 0, 0, len(PROMPTS), LAYERS)
         token_rows, positions = context_token_positions(prompt_lens, packed.shape[0])
-        case.centroids.write_prefill(LAYER, packed, token_rows, positions, table)
+        case.landmarks.write_prefill(LAYER, packed, token_rows, positions, table)
         budgets = case.budget_table.budgets(seq_len)
         sparse_decode_step(
             case.fused_qkv(0, lengths),
             case.pool.get_buffers_hnd(LAYER),
-            case.centroids.layer(LAYER),
+            case.landmarks.layer(LAYER),
             table,
             seq_len,
             budgets,
@@ -225,7 +230,7 @@ def test_the_step_reads_no_tensor_on_the_host() -> None:
             scale=1 / math.sqrt(D),
         )
         predict_native_indices(
-            case.q[1], case.keys[rows, lengths + 1], case.centroids, LAYER, table, seq_len + 1, budgets,
+            case.q[1], case.keys[rows, lengths + 1], case.landmarks, LAYER, table, seq_len + 1, budgets,
             sink_pages=1, local_pages=2,
         )  # fmt: skip
     with no_host_reads(), pytest.raises(HostRead, match=r"sparrow_nemo\.sparse\.schedule called Tensor"):

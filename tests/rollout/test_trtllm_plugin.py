@@ -5,6 +5,7 @@ Not run in this repository's CI (TensorRT-LLM cannot be installed on the CPU mac
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import pytest
@@ -22,6 +23,8 @@ def test_config_class_and_registration() -> None:  # pragma: no cover - needs te
     spec = SparrowSparseSpec(BudgetSchedule.from_preset("qwen3-8b-0.86"), dense_layers=2)
     config = plugin.SparrowSparseAttentionConfig(**spec.to_config_dict())
     assert config.spec() == spec
+    minmax = dataclasses.replace(spec, page_score="minmax")  # the field exists and round-trips
+    assert plugin.SparrowSparseAttentionConfig(**minmax.to_config_dict()).spec() == minmax
     assert config.get_indices_block_size() == 16 and config.supports_backend("pytorch")
     utils = importlib.import_module("tensorrt_llm._torch.attention_backend.sparse.utils")
     for _ in range(2):  # register() is idempotent

@@ -29,13 +29,21 @@ def test_config_dict_round_trip_and_recipe() -> None:
     assert dense.to_config_dict()["budgets"] == ["dense"]
     assert SparrowSparseSpec.from_config_dict(dense.to_config_dict()) == dense
     assert not dense.is_sparse_layer(5) and spec.is_sparse_layer(2) and not spec.is_sparse_layer(1)
-    # centroids are kept for every layer that may select pages, whatever the current schedule
-    assert dense.keeps_centroids(2) and not dense.keeps_centroids(1) and spec.keeps_centroids(2)
+    # landmarks are kept for every layer that may select pages, whatever the current schedule
+    assert dense.keeps_landmarks(2) and not dense.keeps_landmarks(1) and spec.keeps_landmarks(2)
+    assert data["page_score"] == "centroid"  # the default: the paper's score
+    legacy = {k: v for k, v in data.items() if k != "page_score"}  # a dict written before the knob
+    assert SparrowSparseSpec.from_config_dict(legacy) == spec
 
     config = load_config(None, ["sparsity.dense_layers=1", "sparsity.sink_pages=0"])
     from_recipe = SparrowSparseSpec.from_recipe(config)
     assert (from_recipe.dense_layers, from_recipe.local_pages, from_recipe.sink_pages) == (1, 2, 0)
     assert from_recipe.schedule == config.sparsity.build_schedule()
+
+    minmax = SparrowSparseSpec.from_recipe(load_config(None, ["sparsity.page_score=minmax"]))
+    assert minmax.page_score == "minmax" and minmax.to_config_dict()["page_score"] == "minmax"
+    assert SparrowSparseSpec.from_config_dict(minmax.to_config_dict()) == minmax
+    assert minmax.with_schedule(BudgetSchedule(20, (16,), minmax.page_size)).page_score == "minmax"
 
 
 def test_config_dict_errors_name_the_key() -> None:
@@ -48,5 +56,7 @@ def test_config_dict_errors_name_the_key() -> None:
         SparrowSparseSpec.from_config_dict({k: v for k, v in good.items() if k != "budgets"})
     with pytest.raises(ValueError, match="multiple of page_size"):
         SparrowSparseSpec.from_config_dict({**good, "budgets": [17]})
+    with pytest.raises(ValueError, match=r"page_score must be one of \('centroid', 'minmax'\), got 'mean'"):
+        SparrowSparseSpec.from_config_dict({**good, "page_score": "mean"})
     with pytest.raises(ValueError, match="page_size=16"):
         _spec().with_schedule(BudgetSchedule.from_preset("fixed:64"))
