@@ -64,7 +64,6 @@ from sparrow_nemo.rollout.cost_fit import COST_HARDWARE_FILE, rollout_cost_model
 from sparrow_nemo.rollout.oom_retry import OomRetryEngine
 from sparrow_nemo.rollout.sampling import sample_seed
 from sparrow_nemo.rollout.spec_rollout import with_rollout_mode
-from sparrow_nemo.sparse.pattern import SparsePattern
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 logger = logging.getLogger(__name__)
@@ -194,8 +193,7 @@ class GrpoTrainer:
         if not c.distill.enabled:
             return None
         s = c.sparsity
-        pattern = SparsePattern(s.page_size, s.sink_pages, s.local_pages, s.dense_layers)
-        return DistillSparse(c.distill, c.policy.optimizer.lr, pattern, c.policy.micro_batch_size)
+        return DistillSparse(c.distill, c.policy.optimizer.lr, s.pattern(), c.policy.micro_batch_size)
 
     # ----- TrainerLike ------------------------------------------------------------------------
     @property
