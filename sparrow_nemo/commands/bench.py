@@ -84,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
         page_size=s.page_size,
         sink_pages=s.sink_pages,
         local_pages=s.local_pages,
+        page_score=s.page_score,
         attention_backend=config.rollout.attention_impl,
     )
     limit = engine.shape.max_position_embeddings - args.steps - 2  # the timed steps need positions too

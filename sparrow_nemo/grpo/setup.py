@@ -93,6 +93,7 @@ def build_engine(config: SparrowConfig, weights: Mapping[str, torch.Tensor], tok
         page_size=s.page_size,
         sink_pages=s.sink_pages,
         local_pages=s.local_pages,
+        page_score=s.page_score,
         attention_backend=r.attention_impl,
         tokenizer=tokenizer,
         max_batch_size=r.max_batch_size,

@@ -85,7 +85,8 @@ def bench_rollout(
         print_fn: where the table goes (None: print nothing).
 
     Returns:
-        One flat dict per configuration (the dense run first): configuration fields, ``tokens_per_s``,
+        One flat dict per configuration (the dense run first): configuration fields (``page_score`` the
+        engine's), ``tokens_per_s``,
         ``decode_tokens_per_s``, ``speedup_vs_dense``, ``kept_kv_fraction`` (mean budget / cached length
         over sparse decode steps, capped at 1) and the ``acceptance/*`` metrics of ``summarize``.
     """
@@ -131,6 +132,7 @@ def bench_rollout(
                 "prompt_len": prompt_len,
                 "gen_len": gen_len,
                 "dense_layers": engine.dense_layers,
+                "page_score": engine.page_score,
                 "num_layers": engine.shape.num_layers,
                 "tokens": out.num_response_tokens,
                 "logprobs_topk": topk,
@@ -173,7 +175,8 @@ def format_table(rows: Sequence[dict[str, float | str | int]]) -> str:
     first = rows[0] if rows else {}
     title = (
         f"rollout bench: batch {first.get('batch')}, prompt {first.get('prompt_len')}, gen {first.get('gen_len')}, "
-        f"{first.get('device')} {first.get('dtype')}, attention {first.get('backend')}; "
+        f"{first.get('device')} {first.get('dtype')}, attention {first.get('backend')}, page score "
+        f"{first.get('page_score')}; "
         f"acceptance-rate p5 per bin of {first.get('bin_tokens')} cached tokens"
     )
     return "\n".join([title, fmt.format(*head), *(fmt.format(*c) for c in lines)])
@@ -291,7 +294,8 @@ def decode_throughput(
     same turns (a higher bandwidth is a stricter bound).
 
     Returns one row per (context, schedule), dense first: ``context``, ``schedule``, ``tokens_per_s``,
-    ``speedup_vs_dense``, ``kept_kv_fraction`` (mean budget / cached length, capped at 1), and on every row
+    ``page_score`` (the engine's), ``speedup_vs_dense``, ``kept_kv_fraction`` (mean budget / cached length,
+    capped at 1), and on every row
     of the context the dense bound: ``bound_tokens_per_s`` (batch / (dense_step_bytes / bandwidth)) and
     ``dense_vs_bound`` (bound / dense tokens/s: 1.0 = at the memory bound), plus ``bandwidth_gb_s``.
     """
@@ -323,6 +327,7 @@ def decode_throughput(
                 {
                     "context": context,
                     "schedule": name,
+                    "page_score": engine.page_score,
                     "batch": batch,
                     "steps": steps,
                     "repeats": repeats,
@@ -366,7 +371,7 @@ def format_throughput(rows: Sequence[dict[str, float | str | int]]) -> str:
     first = rows[0] if rows else {}
     title = (
         f"decode throughput: batch {first.get('batch')}, {first.get('steps')} steps per context (best of "
-        f"{first.get('repeats')}); memory bound = "
+        f"{first.get('repeats')}), page score {first.get('page_score')}; memory bound = "
         f"dense bytes per step / copy bandwidth {first.get('bandwidth_gb_s', float('nan')):.1f} GB/s "
         "(read + written, this run)"
     )

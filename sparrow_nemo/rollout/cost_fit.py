@@ -143,6 +143,7 @@ def fit_cpu_hardware(engine: Any, batch: int = 32, seed: int = 0) -> Hardware:
         engine.dense_layers,
         engine.sink_pages,
         engine.local_pages,
+        engine.page_score,
         engine.backend,
         batch,
         seed,
@@ -200,10 +201,16 @@ def _fit(engine: Any, batch: int, seed: int) -> Hardware:
 
 
 def engine_cost_model(engine: Any, hardware: Hardware) -> DecodeCostModel:
-    """The decode cost model of a torch ``engine``'s model, dense layers and element sizes on ``hardware``."""
+    """The decode cost model of a torch ``engine``'s model, dense layers, page score and element sizes on
+    ``hardware``."""
     itemsize = engine.model.dtype.itemsize
     return DecodeCostModel(
-        engine.shape, hardware, dense_layers=engine.dense_layers, weight_bytes=itemsize, kv_bytes=itemsize
+        engine.shape,
+        hardware,
+        dense_layers=engine.dense_layers,
+        weight_bytes=itemsize,
+        kv_bytes=itemsize,
+        page_score=engine.page_score,
     )
 
 
@@ -243,11 +250,14 @@ def rollout_hardware(spec: str, engine: Any, saved: Path | None = None) -> Hardw
 
 def rollout_cost_model(config: Any, engine: Any, saved: Path | None = None) -> DecodeCostModel:
     """The decode cost model of ``engine`` on the recipe's ``rollout.cost_hardware`` (:func:`rollout_hardware`,
-    ``saved`` as there): a torch engine's model, dense layers and element sizes, else (TensorRT-LLM) ``model``
-    and ``sparsity.dense_layers`` in bf16."""
+    ``saved`` as there): a torch engine's model, dense layers, page score and element sizes, else (TensorRT-LLM)
+    ``model``, ``sparsity.dense_layers`` and ``sparsity.page_score`` in bf16."""
     from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
 
     hardware = rollout_hardware(config.rollout.cost_hardware, engine, saved)
     if isinstance(engine, TorchRolloutEngine):
         return engine_cost_model(engine, hardware)
-    return DecodeCostModel(config.model.shape(), hardware, dense_layers=config.sparsity.dense_layers)
+    s = config.sparsity
+    return DecodeCostModel(
+        config.model.shape(), hardware, dense_layers=s.dense_layers, page_score=s.page_score
+    )

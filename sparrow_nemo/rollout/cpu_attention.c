@@ -11,6 +11,8 @@
  *   sparse, one fused pass per sequence (scores, softmax, p.V), the pages of a later sequence touched first:
  *     sparrow_paged_attention (a given page list), sparrow_sparse_attention (the page choice in the same pass)
  *   the page choice alone: sparrow_select_pages; the sampler's sort: sparrow_sort_rows_desc
+ * The page choice scores each page on its landmarks: the centroid (the paper's mean key) or, with the minmax
+ * page score, the per-channel key bounds (key_min, key_max: sum_d max(q_d * min_d, q_d * max_d)).
  *
  * Every key and value is read once. With a head dim that is a multiple of 16 and 16-token pages, a page's
  * 16 dot products are 16-lane vector FMAs followed by one transpose-and-add tree (no per-token horizontal
@@ -428,13 +430,16 @@ void sparrow_paged_attention(const float *q, const float *k_pages, int64_t strid
 }
 
 /* Store one token per row at positions[b] (its index = the row's old length) and update its page's
- * centroid incrementally in fp32, c <- c + (k - c) / (n + 1) with n = keys already in the page: what
- * PagedKVCache.append does. k_new, v_new: [B, Hkv, D] contiguous; centroids: (page, head) strides. */
+ * landmarks as PagedKVCache.append does: the centroid incrementally in fp32, c <- c + (k - c) / (n + 1) with
+ * n = keys already in the page, or (centroids NULL, the minmax page score) the key bounds key_min / key_max
+ * taking the key in, set to it at slot 0. k_new, v_new: [B, Hkv, D] contiguous; the landmark pools share
+ * the (page, head) strides. */
 void sparrow_paged_append(float *k_pages, float *v_pages, int64_t stride_kp, int64_t stride_kh,
                           int64_t stride_ks, int64_t stride_vp, int64_t stride_vh, int64_t stride_vs,
-                          float *centroids, int64_t stride_cp, int64_t stride_ch, const int32_t *block_table,
-                          int64_t stride_bt, const int64_t *positions, const float *k_new, const float *v_new,
-                          int64_t batch, int64_t hkv, int64_t head_dim, int64_t page_size) {
+                          float *centroids, float *key_min, float *key_max, int64_t stride_cp, int64_t stride_ch,
+                          const int32_t *block_table, int64_t stride_bt, const int64_t *positions,
+                          const float *k_new, const float *v_new, int64_t batch, int64_t hkv, int64_t head_dim,
+                          int64_t page_size) {
     for (int64_t b = 0; b < batch; ++b) {
         const int64_t pos = positions[b], slot = pos % page_size;
         const int64_t page = block_table[b * stride_bt + pos / page_size];
@@ -443,11 +448,20 @@ void sparrow_paged_append(float *k_pages, float *v_pages, int64_t stride_kp, int
             const float *kn = k_new + (b * hkv + h) * head_dim, *vn = v_new + (b * hkv + h) * head_dim;
             float *kd = k_pages + page * stride_kp + h * stride_kh + slot * stride_ks;
             float *vd = v_pages + page * stride_vp + h * stride_vh + slot * stride_vs;
-            float *c = centroids + page * stride_cp + h * stride_ch;
             for (int64_t d = 0; d < head_dim; ++d) {
                 kd[d] = kn[d];
                 vd[d] = vn[d];
-                c[d] = c[d] + (kn[d] - c[d]) / count;
+            }
+            const int64_t at = page * stride_cp + h * stride_ch;
+            if (centroids) {
+                float *c = centroids + at;
+                for (int64_t d = 0; d < head_dim; ++d) c[d] = c[d] + (kn[d] - c[d]) / count;
+            } else {
+                float *lo = key_min + at, *hi = key_max + at;
+                for (int64_t d = 0; d < head_dim; ++d) {
+                    lo[d] = slot == 0 || kn[d] < lo[d] ? kn[d] : lo[d];
+                    hi[d] = slot == 0 || kn[d] > hi[d] ? kn[d] : hi[d];
+                }
             }
         }
     }
@@ -492,9 +506,56 @@ static void centroid_scores(const float *qm, const float *centroids, int64_t str
     }
 }
 
-/* The geometry of the page choice of one layer (sparrow_select_pages' arguments). */
+/* centroid_scores for the minmax page score: scores[h * NP + p] = sum_d max(q_d * min_d, q_d * max_d) over
+ * the key bounds of block_table[b, p], head h (fp32; an upper bound on q . k over the page's keys). Same
+ * layout and lane scheme: 16 pages at a time as 16-lane products, a lane-wise max and one reduce16. */
+static void bound_scores(const float *qm, const float *key_min, const float *key_max, int64_t stride_cp,
+                         int64_t stride_ch, const int32_t *table, int64_t lo, int64_t hi, int64_t hkv,
+                         int64_t head_dim, int64_t num_pages, float *scores) {
+    if (head_dim % LANES == 0) {
+        for (int64_t p0 = lo; p0 < hi; p0 += LANES) {
+            const int64_t live = hi - p0 < LANES ? hi - p0 : LANES;
+            int64_t at[LANES];
+            for (int64_t i = 0; i < LANES; ++i) /* lanes past hi score page p0 again and are not stored */
+                at[i] = (int64_t)table[p0 + (i < live ? i : 0)] * stride_cp;
+            for (int64_t h = 0; h < hkv; ++h) {
+                const float *q = qm + h * head_dim;
+                v16 acc[LANES];
+                for (int i = 0; i < LANES; ++i) {
+                    const float *mn = key_min + at[i] + h * stride_ch, *mx = key_max + at[i] + h * stride_ch;
+                    v16 qd = load16(q), a = max16(qd * load16(mn), qd * load16(mx));
+                    for (int64_t d = LANES; d < head_dim; d += LANES) {
+                        qd = load16(q + d);
+                        a += max16(qd * load16(mn + d), qd * load16(mx + d));
+                    }
+                    acc[i] = a;
+                }
+                float sums[LANES];
+                store16(sums, reduce16(acc));
+                memcpy(scores + h * num_pages + p0, sums, sizeof(float) * live);
+            }
+        }
+        return;
+    }
+    for (int64_t p = lo; p < hi; ++p) {
+        const int64_t at = (int64_t)table[p] * stride_cp;
+        for (int64_t h = 0; h < hkv; ++h) {
+            const float *q = qm + h * head_dim, *mn = key_min + at + h * stride_ch, *mx = key_max + at + h * stride_ch;
+            float acc = 0.0f;
+            for (int64_t d = 0; d < head_dim; ++d) {
+                const float a = q[d] * mn[d], b = q[d] * mx[d];
+                acc += a > b ? a : b;
+            }
+            scores[h * num_pages + p] = acc;
+        }
+    }
+}
+
+/* The geometry of the page choice of one layer (sparrow_select_pages' arguments). landmarks: the centroids, or
+ * with the minmax page score the key minima (key_max: the maxima; NULL for centroids), one (page, head) stride
+ * pair for both. */
 typedef struct {
-    const float *centroids;
+    const float *landmarks, *key_max;
     int64_t stride_cp, stride_ch;
     const int32_t *block_table;
     int64_t stride_bt;
@@ -515,8 +576,11 @@ static int64_t select_row(const Choice *c, const float *q_mean, int64_t b, int64
     top_k = top_k < 0 ? 0 : top_k;
     const int64_t lo = sink, hi = n - local; /* the middle pages */
     const int choose = n > pages && top_k > 0 && hi > lo;
-    if (choose)
-        centroid_scores(q_mean, c->centroids, c->stride_cp, c->stride_ch, c->block_table + b * c->stride_bt, lo, hi,
+    if (choose && c->key_max)
+        bound_scores(q_mean, c->landmarks, c->key_max, c->stride_cp, c->stride_ch, c->block_table + b * c->stride_bt,
+                     lo, hi, c->hkv, c->head_dim, np, scores);
+    else if (choose)
+        centroid_scores(q_mean, c->landmarks, c->stride_cp, c->stride_ch, c->block_table + b * c->stride_bt, lo, hi,
                         c->hkv, c->head_dim, np, scores);
     for (int64_t h = 0; h < c->hkv; ++h) {
         uint8_t *k = keep + h * np;
@@ -560,19 +624,22 @@ static void mean_query(const float *q, int64_t hkv, int64_t group, int64_t head_
 }
 
 /* The Sparrow page choice (select_pages_from_centroids' rule) on the cache's centroids, read in place: page
- * p of row (b, h) scores <q_mean[b, h], centroid of block_table[b, p], head h> (fp32); the row keeps every
+ * p of row (b, h) scores <q_mean[b, h], centroid of block_table[b, p], head h> (fp32) or, with key_max given
+ * (centroids then holds the key minima: the minmax page score, select_pages_from_key_bounds' rule), the
+ * bound_scores of its key bounds; the row keeps every
  * page when n = ceil(seq_len / P) <= budget / P, else its sink and local pages plus the top
  * max(budget / P - sink - local, 0) middle pages by score, equal scores to the lower page index (select_row).
  * q_mean: [B, Hkv, D] contiguous (the GQA group's mean query); centroids: (page, head) strides, head dim
  * contiguous; out: [B, Hkv, NP] int64, the kept pages ascending then -1 (NP >= every row's n);
  * counts: [B * Hkv] int64 pages kept per row; scores, scratch, keep: Hkv * NP-element work space. */
-void sparrow_select_pages(const float *q_mean, const float *centroids, int64_t stride_cp, int64_t stride_ch,
+void sparrow_select_pages(const float *q_mean, const float *centroids, const float *key_max, int64_t stride_cp,
+                          int64_t stride_ch,
                           const int32_t *block_table, int64_t stride_bt, const int64_t *seq_len,
                           const int64_t *budget, int64_t batch, int64_t hkv, int64_t head_dim,
                           int64_t num_pages, int64_t page_size, int64_t sink, int64_t local, int64_t *out,
                           int64_t *counts, float *scores, int64_t *scratch, uint8_t *keep) {
-    const Choice c = {centroids, stride_cp, stride_ch, block_table, stride_bt, seq_len, budget,
-                      hkv,       head_dim,  num_pages, page_size,   sink,      local};
+    const Choice c = {centroids, key_max,  stride_cp, stride_ch, block_table, stride_bt, seq_len,
+                      budget,    hkv,      head_dim,  num_pages, page_size,   sink,      local};
     float best[num_pages > 0 ? num_pages : 1];
     for (int64_t b = 0; b < batch; ++b)
         select_row(&c, q_mean + b * hkv * head_dim, b, out + b * hkv * num_pages, counts + b * hkv, scores,
@@ -582,10 +649,12 @@ void sparrow_select_pages(const float *q_mean, const float *centroids, int64_t s
 /* Sparse decode attention in one pass over the batch: row b's page choice (select_row on the group-mean
  * query) then its attention over the kept pages (attend_row), the choice running TOUCH_AHEAD rows ahead so
  * that the chosen pages are touched before they are read. Equal to sparrow_select_pages followed by
- * sparrow_paged_attention on its pages, bit for bit. q: [B, Hkv * G, D]; out: [B, Hkv * G, D];
+ * sparrow_paged_attention on its pages, bit for bit (centroids, key_max: as sparrow_select_pages').
+ * q: [B, Hkv * G, D]; out: [B, Hkv * G, D];
  * page_idx: [B, Hkv, NP] int64 the choice (as sparrow_select_pages' out), counts [B * Hkv];
  * work: Hkv * G * NP * P + Hkv * D floats; scores, scratch, keep: Hkv * NP elements. */
-void sparrow_sparse_attention(const float *q, const float *centroids, int64_t stride_cp, int64_t stride_ch,
+void sparrow_sparse_attention(const float *q, const float *centroids, const float *key_max, int64_t stride_cp,
+                              int64_t stride_ch,
                               const float *k_pages, int64_t stride_kp, int64_t stride_kh, int64_t stride_ks,
                               const float *v_pages, int64_t stride_vp, int64_t stride_vh, int64_t stride_vs,
                               const int32_t *block_table, int64_t stride_bt, const int64_t *seq_len,
@@ -593,8 +662,8 @@ void sparrow_sparse_attention(const float *q, const float *centroids, int64_t st
                               int64_t num_pages, int64_t page_size, int64_t sink, int64_t local, float scale,
                               float *out, int64_t *page_idx, int64_t *counts, float *work, float *scores,
                               int64_t *scratch, uint8_t *keep) {
-    const Choice c = {centroids, stride_cp, stride_ch, block_table, stride_bt, seq_len, budget,
-                      hkv,       head_dim,  num_pages, page_size,   sink,      local};
+    const Choice c = {centroids, key_max,  stride_cp, stride_ch, block_table, stride_bt, seq_len,
+                      budget,    hkv,      head_dim,  num_pages, page_size,   sink,      local};
     const Pools m = {k_pages,  v_pages,   stride_kp, stride_kh, stride_ks, stride_vp, stride_vh, stride_vs,
                      block_table, stride_bt, seq_len, hkv,    group,     head_dim,  page_size};
     const int64_t heads = hkv * group * head_dim;

@@ -128,6 +128,8 @@ def _library() -> ctypes.CDLL | None:
         _P,
         *[_I64] * 6,
         _P,
+        _P,
+        _P,
         _I64,
         _I64,
         _P,
@@ -138,6 +140,7 @@ def _library() -> ctypes.CDLL | None:
         *[_I64] * 4,
     ]
     lib.sparrow_select_pages.argtypes = [
+        _P,
         _P,
         _P,
         _I64,
@@ -154,6 +157,7 @@ def _library() -> ctypes.CDLL | None:
         _P,
     ]
     lib.sparrow_sparse_attention.argtypes = [
+        _P,
         _P,
         _P,
         _I64,
@@ -191,17 +195,26 @@ def available() -> bool:
 
 
 def supports(q: torch.Tensor, cache: PagedKVCache) -> bool:
-    """Whether this module's kernels take these tensors: CPU, fp32 queries/keys and cache (centroids
+    """Whether this module's kernels take these tensors: CPU, fp32 queries/keys and cache (page landmarks
     included), head dim contiguous."""
     k = cache.k_pages[0]
     return (
         q.device.type == "cpu"
         and q.dtype == torch.float32
         and k.dtype == torch.float32
-        and cache.centroids[0].dtype == torch.float32
+        and all(pool.dtype == torch.float32 for pool in cache.landmarks(0))
         and k.stride(-1) == 1
         and available()
     )
+
+
+def _landmark_args(cache: PagedKVCache, layer: int) -> tuple[int, ...]:
+    """The page choice's landmark arguments: (centroids or key minima, key maxima or NULL, page stride, head
+    stride); the two bound pools of a ``minmax`` cache share one layout."""
+    pools = cache.landmarks(layer)
+    if len(pools) == 2 and pools[0].stride() != pools[1].stride():
+        raise ValueError(f"key_min[{layer}] and key_max[{layer}] must share strides for the CPU kernel")
+    return (pools[0].data_ptr(), pools[1].data_ptr() if len(pools) == 2 else None, *pools[0].stride()[:2])
 
 
 def _pool_args(k_pages: torch.Tensor, v_pages: torch.Tensor, table: torch.Tensor) -> tuple[int, ...]:
@@ -228,16 +241,16 @@ def select_pages(
     sink_pages: int,
     local_pages: int,
 ) -> torch.Tensor:
-    """The pages :func:`sparrow_nemo.sparse.attention.select_pages_from_centroids` keeps, scored on the
-    cache's centroids in place (no gather): [B, Hkv, n] int64 ascending, -1 padded. Scores are fp32 dots of
-    the GQA group's mean query with each centroid; their summation order is the kernel's, so a choice
-    between two pages whose scores agree to the last bits may differ from the method layer's."""
+    """The pages :func:`sparrow_nemo.sparse.attention.select_pages_from_centroids` (a ``minmax`` cache:
+    ``select_pages_from_key_bounds``) keeps, scored on the cache's landmarks in place (no gather): [B, Hkv, n]
+    int64 ascending, -1 padded. Scores are fp32 dots of the GQA group's mean query with each centroid (or its
+    key-bound score); their summation order is the kernel's, so a choice between two pages whose scores agree
+    to the last bits may differ from the method layer's."""
     lib = _library()
     if lib is None:
         raise RuntimeError("select_pages: the CPU kernel is not available (see available())")
-    cent = cache.centroids[layer]
     batch, hq, d = q.shape
-    hkv = cent.shape[1]
+    hkv = cache.k_pages[layer].shape[1]
     q_mean = q.float().view(batch, hkv, hq // hkv, d).mean(dim=2).contiguous()  # [B, Hkv, D]
     seq_len = seq_len.to(torch.int64).contiguous()
     table = block_table.to(torch.int32).contiguous()
@@ -250,8 +263,7 @@ def select_pages(
     keep = torch.empty(hkv, num_pages, dtype=torch.uint8)
     lib.sparrow_select_pages(
         q_mean.data_ptr(),
-        cent.data_ptr(),
-        *cent.stride()[:2],
+        *_landmark_args(cache, layer),
         table.data_ptr(),
         table.stride(0),
         seq_len.data_ptr(),
@@ -283,7 +295,7 @@ def sparse_decode_attention(
     local_pages: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sparse decode step of attention in one kernel pass over the batch: each row's page choice
-    (:func:`select_pages`' rule on the cache's centroids, the group-mean query summed then divided by G)
+    (:func:`select_pages`' rule on the cache's landmarks, the group-mean query summed then divided by G)
     and its attention over the kept pages (:func:`paged_decode_attention`'s arithmetic), the choice running a
     few rows ahead so that the chosen pages are already on their way when they are read.
 
@@ -295,7 +307,7 @@ def sparse_decode_attention(
     lib = _library()
     if lib is None:
         raise RuntimeError("sparse_decode_attention: the CPU kernel is not available (see available())")
-    k_pages, v_pages, cent = cache.k_pages[layer], cache.v_pages[layer], cache.centroids[layer]
+    k_pages, v_pages = cache.k_pages[layer], cache.v_pages[layer]
     batch, hq, d = q.shape
     hkv, ps = k_pages.shape[1], cache.page_size
     group = hq // hkv
@@ -313,8 +325,7 @@ def sparse_decode_attention(
     keep = torch.empty(hkv, num_pages, dtype=torch.uint8)
     lib.sparrow_sparse_attention(
         q.data_ptr(),
-        cent.data_ptr(),
-        *cent.stride()[:2],
+        *_landmark_args(cache, layer),
         *_pool_args(k_pages, v_pages, table),
         seq_len.data_ptr(),
         budget.data_ptr(),
@@ -373,11 +384,14 @@ def paged_append(
     v_new: torch.Tensor,
 ) -> None:
     """:meth:`PagedKVCache.append` in one kernel call: ``k_new, v_new [B, Hkv, D]`` fp32 stored at
-    ``positions [B]`` (pages reserved in ``block_table``), each page's centroid updated incrementally."""
+    ``positions [B]`` (pages reserved in ``block_table``), each page's landmarks (centroid or key bounds)
+    updated incrementally."""
     lib = _library()
     if lib is None:
         raise RuntimeError("paged_append: the CPU kernel is not available (see available())")
-    k_pages, v_pages, cent = cache.k_pages[layer], cache.v_pages[layer], cache.centroids[layer]
+    k_pages, v_pages = cache.k_pages[layer], cache.v_pages[layer]
+    marks, key_max, *mark_strides = _landmark_args(cache, layer)
+    centroids, key_min = (None, marks) if key_max else (marks, None)
     table = block_table.to(torch.int32).contiguous()
     positions = positions.to(torch.int64).contiguous()
     k_new, v_new = k_new.float().contiguous(), v_new.float().contiguous()
@@ -387,8 +401,10 @@ def paged_append(
         v_pages.data_ptr(),
         *k_pages.stride()[:3],
         *v_pages.stride()[:3],
-        cent.data_ptr(),
-        *cent.stride()[:2],
+        centroids,
+        key_min,
+        key_max,
+        *mark_strides,
         table.data_ptr(),
         table.stride(0),
         positions.data_ptr(),

@@ -2,7 +2,7 @@
 
 Both decode loops call it: the engine's compact loop (``TorchRolloutEngine._generate_wave``) and the
 static-shape loop (``static_decode.StaticDecoder.step``, replayable from a CUDA graph). Per layer:
-q/k/v of the new token, its key/value appended to the paged cache (page centroid updated), attention
+q/k/v of the new token, its key/value appended to the paged cache (its page's landmarks updated), attention
 over the cache (dense for the first ``dense_layers`` layers, else the Sparrow rule within the row's
 budget), then the output projection and MLP; finally the LM head.
 

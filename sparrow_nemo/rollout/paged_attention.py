@@ -1,10 +1,10 @@
 """Attention for the torch rollout engine: dense causal prefill, and decode over the paged KV cache.
 
 Decode has two implementations with the same semantics (sparrow_nemo.sparse.attention):
-- ``torch``: the method layer's page selection (``select_pages_from_centroids``) on the cache's
-  incrementally maintained centroids; on the CPU (fp32) the chosen pages are read in place by a compiled
-  kernel (``cpu_attention``), elsewhere gathered per (sequence, KV head) into the method layer's masked
-  decode attention;
+- ``torch``: the method layer's page selection on the cache's incrementally maintained landmarks
+  (``select_pages_from_centroids``, or ``select_pages_from_key_bounds`` for a ``minmax`` cache); on the CPU
+  (fp32) a compiled kernel (``cpu_attention``) makes the same choice and reads the chosen pages in place,
+  elsewhere they are gathered per (sequence, KV head) into the method layer's masked decode attention;
 - ``triton``: the fused kernels of ``sparrow_kernels`` (select + attend in one call).
 """
 
@@ -17,7 +17,11 @@ import torch.nn.functional as F
 
 import sparrow_nemo.rollout.cpu_attention as cpu_attention
 from sparrow_nemo.rollout.paged_cache import PagedKVCache
-from sparrow_nemo.sparse.attention import decode_attention, select_pages_from_centroids
+from sparrow_nemo.sparse.attention import (
+    decode_attention,
+    select_pages_from_centroids,
+    select_pages_from_key_bounds,
+)
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET
 
 log = logging.getLogger(__name__)
@@ -72,9 +76,10 @@ def decode_attention_torch(
 ) -> torch.Tensor:
     """One decode step of attention over the paged cache (the current token already appended).
 
-    The page choice is the method layer's (``select_pages_from_centroids`` on the cache's incremental
-    centroids), batched over rows and KV heads. On the CPU with an fp32 cache the chosen pages are read
-    in place by :func:`~sparrow_nemo.rollout.cpu_attention.paged_decode_attention`; elsewhere they are
+    The page choice is the method layer's for the cache's page score (``select_pages_from_centroids`` on its
+    incremental centroids, ``select_pages_from_key_bounds`` on its key bounds), batched over rows and KV
+    heads. On the CPU with an fp32 cache the compiled kernel makes the same choice and reads the chosen pages
+    in place (:func:`~sparrow_nemo.rollout.cpu_attention.sparse_decode_attention`); elsewhere they are
     gathered (:meth:`PagedKVCache.gather`) into the method layer's masked attention.
 
     Args:
@@ -93,6 +98,11 @@ def decode_attention_torch(
         )[0]
     if budget_tokens is None:
         page_idx = all_pages(seq_len, hkv, ps)
+    elif cache.page_score == "minmax":
+        k_min, k_max = cache.gather_key_bounds(layer, block_table, seq_len)
+        page_idx = select_pages_from_key_bounds(
+            q, k_min, k_max, seq_len, budget_tokens, ps, sink_pages, local_pages
+        )
     else:
         cent = cache.gather_centroids(layer, block_table, seq_len)
         page_idx = select_pages_from_centroids(q, cent, seq_len, budget_tokens, ps, sink_pages, local_pages)
@@ -138,12 +148,18 @@ class TorchDecode:
 
 
 class KernelDecode:
-    """The fused ``sparrow_kernels`` path: append with centroid update, and select + attend."""
+    """The fused ``sparrow_kernels`` path: append with landmark update, and select + attend."""
 
     def __init__(self) -> None:
         import sparrow_kernels
 
         self._k = sparrow_kernels
+
+    def _landmarks(self, cache: PagedKVCache, layer: int):
+        """What the kernels score pages by: the centroids, or a minmax cache's ``sparrow_kernels.KeyBounds``."""
+        if cache.page_score == "minmax":
+            return self._k.KeyBounds(cache.key_min[layer], cache.key_max[layer])
+        return cache.centroids[layer]
 
     def append(
         self,
@@ -158,7 +174,7 @@ class KernelDecode:
         self._k.append_kv(
             cache.k_pages[layer],
             cache.v_pages[layer],
-            cache.centroids[layer],
+            self._landmarks(cache, layer),
             block_table,
             positions,
             k_new.to(cache.k_pages[layer].dtype),
@@ -183,7 +199,7 @@ class KernelDecode:
             q,
             cache.k_pages[layer],
             cache.v_pages[layer],
-            cache.centroids[layer],
+            self._landmarks(cache, layer),
             block_table,
             seq_len,
             budget,
@@ -191,6 +207,20 @@ class KernelDecode:
             sink_pages=sink_pages,
             local_pages=local_pages,
         )
+
+
+def decode_attention_backend(backend: str, page_score: str) -> TorchDecode | KernelDecode:
+    """The decode-attention object of a resolved ``backend`` (:func:`choose_backend`) for a cache of
+    ``page_score``; the fused kernels take ``minmax`` only where ``sparrow_kernels`` has ``KeyBounds``."""
+    if backend != "triton":
+        return TorchDecode()
+    kernels = KernelDecode()
+    if page_score == "minmax" and not hasattr(kernels._k, "KeyBounds"):
+        raise ValueError(
+            "page_score='minmax' on the triton backend needs sparrow_kernels with key bounds (KeyBounds); "
+            "use attention_backend='torch'"
+        )
+    return kernels
 
 
 _LOGGED: set[tuple[str, str]] = set()

@@ -2,8 +2,12 @@
 
 Per decoder layer, preallocated pools:
     k_pages, v_pages: [num_pages, Hkv, page_size, D] in the model dtype,
-    centroids:        [num_pages, Hkv, D] in the model dtype (``centroid_dtype`` to override), the
-                      float32 mean of the keys stored so far in each page, rounded once.
+and the page landmarks the page score reads (``page_score``, sparrow_nemo.sparse.attention), each
+[num_pages, Hkv, D] in the model dtype (``centroid_dtype`` to override):
+    centroids:          ``centroid``: the float32 mean of the keys stored so far in each page, rounded once;
+    key_min, key_max:   ``minmax``: the per-channel minimum and maximum of those keys (exact in any dtype).
+Only the pools of the cache's own page score are allocated (the other list is empty). A page's landmarks
+cover its stored tokens only; the first append into a page (slot 0) resets them to that key.
 A sequence owns a row of a block table ``[B, max_pages_per_seq]`` int32 (logical page -> physical
 page, -1 where nothing is allocated yet); token t lives in page ``block_table[b, t // page_size]`` at
 slot ``t % page_size``. Keys are stored after q/k RMSNorm and rotary embedding.
@@ -15,7 +19,7 @@ import math
 
 import torch
 
-from sparrow_nemo.sparse.pattern import PAGE_SIZE
+from sparrow_nemo.sparse.pattern import PAGE_SCORES, PAGE_SIZE
 
 
 class PagedKVCache:
@@ -31,21 +35,44 @@ class PagedKVCache:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         centroid_dtype: torch.dtype | None = None,  # None: the K/V dtype (bf16 halves the scoring bytes)
+        page_score: str = "centroid",  # the landmarks kept per page: "centroid" or "minmax" (PAGE_SCORES)
     ) -> None:
         if num_pages <= 0 or page_size <= 0:
             raise ValueError(
                 f"PagedKVCache: num_pages and page_size must be > 0, got {num_pages}, {page_size}"
             )
+        if page_score not in PAGE_SCORES:
+            raise ValueError(f"PagedKVCache: page_score must be one of {PAGE_SCORES}, got {page_score!r}")
         self.page_size = page_size
         self.num_pages = num_pages
+        self.page_score = page_score
         shape = (num_pages, num_kv_heads, page_size, head_dim)
         self.k_pages = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_pages = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.centroids = [
-            torch.zeros(num_pages, num_kv_heads, head_dim, dtype=centroid_dtype or dtype, device=device)
-            for _ in range(num_layers)
-        ]
+
+        def pools(wanted: str) -> list[torch.Tensor]:
+            if page_score != wanted:
+                return []
+            mark = (num_pages, num_kv_heads, head_dim)
+            return [
+                torch.zeros(mark, dtype=centroid_dtype or dtype, device=device) for _ in range(num_layers)
+            ]
+
+        self.centroids = pools("centroid")
+        self.key_min = pools("minmax")
+        self.key_max = pools("minmax")
         self._free = list(range(num_pages - 1, -1, -1))  # stack: pops 0, 1, 2, ... first
+
+    def landmarks(self, layer: int) -> list[torch.Tensor]:
+        """The landmark pools of ``layer`` in the page score's order: [centroids] or [key_min, key_max]."""
+        if self.page_score == "minmax":
+            return [self.key_min[layer], self.key_max[layer]]
+        return [self.centroids[layer]]
+
+    @property
+    def landmark_pools(self) -> list[torch.Tensor]:
+        """Every layer's landmark pools (what a page copy must copy besides keys and values)."""
+        return self.centroids + self.key_min + self.key_max
 
     @property
     def num_free(self) -> int:
@@ -98,7 +125,7 @@ class PagedKVCache:
             lengths: [B] prompt lengths; positions at or past them are not stored.
             start: first position of the chunk, a multiple of page_size (chunks cover whole pages).
 
-        Pages must already be reserved. Each page's centroid is set to the mean of its valid keys.
+        Pages must already be reserved. Each page's landmarks are set from its valid keys (:meth:`refresh`).
         """
         batch, t, hkv, d = k.shape
         ps = self.page_size
@@ -118,8 +145,28 @@ class PagedKVCache:
         stored = k_pg[used].to(self.k_pages[layer].dtype)  # [N, Hkv, ps, D]
         self.k_pages[layer][phys] = stored
         self.v_pages[layer][phys] = v_pg[used].to(self.v_pages[layer].dtype)
-        sums = stored.float().sum(dim=2)  # [N, Hkv, D]: centroids average the keys as stored
-        self.centroids[layer][phys] = (sums / counts[used][:, None, None]).to(self.centroids[layer].dtype)
+        self.refresh(layer, phys, counts[used], stored)
+
+    def refresh(
+        self, layer: int, phys: torch.Tensor, counts: torch.Tensor, stored: torch.Tensor | None = None
+    ) -> None:
+        """Set the landmarks of physical pages ``phys [N]`` from their first ``counts [N]`` (>= 1) stored keys:
+        the float32 mean rounded once to the centroid dtype, or the per-channel min and max.
+
+        ``stored``: those pages' keys [N, Hkv, ps, D] when the caller holds them (else read from the pool);
+        slots at or past ``counts`` may hold anything finite.
+        """
+        keys = (self.k_pages[layer][phys] if stored is None else stored).float()
+        upto = (torch.arange(self.page_size, device=phys.device)[None, :] < counts[:, None])[:, None, :, None]
+        if self.page_score == "minmax":
+            lo, hi = self.key_min[layer], self.key_max[layer]
+            lo[phys] = keys.masked_fill(~upto, math.inf).amin(dim=2).to(lo.dtype)
+            hi[phys] = keys.masked_fill(~upto, -math.inf).amax(dim=2).to(hi.dtype)
+            return
+        sums = (keys * upto).sum(dim=2)  # [N, Hkv, D]: centroids average the keys as stored
+        self.centroids[layer][phys] = (sums / counts.to(torch.float32)[:, None, None]).to(
+            self.centroids[layer].dtype
+        )
 
     def append(
         self,
@@ -132,13 +179,21 @@ class PagedKVCache:
         """Store one token per sequence at ``positions [B]`` (its index = the old length).
 
         ``k_new, v_new``: [B, Hkv, D]. The page's centroid becomes the fp32 mean of its stored keys
-        (slots 0 .. slot), rounded once to the centroid dtype (as ``sparrow_kernels.append_kv``).
+        (slots 0 .. slot), rounded once to the centroid dtype (as ``sparrow_kernels.append_kv``); its key
+        bounds (``minmax``) take the stored key in, or are set to it at slot 0.
         """
         rows = torch.arange(positions.shape[0], device=positions.device)
         page = block_table[rows, positions // self.page_size].long()
         slot = positions % self.page_size
         self.k_pages[layer][page, :, slot] = k_new.to(self.k_pages[layer].dtype)
         self.v_pages[layer][page, :, slot] = v_new.to(self.v_pages[layer].dtype)
+        if self.page_score == "minmax":
+            key = self.k_pages[layer][page, :, slot].to(self.key_min[layer].dtype)  # [B, Hkv, D] as stored
+            fresh = (slot == 0)[:, None, None]
+            lo, hi = self.key_min[layer][page], self.key_max[layer][page]
+            self.key_min[layer][page] = torch.where(fresh, key, torch.minimum(lo, key))
+            self.key_max[layer][page] = torch.where(fresh, key, torch.maximum(hi, key))
+            return
         upto = torch.arange(self.page_size, device=slot.device)[None, :] <= slot[:, None]  # [B, ps]
         stored = torch.where(
             upto[:, None, :, None], self.k_pages[layer][page].float(), 0.0
@@ -152,11 +207,27 @@ class PagedKVCache:
 
         n_pages_max = ceil(max(seq_len) / page_size).
         """
+        return self._gather_pages(self.centroids[layer], block_table, seq_len)
+
+    def gather_key_bounds(
+        self, layer: int, block_table: torch.Tensor, seq_len: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Key bounds (``minmax``) of each sequence's pages: (k_min, k_max), each [B, Hkv, n_pages_max, D] fp32,
+        zero past ``seq_len`` (the layout of :func:`sparrow_nemo.sparse.attention.page_key_bounds`)."""
+        return (
+            self._gather_pages(self.key_min[layer], block_table, seq_len),
+            self._gather_pages(self.key_max[layer], block_table, seq_len),
+        )
+
+    def _gather_pages(
+        self, pool: torch.Tensor, block_table: torch.Tensor, seq_len: torch.Tensor
+    ) -> torch.Tensor:
+        """``pool [num_pages, Hkv, D]`` at each sequence's pages: [B, Hkv, n_pages_max, D] fp32, zero past seq_len."""
         n_pages = math.ceil(int(seq_len.max()) / self.page_size)
         table = block_table[:, :n_pages].long()
-        cent = self.centroids[layer][table.clamp(min=0)]  # [B, n_pages, Hkv, D]
+        marks = pool[table.clamp(min=0)].float()  # [B, n_pages, Hkv, D]
         live = torch.arange(n_pages, device=table.device)[None, :] * self.page_size < seq_len[:, None]
-        return (cent * live[:, :, None, None]).transpose(1, 2)
+        return (marks * live[:, :, None, None]).transpose(1, 2)
 
     def gather(
         self, layer: int, block_table: torch.Tensor, page_idx: torch.Tensor

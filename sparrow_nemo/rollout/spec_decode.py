@@ -12,8 +12,8 @@ One round for every live row (rows are at different lengths and advance by diffe
 4. accept (:func:`~sparrow_nemo.rollout.speculative.verify_drafts`): the kept prefix plus one token; the
    tokens go to the response one by one with the stop check after each, exactly as in dense decoding, so a stop
    token or string inside an accepted run ends the response there and drops the rest;
-5. rollback: the row's length becomes old length + accepted + 1 and the centroids of the pages the round
-   wrote are rebuilt from the keys below it (:func:`~sparrow_nemo.rollout.spec_verify.rebuild_centroids`).
+5. rollback: the row's length becomes old length + accepted + 1 and the landmarks (centroids or key bounds)
+   of the pages the round wrote are rebuilt from the keys below it (:func:`~sparrow_nemo.rollout.spec_verify.rebuild_landmarks`).
    Finished rows leave the batch and free their pages.
 
 Returned logprobs and top-K are the dense distribution's (the verify logits, temperature 1), the recorded
@@ -36,7 +36,7 @@ from sparrow_nemo.rollout.engine import FinishReason, RolloutSample, SamplingPar
 from sparrow_nemo.rollout.paged_cache import PagedKVCache
 from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder
 from sparrow_nemo.rollout.sampling import draw_uniforms, sample_tokens, token_logprobs
-from sparrow_nemo.rollout.spec_verify import VerifyAttention, rebuild_centroids, verify_forward
+from sparrow_nemo.rollout.spec_verify import VerifyAttention, rebuild_landmarks, verify_forward
 from sparrow_nemo.rollout.speculative import (
     SpeculativeConfig,
     draw_round_uniforms,
@@ -235,7 +235,7 @@ class SpeculativeDecoder:
         new_cached = cached + verdict.accepted + 1
         going = torch.tensor([samples[s].finish is None for s in rows], device=cached.device)
         if bool(going.any()):
-            rebuild_centroids(self.cache, block_table[going], cached[going], new_cached[going])
+            rebuild_landmarks(self.cache, block_table[going], cached[going], new_cached[going])
         return sum(emitted), new_cached, verdict.next_token
 
     def _draft(

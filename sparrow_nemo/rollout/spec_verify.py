@@ -12,9 +12,9 @@ cache (query i of a row sees cache positions 0 .. start + i). Two attention back
 - :class:`KernelVerify`: ``sparrow_kernels.verify_attention_paged`` (Triton, GQA-aware, reads each K/V
   tile once for all T queries), which needs every row's pages reserved up to ``start + T``.
 
-After the acceptance test only the accepted prefix stays: :func:`rebuild_centroids` recomputes the
-centroid of every page the round wrote as the fp32 mean of its keys below the new length, so the page
-centroids equal those of a cache that never saw the rejected tokens; their keys/values beyond the new
+After the acceptance test only the accepted prefix stays: :func:`rebuild_landmarks` recomputes the
+landmarks (centroid, or key bounds: these cannot be "un-averaged") of every page the round wrote from its
+keys below the new length, so they equal those of a cache that never saw the rejected tokens; their keys/values beyond the new
 length are ignored by every reader (masked by the sequence length) and overwritten by later tokens.
 """
 
@@ -123,19 +123,20 @@ def token_slots(
 def write_tokens(
     cache: PagedKVCache, layer: int, slots: tuple[torch.Tensor, ...], k: torch.Tensor, v: torch.Tensor
 ) -> None:
-    """Store the keys/values ``k, v [B, T, Hkv, D]`` at ``slots`` (:func:`token_slots`); centroids are left
-    alone (:func:`rebuild_centroids` repairs them after the acceptance test)."""
+    """Store the keys/values ``k, v [B, T, Hkv, D]`` at ``slots`` (:func:`token_slots`); landmarks are left
+    alone (:func:`rebuild_landmarks` repairs them after the acceptance test)."""
     rows, cols, page, slot = slots
     cache.k_pages[layer][page, :, slot] = k[rows, cols].to(cache.k_pages[layer].dtype)
     cache.v_pages[layer][page, :, slot] = v[rows, cols].to(cache.v_pages[layer].dtype)
 
 
-def rebuild_centroids(
+def rebuild_landmarks(
     cache: PagedKVCache, block_table: torch.Tensor, start: torch.Tensor, length: torch.Tensor
 ) -> None:
-    """Centroids of the pages holding positions ``start .. length - 1`` of each row, every layer: the fp32
-    mean of the page's keys at positions below ``length [B]`` (``start [B]``; rows with length <= start are
-    left alone), rounded once to the centroid dtype - what appending those keys one by one gives."""
+    """Landmarks of the pages holding positions ``start .. length - 1`` of each row, every layer, from the
+    page's keys at positions below ``length [B]`` (``start [B]``; rows with length <= start are left alone)
+    (:meth:`PagedKVCache.refresh`): the centroid is their fp32 mean rounded once to the centroid dtype, the
+    key bounds their per-channel min and max - what appending those keys one by one gives."""
     ps = cache.page_size
     first = start // ps
     span = int(((length - 1) // ps - first).max()) + 1 if length.numel() else 0
@@ -146,12 +147,8 @@ def rebuild_centroids(
     used = (count > 0) & (length > start)[:, None]
     rows, cols = torch.nonzero(used, as_tuple=True)
     phys = block_table[rows, logical[rows, cols]].long()
-    n = count[rows, cols]
-    upto = torch.arange(ps, device=start.device)[None, :] < n[:, None]  # [N, ps]
     for layer in range(len(cache.k_pages)):
-        keys = torch.where(upto[:, None, :, None], cache.k_pages[layer][phys].float(), 0.0)  # [N, Hkv, ps, D]
-        mean = keys.sum(dim=2) / n.to(torch.float32)[:, None, None]
-        cache.centroids[layer][phys] = mean.to(cache.centroids[layer].dtype)
+        cache.refresh(layer, phys, count[rows, cols])
 
 
 def verify_forward(

@@ -1,11 +1,11 @@
 """The torch rollout engine: plain-torch Qwen3 with a paged KV cache and Sparrow sparse decode.
 
 - Prefill is dense (causal attention over the prompt); its keys/values go to the paged cache and
-  each page's centroid is the mean of its keys.
-- Decode appends one token per live sequence (centroid updated incrementally), then every layer
+  set each page's landmarks (its mean key, or its key bounds with ``page_score="minmax"``).
+- Decode appends one token per live sequence (landmarks updated incrementally), then every layer
   from ``dense_layers`` on attends only to the pages chosen by the method layer's rule (1 sink page,
-  2 local pages, top-k by GQA-averaged query) within the budget the schedule gives for that
-  sequence's current cached length. The first ``dense_layers`` layers stay dense.
+  2 local pages, top-k by the GQA-averaged query's page score) within the budget the schedule gives for
+  that sequence's current cached length. The first ``dense_layers`` layers stay dense.
 - Decode loops (``decode_loop``): "compact" checks stops after every token and drops finished
   sequences from the batch (index_select, pages freed); "static" keeps a fixed batch with pages for
   the whole response reserved, checks stops every ``stop_check_every`` tokens and, on CUDA with the
@@ -35,9 +35,10 @@ from sparrow_nemo.rollout.engine import (
     TokenProgress,
     TokenTally,
 )
-from sparrow_nemo.rollout.paged_attention import KernelDecode, TorchDecode, causal_attention, choose_backend
+from sparrow_nemo.rollout.paged_attention import causal_attention, choose_backend, decode_attention_backend
 from sparrow_nemo.rollout.paged_cache import PagedKVCache
 from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder
+from sparrow_nemo.rollout.recorder import StepRecorder
 from sparrow_nemo.rollout.sampling import (
     batch_seeds,
     draw_uniforms,
@@ -50,7 +51,7 @@ from sparrow_nemo.rollout.spec_verify import KernelVerify, TorchVerify, VerifyAt
 from sparrow_nemo.rollout.speculative import SpeculativeConfig
 from sparrow_nemo.rollout.static_decode import StaticDecoder, decode_static
 from sparrow_nemo.rollout.stopping import Detokenizer, StopRule
-from sparrow_nemo.sparse.pattern import PAGE_SIZE
+from sparrow_nemo.sparse.pattern import PAGE_SCORES, PAGE_SIZE
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET, BudgetSchedule
 
 #: decode steps between two ``on_tokens`` reports (a progress bar stays off the per-token path)
@@ -64,6 +65,7 @@ class TorchRolloutEngine:
         model: the decoder (its device and dtype are the engine's).
         dense_layers: leading layers that always attend densely (paper: 2).
         page_size, sink_pages, local_pages: the sparse rule's constants (paper: 16, 1, 2).
+        page_score: how the sparse rule ranks pages: "centroid" (paper) or "minmax" (the cache's key bounds).
         attention_backend: "auto" (fused kernels on CUDA when available), "torch" or "triton".
         tokenizer: anything with ``decode(list[int]) -> str``; needed only for stop strings.
         max_batch_size: sequences decoded together (bounds the KV cache); None = all prompts at once.
@@ -82,6 +84,7 @@ class TorchRolloutEngine:
         page_size: int = PAGE_SIZE,
         sink_pages: int = 1,
         local_pages: int = 2,
+        page_score: str = "centroid",
         attention_backend: str = "auto",
         tokenizer: Detokenizer | None = None,
         max_batch_size: int | None = None,
@@ -104,6 +107,8 @@ class TorchRolloutEngine:
             raise ValueError(
                 f"prefill_chunk_tokens must be a positive multiple of page_size={page_size}, got {prefill_chunk_tokens}"
             )
+        if page_score not in PAGE_SCORES:
+            raise ValueError(f"page_score must be one of {PAGE_SCORES}, got {page_score!r}")
         if decode_loop not in ("auto", "compact", "static"):
             raise ValueError(f"decode_loop must be 'auto', 'compact' or 'static', got '{decode_loop}'")
         if stop_check_every <= 0:
@@ -113,12 +118,13 @@ class TorchRolloutEngine:
         self.page_size = page_size
         self.sink_pages = sink_pages
         self.local_pages = local_pages
+        self.page_score = page_score
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.device = model.device
         self.backend = choose_backend(attention_backend, self.device)
-        attention = KernelDecode() if self.backend == "triton" else TorchDecode()
+        attention = decode_attention_backend(self.backend, page_score)
         self.decode_step = DecodeStep(model, attention, dense_layers, sink_pages, local_pages)
         fast = self.device.type == "cuda" and self.backend == "triton"
         self.decode_loop = ("static" if fast else "compact") if decode_loop == "auto" else decode_loop
@@ -162,7 +168,7 @@ class TorchRolloutEngine:
         """Bytes currently allocated for the KV cache (0 while asleep)."""
         if self._cache is None:
             return 0
-        tensors = self._cache.k_pages + self._cache.v_pages + self._cache.centroids
+        tensors = self._cache.k_pages + self._cache.v_pages + self._cache.landmark_pools
         return sum(t.numel() * t.element_size() for t in tensors)
 
     # ----------------------------------------------------------------- RolloutEngine API
@@ -307,7 +313,7 @@ class TorchRolloutEngine:
         )
         ids, seq_len = self._pad(prompt_ids)
         gens = make_generators(seeds)
-        rec = _Recorder(batch)
+        rec = StepRecorder(batch)
 
         t0 = self._now()
         cache.reserve(block_table, seq_len)
@@ -509,6 +515,7 @@ class TorchRolloutEngine:
                 self.page_size,
                 dtype=self.model.dtype,
                 device=self.device,
+                page_score=self.page_score,
             )
             self._cache_pages = pages
         return self._cache
@@ -544,7 +551,7 @@ class TorchRolloutEngine:
         seq_len: torch.Tensor,
     ) -> torch.Tensor:
         """Prefill each distinct prompt of the wave once (a GRPO group repeats its prompt) and copy its
-        keys, values and centroids into the pages of the rows that repeat it -> logits [B, V] of every
+        keys, values and page landmarks into the pages of the rows that repeat it -> logits [B, V] of every
         row's last prompt token. Pages for the prompts must be reserved."""
         first: dict[tuple[int, ...], int] = {}
         source = [first.setdefault(tuple(p.tolist()), row) for row, p in enumerate(prompt_ids)]
@@ -565,7 +572,7 @@ class TorchRolloutEngine:
             live = block_table[dst_rows, :n_pages] >= 0  # the pages the prompt fills
             dst = block_table[dst_rows, :n_pages][live].long()
             src = block_table[src_rows, :n_pages][live].long()
-            for pool in (*cache.k_pages, *cache.v_pages, *cache.centroids):
+            for pool in (*cache.k_pages, *cache.v_pages, *cache.landmark_pools):
                 pool[dst] = pool[src]
         index = torch.tensor([unique.index(s) for s in source], device=self.device)
         return self.model.logits(last.index_select(0, index))
@@ -603,7 +610,7 @@ class TorchRolloutEngine:
 
     def _sample_and_record(
         self,
-        rec: _Recorder,
+        rec: StepRecorder,
         logits: torch.Tensor,
         sampling: SamplingParams,
         gens: list[torch.Generator],
@@ -620,28 +627,6 @@ class TorchRolloutEngine:
         budget = torch.full_like(cached_len, DENSE_BUDGET) if budgets is None else budgets
         rec.add(active, tokens, lp, top_ids, top_lp, cached_len, budget)
         return tokens
-
-
-class _Recorder:
-    """Per-step outputs of the live rows, regrouped per sample at the end."""
-
-    def __init__(self, batch: int) -> None:
-        self.batch = batch
-        self.steps: list[tuple[torch.Tensor, ...]] = []
-
-    def add(self, sample_idx: torch.Tensor, *fields: torch.Tensor) -> None:
-        """One decode step: ``sample_idx [b]`` and per-row fields (tokens, lp, top ids, top lp, len, budget)."""
-        self.steps.append((sample_idx, *fields))
-
-    def per_sample(self) -> list[dict[str, torch.Tensor]]:
-        """Fields of each sample in step order, on CPU."""
-        cols = [torch.cat(c).cpu() for c in zip(*self.steps)]
-        idx = cols[0]
-        order = torch.sort(idx, stable=True).indices
-        counts = torch.bincount(idx, minlength=self.batch).tolist()
-        names = ("response_ids", "logprobs", "top_ids", "top_logprobs", "cached_len", "kv_budget")
-        split = [c[order].split(counts) for c in cols[1:]]
-        return [{name: split[j][s] for j, name in enumerate(names)} for s in range(self.batch)]
 
 
 def _empty_scores(topk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

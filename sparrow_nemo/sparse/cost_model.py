@@ -10,10 +10,11 @@ it keeps both terms visible when the memory term dominates (long-context decode)
 
 - FLOPs: 2 * non-embedding params * live sequences (matmuls incl. the LM head);
   attention 4 * Hq * D * (KV tokens read, summed over layers) per sequence (QK^T and PV);
-  page scoring 2 * Hkv * D * pages scored per sparse layer per sequence.
+  page scoring 2 * Hkv * D * landmarks per page * pages scored per sparse layer per sequence.
 - bytes: all non-embedding weights once per step; K and V of every token read (2 * Hkv * D *
-  kv_bytes per token per layer); the page centroids scored (Hkv * D * centroid_bytes per page
-  per sparse layer; centroids are 1/page_size of the keys in count). The K and V a sparse layer reads
+  kv_bytes per token per layer); the page landmarks scored (Hkv * D * centroid_bytes per landmark
+  per page per sparse layer): one centroid per page for the paper's ``centroid`` page score, a
+  per-channel key minimum and maximum for ``minmax`` (1/page_size, resp. 2/page_size of the keys). The K and V a sparse layer reads
   from the pages it selected are ``page_bytes``: scattered runs of one page of one KV head, which a GPU
   reads as fast as the rest (``page_read_bandwidth`` unset) and a CPU core several times slower
   (measured: docs/cpu_decode.md; :mod:`sparrow_nemo.rollout.cost_fit` fits it).
@@ -35,6 +36,7 @@ import torch
 
 from sparrow_nemo.model_shapes import Qwen3Shape, get_shape
 from sparrow_nemo.sparse.attention import selected_page_count
+from sparrow_nemo.sparse.pattern import PAGE_SCORES
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 __all__ = [
@@ -156,7 +158,9 @@ class DecodeCostModel:
         hardware: the accelerator constants.
         dense_layers: leading layers that always attend densely (the paper: 2).
         weight_bytes, kv_bytes: bytes per weight / per K or V element (bf16: 2).
-        centroid_bytes: bytes per centroid element (the paged layout stores float32: 4).
+        centroid_bytes: bytes per landmark element (centroid or key bound; the paged layout stores float32: 4).
+        page_score: the sparse rule's page score (``sparsity.page_score``): ``centroid`` reads one landmark
+            vector per page and KV head when scoring, ``minmax`` two (the key bounds).
     """
 
     shape: Qwen3Shape
@@ -165,14 +169,22 @@ class DecodeCostModel:
     weight_bytes: int = 2
     kv_bytes: int = 2
     centroid_bytes: int = 4
+    page_score: str = "centroid"
 
     def __post_init__(self) -> None:
+        if self.page_score not in PAGE_SCORES:
+            raise ValueError(f"page_score must be one of {PAGE_SCORES}, got {self.page_score!r}")
         if not 0 <= self.dense_layers <= self.shape.num_layers:
             raise ValueError(
                 f"dense_layers must lie in [0, {self.shape.num_layers}], got {self.dense_layers}"
             )
         if min(self.weight_bytes, self.kv_bytes, self.centroid_bytes) <= 0:
             raise ValueError("weight_bytes, kv_bytes and centroid_bytes must be > 0")
+
+    @property
+    def landmarks_per_page(self) -> int:
+        """Vectors of Hkv * D elements a page's score reads: 1 centroid, or 2 key bounds (``minmax``)."""
+        return 2 if self.page_score == "minmax" else 1
 
     @classmethod
     def for_preset(cls, model: str, hardware: str = "h200", **options: int) -> DecodeCostModel:
@@ -206,7 +218,7 @@ class DecodeCostModel:
         n_live = live.sum(dim=-1)
         params = float(s.non_embedding_parameters())
         kv_layer_tokens = (self.dense_layers * cached_len + sparse_layers * kv_tokens_read).to(torch.float64)
-        pages = (sparse_layers * scored_pages).to(torch.float64)
+        pages = (sparse_layers * scored_pages).to(torch.float64) * self.landmarks_per_page
         head_d = s.num_attention_heads * s.head_dim
         kv_d = s.num_key_value_heads * s.head_dim
 
@@ -227,7 +239,7 @@ class DecodeCostModel:
         """Bytes decode steps read, as :meth:`step_cost` takes its arguments: (in order, scattered) [...] float64.
 
         Scattered = the K and V sparse layers read from their selected pages (only where a selection ran:
-        ``scored_pages > 0``); in order = the weights, the dense layers' K and V, the centroids scored, and a
+        ``scored_pages > 0``); in order = the weights, the dense layers' K and V, the landmarks scored, and a
         sparse layer's K and V where it kept every page.
         """
         s = self.shape
@@ -240,7 +252,10 @@ class DecodeCostModel:
         per_seq_order = (
             self.dense_layers * cached_len.to(torch.float64) * kv_token
             + (1 - selected) * sparse_kv
-            + kv_d * self.centroid_bytes * (sparse_layers * scored_pages).to(torch.float64)
+            + kv_d
+            * self.centroid_bytes
+            * self.landmarks_per_page
+            * (sparse_layers * scored_pages).to(torch.float64)
         )
         stepping = (live.sum(dim=-1) > 0).to(torch.float64)
         weights = stepping * float(s.non_embedding_parameters()) * self.weight_bytes

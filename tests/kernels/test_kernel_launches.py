@@ -38,10 +38,12 @@ class _AtenLog(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _layer_launches(budget: torch.Tensor | None, batch: int) -> tuple[list[str], list[str]]:
+def _layer_launches(
+    budget: torch.Tensor | None, batch: int, page_score: str = "centroid"
+) -> tuple[list[str], list[str]]:
     """(Triton kernels, launching aten ops) of one layer's append + attend, bf16 cache, int64 inputs."""
     hkv, d, ps = 8, 128, 16
-    cache = PagedKVCache(1, 8, hkv, d, ps, dtype=torch.bfloat16)
+    cache = PagedKVCache(1, 8, hkv, d, ps, dtype=torch.bfloat16, page_score=page_score)
     # 64 logical pages per row (1K tokens of capacity) over a small pool: nothing runs, nothing is read.
     block_table = (torch.arange(batch * 64, dtype=torch.int32) % 8).view(batch, 64)
     seq_len = torch.full((batch,), 50, dtype=torch.int64)
@@ -56,10 +58,11 @@ def _layer_launches(budget: torch.Tensor | None, batch: int) -> tuple[list[str],
     return [launch.kernel.__name__ for launch in launches], log.launching
 
 
+@pytest.mark.parametrize("page_score", ["centroid", "minmax"])
 @pytest.mark.parametrize("batch", [64, 2])  # 64 x 8 KV heads fills an H200: one split; 2 rows split
-def test_sparse_layer_is_three_launches(batch: int) -> None:
+def test_sparse_layer_is_three_launches(batch: int, page_score: str) -> None:
     budget = torch.full((batch,), 32, dtype=torch.int64)  # the schedule's int64 budgets, not cast
-    kernels, aten = _layer_launches(budget, batch)
+    kernels, aten = _layer_launches(budget, batch, page_score)
     assert kernels == ["_append_kv_kernel", "_select_pages_kernel", "_paged_attention_kernel"]
     assert aten == [], f"host-side device ops on the sparse decode path: {aten}"
 

@@ -17,6 +17,8 @@ from kernel_cases import DecodeCase, empty_paged_cache, key_bound_pools, paged_f
 from kernel_cases import check_selection as check_selection_of
 from sparrow_kernels import KeyBounds, append_kv, page_selection, sparse_decode_attention_paged
 
+from sparrow_nemo.rollout.paged_attention import KernelDecode, TorchDecode
+from sparrow_nemo.rollout.paged_cache import PagedKVCache
 from sparrow_nemo.sparse.attention import page_key_bounds, sparse_decode_attention
 
 SEQ_LENS = [77, 160, 5, 123]  # a partial last page, exact pages, one page, and a longer one
@@ -150,3 +152,38 @@ def test_bad_key_bounds_name_the_tensor(device: torch.device) -> None:
     with pytest.raises(ValueError, match=r"key_min must be float32 \[num_pages, Hkv, D\]"):
         append_kv(c.k_pages, c.v_pages, KeyBounds(bounds.key_min.half(), bounds.key_max.half()), c.block_table,
                   c.seq_len, k_new, k_new)  # fmt: skip
+
+
+def test_engine_kernel_path_equals_its_torch_path(device: torch.device) -> None:
+    """The rollout engine's fused path (``KernelDecode``) on a minmax ``PagedKVCache``: token-by-token appends
+    keep the same key bounds as the torch path's cache, and each step's sparse attention matches it."""
+    lens, num_kv_heads, group, head_dim = [70, 61], 2, 4, 32
+    batch, max_len = len(lens), max(lens)
+    gen = torch.Generator().manual_seed(13)
+    keys = torch.randn(batch, num_kv_heads, max_len, head_dim, generator=gen).to(device)
+    values = torch.randn(batch, num_kv_heads, max_len, head_dim, generator=gen).to(device)
+    caches = [
+        PagedKVCache(1, 16, num_kv_heads, head_dim, page_score="minmax", device=device) for _ in range(2)
+    ]
+    block_table = torch.full((batch, 5), -1, dtype=torch.int32, device=device)
+    for cache in caches:
+        cache.reserve(block_table, torch.tensor(lens, device=device))
+    fused, plain = KernelDecode(), TorchDecode()
+    lengths = torch.tensor(lens, device=device)
+    steps = 0
+    for t in range(max_len):
+        live = lengths > t
+        positions = torch.full((int(live.sum()),), t, dtype=torch.int64, device=device)
+        for path, cache in zip((fused, plain), caches, strict=True):
+            path.append(cache, 0, block_table[live], positions, keys[live, :, t], values[live, :, t])
+        if t >= 47 and bool(live.all()):  # past three pages: the budget below drops some
+            seq_len = torch.full((batch,), t + 1, dtype=torch.int64, device=device)
+            q = torch.randn(batch, num_kv_heads * group, head_dim, generator=gen).to(device)
+            budget = torch.full((batch,), 48, dtype=torch.int64, device=device)
+            out = fused.attend(q, caches[0], 0, block_table, seq_len, budget, 1, 1)
+            ref = plain.attend(q, caches[1], 0, block_table, seq_len, budget, 1, 1)
+            torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+            steps += 1
+    assert steps == lens[1] - 47  # 4 pages and more against a 3-page budget: real selections
+    for got, want in zip(caches[0].landmarks(0), caches[1].landmarks(0), strict=True):
+        assert torch.equal(got, want)

@@ -1,13 +1,19 @@
-"""Helpers for the rollout tests: the tiny shape and a saved random transformers Qwen3."""
+"""Helpers for the rollout tests: the tiny shape, a saved random transformers Qwen3, and the method layer's
+greedy decode loop over a contiguous cache (the reference the engine's sparse decode is held to)."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
 
 from sparrow_nemo.hf_qwen3 import hf_config_dict
 from sparrow_nemo.model_shapes import PRESETS, Qwen3Shape
+from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder
+from sparrow_nemo.sparse.attention import sparse_decode_attention
+from sparrow_nemo.sparse.pattern import PAGE_SIZE
+from sparrow_nemo.sparse.schedule import DENSE_BUDGET, BudgetSchedule
 
 #: tiny-test with 3 layers, so the default 2 dense layers leave one sparse layer.
 SHAPE: Qwen3Shape = PRESETS["tiny-test"].replace(num_layers=3)
@@ -27,3 +33,60 @@ def save_hf_qwen3(shape: Qwen3Shape, path: Path, seed: int = 0) -> Path:
                 p.add_(0.1 * torch.randn_like(p))
     model.save_pretrained(path)
     return path
+
+
+def contiguous_reference(
+    model: Qwen3Decoder,
+    prompt: list[int],
+    n_new: int,
+    schedule: BudgetSchedule,
+    dense_layers: int,
+    page_size: int = PAGE_SIZE,
+    page_score: str = "centroid",
+) -> tuple[list[int], torch.Tensor]:
+    """Greedy decode of one prompt with a growing contiguous cache and the method layer's
+    sparse_decode_attention (page landmarks recomputed from the keys every step). Returns tokens, logprobs."""
+    s = model.shape
+    ids = torch.tensor(prompt)
+    keys: list[torch.Tensor] = []
+    vals: list[torch.Tensor] = []
+    h = model.embed(ids)
+    pos = torch.arange(len(prompt))
+    for layer in range(s.num_layers):
+        q, k, v = model.attention_inputs(layer, h, pos)
+        keys.append(k.transpose(0, 1))  # [Hkv, L, D]
+        vals.append(v.transpose(0, 1))
+        g = s.gqa_group_size
+        att = torch.einsum("qhd,khd->hqk", q, k.repeat_interleave(g, dim=1)) / math.sqrt(s.head_dim)
+        att = att.masked_fill(
+            torch.triu(torch.ones(len(prompt), len(prompt), dtype=torch.bool), 1), -math.inf
+        )
+        out = torch.einsum("hqk,khd->qhd", att.softmax(-1), v.repeat_interleave(g, dim=1))
+        h = model.attention_output(layer, h, out)
+    logits = model.logits(h[-1])
+    tokens, logprobs = [], []
+    for _ in range(n_new):
+        tok = int(logits.argmax())
+        tokens.append(tok)
+        logprobs.append(float(torch.log_softmax(logits, -1)[tok]))
+        if len(tokens) == n_new:
+            break
+        cached = len(prompt) + len(tokens)
+        h = model.embed(torch.tensor([tok]))
+        for layer in range(s.num_layers):
+            q, k, v = model.attention_inputs(layer, h, torch.tensor([cached - 1]))
+            keys[layer] = torch.cat([keys[layer], k.transpose(0, 1)], dim=1)
+            vals[layer] = torch.cat([vals[layer], v.transpose(0, 1)], dim=1)
+            budget = DENSE_BUDGET if layer < dense_layers else schedule.budget(cached)
+            out = sparse_decode_attention(
+                q,
+                keys[layer][None],
+                vals[layer][None],
+                torch.tensor([cached]),
+                budget,
+                page_size,
+                page_score=page_score,
+            )
+            h = model.attention_output(layer, h, out)
+        logits = model.logits(h[0])
+    return tokens, torch.tensor(logprobs)

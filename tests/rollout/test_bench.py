@@ -105,7 +105,7 @@ def test_throughput_script_appends_json_lines(tmp_path: Path) -> None:
 
 def test_cpu_decode_script_appends_json_lines(tmp_path: Path) -> None:
     """benchmarks/cpu_decode.py (the README's bench numbers) on small contexts: one line per (context,
-    schedule) with the machine, the load before and after, the bound and the ratio."""
+    schedule, page score) with the machine, the load before and after, the bound and the ratio."""
     spec = importlib.util.spec_from_file_location("cpu_decode", REPO / "benchmarks" / "cpu_decode.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
@@ -123,15 +123,41 @@ def test_cpu_decode_script_appends_json_lines(tmp_path: Path) -> None:
         "--repeats",
         "1",
     ]
-    script.main([*argv, "--fractions", "0.25", "--out", str(out)])
+    script.main([*argv, "--fractions", "0.25", "--out", str(out), "--page-scores", "centroid", "minmax"])
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [(r["context"], r["schedule"]) for r in rows] == [
-        (64, "dense"),
-        (64, "25% fixed"),
-        (128, "dense"),
-        (128, "25% fixed"),
+    configs = [(64, "dense"), (64, "25% fixed"), (128, "dense"), (128, "25% fixed")]
+    assert [(r["context"], r["schedule"], r["page_score"]) for r in rows] == [
+        (*c, score) for score in ("centroid", "minmax") for c in configs
     ]
     for r in rows:
         assert r["benchmark"] == "cpu_decode" and r["date"] and r["cpu_count"] >= 1
         assert r["load_avg_1m_start"] >= 0 and r["tokens_per_s"] > 0 and r["bound_tokens_per_s"] > 0
         assert r["dense_vs_bound"] > 0 and r["bandwidth_gb_s"] > 0
+
+
+def test_page_score_calibration_script_appends_one_line_per_score(tmp_path: Path) -> None:
+    """benchmarks/page_score_calibration.py on the smoke recipe (random weights, no warm-start, a lenient
+    threshold so every bin takes the smaller candidate): one line per page score with its budgets and p5s."""
+    spec = importlib.util.spec_from_file_location(
+        "page_score_calibration", REPO / "benchmarks" / "page_score_calibration.py"
+    )
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "c.jsonl"
+    overrides = [
+        "warmstart.enabled=false",
+        "sparsity.calibration.num_prompts=2",
+        "sparsity.calibration.samples_per_prompt=1",
+        "sparsity.calibration.candidate_budgets=[64, 96]",
+        "rollout.max_new_tokens=24",
+        "sparsity.threshold=0.01",
+    ]
+    argv = ["--config", "tiny_cpu_smoke", "--out", str(out), "--work-dir", str(tmp_path / "w"), *overrides]
+    script.main(argv)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["page_score"] for r in rows] == ["centroid", "minmax"]
+    for r in rows:
+        assert r["benchmark"] == "page_score_calibration" and r["date"] and r["load_avg_1m_start"] >= 0
+        assert set(r["tails"]) == {"64", "96"} and r["budgets"] and set(r["budgets"]) <= {64, 96}
+        assert all(p is not None and p >= 0.01 for p in r["chosen_p5"])
+        assert (tmp_path / "w" / r["page_score"] / "calibration_table.json").is_file()

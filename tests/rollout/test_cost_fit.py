@@ -94,7 +94,11 @@ def test_cost_hardware_names_a_preset_a_file_or_auto(engine, tmp_path) -> None:
     config = load_config("tiny_cpu_smoke", ["rollout.cost_hardware=h200", "model.preset=tiny-test"])
     model = rollout_cost_model(config, engine)
     assert model.hardware == HARDWARE["h200"] and model.kv_bytes == 4  # the engine's float32 cache
-    assert model.dense_layers == engine.dense_layers
+    assert model.dense_layers == engine.dense_layers and model.page_score == "centroid"
+    minmax = TorchRolloutEngine(engine.model, dense_layers=1, page_size=16, page_score="minmax")
+    assert rollout_cost_model(config, minmax).page_score == "minmax"  # the engine's page score is priced
+    trtllm = load_config(None, ["rollout.cost_hardware=h200"])
+    assert rollout_cost_model(trtllm, object()).page_score == trtllm.sparsity.page_score
 
 
 def test_bad_cost_hardware_is_a_one_line_config_error() -> None:

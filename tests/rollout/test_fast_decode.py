@@ -68,9 +68,11 @@ def model(hf_dir: Path) -> Qwen3Decoder:
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_static_loop_equals_compact_loop_torch_backend(model: Qwen3Decoder, temperature: float) -> None:
-    compact, static = engines(model, "torch")
+@pytest.mark.parametrize("temperature,page_score", [(0.0, "centroid"), (1.0, "centroid"), (1.0, "minmax")])
+def test_static_loop_equals_compact_loop_torch_backend(
+    model: Qwen3Decoder, temperature: float, page_score: str
+) -> None:
+    compact, static = engines(model, "torch", page_score=page_score)
     assert static.decode_loop == "static" and not static.cuda_graph
     params = SamplingParams(max_new_tokens=11, temperature=temperature, top_p=0.9, seed=3, stop_token_ids=())
     prompts = make_prompts((40, 9, 57))

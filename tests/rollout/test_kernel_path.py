@@ -25,10 +25,16 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 @torch.no_grad()
-def test_triton_backend_matches_torch_backend(hf_dir: Path) -> None:
+@pytest.mark.parametrize("page_score", ["centroid", "minmax"])
+def test_triton_backend_matches_torch_backend(hf_dir: Path, page_score: str) -> None:
+    """Both page scores; kernels without key bounds (no ``sparrow_kernels.KeyBounds``) refuse minmax at once."""
     if not sparrow_kernels.available(DEVICE):
         pytest.skip(f"sparrow_kernels cannot run on {DEVICE} (imported without TRITON_INTERPRET=1)")
-    kw = {"dense_layers": 1, "dtype": torch.float32, "device": DEVICE}
+    kw = {"dense_layers": 1, "dtype": torch.float32, "device": DEVICE, "page_score": page_score}
+    if page_score == "minmax" and not hasattr(sparrow_kernels, "KeyBounds"):
+        with pytest.raises(ValueError, match=r"page_score='minmax' on the triton backend needs .*KeyBounds"):
+            TorchRolloutEngine.from_hf_dir(hf_dir, attention_backend="triton", **kw)
+        return
     fused = TorchRolloutEngine.from_hf_dir(hf_dir, attention_backend="triton", **kw)
     plain = TorchRolloutEngine.from_hf_dir(hf_dir, attention_backend="torch", **kw)
     assert fused.backend == "triton" and plain.backend == "torch"

@@ -9,7 +9,9 @@
 - returned logprobs and top-K equal ``engine.score()`` of the same sequences (dense), and the recorded
   cached lengths and budgets follow the engine's conventions;
 - per-sample draws: a sample gives the same tokens alone and inside a batch, and k = 0 equals dense sampling;
-- the cache after a round equals a cache that never saw the rejected tokens (keys, values, centroids).
+- the cache after a round equals a cache that never saw the rejected tokens (keys, values, and the page
+  landmarks of either page score: centroids, or the minmax key bounds); with the minmax score drafting,
+  greedy speculative output still equals dense greedy.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from sparrow_nemo.rollout.paged_attention import TorchDecode
 from sparrow_nemo.rollout.paged_cache import PagedKVCache
 from sparrow_nemo.rollout.sampling import sample_seed, sample_tokens
 from sparrow_nemo.rollout.spec_decode import SpeculativeSample
-from sparrow_nemo.rollout.spec_verify import TorchVerify, rebuild_centroids, verify_forward
+from sparrow_nemo.rollout.spec_verify import TorchVerify, rebuild_landmarks, verify_forward
 from sparrow_nemo.rollout.speculative import (
     SpeculativeConfig,
     draw_round_uniforms,
@@ -37,6 +39,7 @@ from sparrow_nemo.rollout.speculative import (
     verify_drafts,
 )
 from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
+from sparrow_nemo.sparse.attention import page_key_bounds
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET, BudgetSchedule
 
 #: 3 layers (1 dense), 4-token pages, long enough positions for 1K+ token responses
@@ -325,14 +328,33 @@ def test_a_sample_is_the_same_alone_and_in_a_batch_and_k0_is_dense_sampling(
     assert all(s.draft.drafted == 0 and s.draft.verifies == 59 for s in k0.samples)
 
 
+def test_greedy_speculative_with_minmax_drafts_equals_dense() -> None:
+    """The draft selects pages by key bounds (its cache keeps them, rebuilt after every round): still exactly
+    dense greedy, and the drafts are not all accepted (the budget really bites)."""
+    minmax = make_engine(page_score="minmax")
+    assert minmax._ensure_cache(1).key_min and not minmax._ensure_cache(1).centroids
+    logs = _greedy_equality(minmax, random_prompts([37, 5, 60]), 160, DRAFT, (1, 4, 7, 3))
+    accepted = torch.cat([d.accepted for d in logs])
+    assert 0.1 < float(accepted.float().mean()) < 0.99 and int((~accepted).sum()) > 5
+
+
 # ----------------------------------------------------------------------------- the cache after a round
+def landmarks(cache: PagedKVCache, layer: int, table: torch.Tensor, length: int) -> tuple[torch.Tensor, ...]:
+    """The page landmarks of the cache's page score for one row of ``length`` tokens, [1, Hkv, P, D] each."""
+    seq = torch.tensor([length])
+    if cache.page_score == "minmax":
+        return cache.gather_key_bounds(layer, table, seq)
+    return (cache.gather_centroids(layer, table, seq),)
+
+
+@pytest.mark.parametrize("page_score", ["centroid", "minmax"])
 def test_rollback_leaves_the_cache_of_a_run_that_never_saw_the_rejected_tokens(
-    engine: TorchRolloutEngine,
+    engine: TorchRolloutEngine, page_score: str
 ) -> None:
     """Draft 6 tokens sparsely, verify them densely, keep 2 (+ the pending one): the keys, values and
-    centroids of the kept positions equal those of a cache that only ever appended those 3 tokens densely
-    (to float rounding: the verify computes the same keys in one forward), and the centroids are bit for bit
-    those of appending the kept keys one by one."""
+    landmarks of the kept positions equal those of a cache that only ever appended those 3 tokens densely
+    (to float rounding: the verify computes the same keys in one forward), and the landmarks are bit for bit
+    those of appending the kept keys one by one (key bounds: also ``page_key_bounds`` of the kept keys)."""
     model = engine.model
     step = DecodeStep(model, TorchDecode(), dense_layers=1, sink_pages=1, local_pages=2)
     prompt = random_prompts([29], seed=4)[0]
@@ -340,7 +362,9 @@ def test_rollback_leaves_the_cache_of_a_run_that_never_saw_the_rejected_tokens(
     kept = 3  # the pending token and 2 accepted drafts
 
     def fresh() -> tuple[PagedKVCache, torch.Tensor, torch.Tensor]:
-        cache = PagedKVCache(SHAPE.num_layers, 32, SHAPE.num_key_value_heads, SHAPE.head_dim, PAGE)
+        cache = PagedKVCache(
+            SHAPE.num_layers, 32, SHAPE.num_key_value_heads, SHAPE.head_dim, PAGE, page_score=page_score
+        )
         table = torch.full((1, 16), -1, dtype=torch.int32)
         length = torch.tensor([len(prompt)])
         cache.reserve(table, length + 8)
@@ -356,25 +380,29 @@ def test_rollback_leaves_the_cache_of_a_run_that_never_saw_the_rejected_tokens(
     verify_forward(
         model, TorchVerify(), spec, table_s, torch.tensor([stream]), start, torch.ones(1, 7, dtype=torch.bool)
     )
-    rebuild_centroids(spec, table_s, start, start + kept)
+    rebuild_landmarks(spec, table_s, start, start + kept)
     length = int(start) + kept
     for layer in range(SHAPE.num_layers):
         k_n, v_n = never.contiguous(layer, table_n, torch.tensor([length]))
         k_s, v_s = spec.contiguous(layer, table_s, torch.tensor([length]))
         torch.testing.assert_close(k_s, k_n, atol=1e-5, rtol=0)
         torch.testing.assert_close(v_s, v_n, atol=1e-5, rtol=0)
-        c_n = never.gather_centroids(layer, table_n, torch.tensor([length]))
-        c_s = spec.gather_centroids(layer, table_s, torch.tensor([length]))
-        torch.testing.assert_close(c_s, c_n, atol=1e-5, rtol=0)
-    # exactly: the rebuilt centroids are those of appending the kept (dense) keys one by one
+        for c_s, c_n in zip(
+            landmarks(spec, layer, table_s, length), landmarks(never, layer, table_n, length)
+        ):
+            torch.testing.assert_close(c_s, c_n, atol=1e-5, rtol=0)
+        if page_score == "minmax":  # the bounds are those of the kept keys only
+            bounds = page_key_bounds(k_s, torch.tensor([length]), PAGE)
+            assert all(map(torch.equal, landmarks(spec, layer, table_s, length), bounds))
+    # exactly: the rebuilt landmarks are those of appending the kept (dense) keys one by one
     replay, table_r, _ = fresh()
     for layer in range(SHAPE.num_layers):
         k_s, v_s = spec.contiguous(layer, table_s, torch.tensor([length]))
         for pos in range(int(start), length):
             at = torch.tensor([pos])
             replay.append(layer, table_r, at, k_s[:, :, pos], v_s[:, :, pos])
-        c_r = replay.gather_centroids(layer, table_r, torch.tensor([length]))
-        assert torch.equal(spec.gather_centroids(layer, table_s, torch.tensor([length])), c_r)
+        mine, theirs = landmarks(spec, layer, table_s, length), landmarks(replay, layer, table_r, length)
+        assert all(map(torch.equal, mine, theirs))
     # and the draft's keys really were different before the verify overwrote them (layer 2 is sparse)
     probe, table_p, _ = fresh()
     for j in range(6):
@@ -384,17 +412,22 @@ def test_rollback_leaves_the_cache_of_a_run_that_never_saw_the_rejected_tokens(
     assert float((k_p - k_n).abs().max()) > 1e-3
 
 
-def test_rebuild_centroids_is_the_mean_of_the_keys_below_the_length() -> None:
-    cache = PagedKVCache(2, 12, 2, 8, page_size=4)
+@pytest.mark.parametrize("page_score", ["centroid", "minmax"])
+def test_rebuild_landmarks_are_those_of_the_keys_below_the_length(page_score: str) -> None:
+    cache = PagedKVCache(2, 12, 2, 8, page_size=4, page_score=page_score)
     gen = torch.Generator().manual_seed(1)
     for pool in cache.k_pages:
         pool.copy_(torch.randn(pool.shape, generator=gen))
     table = torch.tensor([[3, 7, 1, 0], [2, 5, 9, 4]], dtype=torch.int32)
     start, length = torch.tensor([5, 2]), torch.tensor([10, 15])
-    rebuild_centroids(cache, table, start, length)
+    rebuild_landmarks(cache, table, start, length)
     for layer, (b, logical) in itertools.product(range(2), [(0, 1), (0, 2), (1, 0), (1, 1), (1, 2), (1, 3)]):
         n = min(4, int(length[b]) - 4 * logical)
         phys = int(table[b, logical])
-        want = cache.k_pages[layer][phys, :, :n].mean(dim=1)
-        torch.testing.assert_close(cache.centroids[layer][phys], want, atol=1e-6, rtol=0)
-    assert bool((cache.centroids[0][3] == 0).all())  # page 0 of row 0 is before start: untouched
+        keys = cache.k_pages[layer][phys, :, :n]
+        if page_score == "minmax":
+            assert torch.equal(cache.key_min[layer][phys], keys.amin(dim=1))
+            assert torch.equal(cache.key_max[layer][phys], keys.amax(dim=1))
+        else:
+            torch.testing.assert_close(cache.centroids[layer][phys], keys.mean(dim=1), atol=1e-6, rtol=0)
+    assert all(bool((pool[3] == 0).all()) for pool in cache.landmarks(0))  # page 0 of row 0 is before start

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 from pathlib import Path
 
 import pytest
@@ -17,10 +16,9 @@ from sparrow_nemo.rollout import (
 )
 from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder
 from sparrow_nemo.rollout.sampling import sample_seed
-from sparrow_nemo.sparse.attention import sparse_decode_attention
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET, BudgetSchedule
 
-from ._helpers import SHAPE
+from ._helpers import SHAPE, contiguous_reference
 
 DENSE = BudgetSchedule.dense()
 TOL = 1e-4
@@ -68,51 +66,6 @@ def test_budget_covering_the_sequence_equals_dense_bit_exactly(engine: TorchRoll
 
 
 # --------------------------------------------------------------------------- sparse == method layer
-def contiguous_reference(
-    model: Qwen3Decoder, prompt: list[int], n_new: int, schedule: BudgetSchedule, dense_layers: int
-) -> tuple[list[int], torch.Tensor]:
-    """Greedy decode of one prompt with a growing contiguous cache and the method layer's
-    sparse_decode_attention (centroids recomputed from keys every step). Returns tokens, logprobs."""
-    s = model.shape
-    ids = torch.tensor(prompt)
-    keys: list[torch.Tensor] = []
-    vals: list[torch.Tensor] = []
-    h = model.embed(ids)
-    pos = torch.arange(len(prompt))
-    for layer in range(s.num_layers):
-        q, k, v = model.attention_inputs(layer, h, pos)
-        keys.append(k.transpose(0, 1))  # [Hkv, L, D]
-        vals.append(v.transpose(0, 1))
-        g = s.gqa_group_size
-        att = torch.einsum("qhd,khd->hqk", q, k.repeat_interleave(g, dim=1)) / math.sqrt(s.head_dim)
-        att = att.masked_fill(
-            torch.triu(torch.ones(len(prompt), len(prompt), dtype=torch.bool), 1), -math.inf
-        )
-        out = torch.einsum("hqk,khd->qhd", att.softmax(-1), v.repeat_interleave(g, dim=1))
-        h = model.attention_output(layer, h, out)
-    logits = model.logits(h[-1])
-    tokens, logprobs = [], []
-    for _ in range(n_new):
-        tok = int(logits.argmax())
-        tokens.append(tok)
-        logprobs.append(float(torch.log_softmax(logits, -1)[tok]))
-        if len(tokens) == n_new:
-            break
-        cached = len(prompt) + len(tokens)
-        h = model.embed(torch.tensor([tok]))
-        for layer in range(s.num_layers):
-            q, k, v = model.attention_inputs(layer, h, torch.tensor([cached - 1]))
-            keys[layer] = torch.cat([keys[layer], k.transpose(0, 1)], dim=1)
-            vals[layer] = torch.cat([vals[layer], v.transpose(0, 1)], dim=1)
-            budget = DENSE_BUDGET if layer < dense_layers else schedule.budget(cached)
-            out = sparse_decode_attention(
-                q, keys[layer][None], vals[layer][None], torch.tensor([cached]), budget
-            )
-            h = model.attention_output(layer, h, out)
-        logits = model.logits(h[0])
-    return tokens, torch.tensor(logprobs)
-
-
 @torch.no_grad()
 @pytest.mark.parametrize("dense_layers", [0, 2])
 def test_sparse_decode_equals_contiguous_method_layer_reference(hf_dir: Path, dense_layers: int) -> None:

@@ -22,8 +22,11 @@ from sparrow_nemo.sparse.schedule import PAPER_SCHEDULES, BudgetSchedule
 PAPER_LENGTHS = [37_000] * 64  # batch 64, 37K-token generations (docs/METHOD.md)
 
 
-def reference_rollout_seconds(shape, hw, schedule, lengths, prompts, dense_layers=2, centroid_bytes=4):
-    """Loop over steps and sequences; kept pages counted with select_pages on random keys."""
+def reference_rollout_seconds(
+    shape, hw, schedule, lengths, prompts, dense_layers=2, centroid_bytes=4, landmarks=1
+):
+    """Loop over steps and sequences; kept pages counted with select_pages on random keys; ``landmarks``
+    vectors read and dotted per scored page (1 centroid, or the 2 key bounds of the minmax score)."""
     ps = schedule.page_size
     params = shape.non_embedding_parameters()
     kvd, qd = shape.num_key_value_heads * shape.head_dim, shape.num_attention_heads * shape.head_dim
@@ -43,24 +46,48 @@ def reference_rollout_seconds(shape, hw, schedule, lengths, prompts, dense_layer
             n_pages = math.ceil(cached / ps)
             scored = n_pages if n_pages > budget // ps else 0
             tokens = dense_layers * cached + sparse_layers * read
-            flops += 4 * qd * tokens + 2 * kvd * sparse_layers * scored
-            mem += 2 * kvd * 2 * tokens + kvd * centroid_bytes * sparse_layers * scored
+            flops += 4 * qd * tokens + 2 * kvd * sparse_layers * scored * landmarks
+            mem += 2 * kvd * 2 * tokens + kvd * centroid_bytes * sparse_layers * scored * landmarks
         total += flops / hw.peak_flops + mem / hw.mem_bandwidth + hw.step_overhead_s
     return total
 
 
-def test_matches_per_step_reference():
+@pytest.mark.parametrize("page_score,landmarks", [("centroid", 1), ("minmax", 2)])
+def test_matches_per_step_reference(page_score: str, landmarks: int):
     shape = get_shape("tiny-test")
     hw = Hardware("toy", peak_flops=1e9, mem_bandwidth=2e8, step_overhead_s=1e-4)
     schedule = BudgetSchedule(bin_tokens=32, budgets=(48, 64, 80), page_size=8)
     lengths, prompts = [5, 70, 41, 0], [3, 20, 3, 9]
-    model = DecodeCostModel(shape, hw, dense_layers=1)
+    model = DecodeCostModel(shape, hw, dense_layers=1, page_score=page_score)
     got = model.rollout_cost(schedule, lengths, prompts, chunk_steps=16)
-    want = reference_rollout_seconds(shape, hw, schedule, lengths, prompts, dense_layers=1)
+    want = reference_rollout_seconds(
+        shape, hw, schedule, lengths, prompts, dense_layers=1, landmarks=landmarks
+    )
     assert got.total_s == pytest.approx(want, rel=1e-12)
     assert got.total_s == pytest.approx(got.compute_s + got.memory_s + got.overhead_s)
     assert got.overhead_s == pytest.approx(70 * 1e-4) and got.decode_steps == 70 and got.tokens == 116
     assert got.tokens_per_s == pytest.approx(116 / got.total_s)
+
+
+def test_minmax_scoring_costs_twice_the_landmark_bytes_and_nothing_else():
+    """Same reads, same dense cost: the minmax score only doubles the scored landmarks' bytes and FLOPs."""
+    centroid = DecodeCostModel.for_preset("qwen3-1.7b", "h200")
+    minmax = DecodeCostModel.for_preset("qwen3-1.7b", "h200", page_score="minmax")
+    cached, read, scored, live = (torch.tensor([[float(v)]]) for v in (8192, 2048, 512, 1))
+    (order_c, scat_c), (order_m, scat_m) = (
+        m.step_bytes(cached, read, scored, live) for m in (centroid, minmax)
+    )
+    shape = centroid.shape
+    landmark_bytes = shape.num_key_value_heads * shape.head_dim * 4 * (shape.num_layers - 2) * 512
+    assert float(order_m - order_c) == pytest.approx(landmark_bytes) and torch.equal(scat_m, scat_c)
+    dense = BudgetSchedule.dense()
+    assert minmax.rollout_cost(dense, [300], 100).total_s == centroid.rollout_cost(dense, [300], 100).total_s
+    schedule = BudgetSchedule.from_preset("qwen3-1.7b-0.86")
+    assert minmax.predicted_speedup(schedule, PAPER_LENGTHS[:4]) < centroid.predicted_speedup(
+        schedule, PAPER_LENGTHS[:4]
+    )
+    with pytest.raises(ValueError, match="page_score must be one of"):
+        DecodeCostModel(shape, HARDWARE["h200"], page_score="quest")
 
 
 def test_paper_schedule_speedup_is_in_the_memory_bound_range():
