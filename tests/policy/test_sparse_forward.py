@@ -7,7 +7,7 @@
   (values and gradients);
 - policy sparse logprobs == the torch rollout engine's sampled-token logprobs (max abs diff < 1e-4),
   with and without a LoRA adapter exported to the engine, for local_pages 2 and 0 (0 makes the
-  current partial page's centroid matter), while the dense logprobs differ clearly;
+  current partial page's landmarks matter), under both page scores, while the dense logprobs differ clearly;
 - under both page scores (centroid and minmax), policy sparse logprobs == a reference where every position's
   attention is the method layer's ``sparse_decode_attention(..., page_score=...)`` over its own cache prefix
   (token-by-token decoding, teacher-forced), every layer sparse, local_pages 2 and 0.
@@ -171,9 +171,10 @@ def checkpoint(tmp_path_factory):
     return make_hf_checkpoint(SHAPE, tmp_path_factory.mktemp("sparse_fwd") / "hf")
 
 
+@pytest.mark.parametrize("page_score", ["centroid", "minmax"])
 @pytest.mark.parametrize("local_pages", [2, 0])
-def test_sparse_logprobs_equal_engine_with_and_without_lora(checkpoint, local_pages):
-    pattern = SparsePattern(page_size=PAGE, sink_pages=1, local_pages=local_pages, dense_layers=1)
+def test_sparse_logprobs_equal_engine_with_and_without_lora(checkpoint, local_pages, page_score):
+    pattern = SparsePattern(PAGE, 1, local_pages, dense_layers=1, page_score=page_score)
     engine = TorchRolloutEngine.from_hf_dir(
         checkpoint,
         dense_layers=1,
@@ -181,6 +182,7 @@ def test_sparse_logprobs_equal_engine_with_and_without_lora(checkpoint, local_pa
         sink_pages=1,
         local_pages=local_pages,
         attention_backend="torch",
+        page_score=page_score,
     )
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(0, SHAPE.vocab_size, (n,), generator=g) for n in (7, 13)]
