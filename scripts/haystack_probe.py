@@ -9,10 +9,12 @@ dense model (every token of the reference trace given):
   the share of traces whose every token is top-1 (greedy decoding would write the whole trace);
 - ``pages`` (with ``--pages``): per layer and KV head, the largest attention weight a query head of its group
   puts on the needed key (the successor's table position, where an induction head reads), and the rank of that
-  key's page among the non-reserved pages (not the sink page, not the two local pages) under two page scores:
-  ``centroid`` = the group-mean query . the page's mean key (the rule of ``sparrow_nemo.sparse.select_pages``) and
-  ``key_max`` = the largest q . k over the page's keys and the group's query heads (an upper bound a Quest-style
-  selector approximates). ``top`` = the share of hops whose page ranks below k, for k in ``TOP_K``.
+  key's page among the non-reserved pages (not the sink page, not the two local pages) under three page scores:
+  ``centroid`` = the group-mean query . the page's mean key (``sparsity.page_score=centroid``, the paper's rule),
+  ``bound`` = ``sparrow_nemo.sparse.attention.key_bound_scores`` of the group-mean query over the page's
+  per-channel key bounds (``page_key_bounds``; ``sparsity.page_score=minmax``, after Quest) and ``key_max`` = the
+  largest q . k over the page's keys and the group's query heads (what ``bound`` bounds from above, for one query
+  head at a time). ``top`` = the share of hops whose page ranks below k, for k in ``TOP_K``.
 
 Prints one JSON line per filler length. Runs one torch thread; the page probe builds [heads, T, T] scores per
 layer (~50 MB at 1.5K tokens).
@@ -29,9 +31,12 @@ import torch
 
 from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder
 from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
+from sparrow_nemo.sparse.attention import group_mean_query, key_bound_scores, page_key_bounds
 from sparrow_nemo.tasks.chain import ChainProblem, ChainTask, ChainTaskConfig
 from sparrow_nemo.tasks.tokenizer import CharTokenizer
 
+#: the page scores compared, in the order each entry lists them
+SCORES = ("centroid", "bound", "key_max")
 #: page ranks reported: top-1, top-4 and top-21 (a 384-token budget of 16-token pages: 1 sink + 2 local + 21)
 TOP_K = (1, 4, 8, 21)
 _HOP = re.compile(r"([A-Z])([a-z])(\d)=(\d)")
@@ -87,10 +92,14 @@ def page_ranks(model: Qwen3Decoder, problems: list[ChainProblem], page_size: int
             paged = padded.view(pages, page_size, s.num_key_value_heads, s.head_dim)
             filled = torch.tensor([min(page_size, T - i * page_size) for i in range(pages)])
             centroids = paged.sum(1) / filled[:, None, None]  # [pages, Hkv, D]
+            k_min, k_max = page_key_bounds(k.transpose(0, 1)[None], torch.tensor([T]), page_size)
+            q_mean = group_mean_query(q[queries], s.num_key_value_heads)  # [hops, Hkv, D]
+            hops = (len(queries), -1, -1, -1)
+            bounds = key_bound_scores(q_mean, k_min.expand(hops), k_max.expand(hops))  # [hops, Hkv, pages]
             for kv in range(s.num_key_value_heads):
                 heads = slice(kv * group, (kv + 1) * group)
-                entry = acc.setdefault((layer, kv), {"weight": [], "centroid": [], "key_max": []})
-                for qi, ki in zip(queries, keys):
+                entry = acc.setdefault((layer, kv), {"weight": [], **{name: [] for name in SCORES}})
+                for hop, (qi, ki) in enumerate(zip(queries, keys)):
                     live = qi // page_size + 1
                     candidates = torch.arange(1, max(1, live - 2))  # not the sink, not the 2 local pages
                     if ki // page_size not in candidates:
@@ -99,6 +108,7 @@ def page_ranks(model: Qwen3Decoder, problems: list[ChainProblem], page_size: int
                     qg = q[qi, heads]  # [G, D]
                     scores = {
                         "centroid": centroids[candidates, kv] @ qg.mean(0),
+                        "bound": bounds[hop, kv, candidates],
                         "key_max": torch.stack(
                             [(paged[c, : filled[c], kv] @ qg.T).max() for c in candidates.tolist()]
                         ),
@@ -113,10 +123,7 @@ def page_ranks(model: Qwen3Decoder, problems: list[ChainProblem], page_size: int
         out[f"{layer}/{kv}"] = {
             "hops": len(entry["weight"]),
             "weight_on_needed_key": sum(entry["weight"]) / n,
-        } | {
-            name: {f"top{k}": sum(r < k for r in entry[name]) / n for k in TOP_K}
-            for name in ("centroid", "key_max")
-        }
+        } | {name: {f"top{k}": sum(r < k for r in entry[name]) / n for k in TOP_K} for name in SCORES}
     return out
 
 

@@ -56,7 +56,13 @@ def plan_config(config, nodes: int, gpus_per_node: int, gpu_memory_gb: float):
     distill = None
     if d.enabled:
         targets = LoraConfig.from_hf_targets(d.lora_rank, d.lora_alpha, d.target_modules).targets
-        distill = DistillSpec(d.lora_rank, targets, config.sparsity.dense_layers, config.sparsity.page_size)
+        distill = DistillSpec(
+            d.lora_rank,
+            targets,
+            config.sparsity.dense_layers,
+            config.sparsity.page_size,
+            config.sparsity.page_score,
+        )
     return plan(
         config.model.shape(),
         nodes=nodes,
@@ -77,6 +83,7 @@ def plan_config(config, nodes: int, gpus_per_node: int, gpu_memory_gb: float):
             config.model.dtype,
             config.sparsity.page_size,
             config.sparsity.dense_layers,
+            config.sparsity.page_score,
         ),
     )
 

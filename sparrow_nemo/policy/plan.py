@@ -25,12 +25,13 @@ training dtype, ``T`` the tokens of a micro-batch (``max_tokens_per_micro_batch`
   fp32 accumulator. The output layer's backward is over before the layers' begins, so the total counts
   the larger of this and the recompute line;
 - DistillSparse (when enabled): the adapter's parameters, gradients and AdamW moments, and in its
-  sparse forward the fp32 keys/values each sparse layer keeps plus one query block's scores;
+  sparse forward the fp32 keys/values and page landmarks each sparse layer keeps plus one query block's
+  scores;
 - rollout (the colocated engine, :class:`RolloutSpec`): its weights (the whole model: engine TP is 1)
-  and KV cache (keys, values, page centroids), and how many full-length sequences fit. TensorRT-LLM
-  runs one engine per GPU, asleep while the policy trains, whose pool takes
-  :data:`~sparrow_nemo.rollout.trtllm.KV_CACHE_FREE_FRACTION` of the memory the policy's weights, grads
-  and optimizer leave; the torch engine runs on rank 0 and stays awake through the training step, so its
+  and KV cache (keys, values, page landmarks: one centroid, or two key bounds under minmax), and how
+  many full-length sequences fit. TensorRT-LLM runs one engine per GPU, asleep while the policy trains,
+  whose pool takes :data:`~sparrow_nemo.rollout.trtllm.KV_CACHE_FREE_FRACTION` of the memory the policy's
+  weights, grads and optimizer leave; the torch engine runs on rank 0 and stays awake through the training step, so its
   KV cache gets what the training peak leaves.
 
 ``tests/policy/test_plan_measured.py`` measures a CPU training step's peak at several sizes against
@@ -77,12 +78,14 @@ class DistillSpec:
         targets: megatron linear names adapted (``sparrow_nemo.policy.lora.TARGETS`` keys).
         sparse_layers_from: first decoder layer that runs sparse attention (``sparsity.dense_layers``).
         page_size: tokens per KV page.
+        page_score: ``sparsity.page_score`` (the landmarks its sparse forward keeps per page).
     """
 
     rank: int
     targets: tuple[str, ...]
     sparse_layers_from: int
     page_size: int
+    page_score: str = "centroid"
 
 
 @dataclass(frozen=True)
@@ -122,9 +125,10 @@ class RolloutSpec:
             the trainer does not put it to sleep, so it stays during training).
         max_batch_size: ``rollout.max_batch_size``.
         dtype: the engine's weight and KV dtype (``model.dtype``).
-        page_size: KV page tokens (one centroid per page, layer and KV head: the torch engine's in the KV
-            dtype in every layer, TensorRT-LLM's in fp32 in the sparse layers).
+        page_size: KV page tokens (``landmarks_per_page`` landmarks per page, layer and KV head: the
+            torch engine's in the KV dtype in every layer, TensorRT-LLM's in fp32 in the sparse layers).
         dense_layers: leading layers without page selection (``sparsity.dense_layers``).
+        page_score: ``sparsity.page_score`` (``"minmax"``: two landmarks per page).
     """
 
     backend: str
@@ -132,6 +136,7 @@ class RolloutSpec:
     dtype: str
     page_size: int
     dense_layers: int = 0
+    page_score: str = "centroid"
 
 
 @dataclass(frozen=True)
@@ -141,7 +146,7 @@ class RolloutMemory:
     Attributes:
         backend: as :class:`RolloutSpec`.
         engine_weights: bytes of the engine's weights on that GPU (the whole model: engine TP is 1).
-        kv_per_sequence: KV-cache bytes (keys, values, page centroids) of one ``seq_len``-token sequence.
+        kv_per_sequence: KV-cache bytes (keys, values, page landmarks) of one ``seq_len``-token sequence.
         kv_pool: the KV cache the engine holds (trtllm: its pool; torch: ``sequences`` sequences).
         sequences: full-length sequences the KV cache holds at once.
         max_batch_size: sequences the engine is configured to decode together.
@@ -322,9 +327,11 @@ def _distill_terms(
     """(adapter bytes, extra activation bytes, one query block's bytes) of DistillSparse on ``stage``.
 
     Extra activations per layer and token: the adapter's ``x @ A.T`` per target, and in a sparse layer the
-    fp32 keys and values every query block gathers from plus the page centroids; kept for the layers full
+    fp32 keys and values every query block gathers from plus the page landmarks; kept for the layers full
     recompute does not recompute, and for one recomputed group while it runs.
     """
+    from sparrow_nemo.rollout.trtllm_kv_cache import landmarks_per_page
+
     lora = lora_parameters(shape, layout, stage, distill) * dtype_bytes * 4  # param, grad, AdamW m and v
     layers = list(stage_layer_range(shape.num_layers, layout.pp, stage))
     hq, hkv, d = (
@@ -333,7 +340,7 @@ def _distill_terms(
         shape.head_dim,
     )
     adapter = 2 * distill.rank * len(distill.targets) * dtype_bytes
-    sparse = int(hkv * d * 4 * (2 + 1 / distill.page_size))
+    sparse = int(hkv * d * 4 * (2 + landmarks_per_page(distill.page_score) / distill.page_size))
     extra = [adapter + (sparse if layer >= distill.sparse_layers_from else 0) for layer in layers]
     recomputed = memory.recomputed_layers(len(layers))
     group = memory.recompute_num_layers if memory.recompute_method == "uniform" else 1
@@ -381,20 +388,19 @@ def rollout_memory(
     """The engine's footprint next to the policy's ``resident`` bytes (trtllm: weights, grads, optimizer;
     torch: the whole training peak, since its engine stays awake on rank 0)."""
     from sparrow_nemo.rollout.trtllm import KV_CACHE_FREE_FRACTION
+    from sparrow_nemo.rollout.trtllm_kv_cache import centroid_bytes_per_token, landmarks_per_page
 
     nbytes = _DTYPE_BYTES[spec.dtype]
     engine_weights = shape.num_parameters() * nbytes
     kv = shape.num_layers * shape.num_key_value_heads * shape.head_dim
-    if spec.backend == "trtllm":  # fp32 centroids of the sparse layers (the KV-cache manager's pool)
-        from sparrow_nemo.rollout.trtllm_kv_cache import centroid_bytes_per_token
-
+    if spec.backend == "trtllm":  # fp32 landmarks of the sparse layers (the KV-cache manager's pool)
         sparse_layers = shape.num_layers - spec.dense_layers
-        centroids = centroid_bytes_per_token(
-            sparse_layers, shape.num_key_value_heads, shape.head_dim, spec.page_size
+        landmarks = centroid_bytes_per_token(
+            sparse_layers, shape.num_key_value_heads, shape.head_dim, spec.page_size, spec.page_score
         )
-    else:  # the torch engine's paged cache: a centroid per page and layer in the KV dtype
-        centroids = kv * nbytes / spec.page_size
-    per_token = 2 * kv * nbytes + centroids
+    else:  # the torch engine's paged cache: landmarks per page and layer in the KV dtype
+        landmarks = landmarks_per_page(spec.page_score) * kv * nbytes / spec.page_size
+    per_token = 2 * kv * nbytes + landmarks
     kv_per_sequence = int(per_token * seq_len)
     free = max(gpu_bytes - resident - engine_weights, 0)
     if spec.backend == "trtllm":

@@ -3,10 +3,13 @@
 At every decode position ``t`` of a rollout (``t >= prompt_len``: the query of the token at ``t``,
 whose next-token distribution produced response token ``t + 1 - prompt_len``) the engine attended,
 in each layer from ``dense_layers`` on, only to the pages chosen by the method layer's rule for a
-cache of ``t + 1`` tokens under the budget ``schedule.budget(t + 1)``. Page centroids were the means
-of the keys stored so far in each page: complete pages average their ``page_size`` keys, the current
-(partial) page averages its keys up to ``t``. (The current page is always a local page when
-``local_pages >= 1``, so its centroid never changes the choice; it is modelled exactly anyway.)
+cache of ``t + 1`` tokens under the budget ``schedule.budget(t + 1)``. The pages' landmarks were those
+of the keys stored so far in each page: complete pages summarise their ``page_size`` keys, the current
+(partial) page its keys up to ``t``. Under ``pattern.page_score``: ``"centroid"`` (the paper) the landmark
+is the mean key and a page scores the group-mean query . centroid; ``"minmax"`` (after Quest) the landmarks
+are the per-channel minimum and maximum keys and a page scores
+:func:`sparrow_nemo.sparse.attention.key_bound_scores`. (The current page is always a local page when
+``local_pages >= 1``, so its landmarks never change the choice; they are modelled exactly anyway.)
 Prompt positions (``t < prompt_len``) were dense prefill, and so are the first ``dense_layers``.
 
 Here the whole sequence runs through the megatron ``GPTModel`` in one pass: each sparse layer's
@@ -15,9 +18,11 @@ core attention is swapped for :class:`SparseCoreAttention`, which works in block
 (:func:`sparrow_nemo.sparse.attention.select_pages_from_scores`) for each query of the block, the union
 of the block's selected pages gathered from the keys and values, and exact softmax attention over them
 with a per-query mask. Memory per block is ``B x Hq x QUERY_BLOCK x (union of pages x page_size)``
-(at most ``QUERY_BLOCK x S`` per head); no ``S x S`` tensor exists. In training each block runs under
-``torch.utils.checkpoint``: its scores are recomputed in backward, so what a layer keeps for backward is
-its q, k, v (as any attention) plus the page centroids. Selection is per KV head, so under tensor
+(at most ``QUERY_BLOCK x S`` per head); the page scores are ``B x QUERY_BLOCK x Hkv x P`` matmul outputs
+(one under centroid, two under minmax: :func:`score_pages`), no ``S x S`` tensor exists. In training each
+block runs under ``torch.utils.checkpoint``: its scores are recomputed in backward, so what a layer keeps
+for backward is its q, k, v (as any attention), fp32 copies of k and v, and the page landmarks: ``B x Hkv x
+P x D`` fp32 for the centroids, twice that for the minmax bounds. Selection is per KV head, so under tensor
 parallelism it is local to each rank. Gradients flow to everything upstream of the attention (e.g.
 LoRA adapters); the selection itself is not differentiable.
 
@@ -134,18 +139,61 @@ class SparsePlan:
         return cls(torch.tensor(list(prompt_lens), dtype=torch.int64), budget)
 
 
-def _page_centroids(k: torch.Tensor, page_size: int) -> torch.Tensor:
-    """[B, Hkv, P, D] float32 mean key of every complete page (the last page padded with zero keys)."""
+def page_landmarks(k: torch.Tensor, pattern: SparsePattern) -> tuple[torch.Tensor, ...]:
+    """[B, Hkv, P, D] float32 landmarks of every complete page of k [B, Hkv, S, D] (the last page padded
+    with zero keys; a query's own partial page is re-summarised by :func:`query_block_pages`):
+    ``(centroid,)`` under ``pattern.page_score="centroid"``, ``(k_max, k_min)`` per channel under ``"minmax"``."""
     batch, heads, width, dim = k.shape
-    num_pages = math.ceil(width / page_size)
-    keys = F.pad(k.detach().float(), (0, 0, 0, num_pages * page_size - width))
-    return keys.view(batch, heads, num_pages, page_size, dim).cumsum(dim=3)[:, :, :, -1] / page_size
+    ps = pattern.page_size
+    num_pages = math.ceil(width / ps)
+    keys = F.pad(k.detach().float(), (0, 0, 0, num_pages * ps - width))
+    paged = keys.view(batch, heads, num_pages, ps, dim)
+    if pattern.page_score == "minmax":
+        return paged.amax(dim=3), paged.amin(dim=3)
+    return (paged.cumsum(dim=3)[:, :, :, -1] / ps,)
+
+
+def _prefix_landmarks(span: torch.Tensor, page_size: int, page_score: str) -> tuple[torch.Tensor, ...]:
+    """Landmarks of every page prefix: span [B, Hkv, L, D] (L a multiple of ``page_size``) ->
+    [B, Hkv, L / page_size, page_size, D] float32 each, entry [..., p, j, :] of keys 0..j of page p
+    (as :func:`page_landmarks`: the running mean, or the running per-channel max and min)."""
+    batch, heads, width, dim = span.shape
+    paged = span.detach().float().view(batch, heads, width // page_size, page_size, dim)
+    if page_score == "minmax":
+        return paged.cummax(dim=3).values, paged.cummin(dim=3).values
+    count = torch.arange(1, page_size + 1, device=span.device, dtype=torch.float32)[:, None]
+    return (paged.cumsum(dim=3) / count,)
+
+
+def _query_factors(q_mean: torch.Tensor, page_score: str) -> tuple[torch.Tensor, ...]:
+    """What each landmark of :func:`page_landmarks` is dotted with: ``(q,)`` under centroid; under minmax
+    ``(max(q, 0), min(q, 0))``, since max(q_d * min_d, q_d * max_d) = max(q_d, 0) * max_d + min(q_d, 0) * min_d
+    (max_d >= min_d): the same fp32 product per channel as ``key_bound_scores``, summed by a matmul."""
+    return (q_mean.clamp(min=0), q_mean.clamp(max=0)) if page_score == "minmax" else (q_mean,)
+
+
+def score_pages(
+    q_mean: torch.Tensor, landmarks: Sequence[torch.Tensor], page_score: str, subscripts: str
+) -> torch.Tensor:
+    """Page scores: the sum over landmarks of ``einsum(subscripts, factor, landmark)`` with the factors of
+    :func:`_query_factors`; equals :func:`sparrow_nemo.sparse.attention.key_bound_scores` under minmax (up
+    to the order of the fp32 sum) and the group-mean query . centroid under centroid.
+
+    Args:
+        q_mean: group-mean queries, float32; landmarks: as :func:`page_landmarks` (or one per query);
+        subscripts: the einsum contracting D, e.g. ``"bhnd,bhpd->bnhp"``.
+    """
+    factors = _query_factors(q_mean, page_score)
+    scores = torch.einsum(subscripts, factors[0], landmarks[0])
+    for factor, landmark in zip(factors[1:], landmarks[1:]):
+        scores = scores + torch.einsum(subscripts, factor, landmark)
+    return scores
 
 
 def query_block_pages(
     q: torch.Tensor,
     k: torch.Tensor,
-    centroids: torch.Tensor,
+    landmarks: Sequence[torch.Tensor],
     plan: SparsePlan,
     pattern: SparsePattern,
     lo: int,
@@ -156,17 +204,17 @@ def query_block_pages(
     Args:
         q: [B, Hq, S, D] queries and k: [B, Hkv, S, D] keys, as attention sees them (after q/k norm and
             rotary); query heads h*G .. h*G+G-1 share KV head h.
-        centroids: [B, Hkv, P, D] complete-page centroids (:func:`_page_centroids` of ``k``).
+        landmarks: [B, Hkv, P, D] complete-page landmarks (:func:`page_landmarks` of ``k``).
         plan: prompt lengths and per-position budgets ([B], [B, S]).
 
     Returns:
         bool [B, n, Hkv, P] (n = hi - lo): for a prompt position every page up to its own (causal, the
         query's own page included), for a decode position the pages the method layer selects for a
-        cache of t + 1 tokens (the current page's centroid is its keys up to t). Tokens after t inside a
+        cache of t + 1 tokens (the current page's landmarks are of its keys up to t). Tokens after t inside a
         kept page are not excluded here (see :func:`block_sparse_attention`).
     """
     batch, num_q_heads, _, head_dim = q.shape
-    num_kv_heads, num_pages, ps = k.shape[1], centroids.shape[2], pattern.page_size
+    num_kv_heads, num_pages, ps = k.shape[1], landmarks[0].shape[2], pattern.page_size
     device, n = q.device, hi - lo
     t = torch.arange(lo, hi, device=device)
     page = torch.arange(num_pages, device=device)
@@ -178,16 +226,18 @@ def query_block_pages(
     q_mean = (
         q[:, :, lo:hi].float().view(batch, num_kv_heads, group, n, head_dim).mean(dim=2)
     )  # [B, Hkv, n, D]
-    scores = torch.einsum("bhnd,bhpd->bnhp", q_mean, centroids)  # [B, n, Hkv, P]
-    # the current (partial) page's centroid: its keys up to t
+    scores = score_pages(q_mean, landmarks, pattern.page_score, "bhnd,bhpd->bnhp")  # [B, n, Hkv, P]
+    # the current (partial) page's landmarks: of its keys up to t
     p0, p1 = lo // ps, (hi - 1) // ps + 1
-    keys = k[:, :, p0 * ps : p1 * ps].detach().float()
+    keys = k[:, :, p0 * ps : p1 * ps]
     span = F.pad(keys, (0, 0, 0, (p1 - p0) * ps - keys.shape[2]))
-    running = span.view(batch, num_kv_heads, p1 - p0, ps, head_dim).cumsum(dim=3)
-    running = running / torch.arange(1, ps + 1, device=device, dtype=torch.float32)[:, None]
-    current = running[:, :, t // ps - p0, t % ps]  # [B, Hkv, n, D]
+    current = [
+        prefix[:, :, t // ps - p0, t % ps] for prefix in _prefix_landmarks(span, ps, pattern.page_score)
+    ]
     # advanced indices on dims 1 and 3 (a slice between): the indexed view is [n, B, Hkv]
-    scores[:, torch.arange(n, device=device), :, t // ps] = torch.einsum("bhnd,bhnd->nbh", q_mean, current)
+    scores[:, torch.arange(n, device=device), :, t // ps] = score_pages(
+        q_mean, current, pattern.page_score, "bhnd,bhnd->nbh"
+    )
     page_idx = select_pages_from_scores(
         scores.reshape(batch * n, num_kv_heads, num_pages),
         (t + 1).repeat(batch),
@@ -215,7 +265,7 @@ def _block_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    centroids: torch.Tensor,
+    landmarks: tuple[torch.Tensor, ...],
     plan: SparsePlan,
     pattern: SparsePattern,
     lo: int,
@@ -226,7 +276,7 @@ def _block_attention(
     num_kv_heads, ps, n = k.shape[1], pattern.page_size, hi - lo
     group = num_q_heads // num_kv_heads
     with torch.no_grad():
-        keep = query_block_pages(q, k, centroids, plan, pattern, lo, hi).transpose(1, 2)  # [B, Hkv, n, P]
+        keep = query_block_pages(q, k, landmarks, plan, pattern, lo, hi).transpose(1, 2)  # [B, Hkv, n, P]
         union = _sorted_true(keep.any(dim=2))  # [B, Hkv, U] pages any query of the block attends to
         page = union.clamp(min=0)
         tok = (page[..., None] * ps + torch.arange(ps, device=q.device)).flatten(2)  # [B, Hkv, U*ps]
@@ -271,12 +321,12 @@ def block_sparse_attention(
             f"block_sparse_attention: q {tuple(q.shape)}, k {tuple(k.shape)} and plan.query_budget "
             f"{tuple(plan.query_budget.shape)} must be [B, Hq, S, D], [B, Hkv, S, D] and [B, S]"
         )
-    centroids = _page_centroids(k, pattern.page_size)
+    landmarks = page_landmarks(k, pattern)
     k, v = k.float().contiguous(), v.float().contiguous()  # one copy per layer, gathered from by every block
     blocks = []
     for lo in range(0, width, QUERY_BLOCK):
         hi = min(lo + QUERY_BLOCK, width)
-        args = (q, k, v, centroids, plan, pattern, lo, hi)
+        args = (q, k, v, landmarks, plan, pattern, lo, hi)
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             blocks.append(torch.utils.checkpoint.checkpoint(_block_attention, *args, use_reentrant=False))
         else:

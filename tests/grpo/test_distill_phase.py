@@ -3,7 +3,8 @@
 The phase gets a megatron policy, a torch rollout engine, the ``tiny_cpu_distill`` recipe's ``distill`` section, a
 probe (random prompts) and rollouts of those prompts as its data (KL only). Checked: the adapter steps fit their
 batch (k3 falls) and the engine rolls out with the updated adapter, per-bin p5 and KL before/after are
-returned, the policy's own weights never move, the loss gradient is k3 + sparse PG with the advantages, bad
+returned, the policy's own weights never move, the trainer hands the phase the recipe's sparse pattern
+(``sparsity.page_score`` included), the loss gradient is k3 + sparse PG with the advantages, bad
 settings are refused, and the adapter and its optimizer state survive a checkpoint (a different number of
 ranks is refused).
 
@@ -153,6 +154,18 @@ def test_settings_refuse_bad_values():
         load_config("tiny_cpu_distill", ["distill.steps=0"])
     with pytest.raises(ValueError, match="pg_coef > 0"):  # the class itself, outside a recipe
         DistillConfig(kl_coef=0.0, pg_coef=0.0)
+
+
+@pytest.mark.parametrize("page_score", ["centroid", "minmax"])
+def test_the_trainer_gives_the_phase_the_recipes_whole_sparse_pattern(page_score):
+    """DistillSparse trains under the selection the engine uses: sparsity.page_score reaches its pattern."""
+    from types import SimpleNamespace
+
+    from sparrow_nemo.grpo.trainer import GrpoTrainer
+
+    config = load_config("tiny_cpu_distill", [f"sparsity.page_score={page_score}"])
+    phase = GrpoTrainer._distill(SimpleNamespace(config=config))  # the trainer's own wiring, on its config
+    assert phase.pattern == config.sparsity.pattern() and phase.pattern.page_score == page_score
 
 
 def test_adapter_and_optimizer_survive_a_checkpoint(checkpoint, tmp_path):

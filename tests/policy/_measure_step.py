@@ -113,7 +113,7 @@ def _selection_margins(policy, batch, plan, pattern, prompt_len: int, kv_budget:
     finally:
         sparse_forward.block_sparse_attention = original
     q, k, ps = captured["q"][0], captured["k"][0], pattern.page_size
-    centroids = sparse_forward._page_centroids(k[None].float(), ps)[0].double()  # [Hkv, P, D]
+    centroids = sparse_forward.page_landmarks(k[None].float(), pattern)[0][0].double()  # [Hkv, P, D]
     heads = k.shape[0]
     margins = []
     for i, budget in enumerate(kv_budget.tolist()):

@@ -180,6 +180,34 @@ def test_distill_and_rollout_terms():
     assert packed.tokens_per_micro_batch == 65536
 
 
+def test_minmax_counts_two_landmarks_per_page():
+    """sparsity.page_score=minmax keeps a page's key minimum and maximum where centroid keeps its mean: the
+    rollout KV cache and DistillSparse's kept activations count two [Hkv, D] landmarks per page."""
+    shape = PRESETS["qwen3-1.7b"]
+    common = dict(nodes=1, gpus_per_node=8, tp=2, pp=1, micro_batch=1, seq_len=39_936, gpu_memory_gb=1000)
+    kv = 28 * 8 * 128 * 2 * 2  # bf16 K and V of every layer, per token
+    reports = {}
+    for score in ("centroid", "minmax"):
+        distill = DistillSpec(8, ("linear_qkv",), sparse_layers_from=2, page_size=16, page_score=score)
+        trtllm = RolloutSpec("trtllm", 256, "bf16", 16, dense_layers=2, page_score=score)
+        torch_engine = RolloutSpec("torch", 256, "bf16", 16, page_score=score)
+        reports[score] = (
+            plan(shape, distill=distill, rollout=trtllm, **common),
+            plan(shape, rollout=torch_engine, **common).rollout,
+        )
+    for score, landmarks in (("centroid", 1), ("minmax", 2)):
+        trt, torch_engine = reports[score][0].rollout, reports[score][1]
+        # TensorRT-LLM: fp32 landmarks in the 26 sparse layers; torch engine: bf16 landmarks in all 28
+        assert trt.kv_per_sequence == int((kv + landmarks * 26 * 8 * 128 * 4 / 16) * 39_936), score
+        assert torch_engine.kv_per_sequence == int((kv + landmarks * 28 * 8 * 128 * 2 / 16) * 39_936), score
+    # no recompute: each of the 26 sparse layers keeps one more fp32 [Hkv/tp, D] landmark per 16 tokens
+    extra = reports["minmax"][0].distill.activations - reports["centroid"][0].distill.activations
+    assert extra == 26 * 4 * 128 * 4 // 16 * 39_936
+    assert reports["minmax"][0].memory == reports["centroid"][0].memory  # the training phase is unchanged
+    with pytest.raises(ValueError, match="page_score must be one of"):
+        plan(shape, rollout=RolloutSpec("torch", 4, "bf16", 16, page_score="mean"), **common)
+
+
 def test_plan_refuses_what_does_not_fit_or_divide():
     with pytest.raises(LayoutError, match=r"needs .* GiB .* > 80 GiB per GPU"):
         plan(PRESETS["qwen3-14b"], 4, 8, tp=1, pp=1, micro_batch=1, seq_len=32768, gpu_memory_gb=80)

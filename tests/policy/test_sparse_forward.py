@@ -1,12 +1,16 @@
 """The policy's sparse teacher-forced forward reproduces the sparse rollout engine (fp32, CPU).
 
 - the pages each query attends to equal the method layer's ``select_pages`` run on each position's own
-  cache prefix (integer-valued q/k: exact scores, ties included), block by block;
+  cache prefix (integer-valued q/k: exact scores, ties included), block by block, under both page scores;
+  the minmax page scores equal ``key_bound_scores`` on float inputs;
 - the block attention over the gathered pages equals softmax attention under the full per-query mask
   (values and gradients);
 - policy sparse logprobs == the torch rollout engine's sampled-token logprobs (max abs diff < 1e-4),
   with and without a LoRA adapter exported to the engine, for local_pages 2 and 0 (0 makes the
-  current partial page's centroid matter), while the dense logprobs differ clearly.
+  current partial page's landmarks matter), under both page scores, while the dense logprobs differ clearly;
+- under both page scores (centroid and minmax), policy sparse logprobs == a reference where every position's
+  attention is the method layer's ``sparse_decode_attention(..., page_score=...)`` over its own cache prefix
+  (token-by-token decoding, teacher-forced), every layer sparse, local_pages 2 and 0.
 """
 
 from __future__ import annotations
@@ -27,8 +31,16 @@ from sparrow_nemo.policy.parallel import ParallelLayout
 from sparrow_nemo.policy.policy import MegatronPolicy
 from sparrow_nemo.policy.sparse_forward import SparsePlan
 from sparrow_nemo.rollout.engine import SamplingParams
+from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder
 from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
-from sparrow_nemo.sparse.attention import select_pages, selected_token_mask
+from sparrow_nemo.sparse.attention import (
+    group_mean_query,
+    key_bound_scores,
+    page_key_bounds,
+    select_pages,
+    selected_token_mask,
+    sparse_decode_attention,
+)
 from sparrow_nemo.sparse.pattern import SparsePattern
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET, BudgetSchedule
 
@@ -41,11 +53,11 @@ SHAPE = PRESETS["tiny-test"]
 def _token_mask(q, k, plan, pattern) -> torch.Tensor:
     """bool [B, Hkv, S, S] from :func:`query_block_pages`, block by block (the test's dense reference)."""
     s = q.shape[2]
-    centroids = sparse_forward._page_centroids(k, pattern.page_size)
+    landmarks = sparse_forward.page_landmarks(k, pattern)
     rows = []
     for lo in range(0, s, sparse_forward.QUERY_BLOCK):
         hi = min(lo + sparse_forward.QUERY_BLOCK, s)
-        pages = sparse_forward.query_block_pages(q, k, centroids, plan, pattern, lo, hi)  # [B, n, Hkv, P]
+        pages = sparse_forward.query_block_pages(q, k, landmarks, plan, pattern, lo, hi)  # [B, n, Hkv, P]
         tokens = pages.repeat_interleave(pattern.page_size, dim=3)[..., :s]
         causal = torch.arange(s)[None, :] <= torch.arange(lo, hi)[:, None]
         rows.append((tokens & causal[None, :, None, :]).transpose(1, 2))
@@ -58,7 +70,8 @@ def _random_plan(g, b, s, prompt_lens) -> SparsePlan:
     return SparsePlan(prompt_lens, torch.where(torch.arange(s) < prompt_lens[:, None], DENSE_BUDGET, budget))
 
 
-def test_pages_equal_method_layer_selection_per_position(monkeypatch):
+@pytest.mark.parametrize("page_score", ["centroid", "minmax"])
+def test_pages_equal_method_layer_selection_per_position(monkeypatch, page_score):
     monkeypatch.setattr(sparse_forward, "QUERY_BLOCK", 8)  # several blocks, one straddling a page
     g = torch.Generator().manual_seed(0)
     b, hq, hkv, s, d = 2, 4, 2, 37, 8
@@ -67,7 +80,7 @@ def test_pages_equal_method_layer_selection_per_position(monkeypatch):
     prompt_lens = torch.tensor([5, 9])
     plan = _random_plan(g, b, s, prompt_lens)
     for local in (2, 0):
-        pattern = SparsePattern(page_size=PAGE, sink_pages=1, local_pages=local)
+        pattern = SparsePattern(page_size=PAGE, sink_pages=1, local_pages=local, page_score=page_score)
         mask = _token_mask(q, k, plan, pattern)
         for row in range(b):
             for t in range(s):
@@ -84,12 +97,28 @@ def test_pages_equal_method_layer_selection_per_position(monkeypatch):
                     PAGE,
                     1,
                     local,
+                    page_score,
                 )
                 want = selected_token_mask(idx, seq, t + 1, PAGE)[0]
                 assert torch.equal(got[:, : t + 1], want), (row, t, local)
                 assert not got[:, t + 1 :].any()
     n_kept = mask[:, :, 20:].sum(-1)
     assert (n_kept < torch.arange(21, s + 1)).any(), "some decode rows must drop pages"
+
+
+def test_minmax_page_scores_equal_the_method_layers_key_bound_scores():
+    """score_pages sums q+ . max + q- . min by matmul: the method layer's bound up to the fp32 sum order."""
+    g = torch.Generator().manual_seed(2)
+    b, hq, hkv, s, d = 2, 4, 2, 37, 16
+    q, k = torch.randn(b, hq, d, generator=g), torch.randn(b, hkv, s, d, generator=g)
+    pattern = SparsePattern(page_size=PAGE, page_score="minmax")
+    complete = s // PAGE  # the last, partial page is re-summarised per query (query_block_pages)
+    landmarks = tuple(m[:, :, :complete] for m in sparse_forward.page_landmarks(k, pattern))
+    k_min, k_max = (m[:, :, :complete] for m in page_key_bounds(k, torch.full((b,), s), PAGE))
+    torch.testing.assert_close(landmarks, (k_max, k_min), atol=0, rtol=0)
+    q_mean = group_mean_query(q, hkv)
+    got = sparse_forward.score_pages(q_mean, landmarks, "minmax", "bhd,bhpd->bhp")
+    torch.testing.assert_close(got, key_bound_scores(q_mean, k_min, k_max), atol=1e-5, rtol=0)
 
 
 def test_block_attention_equals_dense_masked_attention_values_and_gradients(monkeypatch):
@@ -142,9 +171,10 @@ def checkpoint(tmp_path_factory):
     return make_hf_checkpoint(SHAPE, tmp_path_factory.mktemp("sparse_fwd") / "hf")
 
 
+@pytest.mark.parametrize("page_score", ["centroid", "minmax"])
 @pytest.mark.parametrize("local_pages", [2, 0])
-def test_sparse_logprobs_equal_engine_with_and_without_lora(checkpoint, local_pages):
-    pattern = SparsePattern(page_size=PAGE, sink_pages=1, local_pages=local_pages, dense_layers=1)
+def test_sparse_logprobs_equal_engine_with_and_without_lora(checkpoint, local_pages, page_score):
+    pattern = SparsePattern(PAGE, 1, local_pages, dense_layers=1, page_score=page_score)
     engine = TorchRolloutEngine.from_hf_dir(
         checkpoint,
         dense_layers=1,
@@ -152,6 +182,7 @@ def test_sparse_logprobs_equal_engine_with_and_without_lora(checkpoint, local_pa
         sink_pages=1,
         local_pages=local_pages,
         attention_backend="torch",
+        page_score=page_score,
     )
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(0, SHAPE.vocab_size, (n,), generator=g) for n in (7, 13)]
@@ -194,6 +225,70 @@ def _dense_without_adapter(policy: MegatronPolicy, batch: PolicyBatch) -> torch.
         return policy.logprobs([batch])[0].logprobs
     finally:
         policy.lora = hooks
+
+
+def _method_layer_logprobs(
+    model: Qwen3Decoder, ids: torch.Tensor, budgets: torch.Tensor, pattern: SparsePattern
+) -> torch.Tensor:
+    """Teacher-forced logprobs [T-1] of ids[1:] (ids [T]) where each position t attends, in every layer from
+    ``pattern.dense_layers`` on, like a decode step with t + 1 cached tokens: the method layer's
+    ``sparse_decode_attention`` over the cache prefix 0..t under ``budgets[t]`` (one batch row per position;
+    since each layer is causal this equals decoding the sequence token by token)."""
+    length = ids.numel()
+    positions = torch.arange(length)
+    h = model.embed(ids)
+    for layer in range(model.shape.num_layers):
+        q, k, v = model.attention_inputs(layer, h, positions)  # [T, Hq | Hkv, D]
+        k_cache = k.transpose(0, 1)[None].expand(length, -1, -1, -1)  # row t: the cache of position t
+        v_cache = v.transpose(0, 1)[None].expand(length, -1, -1, -1)
+        budget = DENSE_BUDGET if layer < pattern.dense_layers else budgets
+        out = sparse_decode_attention(
+            q,
+            k_cache,
+            v_cache,
+            positions + 1,
+            budget,
+            pattern.page_size,
+            pattern.sink_pages,
+            pattern.local_pages,
+            pattern.page_score,
+        )
+        h = model.attention_output(layer, h, out)
+    logprobs = torch.log_softmax(model.logits(h), dim=-1)
+    return logprobs[:-1].gather(-1, ids[1:, None])[:, 0]
+
+
+@pytest.mark.parametrize("page_score", ["centroid", "minmax"])
+def test_sparse_logprobs_equal_method_layer_decoding_per_page_score(checkpoint, page_score):
+    g = torch.Generator().manual_seed(12)
+    lengths, prompt_lens = torch.tensor([52, 43]), torch.tensor([7, 13])
+    tokens = torch.randint(0, SHAPE.vocab_size, (2, 52), generator=g)
+    tokens[torch.arange(52) >= lengths[:, None]] = 0
+    batch = PolicyBatch(tokens, lengths)
+    plan = SparsePlan.from_schedule(SCHEDULE, prompt_lens, 52)
+    model = Qwen3Decoder.from_hf_dir(checkpoint)
+    with single_rank_env():
+        policy = MegatronPolicy(
+            SHAPE, ParallelLayout(), OptimizerSettings(lr=1e-3), "float32", hf_dir=checkpoint
+        )
+        try:
+            dense = policy.logprobs([batch])[0].logprobs
+            for local in (2, 0):
+                pattern = SparsePattern(PAGE, 1, local, dense_layers=0, page_score=page_score)
+                other = "centroid" if page_score == "minmax" else "minmax"
+                got, rival = (
+                    policy.sparse_logprobs([batch], [plan], p)[0].logprobs
+                    for p in (pattern, SparsePattern(PAGE, 1, local, dense_layers=0, page_score=other))
+                )
+                for row, n in enumerate(lengths.tolist()):
+                    want = _method_layer_logprobs(model, tokens[row, :n], plan.query_budget[row, :n], pattern)
+                    assert (got[row, : n - 1] - want).abs().max().item() < TOL, (row, local)
+                    assert (dense[row, : n - 1] - want).abs().max().item() > 0.05, "budgets must drop pages"
+                assert (got - rival).abs().max().item() > 0.05, (
+                    f"{page_score} must choose other pages than {other}"
+                )
+        finally:
+            policy.close()
 
 
 def test_plan_and_pattern_refuse_bad_input():
