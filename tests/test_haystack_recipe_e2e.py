@@ -31,7 +31,7 @@ def test_haystack_smoke_run_loads_the_shipped_warm_start_and_rolls_out_over_long
     rows = [row for row in read_metrics(tmp_path / "run" / "metrics.jsonl") if row["step"] >= 0]
     assert len(rows) == config.trainer.max_steps
     # dense, the warm-started policy walks the whole 20-25 hop chain (127-157 tokens; measured: accuracy 0.87 on
-    # 128 held-out prompts); sparse rollouts that lose a look-up end early (measured: 48-87 tokens per step)
+    # 128 held-out prompts); sparse rollouts that lose a look-up end early (under the centroid score: 48-87 tokens)
     for tag in ("start_dense", "end_dense"):
         assert summary["evals"][tag]["response_length_mean"] > 100, summary["evals"]
     for row in rows:
@@ -40,15 +40,15 @@ def test_haystack_smoke_run_loads_the_shipped_warm_start_and_rolls_out_over_long
     last = rows[-1]
     populated = [b for b in tail_per_bin([last]) if (last.get(f"acceptance/tokens/bin_{b}") or 0) > 0]
     assert populated and min(populated) >= 2, last
-    # the tail is kept: a decided bin whose p5 dips below the threshold gets a larger budget for the next step
-    # (tail_scheduler.adapt: raise), or the collapse guard switches the run to dense (the recipe's calibrated
-    # schedule does not hold on other prompts: measured p5 0.02 in bin 3 at 512 tokens)
-    threshold = config.sparsity.threshold
+    # the tail is kept: a decided bin whose tail (the recipe's p1) dips below the threshold gets a larger budget
+    # for the next step (tail_scheduler.adapt: raise), or the collapse guard switches the run to dense (measured
+    # in the recipe's 30-step run: bin 4's p1 fell to 0.06 at 192 tokens, raised to 512 over steps 5-15)
+    threshold, stat = config.sparsity.threshold, f"p{100 * config.sparsity.quantile:g}"
     for row in rows:
         for b in tail_per_bin([row]):
             if (row.get(f"acceptance/tokens/bin_{b}") or 0) < config.sparsity.min_bin_tokens:
                 continue
-            if row[f"acceptance/p5/bin_{b}"] < threshold:
+            if row[f"acceptance/{stat}/bin_{b}"] < threshold:
                 raised = row[f"sparsity/next_budget/bin_{b}"] > row[f"sparsity/budget/bin_{b}"]
                 assert raised or row["sparsity/collapse_guard"], (b, row)
     assert summary["measured_rollout_speedup"] > 0 and summary["predicted_speedup_mean"] > 0, summary
