@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import torch
 from sparrow_kernels.landmarks import KeyBounds, Landmarks
 
-from sparrow_nemo.sparse.pattern import PAGE_SCORES
+from sparrow_nemo.sparse.pattern import landmarks_per_page
 
 #: landmark dtype (centroids and key bounds). ``sparrow_kernels`` also accepts centroids in the key dtype (``_checks.check_centroids``),
 #: which would halve their bytes, but :meth:`LandmarkPool.append` keeps a running mean, which needs float32
@@ -53,13 +53,6 @@ def centroid_bytes_per_token(
         )
     element = torch.empty((), dtype=CENTROID_DTYPE).element_size()
     return landmarks_per_page(page_score) * num_sparse_layers * num_kv_heads * head_dim * element / page_size
-
-
-def landmarks_per_page(page_score: str) -> int:
-    """[Hkv, D] vectors a page keeps per layer: 1 centroid, or 2 key bounds under minmax."""
-    if page_score not in PAGE_SCORES:
-        raise ValueError(f"page_score must be one of {PAGE_SCORES}, got {page_score!r}")
-    return 2 if page_score == "minmax" else 1
 
 
 def context_token_positions(seq_lens: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -36,7 +36,7 @@ import torch
 
 from sparrow_nemo.model_shapes import Qwen3Shape, get_shape
 from sparrow_nemo.sparse.attention import selected_page_count
-from sparrow_nemo.sparse.pattern import PAGE_SCORES
+from sparrow_nemo.sparse.pattern import PAGE_SCORES, landmarks_per_page
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 __all__ = [
@@ -183,8 +183,8 @@ class DecodeCostModel:
 
     @property
     def landmarks_per_page(self) -> int:
-        """Vectors of Hkv * D elements a page's score reads: 1 centroid, or 2 key bounds (``minmax``)."""
-        return 2 if self.page_score == "minmax" else 1
+        """Vectors of Hkv * D elements a page's score reads (:func:`~sparrow_nemo.sparse.pattern.landmarks_per_page`)."""
+        return landmarks_per_page(self.page_score)
 
     @classmethod
     def for_preset(cls, model: str, hardware: str = "h200", **options: int) -> DecodeCostModel:

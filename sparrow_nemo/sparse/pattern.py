@@ -10,12 +10,19 @@ from dataclasses import dataclass
 
 from sparrow_nemo.config.schema import AT_LEAST_ONE, NON_NEGATIVE, Section, knob, one_of
 
-__all__ = ["PAGE_SCORES", "PAGE_SIZE", "SparsePattern"]
+__all__ = ["PAGE_SCORES", "PAGE_SIZE", "SparsePattern", "landmarks_per_page"]
 
 #: Tokens per KV page in the paper (and every default in this project).
 PAGE_SIZE = 16
 #: How a decode step ranks pages (sparrow_nemo.sparse.attention): the paper's mean key, or Quest's key bounds.
 PAGE_SCORES = ("centroid", "minmax")
+
+
+def landmarks_per_page(page_score: str) -> int:
+    """[Hkv, D] vectors a page keeps per layer, and a decode step scores: 1 centroid, or 2 key bounds (minmax)."""
+    if page_score not in PAGE_SCORES:
+        raise ValueError(f"page_score must be one of {PAGE_SCORES}, got {page_score!r}")
+    return 2 if page_score == "minmax" else 1
 
 
 @dataclass(frozen=True)
