@@ -40,6 +40,7 @@ def run(args: argparse.Namespace) -> int:
     from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    setup.apply_cpu_threads(config)
     source = build_prompt_source(config)
     s = config.sparsity
     items = source.eval_batch(s.calibration.num_prompts)

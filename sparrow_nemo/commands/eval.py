@@ -119,6 +119,7 @@ def _build_engine(config, tokenizer):
     from sparrow_nemo.grpo import setup
     from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder
 
+    setup.apply_cpu_threads(config)
     checkpoint = config.model.hf_checkpoint
     if config.rollout.backend == "trtllm":
         if checkpoint is None:
