@@ -35,7 +35,11 @@ def write_plots(history: Sequence[dict[str, Any]], threshold: float, out_dir: Pa
         "reward.png": ("reward", [("reward/mean", "mean reward"), ("reward/accuracy", "accuracy")], None),
         "response_length.png": (
             "response length (tokens)",
-            [("response_length/mean", "mean"), ("response_length/max", "max")],
+            [
+                ("response_length/mean", "mean"),
+                ("response_length/median", "median"),
+                ("response_length/max", "max"),
+            ],
             None,
         ),
         "tail_per_bin.png": (

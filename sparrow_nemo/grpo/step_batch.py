@@ -185,7 +185,8 @@ class StepStats:
     Attributes:
         samples, tokens: samples and generated response tokens of the step.
         reward_mean, reward_std, accuracy: over samples (accuracy = reward >= 1).
-        length_mean, length_max, length_min, truncation_rate: response lengths (tokens).
+        length_mean, length_median, length_max, length_min, truncation_rate: response lengths (tokens; the
+            median interpolates between the two middle samples of the world).
         tokens_per_rank: generated tokens of each global rank.
         rollout_s: generation wall time of rank 0; rollout_s_max: of the slowest rank.
         tails: the acceptance-rate tail per bin of cached length (sparsity quantile, noise_z bounds).
@@ -201,6 +202,7 @@ class StepStats:
     reward_std: float
     accuracy: float
     length_mean: float
+    length_median: float
     length_max: float
     length_min: float
     truncation_rate: float
@@ -228,6 +230,7 @@ class StepStats:
             "reward/std": self.reward_std,
             "reward/accuracy": self.accuracy,
             "response_length/mean": self.length_mean,
+            "response_length/median": self.length_median,
             "response_length/max": self.length_max,
             "response_length/min": self.length_min,
             "response_length/truncation_rate": self.truncation_rate,
@@ -323,6 +326,14 @@ def measure_tokens(
         bin_counts(one_bin, 1, world),
         world,
     )
+    one_sample = torch.zeros_like(lengths)
+    median = merged_quantiles(
+        lengths.double(),
+        one_sample,
+        torch.tensor([[0.5]], dtype=torch.float64),
+        bin_counts(one_sample, 1, world),
+        world,
+    )
     mean = r_sum / n
     return StepStats(
         samples=int(n),
@@ -331,6 +342,7 @@ def measure_tokens(
         reward_std=math.sqrt(max(r_sq - n * mean * mean, 0.0) / (n - 1)) if n > 1 else 0.0,
         accuracy=correct / n,
         length_mean=tokens / n,
+        length_median=float(median[0, 0]),
         length_max=length_max,
         length_min=-neg_length_min,
         truncation_rate=n_trunc / n,

@@ -60,6 +60,8 @@ def build_summary(
         "accuracy_start_dense": evals.get("start_dense", {}).get("accuracy"),
         "train_reward_first": steps[0]["reward/mean"] if steps else None,
         "train_reward_last": steps[-1]["reward/mean"] if steps else None,
+        # the median response length (tokens) of the steps' rollouts, averaged over the run's steps
+        "response_length_median_mean": _mean([row.get("response_length/median") for row in steps]),
         "min_bin_tokens": config.sparsity.min_bin_tokens,
         "tail_per_bin": {str(b): {**t, "ok": t["last"] >= threshold} for b, t in tails.items()},
         "bins_below_threshold_last_step": [b for b, t in tails.items() if t["last"] < threshold],
@@ -113,6 +115,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"accuracy on held-out prompts: start {_fmt(summary['accuracy_start'])} -> end "
         f"{_fmt(summary['accuracy_end'])} (sparse schedule), {_fmt(summary.get('accuracy_start_dense'))} -> "
         f"{_fmt(summary['accuracy_end_dense'])} (dense)",
+        f"response length: median {_fmt(summary.get('response_length_median_mean'), '.0f')} tokens "
+        "(per step, mean over the steps)",
         f"acceptance-rate tail per bin (threshold {summary['threshold']:g}; last step / worst step):",
     ]
     for b, t in summary["tail_per_bin"].items():

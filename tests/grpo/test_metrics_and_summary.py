@@ -127,8 +127,10 @@ def test_tail_per_bin_summary_and_plots(tmp_path: Path) -> None:
         "measured_rollout_speedup": 1.1,
         "measured_decode_speedup": 1.7,
         "timing_mean_s": timing_per_phase(history),
+        "response_length_median_mean": 412.5,
     }
     text = format_summary(summary)
+    assert "response length: median 412 tokens (per step, mean over the steps)" in text
     assert "measured 1.10x (this machine; decode only 1.70x" in text
     assert (
         "start 0.250 -> end 0.500 (sparse schedule), n/a -> n/a (dense)" in text

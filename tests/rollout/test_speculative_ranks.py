@@ -41,7 +41,14 @@ OVERRIDES = [
     # at these ~30-token contexts)
     "rollout.cost_hardware=h200",
 ]
-EXACT = ("reward/mean", "reward/accuracy", "response_length/mean", "response_length/max", "rollout/tokens")
+EXACT = (
+    "reward/mean",
+    "reward/accuracy",
+    "response_length/mean",
+    "response_length/median",
+    "response_length/max",
+    "rollout/tokens",
+)
 #: the 2-rank run under torchrun, seconds (2 processes on 2 loaded cores)
 TIMEOUT = 900
 
