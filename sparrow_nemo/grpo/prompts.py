@@ -40,7 +40,8 @@ def _synthetic_source(config: SparrowConfig) -> PromptSource:
     from sparrow_nemo.tasks.tokenizer import CharTokenizer
 
     task, warm_task = build_tasks(config.task, config.warmstart)
-    tokenizer = CharTokenizer(config.task.letters)
+    # one tokenizer for both (a letter's id depends on how many letters it holds): the labels of the most queries
+    tokenizer = CharTokenizer(max(task.config.tokenizer_letters, warm_task.config.tokenizer_letters))
     check_vocab(tokenizer, config.model.shape().vocab_size, "the synthetic task's characters")
 
     def problem_item(index: int) -> PromptItem:

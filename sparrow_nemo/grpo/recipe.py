@@ -131,17 +131,34 @@ class WarmstartConfig(Section):
         "the task's lets ramp_steps start on short prompts)",
         check=NON_NEGATIVE,
     )
+    num_queries: tuple[int, ...] | None = knob(
+        None,
+        "(min, max) queries of the warm-start problems; null = task.num_queries (both > 1 or both 1: one format)",
+        check=AT_LEAST_ONE,
+    )
+    init_from: str | None = knob(
+        None,
+        "a recipe whose warm-start this one continues (a curriculum stage: that checkpoint, cached, shipped or "
+        "trained first, is where these steps start); null = random init",
+    )
+    slip_rate: float = knob(
+        0.0,
+        "per-hop probability that a demonstration's running sum is wrong (sparrow_nemo.tasks.chain): a warm-start "
+        "that imitates a fallible teacher is partly competent, and RL (rewarded on the true answers) can beat it",
+        check=interval(0.0, 1.0),
+    )
     ramp_steps: int = knob(
         0,
-        "steps over which the warm-start problems grow (geometrically; the filler linearly) from the ranges' "
-        "minimum to their full sizes (0 = none): a small model finds the table look-up on small tables first",
+        "steps over which the warm-start problems grow (geometrically; the filler and the queries linearly) from "
+        "the ranges' minimum to their full sizes (0 = none): a small model finds the table look-up on small "
+        "tables first",
         check=NON_NEGATIVE,
     )
-    filler_ramp_steps: tuple[int, ...] | None = knob(
+    late_ramp_steps: tuple[int, ...] | None = knob(
         None,
-        "(first, last) step of the filler's own linear growth from filler_tokens' minimum to its maximum (before "
-        "first: the minimum; the look-up is learned on short prompts, then the haystack grows); null = with "
-        "ramp_steps",
+        "(first, last) step of the filler's and the queries' own linear growth from their minimum to their "
+        "maximum (before first: the minimum; the look-up is learned on short prompts and single walks, then the "
+        "haystack or the many queries grow); null = with ramp_steps",
         check=NON_NEGATIVE,
     )
     cache_dir: str | None = knob(
@@ -151,13 +168,13 @@ class WarmstartConfig(Section):
     )
 
     def check(self) -> None:
-        for key in ("num_hops", "num_nodes", "filler_tokens", "filler_ramp_steps"):
+        for key in ("num_hops", "num_nodes", "filler_tokens", "num_queries", "late_ramp_steps"):
             value = getattr(self, key)
             if value is not None and (len(value) != 2 or value[0] > value[1]):
                 raise self.invalid(key, "null or two integers [min, max] with 1 <= min <= max")
-        ramp = self.filler_ramp_steps
+        ramp = self.late_ramp_steps
         if ramp is not None and ramp[0] == ramp[1]:  # the linear growth between them would divide by zero
-            raise self.invalid("filler_ramp_steps", "null or [first, last] with first < last")
+            raise self.invalid("late_ramp_steps", "null or [first, last] with first < last")
 
 
 @dataclass(frozen=True)

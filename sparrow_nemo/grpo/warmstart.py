@@ -97,6 +97,7 @@ def cache_key(config: SparrowConfig, tokenizer_name: str, layout: tuple[int, int
 
     w, p = config.warmstart, config.policy
     warm_task = build_tasks(config.task, w)[1]
+    stage = _init_stage(config)
     optimizer = {k: v for k, v in asdict(p.optimizer).items() if k != "lr"}
     spec = {
         "code": source_digest(),
@@ -110,7 +111,7 @@ def cache_key(config: SparrowConfig, tokenizer_name: str, layout: tuple[int, int
             "batch_size": w.batch_size,
             "lr": w.lr,
             "ramp": warm_task.ramp_problems,
-            "filler_ramp": warm_task.filler_ramp,
+            "late_ramp": warm_task.late_ramp,
         },
         "optimizer": optimizer,
         "micro_batch_size": p.micro_batch_size,
@@ -122,9 +123,27 @@ def cache_key(config: SparrowConfig, tokenizer_name: str, layout: tuple[int, int
         "torch": torch.__version__,
         "seed": config.trainer.seed,
         "tokenizer": tokenizer_name,
+        # the checkpoint it starts from (warmstart.init_from): that warm-start's own key
+        "init_from": None if stage is None else cache_key(stage[0], tokenizer_name, layout),
     }
     text = json.dumps(spec, sort_keys=True, default=list)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _init_stage(config: SparrowConfig) -> tuple[SparrowConfig, PromptSource] | None:
+    """(config, prompt source) of the recipe named by ``warmstart.init_from``, or None."""
+    if config.warmstart.init_from is None:
+        return None
+    from sparrow_nemo.grpo.prompts import build_prompt_source
+    from sparrow_nemo.grpo.recipe import load_config
+
+    stage = load_config(config.warmstart.init_from, [f"warmstart.cache_dir={cache_root(config)}"])
+    if stage.warmstart.init_from is not None:
+        raise ValueError(
+            f"warmstart.init_from={config.warmstart.init_from}: that recipe continues "
+            f"{stage.warmstart.init_from} itself; one stage deep only"
+        )
+    return stage, build_prompt_source(stage)
 
 
 def file_sha256(path: Path) -> str:
@@ -302,10 +321,17 @@ def _train_and_cache(config: SparrowConfig, source: PromptSource, target: Path, 
     from sparrow_nemo.grpo.world import rank
     from sparrow_nemo.hf_qwen3 import save_hf_checkpoint
 
-    logger.info("warm-start: %d SFT steps (cached afterwards in %s)", config.warmstart.steps, target)
+    stage = _init_stage(config)
+    start = None if stage is None else ensure_warm_start(*stage, show_progress)
+    logger.info(
+        "warm-start: %d SFT steps from %s (cached afterwards in %s)",
+        config.warmstart.steps,
+        start or "random weights",
+        target,
+    )
     with _one_cpu_thread():
         torch.manual_seed(config.trainer.seed)
-        policy = build_policy(config, hf_dir=None, lr=config.warmstart.lr)
+        policy = build_policy(config, hf_dir=start, lr=config.warmstart.lr)
         losses = run_warm_start(config, source, policy, show_progress)
         weights = policy.export_hf()
     if rank() == 0:

@@ -14,11 +14,11 @@ the edge digits, and ends with the answer = the chain's last node + the final su
 
 With two-letter names a hop is 8 characters of solution (``KQmb5=3 ``) and a table entry 6, so 150 hops
 make a ~1,200-token solution whose every hop reads its successor and digit from a table up to ~2,000
-tokens back: the long-context miniature (``recipes/tiny_cpu.yaml``).
+tokens back.
 
-Why it suits sparse rollout: no node is visited twice, so each step's successor and digit (2 of its 6
-characters) can only be read from the table in the prompt, far back, while the other characters are local
-copies or a local sum. Dropping the right page hurts those few tokens badly while most stay easy (the skewed
+Why it suits sparse rollout: no node is visited twice in a walk, so each step's successor and digit (2 of its
+6 characters) can only be read from the table in the prompt (or, with several queries, an earlier walk
+through the same entry), far back, while the other characters are local copies or a local sum. Dropping the right page hurts those few tokens badly while most stay easy (the skewed
 per-token mismatch of the paper), and the completion length (6 characters per hop) varies with the number
 of hops. The nodes not on the queried chain form other chains that also end in ``.``, so the end of the
 chain cannot be found without walking it.
@@ -35,6 +35,21 @@ filler pages (what top-k page selection is good at)::
     (;*+Ax3,->>;:Q.,*Xq5,;;-+:*B.:>)\n?A\n
 
 Stripping the filler gives back, character for character, the problem drawn without it.
+
+Several queries (``num_queries`` max > 1), the long-context miniature (``recipes/tiny_cpu.yaml``): one
+table, the nodes cut into chains of ``num_hops`` hops each, and Q labelled start nodes answered in turn, so
+the response grows to hundreds or thousands of tokens from a ~140-token prompt while every hop still reads
+the table (or an earlier walk through the same entry) far back. The labels are single letters
+beyond the node alphabet (:func:`query_labels`, here ``ÀÁÂ``); label Q closes the list with END::
+
+    (Ax3,Q.,Xq5,B.)\nÀx,Áa,Â.\n          ÀXq5=5À Q.\n!Q5\nÁAx3=3Á Xq5=8Á Q.\n!Q8\nÂ.
+
+Each walk starts with its label and the start node copied from after that label in the prompt (one
+induction), ends each step with the label and a space (so the label is never more than a step back: the next
+walk's label, the next in a fixed order, is a local read; the space keeps the token after an in-walk label
+unlike the prompt's, where a start node follows) and ends with its answer; after the last walk the next
+label's entry says END. The reward is the fraction of queries answered right
+(:func:`chain_reward`), so "accuracy" (reward 1) means every query right.
 """
 
 from __future__ import annotations
@@ -45,7 +60,7 @@ import random
 import re
 import string
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sparrow_nemo.config.schema import AT_LEAST_ONE, NON_NEGATIVE, Section, interval, knob
 from sparrow_nemo.rewards.registry import register_reward
@@ -74,21 +89,23 @@ def _entry_re(name_length: int, letters: int) -> re.Pattern[str]:
 @dataclass(frozen=True)
 class ChainProblem:
     """One problem. ``prompt`` and ``trace`` are plain text (the tokenizer adds bos; the trace is followed by
-    eos); ``answer`` is what :func:`parse_answer` must return for the completion to earn reward 1."""
+    eos); ``answer`` is the answers :func:`parse_answers` must return (space-separated, one per query) for the
+    completion to earn reward 1. ``num_hops``: hops over all the walks."""
 
     prompt: str
     trace: str
     answer: str
     num_nodes: int
     num_hops: int
+    num_queries: int = 1
 
 
 @dataclass(frozen=True)
 class ChainTaskConfig(Section):
     """Difficulty knobs (the recipe's ``task`` section); each problem draws its sizes uniformly from the
-    inclusive ranges. With name length L the prompt has (2L + 2) * num_nodes + L + 4 - L * (number of chains)
-    characters (plus the filler) and the trace (2L + 4) * (num_hops + 1). The tiny recipes use (2, 4) nodes,
-    (1, 2) hops."""
+    inclusive ranges. With name length L and one query the prompt has (2L + 2) * num_nodes + L + 4 - L *
+    (number of chains) characters (plus the filler) and the trace (2L + 4) * (num_hops + 1); several queries
+    add 3 prompt characters per query and 1 trace character per hop."""
 
     num_nodes: tuple[int, ...] = knob(
         (8, 26),
@@ -97,8 +114,8 @@ class ChainTaskConfig(Section):
     )
     num_hops: tuple[int, ...] = knob(
         (2, 25),
-        "(min, max) pointer hops on the queried chain, clamped to num_nodes - 1 (2 * name_length + 4 response "
-        "characters per hop)",
+        "(min, max) pointer hops on the queried chain (with several queries: of each chain of the table), clamped "
+        "to num_nodes - 1 (2 * name_length + 4 response characters per hop, one more with several queries)",
         check=AT_LEAST_ONE,
     )
     seed: int = knob(0, "problems are a pure function of (seed, index)", check=NON_NEGATIVE)
@@ -111,7 +128,7 @@ class ChainTaskConfig(Section):
         26,
         "size of the names' alphabet: 26 = A-Z; more adds non-ASCII letters with a one-character lower case "
         "(sparrow_nemo.tasks.tokenizer.alphabet: one token each, so the model's vocab_size must hold "
-        "80 + 2 * (letters - 26) ids)",
+        "80 + 2 * (letters - 26) ids, letters counting the query labels: tokenizer_letters)",
         check=interval(26, MAX_LETTERS),
     )
     filler_tokens: tuple[int, ...] = knob(
@@ -120,9 +137,34 @@ class ChainTaskConfig(Section):
         "that makes the KV cache long while the look-ups stay as easy; (0, 0) = none (the original problems)",
         check=NON_NEGATIVE,
     )
+    num_queries: tuple[int, ...] = knob(
+        (1, 1),
+        "(min, max) labelled queries about one table, answered in turn, from distinct start nodes (clamped to "
+        "the table's size; a max > 1 switches to that format, with chains of num_hops hops each; the labels take "
+        "max + 1 letters after the node alphabet); (1, 1) = the original single-query problems",
+        check=AT_LEAST_ONE,
+    )
+
+    slip_rate: float = knob(
+        0.0,
+        "probability per hop that a reference trace writes a wrong running sum and carries on from it: "
+        "demonstrations with mistakes, which a warm-start imitates (its own stream; answers stay the true ones); "
+        "0 = exact traces",
+        check=interval(0.0, 1.0),
+    )
+
+    @property
+    def multi_query(self) -> bool:
+        """Whether problems use the labelled several-query format."""
+        return self.num_queries[1] > 1
+
+    @property
+    def tokenizer_letters(self) -> int:
+        """Letters the tokenizer must hold: the node alphabet, plus the query labels in the several-query format."""
+        return self.letters + (self.num_queries[1] + 1 if self.multi_query else 0)
 
     def check(self) -> None:
-        for key in ("num_nodes", "num_hops", "filler_tokens"):
+        for key in ("num_nodes", "num_hops", "filler_tokens", "num_queries"):
             value = getattr(self, key)
             if len(value) != 2 or value[0] > value[1]:
                 raise self.invalid(key, "two integers [min, max] with min <= max")
@@ -134,20 +176,39 @@ class ChainTaskConfig(Section):
             )
         if self.num_hops[0] > self.num_nodes[1] - 1:
             raise self.invalid("num_hops", f"a minimum <= num_nodes max - 1 ({self.num_nodes[1] - 1})")
+        if self.tokenizer_letters > MAX_LETTERS:
+            raise self.invalid(
+                "num_queries",
+                f"letters + max + 1 <= {MAX_LETTERS} (labels are letters after the node alphabet)",
+            )
+
+
+@dataclass(frozen=True)
+class Writing:
+    """How a problem is written, apart from its graph: node names of ``name_length`` of the first ``letters``
+    letters, ``filler`` :data:`FILLER` characters scattered between the table's entries (drawn after everything
+    else: the same problem, with a haystack), and reference traces whose running sum slips at ``slip_rate`` per
+    hop, drawing from ``slips`` (:func:`_walk`)."""
+
+    name_length: int = 1
+    letters: int = 26
+    filler: int = 0
+    slip_rate: float = 0.0
+    slips: random.Random | None = field(default=None, compare=False)
+
+    def pool(self) -> list[str]:
+        """The node names this writing draws from."""
+        if (self.name_length, self.letters) == (1, 26):
+            return NODE_NAMES
+        return node_names(self.name_length, self.letters)
 
 
 def make_problem(
-    rng: random.Random,
-    num_nodes: int,
-    num_hops: int,
-    name_length: int = 1,
-    letters: int = 26,
-    filler: int = 0,
+    rng: random.Random, num_nodes: int, num_hops: int, writing: Writing = Writing()
 ) -> ChainProblem:
     """A problem with ``num_nodes`` table entries whose queried chain has ``num_hops`` hops (<= num_nodes - 1),
-    nodes named by ``name_length`` of the first ``letters`` letters, and ``filler`` :data:`FILLER` characters
-    scattered between the table's entries (drawn after everything else: the same problem, with a haystack)."""
-    pool = NODE_NAMES if (name_length, letters) == (1, 26) else node_names(name_length, letters)
+    written as ``writing`` says."""
+    pool = writing.pool()
     if not (1 <= num_hops <= num_nodes - 1 and num_nodes <= len(pool)):
         raise ValueError(
             f"need 1 <= num_hops <= num_nodes - 1 <= {len(pool) - 1}, got num_nodes={num_nodes}, num_hops={num_hops}"
@@ -163,15 +224,83 @@ def make_problem(
         rest = rest[cut:]
     order = names[:]
     rng.shuffle(order)
-    entries = [_entry(k, succ, digit) for k in order]
-    prompt = "(" + _scatter(rng, entries, filler) + f")\n?{path[0]}\n"
-    steps, total = [], 0
-    for k in path[:-1]:
-        total = (total + digit[k]) % 10
-        steps.append(f"{_entry(k, succ, digit)}={total}")
-    answer = f"{path[-1]}{total}"
-    trace = " ".join([*steps, _entry(path[-1], succ, digit)]) + f"\n!{answer}"
-    return ChainProblem(prompt=prompt, trace=trace, answer=answer, num_nodes=num_nodes, num_hops=num_hops)
+    table = _scatter(rng, [_entry(k, succ, digit) for k in order], writing.filler)
+    trace, answer, _ = _walk(path[0], succ, digit, slips=writing.slips, slip_rate=writing.slip_rate)
+    return ChainProblem(
+        prompt=f"({table})\n?{path[0]}\n", trace=trace, answer=answer, num_nodes=num_nodes, num_hops=num_hops
+    )
+
+
+def query_labels(letters: int, count: int) -> str:
+    """The ``count`` single-letter query labels of a task whose nodes use the first ``letters`` letters: the
+    letters after them (:func:`~sparrow_nemo.tasks.tokenizer.alphabet`), so a label never names a node."""
+    return alphabet(letters + count)[letters:]
+
+
+def make_multi_problem(
+    rng: random.Random, num_nodes: int, hops: tuple[int, int], num_queries: int, writing: Writing = Writing()
+) -> ChainProblem:
+    """A several-query problem (module docstring): ``num_nodes`` entries cut into chains of ``hops`` = (min, max)
+    hops each (the last chain takes what is left), ``num_queries`` distinct start nodes, written as ``writing``
+    says. ``num_hops`` of the result is the total over the walks."""
+    pool = writing.pool()
+    if not (1 <= num_queries <= num_nodes <= len(pool) and 1 <= hops[0] <= hops[1]):
+        raise ValueError(
+            f"need 1 <= num_queries <= num_nodes <= {len(pool)} and 1 <= hops min <= max, got "
+            f"num_nodes={num_nodes}, num_queries={num_queries}, hops={hops}"
+        )
+    names = rng.sample(pool, num_nodes)
+    digit = {k: rng.randrange(10) for k in names}
+    succ: dict[str, str] = {}
+    rest = names
+    while rest:
+        cut = rng.randint(*hops) + 1
+        _link(rest[:cut], succ)
+        rest = rest[cut:]
+    order = names[:]
+    rng.shuffle(order)
+    starts = rng.sample(names, num_queries)  # after the table's draws: the table does not depend on the count
+    table = _scatter(rng, [_entry(k, succ, digit) for k in order], writing.filler)
+    labels = query_labels(writing.letters, num_queries + 1)
+    queries = ",".join(
+        [*(f"{label}{node.lower()}" for label, node in zip(labels, starts)), f"{labels[-1]}{END}"]
+    )
+    walks = [
+        _walk(node, succ, digit, f"{label} ", writing.slips, writing.slip_rate)
+        for label, node in zip(labels, starts)
+    ]
+    trace = "".join(f"{label}{walk}\n" for label, (walk, _, _) in zip(labels, walks)) + f"{labels[-1]}{END}"
+    return ChainProblem(
+        prompt=f"({table})\n{queries}\n",
+        trace=trace,
+        answer=" ".join(answer for _, answer, _ in walks),
+        num_nodes=num_nodes,
+        num_hops=sum(n for _, _, n in walks),
+        num_queries=num_queries,
+    )
+
+
+def _walk(
+    start: str,
+    succ: dict[str, str],
+    digit: dict[str, int],
+    sep: str = " ",
+    slips: random.Random | None = None,
+    slip_rate: float = 0.0,
+) -> tuple[str, str, int]:
+    """(trace, answer, hops) of the walk from ``start`` to its chain's END: each visited entry followed by the
+    running sum mod 10 of the edge digits (the steps joined by ``sep``), then the final node and sum; ``answer``
+    is the true one. With ``slip_rate`` > 0 each step's written sum is off by 1-9 with that probability (draws
+    from ``slips``) and the trace carries on from the written value: a demonstration with mistakes."""
+    steps, total, written, node = [], 0, 0, start
+    while succ[node] != END:
+        total = (total + digit[node]) % 10
+        written = (written + digit[node]) % 10
+        if slip_rate and slips.random() < slip_rate:
+            written = (written + slips.randint(1, 9)) % 10
+        steps.append(f"{_entry(node, succ, digit)}={written}")
+        node = succ[node]
+    return sep.join([*steps, _entry(node, succ, digit)]) + f"\n!{node}{written}", f"{node}{total}", len(steps)
 
 
 def _scatter(rng: random.Random, entries: list[str], filler: int) -> str:
@@ -196,16 +325,30 @@ def _link(chain: list[str], succ: dict[str, str]) -> None:
 
 
 def solve(prompt: str) -> str:
-    """Answer of a prompt, computed from its text alone (an independent check of the generator).
+    """Answer of a prompt (space-separated, one per query), computed from its text alone (an independent check
+    of the generator).
 
     Raises ValueError when the prompt is not a well-formed chain problem (no table, unknown start, a cycle).
     """
-    table_line, _, query = prompt.partition("\n?")
-    if not (table_line.startswith("(") and table_line.endswith(")")) or not query.strip():
+    if "\n?" in prompt:  # the single-query format
+        table_line, _, query = prompt.partition("\n?")
+        starts = [query.strip()]
+    else:
+        head, _, query = prompt.partition(")\n")
+        table_line, items = head + ")", query.strip().split(",")
+        if not (len(items) >= 2 and items[-1][1:] == END and all(len(i) >= 2 for i in items)):
+            raise ValueError(f"not a chain prompt: {prompt[:40]!r}...")
+        starts = [item[1:].upper() for item in items[:-1]]
+    if not (table_line.startswith("(") and table_line.endswith(")")) or not all(starts):
         raise ValueError(f"not a chain prompt: {prompt[:40]!r}...")
-    entries = _entry_re(len(query.strip()), MAX_LETTERS).findall(table_line)
+    entries = _entry_re(len(starts[0]), MAX_LETTERS).findall(table_line)
     table = {k: (int(d), n.upper()) if n else (0, END) for k, n, d in entries}
-    node, total, seen = query.strip(), 0, set()
+    return " ".join(_solve_walk(table, start) for start in starts)
+
+
+def _solve_walk(table: dict[str, tuple[int, str]], node: str) -> str:
+    """The answer of the walk from ``node`` through ``table`` (node -> (digit, successor or END))."""
+    total, seen = 0, set()
     while True:
         if node not in table or node in seen:
             raise ValueError(f"chain prompt: node {node!r} is missing from the table or repeats")
@@ -217,62 +360,76 @@ def solve(prompt: str) -> str:
         node = nxt
 
 
+def parse_answers(completion: str) -> list[str]:
+    """Every answer of ``completion`` in order: the text after each ``!`` up to whitespace."""
+    return _ANSWER_RE.findall(completion)
+
+
 def parse_answer(completion: str) -> str | None:
-    """The text after the last ``!`` up to whitespace, or None when there is no ``!``."""
-    found = _ANSWER_RE.findall(completion)
+    """The last answer (:func:`parse_answers`), or None when there is no ``!``."""
+    found = parse_answers(completion)
     return found[-1] if found else None
 
 
 @register_reward("chain")
 def chain_reward(completion: str, answer: str) -> float:
-    """1.0 when the completion's final answer equals ``answer`` exactly, else 0.0 (any text is accepted)."""
-    return 1.0 if parse_answer(completion) == answer else 0.0
+    """The fraction of the queries answered right (any text is accepted): ``answer`` holds the k reference
+    answers, space-separated; the completion's last k answers are compared with them in order, or, when it
+    has fewer, its answers with the first ones. One query: 1.0 when the last answer is right, else 0.0."""
+    truth = answer.split(" ")
+    given = parse_answers(completion)[-len(truth) :]
+    return sum(g == t for g, t in zip(given, truth)) / len(truth)
 
 
 class ChainTask:
     """A seeded, indexable stream of chain problems.
 
     ``ramp_problems``: warm-start pairs grow from the smallest sizes to the full ranges over this many
-    problems (:meth:`warm_start_pairs`); 0 = full ranges at once. ``filler_ramp`` = (first, last): the
-    filler instead stays at its minimum for the first ``first`` pairs and grows to its full range by pair
-    ``last`` (None = with the sizes). ``problem(i)`` ignores both.
+    problems (:meth:`warm_start_pairs`); 0 = full ranges at once. ``late_ramp`` = (first, last): the
+    filler and the number of queries instead stay at their minimum for the first ``first`` pairs and grow to
+    their full ranges by pair ``last`` (None = with the sizes). ``problem(i)`` ignores both.
     """
 
     def __init__(
         self,
         config: ChainTaskConfig | None = None,
         ramp_problems: int = 0,
-        filler_ramp: tuple[int, int] | None = None,
+        late_ramp: tuple[int, int] | None = None,
     ) -> None:
         if ramp_problems < 0:
             raise ValueError(f"ChainTask: ramp_problems must be >= 0, got {ramp_problems}")
-        if filler_ramp is not None and not 0 <= filler_ramp[0] <= filler_ramp[1]:
+        if late_ramp is not None and not 0 <= late_ramp[0] <= late_ramp[1]:
             raise ValueError(
-                f"ChainTask: filler_ramp must be (first, last) with 0 <= first <= last, got {filler_ramp}"
+                f"ChainTask: late_ramp must be (first, last) with 0 <= first <= last, got {late_ramp}"
             )
         self.config = config or ChainTaskConfig()
         self.ramp_problems = ramp_problems
-        self.filler_ramp = filler_ramp
+        self.late_ramp = late_ramp
 
-    def problem(self, index: int, grown: float = 1.0, filler_grown: float | None = None) -> ChainProblem:
-        """Problem number ``index`` (deterministic in (config.seed, index, grown, filler_grown)).
+    def problem(self, index: int, grown: float = 1.0, late_grown: float | None = None) -> ChainProblem:
+        """Problem number ``index`` (deterministic in (config.seed, index, grown, late_grown)).
 
         ``grown`` in (0, 1] shrinks the size ranges toward their minimum, geometrically: the upper ends
         become ``min * (max / min) ** grown`` (rounded), the warm-start's ramp (it stays on small tables
-        for a while, then grows faster). ``filler_grown`` in [0, 1] (None = ``grown``) shrinks the filler's
-        upper end linearly, ``min + (max - min) * filler_grown`` (its minimum may be 0). The filler length has its own random stream, so the filler knob leaves the
-        table and the chain of problem ``index`` as they are.
+        for a while, then grows faster). ``late_grown`` in [0, 1] (None = ``grown``) shrinks the upper ends of
+        the filler and the number of queries linearly, ``min + (max - min) * late_grown`` (the filler's minimum
+        may be 0). The filler length and the number of queries have their own random streams, so these knobs
+        leave the table and the chains of problem ``index`` as they are.
         """
         cfg = self.config
         rng = random.Random(f"chain:{cfg.seed}:{index}")
-        (n_lo, n_hi), (h_lo, h_hi), (f_lo, f_hi) = cfg.num_nodes, cfg.num_hops, cfg.filler_tokens
+        (n_lo, n_hi), (h_lo, h_hi) = cfg.num_nodes, cfg.num_hops
         num_nodes = rng.randint(n_lo, round(n_lo * (n_hi / n_lo) ** grown))
         hops_hi = round(h_lo * (h_hi / h_lo) ** grown)
-        num_hops = rng.randint(min(h_lo, num_nodes - 1), min(hops_hi, num_nodes - 1))
-        filler = random.Random(f"filler:{cfg.seed}:{index}").randint(
-            f_lo, f_lo + round((f_hi - f_lo) * (grown if filler_grown is None else filler_grown))
-        )
-        return make_problem(rng, num_nodes, num_hops, cfg.name_length, cfg.letters, filler)
+        hops = (min(h_lo, num_nodes - 1), min(hops_hi, num_nodes - 1))
+        late = grown if late_grown is None else late_grown
+        filler = _late_size(f"filler:{cfg.seed}:{index}", cfg.filler_tokens, late)
+        slips = random.Random(f"slips:{cfg.seed}:{index}")
+        writing = Writing(cfg.name_length, cfg.letters, filler, cfg.slip_rate, slips)
+        if cfg.multi_query:
+            queries = min(_late_size(f"queries:{cfg.seed}:{index}", cfg.num_queries, late), num_nodes)
+            return make_multi_problem(rng, num_nodes, hops, queries, writing)
+        return make_problem(rng, num_nodes, rng.randint(*hops), writing)
 
     def problems(self, count: int, start: int = 0) -> list[ChainProblem]:
         """Problems ``start .. start + count - 1``."""
@@ -283,18 +440,18 @@ class ChainTask:
 
         With ``ramp_problems`` = R > 0 the n-th pair's sizes grow geometrically from the ranges'
         minimum to their full ranges over the first R pairs (a curriculum: a small model finds the
-        table look-up on small tables, then carries it to long ones). ``filler_ramp`` = (first, last): the
-        n-th pair's filler grows linearly from pair ``first`` to pair ``last`` (the look-up first, on short
-        prompts; then the haystack).
+        table look-up on small tables, then carries it to long ones). ``late_ramp`` = (first, last): the
+        n-th pair's filler and queries grow linearly from pair ``first`` to pair ``last`` (the look-up first,
+        on short prompts and single walks; then the haystack or the many queries).
         """
         index, ramp = start, self.ramp_problems
         while True:
             n = index - start + 1
-            filler_grown = None
-            if self.filler_ramp is not None:
-                first, last = self.filler_ramp
-                filler_grown = 1.0 if n >= last else max(0.0, (n - first) / (last - first))
-            p = self.problem(index, min(1.0, n / ramp) if ramp else 1.0, filler_grown)
+            late_grown = None
+            if self.late_ramp is not None:
+                first, last = self.late_ramp
+                late_grown = 1.0 if n >= last else max(0.0, (n - first) / (last - first))
+            p = self.problem(index, min(1.0, n / ramp) if ramp else 1.0, late_grown)
             yield p.prompt, p.trace
             index += 1
 
@@ -304,25 +461,30 @@ class ChainTask:
         return chain_reward(completion, answer)
 
 
+def _late_size(stream: str, bounds: tuple[int, ...], grown: float) -> int:
+    """A size drawn uniformly from ``bounds`` = (min, max) with the upper end shrunk linearly to
+    ``min + (max - min) * grown``, from its own random stream ``stream``."""
+    lo, hi = bounds
+    return random.Random(stream).randint(lo, lo + round((hi - lo) * grown))
+
+
 def build_tasks(task: ChainTaskConfig, warmstart=None) -> tuple[ChainTask, ChainTask]:
     """(RL task, warm-start task) from the recipe's ``task`` section and, optionally, its ``warmstart``
-    section, whose ``num_hops`` / ``num_nodes`` / ``filler_tokens`` (when not null) give the warm-start problems other sizes and
-    whose ``ramp_steps`` (x ``batch_size`` problems) grows them from their minimum (the filler over
-    ``filler_ramp_steps`` when given).
+    section, whose ``num_hops`` / ``num_nodes`` / ``filler_tokens`` / ``num_queries`` (when not null) give the
+    warm-start problems other sizes, whose ``slip_rate`` gives its demonstrations mistakes, and whose ``ramp_steps`` (x ``batch_size`` problems) grows them from their
+    minimum (the filler and the queries over ``late_ramp_steps`` when given).
 
     Raises the config's error (naming the sizes) when the warm-start's sizes do not make a valid task.
     """
-    hops = getattr(warmstart, "num_hops", None)
-    nodes = getattr(warmstart, "num_nodes", None)
-    filler = getattr(warmstart, "filler_tokens", None)
-    ws = dataclasses.replace(
-        task,
-        num_hops=tuple(hops) if hops is not None else task.num_hops,
-        num_nodes=tuple(nodes) if nodes is not None else task.num_nodes,
-        filler_tokens=tuple(filler) if filler is not None else task.filler_tokens,
-    )
+    sizes = {
+        key: tuple(value)
+        for key in ("num_hops", "num_nodes", "filler_tokens", "num_queries")
+        if (value := getattr(warmstart, key, None)) is not None
+    }
+    sizes["slip_rate"] = getattr(warmstart, "slip_rate", 0.0)
+    ws = dataclasses.replace(task, **sizes)
     batch = getattr(warmstart, "batch_size", 1)
     ramp = getattr(warmstart, "ramp_steps", 0) * batch
-    filler_ramp = getattr(warmstart, "filler_ramp_steps", None)
-    filler_ramp = None if filler_ramp is None else (filler_ramp[0] * batch, filler_ramp[1] * batch)
-    return ChainTask(task), ChainTask(ws, ramp_problems=ramp, filler_ramp=filler_ramp)
+    late = getattr(warmstart, "late_ramp_steps", None)
+    late = None if late is None else (late[0] * batch, late[1] * batch)
+    return ChainTask(task), ChainTask(ws, ramp_problems=ramp, late_ramp=late)

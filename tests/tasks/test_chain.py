@@ -276,7 +276,7 @@ def test_no_filler_reproduces_the_original_problems_and_the_ramp_grows_it_linear
 
 
 def test_the_filler_can_have_its_own_ramp_after_the_look_up_phase() -> None:
-    """warmstart.filler_ramp_steps = (first, last): no filler for `first` steps (the problems of the filler-free
+    """warmstart.late_ramp_steps = (first, last): no filler for `first` steps (the problems of the filler-free
     task, pair for pair), then it grows linearly to its full range by step `last`."""
     base = ChainTaskConfig(num_nodes=(3, 26), num_hops=(1, 22), seed=0)
     ws = SimpleNamespace(
@@ -285,20 +285,20 @@ def test_the_filler_can_have_its_own_ramp_after_the_look_up_phase() -> None:
         filler_tokens=(0, 1000),
         ramp_steps=5,
         batch_size=4,
-        filler_ramp_steps=(50, 100),
+        late_ramp_steps=(50, 100),
     )
     _, warm = build_tasks(base, ws)
-    assert warm.filler_ramp == (200, 400) and warm.ramp_problems == 20
+    assert warm.late_ramp == (200, 400) and warm.ramp_problems == 20
     plain = build_tasks(
-        base, SimpleNamespace(**{**vars(ws), "filler_tokens": None, "filler_ramp_steps": None})
+        base, SimpleNamespace(**{**vars(ws), "filler_tokens": None, "late_ramp_steps": None})
     )[1]
     pairs, plain_pairs = warm.warm_start_pairs(), plain.warm_start_pairs()
     got = [next(pairs) for _ in range(800)]
     assert got[:200] == [next(plain_pairs) for _ in range(200)]
     filler = [sum(prompt.count(c) for c in FILLER) for prompt, _ in got]
     assert max(filler[200:240]) <= 200 and max(filler[400:]) > 900
-    with pytest.raises(ValueError, match="filler_ramp"):
-        ChainTask(base, filler_ramp=(10, 5))
+    with pytest.raises(ValueError, match="late_ramp"):
+        ChainTask(base, late_ramp=(10, 5))
     with pytest.raises(ValueError, match="filler_tokens"):
         ChainTaskConfig(filler_tokens=(10, 5))
     with pytest.raises(ValueError, match="filler_tokens"):
@@ -309,5 +309,114 @@ def test_a_filler_ramp_of_no_length_is_a_config_error() -> None:
     from sparrow_nemo.config import ConfigError
     from sparrow_nemo.grpo.recipe import load_config
 
-    with pytest.raises(ConfigError, match=r"warmstart\.filler_ramp_steps.*first < last"):
-        load_config("tiny_cpu_haystack", ["warmstart.filler_ramp_steps=[5,5]"])
+    with pytest.raises(ConfigError, match=r"warmstart\.late_ramp_steps.*first < last"):
+        load_config("tiny_cpu_haystack", ["warmstart.late_ramp_steps=[5,5]"])
+
+
+# ----- several labelled queries: the long-context miniature (recipes/tiny_cpu.yaml) -------------------
+MULTI = ChainTask(ChainTaskConfig(num_nodes=(22, 26), num_hops=(12, 25), num_queries=(6, 20), seed=4))
+_WALK = re.compile(r"([A-Z])([a-z])(\d)=(\d)")
+
+
+def _walks(p) -> list[tuple[str, str]]:
+    """(label, walk text up to its answer line) per query of a several-query trace."""
+    return re.findall(r"(?:^|\n)(\S)(.*?\n![A-Z]\d)", p.trace, re.S)
+
+
+def test_several_queries_replay_the_table_label_by_label() -> None:
+    """Each walk: its label, the start copied from after that label in the prompt, steps ending in the label
+    and a space, the chain's END, its answer; after the last walk the next label says END."""
+    tok = CharTokenizer(ChainTaskConfig(num_queries=(6, 20)).tokenizer_letters)
+    for p in MULTI.problems(60):
+        assert solve(p.prompt) == p.answer and chain_reward(p.trace, p.answer) == 1.0
+        assert len(tok.encode(p.prompt + p.trace)) == len(p.prompt + p.trace)  # one token per character
+        table_text, queries = p.prompt.split(")\n")
+        table = dict(re.findall(r"([A-Z])([a-z]\d|\.)", table_text))
+        listed = queries.strip().split(",")
+        assert len(listed) == p.num_queries + 1 and listed[-1][1:] == "."
+        walks = _walks(p)
+        assert [label for label, _ in walks] == [q[0] for q in listed[:-1]]
+        assert p.trace.endswith("\n" + listed[-1])
+        hops = 0
+        for (label, walk), query, answer in zip(walks, listed, p.answer.split(" ")):
+            assert walk[0] == query[1].upper()  # the start node, from after the label in the prompt
+            steps = walk.split("\n")[0].split(f"{label} ")
+            total = 0
+            for i, step in enumerate(steps[:-1]):
+                node, succ, digit, running = _WALK.fullmatch(step).groups()
+                assert table[node] == succ + digit and (i == 0 or node == steps[i - 1][1].upper())
+                total = (total + int(digit)) % 10
+                assert int(running) == total
+            assert table[steps[-1][0]] == "." and answer == f"{steps[-1][0]}{total}"
+            hops += len(steps) - 1
+        assert hops == p.num_hops
+
+
+def test_several_queries_make_long_responses_from_short_prompts() -> None:
+    """The miniature's geometry: ~140-token prompts, responses of hundreds to ~2,000 tokens."""
+    prompts = [len(p.prompt) for p in MULTI.problems(300)]
+    responses = sorted(len(p.trace) + 1 for p in MULTI.problems(300))
+    assert max(prompts) < 200
+    assert 500 < statistics.median(responses) < 1100 and responses[-1] < 2048 and responses[0] > 100
+
+
+def test_the_reward_is_the_fraction_of_queries_answered_right_in_order() -> None:
+    p = MULTI.problem(0)
+    answers = p.answer.split(" ")
+    k = len(answers)
+    wrong = p.trace.replace(f"!{answers[1]}\n", f"!{answers[1][0]}{(int(answers[1][1]) + 1) % 10}\n", 1)
+    assert chain_reward(wrong, p.answer) == (k - 1) / k
+    cut = p.trace[: p.trace.index(f"!{answers[2]}") + 3]  # stopped after the third answer
+    assert chain_reward(cut, p.answer) == 3 / k
+    assert chain_reward("!" + " !".join(answers), p.answer) == 1.0
+    assert chain_reward("!ZZ " + "!" + " !".join(answers), p.answer) == 1.0  # the last k answers count
+    assert chain_reward("", p.answer) == 0.0
+
+
+def test_labels_follow_the_node_alphabet_and_are_config_checked() -> None:
+    from sparrow_nemo.tasks.chain import query_labels
+    from sparrow_nemo.tasks.tokenizer import MAX_LETTERS, alphabet
+
+    assert query_labels(26, 3) == alphabet(29)[26:] and not set(query_labels(26, 21)) & set(alphabet(26))
+    cfg = ChainTaskConfig(num_queries=(6, 20))
+    assert cfg.multi_query and cfg.tokenizer_letters == 26 + 21
+    assert ChainTaskConfig().tokenizer_letters == 26 and not ChainTaskConfig().multi_query
+    with pytest.raises(ValueError, match="num_queries"):
+        ChainTaskConfig(letters=MAX_LETTERS - 5, num_queries=(1, 8))
+    with pytest.raises(ValueError, match="num_queries"):
+        ChainTaskConfig(num_queries=(5, 2))
+
+
+def test_the_queries_grow_late_and_the_warm_start_shares_the_tokenizer() -> None:
+    """late_ramp: one query (plus the closing label) until `first`, the full range by `last`; the table and
+    chains of problem i do not depend on how many queries it has."""
+    cfg = ChainTaskConfig(num_nodes=(22, 26), num_hops=(12, 25), num_queries=(1, 20), seed=1)
+    pairs = ChainTask(cfg, late_ramp=(100, 200)).warm_start_pairs()
+    counts = [prompt.split(")\n")[1].count(",") for prompt, _ in (next(pairs) for _ in range(300))]
+    assert set(counts[:100]) == {1} and max(counts[200:]) > 15
+    one, many = ChainTask(cfg).problem(7, late_grown=0.0), ChainTask(cfg).problem(7)
+    assert one.prompt.split(")\n")[0] == many.prompt.split(")\n")[0] and one.num_queries == 1
+
+
+def test_slipped_demonstrations_carry_on_from_their_mistakes() -> None:
+    """slip_rate: a demonstration's written sum is wrong at that rate per hop and the trace continues from it;
+    the problem (prompt, true answer) is the exact one; slip_rate 0 leaves every problem as it was."""
+    cfg = dataclasses.replace(MULTI.config, slip_rate=0.05)
+    exact, slipped = MULTI.problems(80), ChainTask(cfg).problems(80)
+    assert [(p.prompt, p.answer) for p in exact] == [(p.prompt, p.answer) for p in slipped]
+    rewards = [chain_reward(p.trace, p.answer) for p in slipped]
+    assert statistics.mean(rewards) < 0.9 and max(rewards) == 1.0
+    steps = slips = 0
+    for p in slipped:
+        for _, walk in _walks(p):
+            written = 0
+            for _, _, digit, running in _WALK.findall(walk):
+                steps += 1
+                slips += (
+                    int(running) != (written + int(digit)) % 10
+                )  # the sum carries on from what was written
+                written = int(running)
+            assert walk.endswith(str(written))  # the walk's answer line: its last written sum
+    assert 0.03 < slips / steps < 0.07
+    _, warm = build_tasks(MULTI.config, SimpleNamespace(slip_rate=0.05))
+    assert warm.config.slip_rate == 0.05 and MULTI.config.slip_rate == 0.0
