@@ -3,7 +3,7 @@
 # no container. A smoke test of the Slurm path on any machine with Slurm (tests/slurm/ runs it).
 #
 #   sbatch slurm/train_tiny_cpu.sh                                  # from the repository root
-#   RECIPE=tiny_cpu_smoke sbatch slurm/train_tiny_cpu.sh trainer.max_steps=4
+#   RECIPE=tiny_cpu_short_smoke sbatch slurm/train_tiny_cpu.sh trainer.max_steps=4
 #
 # Needs ./install.sh (the tasks run .venv/bin/python). Output: runs/<job name>-<job id>/ (metrics.jsonl,
 # checkpoints/, logs/attempt<N>_rank<R>.log); the launcher's own messages in slurm-<job name>-<job id>.out.

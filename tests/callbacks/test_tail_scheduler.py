@@ -317,7 +317,8 @@ def test_the_recipe_sections_configure_the_scheduler() -> None:
     from sparrow_nemo.grpo.recipe import load_config
 
     config = load_config(
-        None, ["tail_scheduler.adapt=raise_and_lower", "sparsity.threshold=0.9", "tail_scheduler.patience=5"]
+        "tiny_cpu_short",
+        ["tail_scheduler.adapt=raise_and_lower", "sparsity.threshold=0.9", "tail_scheduler.patience=5"],
     )
     scheduler = TailMismatchScheduler(config.sparsity, config.tail_scheduler)
     assert (scheduler.mode, scheduler.threshold, scheduler.patience) == ("raise_and_lower", 0.9, 5)

@@ -87,7 +87,7 @@ def test_config_show_prints_the_resolved_recipe(capsys: pytest.CaptureFixture[st
 
 def test_config_show_defaults_to_the_tiny_recipe(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["config", "show"]) == 0
-    assert yaml.safe_load(capsys.readouterr().out) == load_config().to_dict()
+    assert yaml.safe_load(capsys.readouterr().out) == load_config("tiny_cpu").to_dict()
 
 
 def test_commands_validate_the_recipe_first(capsys: pytest.CaptureFixture[str]) -> None:

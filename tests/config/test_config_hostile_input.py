@@ -127,7 +127,7 @@ def test_merge_keys_may_still_override(write_recipe: Writer) -> None:
     text = "trainer:\n  <<: {seed: 1, max_steps: 5}\n  seed: 4\n"
     assert (
         load_config(write_recipe("merge", text)).trainer
-        == load_config(None, ["trainer.seed=4", "trainer.max_steps=5"]).trainer
+        == load_config("tiny_cpu_short", ["trainer.seed=4", "trainer.max_steps=5"]).trainer
     )
 
 

@@ -100,7 +100,7 @@ def test_no_field_name_is_declared_twice_along_an_inheritance_chain() -> None:
 
 
 def test_documented_yaml_is_the_recipe_with_every_doc_string() -> None:
-    config = load_config()
+    config = load_config("tiny_cpu_short")
     text = documented_yaml(config)
     assert yaml.safe_load(text) == config.to_dict()
     for key, (knob,) in KNOBS.items():
@@ -112,7 +112,7 @@ def test_config_show_doc_prints_the_doc_strings(capsys: pytest.CaptureFixture[st
     out = capsys.readouterr().out
     assert out.startswith("# sparrow config 'tiny_cpu', hash ")
     assert "# global seed (data order, initialisation)\n  seed: 3\n" in out
-    assert yaml.safe_load(out) == load_config(None, ["trainer.seed=3"]).to_dict()
+    assert yaml.safe_load(out) == load_config("tiny_cpu", ["trainer.seed=3"]).to_dict()
 
 
 def test_registries_name_their_members_and_accept_registrations() -> None:
@@ -127,14 +127,16 @@ def test_registries_name_their_members_and_accept_registrations() -> None:
 
     try:
         config = load_config(
-            None, ["reward.type=test_only_reward", "data.train_path=d/t.jsonl", "sparsity.calibrate=false"]
+            "tiny_cpu_short",
+            ["reward.type=test_only_reward", "data.train_path=d/t.jsonl", "sparsity.calibrate=false"],
         )
         assert config.reward.type == "test_only_reward"
     finally:
         _REGISTERED.pop("test_only_reward")
     with pytest.raises(ValueError, match="expected a registered name"):
         load_config(
-            None, ["reward.type=test_only_reward", "data.train_path=d/t.jsonl", "sparsity.calibrate=false"]
+            "tiny_cpu_short",
+            ["reward.type=test_only_reward", "data.train_path=d/t.jsonl", "sparsity.calibrate=false"],
         )
 
 
@@ -151,7 +153,7 @@ def test_registries_name_their_members_and_accept_registrations() -> None:
 )
 def test_a_built_in_callback_under_callbacks_is_an_error(entry: str, built_by: str) -> None:
     with pytest.raises(ValueError) as info:
-        load_config(None, [f"callbacks=[{{_target_: {entry}}}]"])
+        load_config("tiny_cpu_short", [f"callbacks=[{{_target_: {entry}}}]"])
     message = str(info.value)
     assert message.startswith(
         f"config error: callbacks.0._target_={entry} (from command line) - expected a user callback: the trainer "
@@ -164,7 +166,7 @@ def test_a_callback_target_must_import() -> None:
     with pytest.raises(
         ValueError, match=r"callbacks\.0\._target_=my_pkg\.Cb .* expected an importable class"
     ):
-        load_config(None, ["callbacks=[{_target_: my_pkg.Cb}]"])
+        load_config("tiny_cpu_short", ["callbacks=[{_target_: my_pkg.Cb}]"])
 
 
 @pytest.mark.parametrize(
@@ -197,7 +199,7 @@ def test_a_callback_target_must_import() -> None:
 )
 def test_a_renamed_or_removed_key_says_what_became_of_it(override: str, expected: str) -> None:
     with pytest.raises(ValueError) as info:
-        load_config(None, [override])
+        load_config("tiny_cpu_short", [override])
     assert str(info.value) == f"config error: {expected}"
 
 

@@ -39,8 +39,8 @@ def test_default_recipe_is_tiny_cpu_by_name_and_by_path() -> None:
     assert by_default.rollout.backend == "torch"
 
 
-def test_tiny_schedule_is_the_explicit_scaled_one() -> None:
-    config = load_config()
+def test_tiny_short_schedule_is_the_explicit_scaled_one() -> None:
+    config = load_config("tiny_cpu_short")
     schedule = config.sparsity.build_schedule()
     assert schedule == BudgetSchedule(16, (16, 24, 48, 64), page_size=4, name="explicit")
     # flat after the last bin, and every budget holds the 3 reserved pages plus at least one top-k page
@@ -144,7 +144,7 @@ def test_defaults_are_the_components_and_the_paper_settings() -> None:
         "down_proj",
     )
     # the tiny CPU run states its own scale
-    tiny = load_config("tiny_cpu").sparsity
+    tiny = load_config("tiny_cpu_short").sparsity
     assert (tiny.page_size, tiny.bin_tokens, tiny.dense_layers) == (4, 16, 0)
 
 

@@ -15,7 +15,7 @@ from sparrow_nemo.rollout.engine import SamplingParams
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 
-def error_of(*overrides: str, recipe: str | Path | None = None) -> str:
+def error_of(*overrides: str, recipe: str | Path | None = "tiny_cpu_short") -> str:
     """The ConfigError message for these overrides (fails the test when the config loads)."""
     with pytest.raises(ConfigError) as info:
         load_config(recipe, list(overrides))
@@ -65,7 +65,7 @@ def test_wrong_type(override: str, expected: str) -> None:
 
 def test_float_fields_accept_ints_and_exponent_strings() -> None:
     # YAML 1.1 reads 1e-5 (no dot) as a string; a float field takes it as the number it spells
-    config = load_config(None, ["policy.optimizer.lr=1e-5", "policy.optimizer.weight_decay=0"])
+    config = load_config("tiny_cpu_short", ["policy.optimizer.lr=1e-5", "policy.optimizer.weight_decay=0"])
     assert config.policy.optimizer.lr == 1e-5 and isinstance(config.policy.optimizer.lr, float)
     assert config.policy.optimizer.weight_decay == 0.0 and isinstance(
         config.policy.optimizer.weight_decay, float
@@ -111,7 +111,7 @@ def test_out_of_range(override: str, expected: str) -> None:
     ],
 )
 def test_range_boundaries_that_are_allowed(override: str) -> None:
-    load_config(None, [override])
+    load_config("tiny_cpu_short", [override])
 
 
 # ----- choices ---------------------------------------------------------------------------
@@ -138,7 +138,9 @@ def test_registry_names_come_from_the_grpo_registries() -> None:
     assert "did you mean 'token_mean'?" in error_of("grpo.loss.aggregation=token-mean")
     assert "clipped_pg" in error_of("grpo.loss.name=ppo")
     assert (
-        load_config(None, ["grpo.adv_estimator=rloo", "grpo.loss.correction=icepop"]).grpo.adv_estimator
+        load_config(
+            "tiny_cpu_short", ["grpo.adv_estimator=rloo", "grpo.loss.correction=icepop"]
+        ).grpo.adv_estimator
         == "rloo"
     )
 
@@ -151,7 +153,7 @@ def test_loss_section_constructs_the_policy_loss_config() -> None:
 
 def test_optimizer_section_constructs_the_policy_optimizer_settings() -> None:
     optimizer = load_config(
-        None, ["policy.optimizer.betas=[0.8, 0.95]", "policy.optimizer.grad_clip=0"]
+        "tiny_cpu_short", ["policy.optimizer.betas=[0.8, 0.95]", "policy.optimizer.grad_clip=0"]
     ).policy.optimizer
     settings = OptimizerSettings(**dataclasses.asdict(optimizer))
     assert (settings.betas, settings.grad_clip, settings.lr) == ((0.8, 0.95), 0.0, 1e-3)
@@ -160,7 +162,7 @@ def test_optimizer_section_constructs_the_policy_optimizer_settings() -> None:
 
 def test_rollout_section_constructs_sampling_params() -> None:
     rollout = load_config(
-        None, ["rollout.top_k=5", "rollout.stop_token_ids=[2]", "rollout.stop_strings=[END]"]
+        "tiny_cpu_short", ["rollout.top_k=5", "rollout.stop_token_ids=[2]", "rollout.stop_strings=[END]"]
     ).rollout
     names = {f.name for f in dataclasses.fields(SamplingParams)}
     params = SamplingParams(**{k: v for k, v in dataclasses.asdict(rollout).items() if k in names})
@@ -237,10 +239,11 @@ def test_cross_field_rules(overrides: list[str], expected: str) -> None:
 def test_non_synthetic_reward_needs_a_prompt_file() -> None:
     message = error_of("reward.type=math")
     assert message.startswith("config error: data.train_path=null (from ")
-    assert "tiny_cpu.yaml) - expected a prompt file for reward.type=math" in message
+    assert "tiny_cpu_short.yaml) - expected a prompt file for reward.type=math" in message
     assert (
         load_config(
-            None, ["reward.type=math", "data.train_path=d/train.jsonl", "sparsity.calibrate=false"]
+            "tiny_cpu_short",
+            ["reward.type=math", "data.train_path=d/train.jsonl", "sparsity.calibrate=false"],
         ).reward.type
         == "math"
     )
@@ -262,7 +265,7 @@ def test_callbacks_need_a_dotted_target() -> None:
 # ----- model shape -----------------------------------------------------------------------
 def test_shape_overrides_apply_over_the_preset() -> None:
     config = load_config(
-        None, ["++model.shape_overrides.num_layers=2", "++model.shape_overrides.head_dim=16"]
+        "tiny_cpu_short", ["++model.shape_overrides.num_layers=2", "++model.shape_overrides.head_dim=16"]
     )
     shape = config.model.shape()
     assert (shape.num_layers, shape.head_dim, shape.hidden_size) == (2, 16, 128)
@@ -289,7 +292,7 @@ def test_preset_null_with_a_full_shape() -> None:
         "intermediate_size: 128, vocab_size: 96, tie_word_embeddings: false}"
     )
     config = load_config(
-        None, ["model.preset=null", f"++model.shape_overrides={full}", "sparsity.dense_layers=1"]
+        "tiny_cpu_short", ["model.preset=null", f"++model.shape_overrides={full}", "sparsity.dense_layers=1"]
     )
     assert config.model.shape().num_layers == 2
 
@@ -299,13 +302,13 @@ def test_schedule_specs_go_through_budget_schedule(tmp_path: Path) -> None:
     paper = load_config("base", ["sparsity.schedule=qwen3-4b-0.86"]).sparsity.build_schedule()
     assert paper == BudgetSchedule.from_preset("qwen3-4b-0.86")
     fixed = load_config(
-        None, ["sparsity.schedule=fixed:512"]
+        "tiny_cpu_short", ["sparsity.schedule=fixed:512"]
     ).sparsity.build_schedule()  # in the recipe's pages
     assert (fixed.budget(10**6), fixed.page_size, fixed.bin_tokens) == (512, 4, 16)
-    assert load_config(None, ["sparsity.schedule=dense"]).sparsity.build_schedule().is_dense
+    assert load_config("tiny_cpu_short", ["sparsity.schedule=dense"]).sparsity.build_schedule().is_dense
     path = tmp_path / "sched.yaml"
     BudgetSchedule(bin_tokens=100, budgets=(64, 128), page_size=4, name="mine").to_yaml(path)
-    from_file = load_config(None, [f"sparsity.schedule={path}"]).sparsity.build_schedule()
+    from_file = load_config("tiny_cpu_short", [f"sparsity.schedule={path}"]).sparsity.build_schedule()
     assert from_file == BudgetSchedule(bin_tokens=100, budgets=(64, 128), page_size=4, name="mine")
 
 
@@ -337,7 +340,7 @@ def test_calibration_candidates_rules() -> None:
 def test_sparsity_and_tail_scheduler_sections_configure_the_scheduler() -> None:
     from sparrow_nemo.callbacks.tail_scheduler import TailMismatchScheduler
 
-    config = load_config(None, ["tail_scheduler.adapt=raise_and_lower", "sparsity.noise_z=1.5"])
+    config = load_config("tiny_cpu_short", ["tail_scheduler.adapt=raise_and_lower", "sparsity.noise_z=1.5"])
     scheduler = TailMismatchScheduler(config.sparsity, config.tail_scheduler)
     assert (scheduler.mode, scheduler.threshold, scheduler.noise_z) == ("raise_and_lower", 0.86, 1.5)
     assert scheduler.candidates == list(config.sparsity.calibration.candidate_budgets)
@@ -346,4 +349,4 @@ def test_sparsity_and_tail_scheduler_sections_configure_the_scheduler() -> None:
 def test_default_distill_targets_are_every_decoder_linear() -> None:
     from sparrow_nemo.hf_qwen3 import ATTN_LINEARS, MLP_LINEARS
 
-    assert load_config().distill.target_modules == ATTN_LINEARS + MLP_LINEARS
+    assert load_config("tiny_cpu_short").distill.target_modules == ATTN_LINEARS + MLP_LINEARS

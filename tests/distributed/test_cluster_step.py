@@ -39,7 +39,7 @@ from sparrow_nemo.grpo.warmstart import ensure_warm_start
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
-RECIPE = "tiny_cpu_smoke"
+RECIPE = "tiny_cpu_short_smoke"
 OVERRIDES = [
     "trainer.max_steps=2",
     "evaluation.num_prompts=8",

@@ -16,7 +16,7 @@ SHIPPED = Path(__file__).resolve().parents[2] / "experiments" / "tiny_arms.yaml"
 def test_shipped_arms_resolve_with_the_same_seed_and_steps() -> None:
     spec = load_arms(SHIPPED)
     assert spec.prefix == "tiny" and {a.role for a in spec.arms} == {"dense", "fixed", "schedule", "distill"}
-    configs = {a.name: arm_config("tiny_cpu_smoke", spec, a, seed=3) for a in spec.arms}
+    configs = {a.name: arm_config("tiny_cpu_short_smoke", spec, a, seed=3) for a in spec.arms}
     assert {c.rollout.seed for c in configs.values()} == {3}
     assert len({c.trainer.max_steps for c in configs.values()}) == 1
     assert configs["dense"].sparsity.build_schedule().is_dense
@@ -25,7 +25,7 @@ def test_shipped_arms_resolve_with_the_same_seed_and_steps() -> None:
     assert configs["distill_24"].sparsity.build_schedule().budgets == (24,)
     assert configs["calib_0.70"].sparsity.calibrate and configs["calib_0.70"].sparsity.threshold == 0.7
     assert all(c.sparsity.page_size == 4 and not c.tail_scheduler.collapse_guard for c in configs.values())
-    smoke = arm_config("tiny_cpu_smoke", spec, spec.arm("dense"), seed=0, smoke=True)
+    smoke = arm_config("tiny_cpu_short_smoke", spec, spec.arm("dense"), seed=0, smoke=True)
     assert smoke.trainer.max_steps == 2
     assert [a.name for a in spec.selected(smoke=True)] == list(spec.smoke_arms)
 
@@ -65,7 +65,7 @@ def test_bad_override_names_the_arm_and_the_key(tmp_path: Path) -> None:
     with pytest.raises(
         ArmsError, match=r"arm a: config error: unknown key 'sparsity.treshold'.*sparsity.threshold"
     ):
-        arm_config("tiny_cpu_smoke", spec, spec.arm("a"), seed=0)
+        arm_config("tiny_cpu_short_smoke", spec, spec.arm("a"), seed=0)
 
 
 def test_cli_reports_a_bad_arms_file_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -77,10 +77,10 @@ def test_cli_reports_a_bad_arms_file_in_one_line(tmp_path: Path, capsys: pytest.
 
 def test_a_finished_run_made_with_another_config_is_refused(tmp_path: Path) -> None:
     spec = load_arms(SHIPPED)
-    (plan,) = plan_runs("tiny_cpu_smoke", spec, [0], tmp_path, smoke=True)[:1]
+    (plan,) = plan_runs("tiny_cpu_short_smoke", spec, [0], tmp_path, smoke=True)[:1]
     assert not plan.done and plan.folder == run_folder(tmp_path, "dense", 0)
     plan.folder.mkdir(parents=True)
     (plan.folder / "summary.json").write_text("{}")
     (plan.folder / "config.yaml").write_text("# sparrow config 'dense', hash 0\n")
     with pytest.raises(ArmsError, match=r"seed_0 was made with another config than arm dense now gives"):
-        plan_runs("tiny_cpu_smoke", spec, [0], tmp_path, smoke=True)
+        plan_runs("tiny_cpu_short_smoke", spec, [0], tmp_path, smoke=True)

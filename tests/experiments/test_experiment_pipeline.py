@@ -28,7 +28,7 @@ def test_smoke_experiment_writes_runs_report_and_figures(tmp_path: Path) -> None
     args = [
         "experiment",
         "--config",
-        "tiny_cpu_smoke",
+        "tiny_cpu_short_smoke",
         "--arms",
         str(ARMS),
         "--smoke",

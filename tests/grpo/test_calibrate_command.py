@@ -16,7 +16,7 @@ def test_calibrate_writes_table_schedule_and_plot(tmp_path: Path, capsys: pytest
         "--out",
         str(tmp_path),
         "--config",
-        "tiny_cpu_smoke",
+        "tiny_cpu_short_smoke",
         "warmstart.enabled=false",
         "sparsity.calibration.num_prompts=2",
         "sparsity.calibration.samples_per_prompt=2",

@@ -59,7 +59,7 @@ def test_file_data_evaluates_on_val_path_not_on_training_prompts(files) -> None:
         f"model.hf_checkpoint={tok}",
         f"data.train_path={train}",
     ]
-    source = build_prompt_source(load_config(None, [*overrides, f"data.val_path={val}"]))
+    source = build_prompt_source(load_config("tiny_cpu_short", [*overrides, f"data.val_path={val}"]))
     held_out = _texts(source, source.eval_batch(4))
     training = _texts(source, source.peek(3 * 24))  # three epochs of the training stream
     assert held_out == {f"val{i}?" for i in range(4)}
@@ -70,7 +70,7 @@ def test_file_data_evaluates_on_val_path_not_on_training_prompts(files) -> None:
 def test_file_data_without_val_path_has_no_held_out_prompts(files) -> None:
     tok, train, _ = files
     config = load_config(
-        None,
+        "tiny_cpu_short",
         [
             "reward.type=math",
             "sparsity.calibrate=false",
@@ -83,7 +83,7 @@ def test_file_data_without_val_path_has_no_held_out_prompts(files) -> None:
 
 
 def test_synthetic_held_out_problems_are_disjoint_from_the_stream() -> None:
-    config = load_config("tiny_cpu_smoke")
+    config = load_config("tiny_cpu_short_smoke")
     source = build_prompt_source(config)
     task = ChainTask(config.task)
     held_out = [source.tokenizer.decode(i.prompt_ids) for i in source.eval_batch(8)]
@@ -98,4 +98,6 @@ def test_calibration_on_file_data_needs_val_path() -> None:
         ConfigError,
         match=r"data\.val_path=null .* expected a held-out prompt file when sparsity\.calibrate=true",
     ):
-        load_config(None, ["reward.type=math", "data.train_path=d/t.jsonl", "sparsity.calibrate=true"])
+        load_config(
+            "tiny_cpu_short", ["reward.type=math", "data.train_path=d/t.jsonl", "sparsity.calibrate=true"]
+        )

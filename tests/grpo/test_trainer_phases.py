@@ -76,7 +76,7 @@ def _rows(run_dir: Path) -> list[dict]:
 
 def test_rows_carry_timings_next_budgets_and_prefixed_callback_metrics(tmp_path) -> None:
     config = load_config(
-        "tiny_cpu_smoke",
+        "tiny_cpu_short_smoke",
         [
             *FAST,
             "checkpoint.enabled=false",
@@ -107,7 +107,7 @@ def test_rows_carry_timings_next_budgets_and_prefixed_callback_metrics(tmp_path)
 def test_a_stop_during_the_rollout_abandons_the_step_and_the_resume_redoes_it(
     tmp_path, restore_stop_handlers
 ) -> None:
-    config = load_config("tiny_cpu_smoke", FAST)
+    config = load_config("tiny_cpu_short_smoke", FAST)
     with single_rank_env():
         train(config, tmp_path / "straight")
     with single_rank_env():
@@ -140,13 +140,13 @@ def test_a_stop_during_the_rollout_abandons_the_step_and_the_resume_redoes_it(
 def test_time_based_checkpoints(tmp_path) -> None:
     # 0.0001 minutes = 6 ms: every step takes longer, so every step saves; every_n_steps alone saves at the end
     config = load_config(
-        "tiny_cpu_smoke", [*FAST, "checkpoint.every_n_minutes=0.0001", "checkpoint.keep_last=5"]
+        "tiny_cpu_short_smoke", [*FAST, "checkpoint.every_n_minutes=0.0001", "checkpoint.keep_last=5"]
     )
     with single_rank_env():
         train(config, tmp_path / "timed")
     assert [s for s, _ in complete_checkpoints(tmp_path / "timed" / "checkpoints")] == [3, 2, 1]
     with single_rank_env():
-        train(load_config("tiny_cpu_smoke", [*FAST, "checkpoint.keep_last=5"]), tmp_path / "steps")
+        train(load_config("tiny_cpu_short_smoke", [*FAST, "checkpoint.keep_last=5"]), tmp_path / "steps")
     assert [s for s, _ in complete_checkpoints(tmp_path / "steps" / "checkpoints")] == [3]
 
 
@@ -161,14 +161,14 @@ def test_time_based_checkpoints(tmp_path) -> None:
     ],
 )
 def test_a_step_that_does_not_split_is_refused_at_construction(tmp_path, overrides, expected) -> None:
-    config = load_config("tiny_cpu_smoke", [*FAST, *overrides])
+    config = load_config("tiny_cpu_short_smoke", [*FAST, *overrides])
     with single_rank_env(), pytest.raises(ValueError, match=expected):
         GrpoTrainer(config, tmp_path)
     assert not dist.is_initialized()
 
 
 def test_the_process_group_gets_the_recipe_timeout() -> None:
-    config = load_config("tiny_cpu_smoke", ["trainer.dist_timeout_minutes=7"])
+    config = load_config("tiny_cpu_short_smoke", ["trainer.dist_timeout_minutes=7"])
     with single_rank_env():
         world.start_processes(config.trainer.dist_timeout_minutes)
         try:

@@ -90,7 +90,7 @@ def _history(run_file: Path, timeout_s: float = 180.0) -> list[dict[str, float]]
 def test_offline_wandb_gets_the_jsonl_rows_under_the_same_names(tmp_path: Path, monkeypatch) -> None:
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
-    config = load_config(None, ["logging.wandb.enabled=true", "logging.wandb.tags=[test]"])
+    config = load_config("tiny_cpu_short", ["logging.wandb.enabled=true", "logging.wandb.tags=[test]"])
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     writer = MetricsWriter(
@@ -116,7 +116,7 @@ def test_wandb_is_not_imported_unless_enabled(tmp_path: Path) -> None:
         "from sparrow_nemo.grpo.metrics import MetricsWriter\n"
         "from sparrow_nemo.grpo.wandb_logger import open_wandb\n"
         "from pathlib import Path\n"
-        "c = load_config()\n"
+        "c = load_config("tiny_cpu_short")\n"
         f"MetricsWriter(Path({str(tmp_path)!r}), wandb=open_wandb(c.logging.wandb, Path({str(tmp_path)!r}), {{}}))\n"
         "assert 'wandb' not in sys.modules, 'wandb imported with logging.wandb.enabled=false'\n"
     )
@@ -125,6 +125,6 @@ def test_wandb_is_not_imported_unless_enabled(tmp_path: Path) -> None:
 
 def test_enabled_without_the_package_is_a_clear_error(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
-    config = load_config(None, ["logging.wandb.enabled=true"])
+    config = load_config("tiny_cpu_short", ["logging.wandb.enabled=true"])
     with pytest.raises(RuntimeError, match=r"needs the wandb package: pip install 'sparrow_nemo\[wandb\]'"):
         open_wandb(config.logging.wandb, tmp_path, {})

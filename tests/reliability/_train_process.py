@@ -36,7 +36,7 @@ def command(run_dir: Path, *overrides: str) -> list[str]:
         "sparrow_nemo.cli",
         "train",
         "--config",
-        "tiny_cpu_smoke",
+        "tiny_cpu_short_smoke",
         "--run-dir",
         str(run_dir),
         *FAST,

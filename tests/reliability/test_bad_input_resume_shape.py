@@ -14,14 +14,14 @@ from sparrow_nemo.grpo.recipe import load_config
 
 
 def test_resume_from_another_shape_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    shape = dataclasses.asdict(load_config("tiny_cpu_smoke", []).model.shape())
+    shape = dataclasses.asdict(load_config("tiny_cpu_short_smoke", []).model.shape())
     other = tmp_path / "other" / "step_00000003"
     other.mkdir(parents=True)
     manifest = {"format_version": 2, "step": 3, "shape": {**shape, "num_layers": shape["num_layers"] + 2}}
     (other / "manifest.json").write_text(json.dumps({**manifest, "files": {}}))
     run_dir = tmp_path / "run"
     status = main(
-        ["train", "--config", "tiny_cpu_smoke", "--run-dir", str(run_dir), f"checkpoint.resume={other}"]
+        ["train", "--config", "tiny_cpu_short_smoke", "--run-dir", str(run_dir), f"checkpoint.resume={other}"]
     )
     assert status == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -61,7 +61,7 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 
 def test_poisoned_steps_are_skipped_and_enough_in_a_row_abort(tmp_path: Path, caplog, monkeypatch) -> None:
-    config = load_config("tiny_cpu_smoke", OVERRIDES)
+    config = load_config("tiny_cpu_short_smoke", OVERRIDES)
     caplog.set_level(logging.WARNING, logger="sparrow_nemo.grpo.trainer")
     with single_rank_env():
         trainer = GrpoTrainer(config, tmp_path)

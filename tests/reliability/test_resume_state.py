@@ -21,10 +21,12 @@ from sparrow_nemo.grpo.rundir import check_run_dir, make_run_dir
 def test_a_run_folder_of_another_recipe_is_refused_unless_forced(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    old = load_config("tiny_cpu_smoke")
+    old = load_config("tiny_cpu_short_smoke")
     make_run_dir(old, tmp_path)
-    check_run_dir(load_config("tiny_cpu_smoke", ["trainer.max_steps=99"]), tmp_path)  # not hashed: same run
-    new = load_config("tiny_cpu_smoke", ["grpo.samples_per_prompt=4"])
+    check_run_dir(
+        load_config("tiny_cpu_short_smoke", ["trainer.max_steps=99"]), tmp_path
+    )  # not hashed: same run
+    new = load_config("tiny_cpu_short_smoke", ["grpo.samples_per_prompt=4"])
     with pytest.raises(ConfigError) as refused:
         check_run_dir(new, tmp_path)
     message = str(refused.value)
@@ -33,19 +35,22 @@ def test_a_run_folder_of_another_recipe_is_refused_unless_forced(
     assert "\n" not in message
     with caplog.at_level(logging.WARNING):
         check_run_dir(
-            load_config("tiny_cpu_smoke", ["grpo.samples_per_prompt=4", "checkpoint.force_resume=true"]),
+            load_config(
+                "tiny_cpu_short_smoke", ["grpo.samples_per_prompt=4", "checkpoint.force_resume=true"]
+            ),
             tmp_path,
         )
     assert "resuming anyway" in caplog.text
     check_run_dir(
-        load_config("tiny_cpu_smoke", ["grpo.samples_per_prompt=4", "checkpoint.resume=never"]), tmp_path
+        load_config("tiny_cpu_short_smoke", ["grpo.samples_per_prompt=4", "checkpoint.resume=never"]),
+        tmp_path,
     )
 
 
 def test_sparrow_train_refuses_before_writing_anything(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    make_run_dir(load_config("tiny_cpu_smoke"), tmp_path)
+    make_run_dir(load_config("tiny_cpu_short_smoke"), tmp_path)
     before = sorted(p.name for p in tmp_path.iterdir())
     try:
         with single_rank_env():
@@ -53,7 +58,7 @@ def test_sparrow_train_refuses_before_writing_anything(
                 [
                     "train",
                     "--config",
-                    "tiny_cpu_smoke",
+                    "tiny_cpu_short_smoke",
                     "--run-dir",
                     str(tmp_path),
                     "grpo.samples_per_prompt=4",

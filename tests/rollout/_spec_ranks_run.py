@@ -15,7 +15,7 @@ from sparrow_nemo.grpo import setup, world
 from sparrow_nemo.grpo.recipe import load_config
 from sparrow_nemo.grpo.trainer import GrpoTrainer
 
-RECIPE = "tiny_cpu_smoke"
+RECIPE = "tiny_cpu_short_smoke"
 
 
 def train_speculative(run_dir: Path, overrides: list[str]) -> None:

@@ -152,7 +152,15 @@ def test_page_score_calibration_script_appends_one_line_per_score(tmp_path: Path
         "rollout.max_new_tokens=24",
         "sparsity.threshold=0.01",
     ]
-    argv = ["--config", "tiny_cpu_smoke", "--out", str(out), "--work-dir", str(tmp_path / "w"), *overrides]
+    argv = [
+        "--config",
+        "tiny_cpu_short_smoke",
+        "--out",
+        str(out),
+        "--work-dir",
+        str(tmp_path / "w"),
+        *overrides,
+    ]
     script.main(argv)
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["page_score"] for r in rows] == ["centroid", "minmax"]

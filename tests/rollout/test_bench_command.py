@@ -15,7 +15,7 @@ from ._helpers import SHAPE
 SMALL = ["--contexts", "48", "96", "--batch", "3", "--steps", "3", "--tail-batch", "2", "--gen-len", "12"]
 
 
-@pytest.mark.parametrize("recipe", [None, "tiny_cpu_smoke"])
+@pytest.mark.parametrize("recipe", [None, "tiny_cpu_short_smoke"])
 def test_bench_rollout_runs_on_the_recipe(recipe: str | None, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["bench", "rollout", *SMALL, *(["--config", recipe] if recipe else [])]
     assert cli.main(argv) == 0

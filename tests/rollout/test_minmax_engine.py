@@ -222,7 +222,9 @@ def test_greedy_minmax_decode_equals_the_contiguous_method_layer_loop(
 def test_bench_rollout_takes_the_page_score_from_the_recipe(capsys: pytest.CaptureFixture[str]) -> None:
     small = ["--contexts", "48", "--batch", "2", "--steps", "2", "--tail-batch", "2", "--gen-len", "8"]
     assert (
-        cli.main(["bench", "rollout", *small, "--config", "tiny_cpu_smoke", "sparsity.page_score=minmax"])
+        cli.main(
+            ["bench", "rollout", *small, "--config", "tiny_cpu_short_smoke", "sparsity.page_score=minmax"]
+        )
         == 0
     )
     out = capsys.readouterr().out
@@ -233,8 +235,8 @@ def test_the_recipe_builds_a_minmax_engine_for_train_calibrate_and_eval() -> Non
     """grpo.setup.build_engine (the trainer's, sparrow calibrate's and sparrow eval's engine) reads the key."""
     from sparrow_nemo.grpo.setup import build_engine
 
-    config = load_config("tiny_cpu_smoke", ["sparsity.page_score=minmax"])
+    config = load_config("tiny_cpu_short_smoke", ["sparsity.page_score=minmax"])
     weights = Qwen3Decoder.random(config.model.shape(), seed=0).params
     engine = build_engine(config, weights)
     assert engine.page_score == "minmax" and engine._ensure_cache(4).key_max
-    assert build_engine(load_config("tiny_cpu_smoke"), weights).page_score == "centroid"
+    assert build_engine(load_config("tiny_cpu_short_smoke"), weights).page_score == "centroid"

@@ -219,7 +219,7 @@ def test_greedy_speculative_equals_dense_over_1k_tokens_warm_started() -> None:
     from sparrow_nemo.grpo.recipe import load_config
     from sparrow_nemo.grpo.warmstart import ensure_warm_start
 
-    config = load_config("tiny_cpu_smoke")
+    config = load_config("tiny_cpu_short_smoke")
     source = build_prompt_source(config)
     with single_rank_env():
         path = ensure_warm_start(config, source, show_progress=False)

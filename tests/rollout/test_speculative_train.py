@@ -5,7 +5,7 @@
 - ``SpeculativePlanner.observe``: the ``spec/*`` totals and per-bin metrics add up to the draft logs, the
   planner re-plans from them and its state survives a round trip;
 - config: the new keys are checked (one-line errors);
-- slow: ``sparrow train --config tiny_cpu_smoke rollout.mode=speculative`` runs end to end: spec metrics every
+- slow: ``sparrow train --config tiny_cpu_short_smoke rollout.mode=speculative`` runs end to end: spec metrics every
   step, the importance correction's ratio exactly 1, the summary line and the plots, and the planner's state in
   the checkpoint, restored on resume.
 """
@@ -37,7 +37,7 @@ SCHEDULE = BudgetSchedule(bin_tokens=16, budgets=(16, 24), page_size=4, name="tw
 
 def _config(*overrides: str):
     return load_config(
-        "tiny_cpu_smoke",
+        "tiny_cpu_short_smoke",
         ["sparsity.page_size=4", "sparsity.bin_tokens=16", "sparsity.dense_layers=1", *overrides],
     )
 
@@ -110,13 +110,14 @@ def test_speculative_mode_and_its_planner(engine) -> None:
 
 def test_config_keys_are_checked() -> None:
     with pytest.raises(ConfigError, match=r"rollout\.mode"):
-        load_config("tiny_cpu_smoke", ["rollout.mode=fast"])
+        load_config("tiny_cpu_short_smoke", ["rollout.mode=fast"])
     with pytest.raises(ConfigError, match="draft_tokens"):
         load_config(
-            "tiny_cpu_smoke", ["rollout.speculative.draft_tokens=9", "rollout.speculative.max_draft_tokens=8"]
+            "tiny_cpu_short_smoke",
+            ["rollout.speculative.draft_tokens=9", "rollout.speculative.max_draft_tokens=8"],
         )
     with pytest.raises(ConfigError, match=r"rollout\.mode"):
-        load_config("tiny_cpu_smoke", ["rollout.mode=speculative", "rollout.backend=trtllm"])
+        load_config("tiny_cpu_short_smoke", ["rollout.mode=speculative", "rollout.backend=trtllm"])
 
 
 QUICK = [
@@ -132,7 +133,7 @@ QUICK = [
 
 
 def _train(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
-    args = ["train", "--config", "tiny_cpu_smoke", "--run-dir", str(run_dir), *QUICK, *overrides]
+    args = ["train", "--config", "tiny_cpu_short_smoke", "--run-dir", str(run_dir), *QUICK, *overrides]
     done = subprocess.run(
         [sys.executable, "-m", "sparrow_nemo.cli", *args], capture_output=True, text=True, timeout=1800
     )

@@ -282,7 +282,9 @@ def test_startup_check_of_the_installed_build() -> None:
     reason="needs tensorrt_llm (extra 'cluster') and a CUDA GPU; not run in this repository's CI",
 )
 def test_engine_generates_with_the_sparrow_algorithm(hf_dir) -> None:  # pragma: no cover - GPU only
-    config = load_config(None, ["model.dtype=bf16", "rollout.max_batch_size=4", "rollout.max_new_tokens=48"])
+    config = load_config(
+        "tiny_cpu_short", ["model.dtype=bf16", "rollout.max_batch_size=4", "rollout.max_new_tokens=48"]
+    )
     engine = TrtllmRolloutEngine.from_recipe(config, hf_dir)
     schedule = BudgetSchedule(bin_tokens=32, budgets=(64,), page_size=16, name="t")
     sampling = SamplingParams(max_new_tokens=48, seed=0, stop_token_ids=())

@@ -112,7 +112,7 @@ def _submit(env: dict[str, str], workdir: Path, *overrides: str) -> tuple[str, P
     """Submit the tiny CPU wrapper from ``workdir``; returns (job id, run folder)."""
     job_env = {
         **env,
-        "RECIPE": "tiny_cpu_smoke",
+        "RECIPE": "tiny_cpu_short_smoke",
         "SPARROW_ROOT": str(REPO_ROOT),
         "SPARROW_RUNS": str(workdir / "runs"),
     }

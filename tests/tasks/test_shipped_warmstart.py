@@ -1,5 +1,5 @@
-"""The shipped warm-starts: scripts/ship_warmstart.py writes a loadable, hash-listed folder, and the long-CoT
-and haystack recipes' checkpoints are shipped under the keys the current code and recipes give (else their first
+"""The shipped warm-starts: scripts/ship_warmstart.py writes a loadable, hash-listed folder, and the default's,
+the long-CoT and the haystack recipes' checkpoints are shipped under the keys the current code and recipes give (else their first
 runs train for 6-15 minutes instead of loading them)."""
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ def test_ship_script_writes_a_folder_that_a_fresh_run_loads_instead_of_training(
     monkeypatch.setattr(script, "SHIPPED_ROOT", tmp_path / "shipped")
     small = ["model.preset=tiny-test", "warmstart.steps=2", "logging.progress_bar=false"]
     with one_rank_world():
-        folder = script.main(["--config", "tiny_cpu_smoke", *small])
+        folder = script.main(["--config", "tiny_cpu_short_smoke", *small])
     manifest = json.loads((folder / warmstart.MANIFEST).read_text())
-    assert manifest["key"] == folder.name and manifest["recipe"] == "tiny_cpu_smoke"
+    assert manifest["key"] == folder.name and manifest["recipe"] == "tiny_cpu_short_smoke"
     assert set(manifest["sha256"]) == {"config.json", "model.safetensors", "warmstart.json"}
     assert all(warmstart.file_sha256(folder / f) == h for f, h in manifest["sha256"].items())
 
@@ -39,7 +39,7 @@ def test_ship_script_writes_a_folder_that_a_fresh_run_loads_instead_of_training(
         raise AssertionError("trained although the shipped checkpoint has the key")
 
     monkeypatch.setattr(warmstart, "_train_and_cache", no_training)
-    config = load_config("tiny_cpu_smoke", [*small, f"warmstart.cache_dir={tmp_path / 'cache'}"])
+    config = load_config("tiny_cpu_short_smoke", [*small, f"warmstart.cache_dir={tmp_path / 'cache'}"])
     with one_rank_world():
         got = warmstart.ensure_warm_start(config, build_prompt_source(config), show_progress=False)
     assert got.name == folder.name
@@ -47,7 +47,15 @@ def test_ship_script_writes_a_folder_that_a_fresh_run_loads_instead_of_training(
 
 
 @pytest.mark.parametrize(
-    "recipe", ["tiny_cpu_long", "tiny_cpu_long_smoke", "tiny_cpu_haystack", "tiny_cpu_haystack_smoke"]
+    "recipe",
+    [
+        "tiny_cpu",
+        "tiny_cpu_smoke",
+        "tiny_cpu_long",
+        "tiny_cpu_long_smoke",
+        "tiny_cpu_haystack",
+        "tiny_cpu_haystack_smoke",
+    ],
 )
 def test_the_long_recipes_warm_starts_are_shipped_for_the_current_code(recipe: str) -> None:
     config = load_config(recipe, [])
