@@ -116,7 +116,7 @@ def test_wandb_is_not_imported_unless_enabled(tmp_path: Path) -> None:
         "from sparrow_nemo.grpo.metrics import MetricsWriter\n"
         "from sparrow_nemo.grpo.wandb_logger import open_wandb\n"
         "from pathlib import Path\n"
-        "c = load_config("tiny_cpu_short")\n"
+        "c = load_config('tiny_cpu_short')\n"
         f"MetricsWriter(Path({str(tmp_path)!r}), wandb=open_wandb(c.logging.wandb, Path({str(tmp_path)!r}), {{}}))\n"
         "assert 'wandb' not in sys.modules, 'wandb imported with logging.wandb.enabled=false'\n"
     )
