@@ -37,6 +37,7 @@ from sparrow_nemo.policy.logprobs import LogprobOutput
 from sparrow_nemo.rollout.engine import RolloutSample, SamplingParams, TokenProgress
 from sparrow_nemo.rollout.sampling import sample_seed
 from sparrow_nemo.rollout.scoring import TokenMismatch
+from sparrow_nemo.sparse.mismatch import PAPER_QUANTILE
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET, BudgetSchedule
 
 
@@ -190,7 +191,10 @@ class StepStats:
         tokens_per_rank: generated tokens of each global rank.
         rollout_s: generation wall time of rank 0; rollout_s_max: of the slowest rank.
         tails: the acceptance-rate tail per bin of cached length (sparsity quantile, noise_z bounds).
-        alpha_mean, alpha_tail: mean and ``quantile`` of the acceptance rate over all tokens.
+        paper_tails: {bin: the paper's p5 per bin} (:data:`PAPER_QUANTILE`; ``tails``' values when the
+            sparsity quantile is the paper's), logged beside the rule's so that runs under any rule compare.
+        alpha_mean, alpha_tail: mean and ``quantile`` of the acceptance rate over all tokens; alpha_p5: the
+            paper's p5 over all tokens.
         alpha_mean_per_bin: {bin: mean acceptance rate}.
         token_mult_prob_error, log_ppl_diff: mean exp|train - gen| and mean (train - gen) logprob.
         predicted_speedup: cost model, dense / schedule time of the slowest engine's batch.
@@ -210,8 +214,10 @@ class StepStats:
     rollout_s: float
     rollout_s_max: float
     tails: list[BinTail]
+    paper_tails: dict[int, float]
     alpha_mean: float
     alpha_tail: float
+    alpha_p5: float
     alpha_mean_per_bin: dict[int, float]
     token_mult_prob_error: float
     log_ppl_diff: float
@@ -243,10 +249,12 @@ class StepStats:
         if self.tails:
             m["acceptance/mean"] = self.alpha_mean
             m[f"acceptance/{stat}"] = self.alpha_tail
+            m["acceptance/p5"] = self.alpha_p5
             m["token_mult_prob_error"] = self.token_mult_prob_error
             m["rollout_is/log_ppl_diff"] = self.log_ppl_diff
             for t in self.tails:
                 m[f"acceptance/{stat}/bin_{t.bin}"] = t.value
+                m[f"acceptance/p5/bin_{t.bin}"] = self.paper_tails[t.bin]
                 m[f"acceptance/mean/bin_{t.bin}"] = self.alpha_mean_per_bin[t.bin]
                 m[f"acceptance/tokens/bin_{t.bin}"] = float(t.tokens)
             for b in range(max([len(schedule.budgets), *(t.bin + 1 for t in self.tails)])):
@@ -314,6 +322,11 @@ def measure_tokens(
         ]
     )
     tails = merged_bin_tails(mm.alpha, mm.cached_len, schedule.bin_tokens, quantile, noise_z, world)
+    paper = (
+        tails
+        if quantile == PAPER_QUANTILE
+        else merged_bin_tails(mm.alpha, mm.cached_len, schedule.bin_tokens, PAPER_QUANTILE, noise_z, world)
+    )
     bins = torch.div(mm.cached_len, schedule.bin_tokens, rounding_mode="floor")
     num_bins = max([t.bin + 1 for t in tails], default=0)
     local_bin_sums = torch.zeros(num_bins, dtype=torch.float64).index_add_(0, bins, mm.alpha.double())
@@ -322,7 +335,7 @@ def measure_tokens(
     overall = merged_quantiles(
         mm.alpha,
         one_bin,
-        torch.tensor([[quantile]], dtype=torch.float64),
+        torch.tensor([[quantile], [PAPER_QUANTILE]], dtype=torch.float64),
         bin_counts(one_bin, 1, world),
         world,
     )
@@ -350,8 +363,10 @@ def measure_tokens(
         rollout_s=rollout_s,
         rollout_s_max=rollout_max,
         tails=tails,
+        paper_tails={t.bin: t.value for t in paper},
         alpha_mean=a_sum / a_count if a_count else math.nan,
         alpha_tail=float(overall[0, 0]) if a_count else math.nan,
+        alpha_p5=float(overall[1, 0]) if a_count else math.nan,
         alpha_mean_per_bin={t.bin: bin_sums[t.bin] / t.tokens for t in tails},
         token_mult_prob_error=tmpe / a_count if a_count else math.nan,
         log_ppl_diff=d_sum / a_count if a_count else math.nan,

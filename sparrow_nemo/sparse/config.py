@@ -13,6 +13,7 @@ from typing import ClassVar
 
 from sparrow_nemo.config.schema import AT_LEAST_ONE, NON_NEGATIVE, OPEN_UNIT, knob
 from sparrow_nemo.sparse.calibration import CalibrationConfig
+from sparrow_nemo.sparse.mismatch import PAPER_QUANTILE
 from sparrow_nemo.sparse.pattern import SparsePattern
 from sparrow_nemo.sparse.schedule import PAPER_BIN_TOKENS, BudgetSchedule
 
@@ -38,7 +39,7 @@ class SparsityConfig(SparsePattern):
     )
     threshold: float = knob(0.86, "acceptance-rate tail to keep in every bin", check=OPEN_UNIT)
     quantile: float = knob(
-        0.05, "quantile of the per-token acceptance rate that defines the tail", check=OPEN_UNIT
+        PAPER_QUANTILE, "quantile of the per-token acceptance rate that defines the tail", check=OPEN_UNIT
     )
     bin_tokens: int = knob(
         PAPER_BIN_TOKENS,

@@ -12,7 +12,18 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["acceptance_rate", "acceptance_rate_topk", "binned_quantiles", "summarize", "tail_by_bin"]
+__all__ = [
+    "PAPER_QUANTILE",
+    "acceptance_rate",
+    "acceptance_rate_topk",
+    "binned_quantiles",
+    "summarize",
+    "tail_by_bin",
+]
+
+
+#: The paper's tail level: the 5th percentile of the acceptance rate per bin of cached length.
+PAPER_QUANTILE = 0.05
 
 
 def acceptance_rate(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
@@ -116,7 +127,7 @@ def binned_quantiles(
 
 
 def tail_by_bin(
-    alpha: torch.Tensor, cached_len: torch.Tensor, bin_tokens: int = 2000, quantile: float = 0.05
+    alpha: torch.Tensor, cached_len: torch.Tensor, bin_tokens: int = 2000, quantile: float = PAPER_QUANTILE
 ) -> dict[int, float]:
     """The ``quantile`` of alpha per bin of cached length, pooled over all trajectories.
 

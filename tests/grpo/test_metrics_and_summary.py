@@ -56,6 +56,10 @@ def test_step_metrics_hand_computed() -> None:
     assert m["acceptance/p50"] == pytest.approx(0.75)
     assert m["acceptance/p50/bin_0"] == pytest.approx(0.85)  # median of 1.0, 0.9, 0.8, 0.7
     assert m["acceptance/p50/bin_1"] == pytest.approx(0.55)
+    # the paper's p5 is logged beside the rule's quantile: position 0.05 * (n - 1) of the sorted values
+    assert m["acceptance/p5"] == pytest.approx(0.5 + 0.25 * 0.1)
+    assert m["acceptance/p5/bin_0"] == pytest.approx(0.7 + 0.15 * 0.1)
+    assert m["acceptance/p5/bin_1"] == pytest.approx(0.5 + 0.05 * 0.1)
     assert m["acceptance/mean/bin_0"] == pytest.approx(0.85) and m["acceptance/mean/bin_1"] == pytest.approx(
         0.55
     )
