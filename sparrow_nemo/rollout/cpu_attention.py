@@ -36,7 +36,9 @@ from sparrow_nemo.rollout.paged_cache import PagedKVCache
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_attention.c")
+#: the C sources of the one library: the decode attention (this module) and the decoder layer's elementwise
+#: work (sparrow_nemo.rollout.cpu_layer)
+SOURCES = (Path(__file__).with_name("cpu_attention.c"), Path(__file__).with_name("cpu_layer.c"))
 #: compile flags (the link step gets no -ffast-math-like flag: nothing changes the process's FP state)
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp-simd", "-fPIC", "-std=c11")
 
@@ -67,10 +69,16 @@ def _compiler() -> tuple[str, str]:
 
 
 def library_path(cc: str, version: str) -> Path:
-    """Where the library built from ``SOURCE`` with ``CFLAGS`` by compiler ``cc`` (``version``: its first
+    """Where the library built from ``SOURCES`` with ``CFLAGS`` by compiler ``cc`` (``version``: its first
     ``--version`` line) for this CPU is cached: the file name hashes all four."""
     spec = b"\0".join(
-        [SOURCE.read_bytes(), " ".join(CFLAGS).encode(), cc.encode(), version.encode(), _cpu_id().encode()]
+        [
+            *(source.read_bytes() for source in SOURCES),
+            " ".join(CFLAGS).encode(),
+            cc.encode(),
+            version.encode(),
+            _cpu_id().encode(),
+        ]
     )
     return cache_dir() / f"cpu_attention-{hashlib.sha256(spec).hexdigest()[:16]}.so"
 
@@ -83,11 +91,9 @@ def _build() -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        obj, lib = Path(tmp) / "k.o", Path(tmp) / "k.so"
-        for cmd in (
-            [cc, *CFLAGS, "-c", str(SOURCE), "-o", str(obj)],
-            [cc, "-shared", str(obj), "-o", str(lib)],
-        ):
+        objs, lib = [Path(tmp) / f"k{i}.o" for i in range(len(SOURCES))], Path(tmp) / "k.so"
+        compiles = [[cc, *CFLAGS, "-c", str(src), "-o", str(obj)] for src, obj in zip(SOURCES, objs)]
+        for cmd in (*compiles, [cc, "-shared", *map(str, objs), "-o", str(lib)]):
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
             if done.returncode:
                 raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[:500]}")
@@ -187,6 +193,11 @@ def _library() -> ctypes.CDLL | None:
         fn.restype = None
     lib.sparrow_select_pages.restype = None
     return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded library of :data:`SOURCES` (None, logged once, when it cannot be built here)."""
+    return _library()
 
 
 def available() -> bool:

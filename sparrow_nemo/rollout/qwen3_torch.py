@@ -27,6 +27,7 @@ from sparrow_nemo.hf_qwen3 import (
     shape_from_hf_config,
 )
 from sparrow_nemo.model_shapes import Qwen3Shape
+from sparrow_nemo.rollout import cpu_layer
 
 #: projections that read the same input and run as one stacked matmul: (group name, HF modules)
 FUSED_GROUPS = (
@@ -181,11 +182,23 @@ class Qwen3Decoder:
     def linears(self, layer: int, group: str, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The projections of :data:`FUSED_GROUPS` ``group`` of ``layer`` on ``x``, one matmul: a tuple in the
         group's module order, each with its LoRA delta (equal to :meth:`linear` of each module)."""
+        return self.stacked(layer, group, x).split(self._group_sizes(layer, group), dim=-1)
+
+    def stacked(self, layer: int, group: str, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`linears` side by side in one tensor ``[..., sum of the out features]`` (LoRA deltas added)."""
         prefix = f"model.layers.{layer}."
-        modules = dict(FUSED_GROUPS)[group]
-        sizes = [self.params[prefix + m + ".weight"].shape[0] for m in modules]
-        outs = F.linear(x, self.fused[prefix + group]).split(sizes, dim=-1)
-        return tuple(self._lora(prefix + m, x, y) for m, y in zip(modules, outs))
+        y = F.linear(x, self.fused[prefix + group])
+        if self.lora is not None:
+            start = 0
+            for m, size in zip(dict(FUSED_GROUPS)[group], self._group_sizes(layer, group)):
+                part = y[..., start : start + size]
+                part.copy_(self._lora(prefix + m, x, part))
+                start += size
+        return y
+
+    def _group_sizes(self, layer: int, group: str) -> list[int]:
+        prefix = f"model.layers.{layer}."
+        return [self.params[prefix + m + ".weight"].shape[0] for m in dict(FUSED_GROUPS)[group]]
 
     def _lora(self, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` plus the adapter's delta for ``module`` on input ``x`` (``y`` itself without one)."""
@@ -223,6 +236,19 @@ class Qwen3Decoder:
         :meth:`rope` of ``positions`` when the caller shares it over layers (computed here otherwise).
         """
         s, p = self.shape, f"model.layers.{layer}."
+        if cpu_layer.supports(h) and s.head_dim <= cpu_layer.MAX_HEAD_DIM:  # one kernel per elementwise stage
+            x = cpu_layer.rms_norm(h, self.params[p + "input_layernorm.weight"], s.rms_norm_eps)
+            qkv = self.stacked(layer, "self_attn.qkv", x)
+            q, k = cpu_layer.qk_norm_rope(
+                qkv,
+                (s.num_attention_heads, s.num_key_value_heads),
+                self.params[p + "self_attn.q_norm.weight"],
+                self.params[p + "self_attn.k_norm.weight"],
+                rope or self.rope(positions, qkv.dtype),
+                s.rms_norm_eps,
+            )
+            v = qkv[..., (s.num_attention_heads + s.num_key_value_heads) * s.head_dim :]
+            return q, k, v.unflatten(-1, (s.num_key_value_heads, s.head_dim))
         x = rms_norm(h, self.params[p + "input_layernorm.weight"], s.rms_norm_eps)
         lead = x.shape[:-1]
         q, k, v = self.linears(layer, "self_attn.qkv", x)
@@ -237,13 +263,20 @@ class Qwen3Decoder:
     def attention_output(self, layer: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Residual stream after the layer: ``h [..., hidden]``, ``attn [..., Hq, D]`` -> ``[..., hidden]``."""
         s, p = self.shape, f"model.layers.{layer}."
-        h = h + self.linear(p + "self_attn.o_proj", attn.flatten(-2))
-        x = rms_norm(h, self.params[p + "post_attention_layernorm.weight"], s.rms_norm_eps)
-        gate, up = self.linears(layer, "mlp.gate_up", x)
-        return h + self.linear(p + "mlp.down_proj", F.silu(gate) * up)
+        o = self.linear(p + "self_attn.o_proj", attn.flatten(-2))
+        norm = self.params[p + "post_attention_layernorm.weight"]
+        if cpu_layer.supports(h):
+            h, x = cpu_layer.add_rms_norm(h, o, norm, s.rms_norm_eps)
+            act = cpu_layer.silu_mul(self.stacked(layer, "mlp.gate_up", x))
+        else:
+            h = h + o
+            gate, up = self.linears(layer, "mlp.gate_up", rms_norm(h, norm, s.rms_norm_eps))
+            act = F.silu(gate) * up
+        return h + self.linear(p + "mlp.down_proj", act)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: ``[..., hidden]`` -> fp32 logits ``[..., vocab]``."""
-        x = rms_norm(h, self.params["model.norm.weight"], self.shape.rms_norm_eps)
+        norm = cpu_layer.rms_norm if cpu_layer.supports(h) else rms_norm
+        x = norm(h, self.params["model.norm.weight"], self.shape.rms_norm_eps)
         head = "model.embed_tokens.weight" if self.shape.tie_word_embeddings else "lm_head.weight"
         return F.linear(x, self.params[head]).float()

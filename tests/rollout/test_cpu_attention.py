@@ -110,9 +110,9 @@ def test_the_build_cache_key_covers_source_flags_and_compiler(
     assert cpu_attention.library_path("cc", "cc 1.0") != base
     monkeypatch.undo()
     monkeypatch.setenv("SPARROW_CACHE", str(tmp_path))
-    edited = tmp_path / "cpu_attention.c"
-    edited.write_text(cpu_attention.SOURCE.read_text() + "\n/* edited */\n")
-    monkeypatch.setattr(cpu_attention, "SOURCE", edited)
+    edited = tmp_path / "cpu_layer.c"
+    edited.write_text(cpu_attention.SOURCES[1].read_text() + "\n/* edited */\n")
+    monkeypatch.setattr(cpu_attention, "SOURCES", (cpu_attention.SOURCES[0], edited))
     assert cpu_attention.library_path("cc", "cc 1.0") != base
 
 
