@@ -5,11 +5,10 @@
  * and padding entries (logical page < 0), get score -inf and are never read, so they may hold anything.
  * Keys/values are fp32 with element strides (page, head, slot; the head dim is contiguous); q, scores,
  * probs and out are contiguous fp32.
- *   dense, two passes over the batch with sparrow_softmax_rows in between:
- *     sparrow_paged_scores: scores[b, h, g, j * P + s] = scale * <q[b, h * G + g], K[page j of (b, h), slot s]>
- *     sparrow_paged_values: out[b, h * G + g, :]      = sum_t probs[b, h, g, t] * V[page of t, slot of t]
- *   sparse, one fused pass per sequence (scores, softmax, p.V), the pages of a later sequence touched first:
- *     sparrow_paged_attention (a given page list), sparrow_sparse_attention (the page choice in the same pass)
+ *   one fused pass per sequence (scores, softmax, p.V), out[b, h * G + g, :] = sum_t softmax_t(scale *
+ *   <q[b, h * G + g], K_t>) * V_t over the slots t of its pages: sparrow_paged_attention (every page, dense, read
+ *   in order; or a given page list, the pages of a later sequence touched first), sparrow_sparse_attention (the
+ *   page choice in the same pass)
  *   the page choice alone: sparrow_select_pages; the sampler's sort: sparrow_sort_rows_desc
  * The page choice scores each page on its landmarks: the centroid (the paper's mean key) or, with the minmax
  * page score, the per-channel key bounds (key_min, key_max: sum_d max(q_d * min_d, q_d * max_d)).
@@ -125,11 +124,6 @@ static void softmax_row(float *w, int64_t width) {
     for (int64_t t = full; t < width; ++t) w[t] *= inv[0];
 }
 
-/* Each of ``rows`` contiguous rows of ``width`` entries <- its softmax (softmax_row). */
-void sparrow_softmax_rows(float *w, int64_t rows, int64_t width) {
-    for (int64_t r = 0; r < rows; ++r) softmax_row(w + r * width, width);
-}
-
 /* The sampler's sort (sparrow_nemo/rollout/sampling.py): each row of x [rows, width] fp32 (no NaN; -0 sorts
  * below +0) in descending order, equal values in index order, i.e. torch.sort(x, descending=True, stable=True):
  * values [rows, width] fp32 and order [rows, width] int64. An LSD radix sort (stable by construction) on an
@@ -174,15 +168,6 @@ void sparrow_sort_rows_desc(const float *x, int64_t rows, int64_t width, float *
         if (o != dst) memcpy(dst, o, sizeof(int64_t) * width);
         for (int64_t i = 0; i < width; ++i) values[r * width + i] = row[dst[i]];
     }
-}
-
-/* Logical page j of row (b, h) and its number of valid slots (0 for padding or pages past seq_len). */
-static inline int64_t page_slots(const int64_t *page_idx, const int64_t *seq_len, int64_t b, int64_t h,
-                                 int64_t j, int64_t hkv, int64_t n, int64_t page_size, int64_t *logical) {
-    *logical = page_idx ? page_idx[(b * hkv + h) * n + j] : j;
-    if (*logical < 0) return 0;
-    int64_t valid = seq_len[b] - *logical * page_size;
-    return valid < 0 ? 0 : (valid > page_size ? page_size : valid);
 }
 
 /* Scores of one page: out[s] = scale * <q, key_s> for s < valid, -inf after; keys at k (slot stride ks). */
@@ -286,50 +271,6 @@ static void group_values(const float *restrict p, int64_t p_stride, int64_t grou
             }
         }
     for (; g < group; ++g) page_values(p + g * p_stride, v, vs, head_dim, valid, out + g * head_dim);
-}
-
-void sparrow_paged_scores(const float *q, const float *k_pages, int64_t stride_kp, int64_t stride_kh,
-                          int64_t stride_ks, const int32_t *block_table, int64_t stride_bt,
-                          const int64_t *seq_len, const int64_t *page_idx, int64_t n, int64_t batch,
-                          int64_t hkv, int64_t group, int64_t head_dim, int64_t page_size, float scale,
-                          float *scores) {
-    const int64_t width = n * page_size;
-    for (int64_t b = 0; b < batch; ++b) {
-        for (int64_t j = 0; j < n; ++j) { /* heads inside pages: a dense row streams its pages in order */
-            for (int64_t h = 0; h < hkv; ++h) {
-                const float *qh = q + (b * hkv + h) * group * head_dim;
-                float *row = scores + (b * hkv + h) * group * width;
-                int64_t logical;
-                const int64_t valid = page_slots(page_idx, seq_len, b, h, j, hkv, n, page_size, &logical);
-                const float *kp =
-                    valid ? k_pages + (int64_t)block_table[b * stride_bt + logical] * stride_kp + h * stride_kh
-                          : k_pages;
-                group_scores(qh, group, kp, stride_ks, head_dim, page_size, valid, scale, row + j * page_size, width);
-            }
-        }
-    }
-}
-
-void sparrow_paged_values(const float *probs, const float *v_pages, int64_t stride_vp, int64_t stride_vh,
-                          int64_t stride_vs, const int32_t *block_table, int64_t stride_bt,
-                          const int64_t *seq_len, const int64_t *page_idx, int64_t n, int64_t batch,
-                          int64_t hkv, int64_t group, int64_t head_dim, int64_t page_size, float *out) {
-    const int64_t width = n * page_size;
-    memset(out, 0, sizeof(float) * batch * hkv * group * head_dim);
-    for (int64_t b = 0; b < batch; ++b) {
-        for (int64_t j = 0; j < n; ++j) {
-            for (int64_t h = 0; h < hkv; ++h) {
-                const float *restrict prow = probs + (b * hkv + h) * group * width;
-                float *restrict oh = out + (b * hkv + h) * group * head_dim;
-                int64_t logical;
-                const int64_t valid = page_slots(page_idx, seq_len, b, h, j, hkv, n, page_size, &logical);
-                if (!valid) continue;
-                const float *restrict vp =
-                    v_pages + (int64_t)block_table[b * stride_bt + logical] * stride_vp + h * stride_vh;
-                group_values(prow + j * page_size, width, group, vp, stride_vs, head_dim, valid, oh);
-            }
-        }
-    }
 }
 
 /* A sparse row's page list: rows[h * stride + j] is logical page j of KV head h (-1: padding). The pages of

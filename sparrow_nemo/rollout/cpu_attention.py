@@ -3,9 +3,9 @@
 ``paged_decode_attention(q, cache, layer, block_table, seq_len, page_idx)`` computes exactly what
 :func:`sparrow_nemo.sparse.attention.decode_attention` computes over the gathered pages, but in a small C
 kernel (``cpu_attention.c``) that follows the block table to each page of the pool, so every key and value
-is read once from where it lives. Dense decode (every page of every row) streams the pool in two passes,
-q.K then p.V, with the kernel's fp32 softmax between them; sparse decode (a given page list, a few scattered
-pages per row) runs one fused pass per row (scores, softmax, p.V). ``sparse_decode_attention`` is the engine's
+is read once from where it lives, one fused pass per row (scores, fp32 softmax, p.V): dense decode (every page
+of every row) streams each row's pages in order, sparse decode (a given page list, a few scattered pages per
+row) touches the pages of a later row before it computes the current one. ``sparse_decode_attention`` is the engine's
 sparse step: the page choice (:func:`select_pages`' rule) and that attention in one pass over the batch, the
 choice a few rows ahead so the chosen pages are touched before they are read. All use the same arithmetic per
 page and slot, so a budget that covers the sequence gives the dense result bit for bit.
@@ -110,10 +110,6 @@ def _library() -> ctypes.CDLL | None:
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         log.warning("CPU decode-attention kernel unavailable, using the torch gather path: %s", exc)
         return None
-    common = [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64]
-    lib.sparrow_paged_scores.argtypes = [_P, *common, _F32, _P]
-    lib.sparrow_paged_values.argtypes = [_P, *common, _P]
-    lib.sparrow_softmax_rows.argtypes = [_P, _I64, _I64]
     lib.sparrow_paged_attention.argtypes = [
         _P,
         _P,
@@ -184,9 +180,6 @@ def _library() -> ctypes.CDLL | None:
     for fn in (
         lib.sparrow_sort_rows_desc,
         lib.sparrow_sparse_attention,
-        lib.sparrow_paged_scores,
-        lib.sparrow_paged_values,
-        lib.sparrow_softmax_rows,
         lib.sparrow_paged_attention,
         lib.sparrow_paged_append,
     ):
@@ -459,41 +452,17 @@ def paged_decode_attention(
     table = block_table.to(torch.int32).contiguous()
     q = q.contiguous()
     out = torch.empty(batch, hq, d, dtype=torch.float32)
-    if page_idx is None:  # dense: pages 0 .. n-1 of every row, streamed in two passes (keys, then values)
+    if page_idx is None:  # dense: pages 0 .. n-1 of every row, in order
         n = -(-int(seq_len.max()) // ps)
-        scores = torch.empty(batch, hkv, group, n * ps, dtype=torch.float32)
-        shape = (None, n, batch, hkv, group, d, ps)
-        lib.sparrow_paged_scores(
-            q.data_ptr(),
-            k_pages.data_ptr(),
-            *k_pages.stride()[:3],
-            table.data_ptr(),
-            table.stride(0),
-            seq_len.data_ptr(),
-            *shape,
-            1.0 / d**0.5,
-            scores.data_ptr(),
-        )
-        lib.sparrow_softmax_rows(scores.data_ptr(), batch * hkv * group, n * ps)  # in place: the weights
-        lib.sparrow_paged_values(
-            scores.data_ptr(),
-            v_pages.data_ptr(),
-            *v_pages.stride()[:3],
-            table.data_ptr(),
-            table.stride(0),
-            seq_len.data_ptr(),
-            *shape,
-            out.data_ptr(),
-        )
-        return out
-    page_idx = page_idx.to(torch.int64).contiguous()  # sparse: one fused pass per row, the next prefetched
-    n = page_idx.shape[-1]
+    else:  # sparse: the listed pages, those of a later row touched first
+        page_idx = page_idx.to(torch.int64).contiguous()
+        n = page_idx.shape[-1]
     work = torch.empty(hkv, group, n * ps, dtype=torch.float32)
     lib.sparrow_paged_attention(
         q.data_ptr(),
         *_pool_args(k_pages, v_pages, table),
         seq_len.data_ptr(),
-        page_idx.data_ptr(),
+        None if page_idx is None else page_idx.data_ptr(),
         n,
         batch,
         hkv,

@@ -11,7 +11,6 @@ kernel's); every caller of the decoder (prefill, decode, verify, scoring) takes 
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
@@ -23,11 +22,11 @@ _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 MAX_HEAD_DIM = 512
 
 
-@functools.cache
 def _kernels() -> ctypes.CDLL | None:
+    """The loaded library with this module's argument types set (once per loaded library), or None."""
     lib = cpu_attention.library()
-    if lib is None:
-        return None
+    if lib is None or getattr(lib, "layer_types_set", False):
+        return lib
     lib.sparrow_rms_norm.argtypes = [_P, _I64, _I64, _P, _F32, _P]
     lib.sparrow_add_rms_norm.argtypes = [_P, _P, _I64, _I64, _P, _F32, _P, _P]
     lib.sparrow_qk_norm_rope.argtypes = [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _F32, _P, _P]
@@ -39,6 +38,7 @@ def _kernels() -> ctypes.CDLL | None:
         lib.sparrow_silu_mul,
     ):
         fn.restype = None
+    lib.layer_types_set = True
     return lib
 
 
