@@ -632,7 +632,10 @@ void sparrow_sparse_attention(const float *q, const float *centroids, const floa
  * positions below start[b] + num_queries[b] are read. Every key and value of a (row, KV head) is read once
  * for all of its num_queries * G query rows (the T positions and the G query heads sharing the KV head):
  * the scores of a page are a [rows x D] x [D x P] product on the page's keys transposed once (P = 16 lanes),
- * register-blocked over VQ query rows; p.V accumulates VQ rows per loaded value vector.
+ * register-blocked over VQ query rows. Each row's max comes from its scores (lane-wise, pages below start
+ * unmasked); the second pass turns a page's scores into weights exp(s - max) in L1 and accumulates p.V (VQ rows
+ * per loaded value vector) and the weights' sums, and each output row is divided by its sum at the end (no
+ * normalisation pass over the scores).
  * q, out: [B, T, Hq, D] contiguous fp32 (Hq = Hkv * G, head h * G + g); work: Hkv * T * G * (W + 2 * D) floats,
  * W = n * P with n >= every row's page count. */
 #define VQ 6
@@ -754,6 +757,9 @@ void sparrow_paged_verify_attention(const float *q, const float *k_pages, int64_
                                     int64_t head_dim, int64_t page_size, float scale, float *out, float *work) {
     const int64_t hq = hkv * group, span = t_max * group; /* span: query rows per KV head, at most */
     float *scores = work, *qs = work + hkv * span * width, *os = qs + hkv * span * head_dim;
+    /* per (KV head, row): its max score, its weights' sum lane-wise; p: one page's weights of every row */
+    float row_max[hkv * span > 0 ? hkv * span : 1], row_sum[hkv * span > 0 ? hkv * span * LANES : 1];
+    float p[span > 0 ? span * page_size : 1];
     memset(out, 0, sizeof(float) * batch * t_max * hq * head_dim);
     for (int64_t b = 0; b < batch; ++b) {
         const int64_t nq = num_queries[b], length = start[b] + nq, rows = nq * group;
@@ -775,21 +781,54 @@ void sparrow_paged_verify_attention(const float *q, const float *k_pages, int64_
                 page_scores_rows(qs + h * span * head_dim, rows, kp + h * stride_kh, stride_ks, head_dim, page_size,
                                  valid, scores + h * span * width + j * page_size, width);
         }
+        /* the causal mask on the pages that hold drafted positions (row r sees 0 .. start + r / G), then each
+         * row's max: lane-wise over its pages, then over the lanes */
+        const int64_t first_new = start[b] / page_size;
         for (int64_t h = 0; h < hkv; ++h)
-            for (int64_t r = 0; r < rows; ++r) { /* causal: row r sees positions 0 .. start + r / G */
+            for (int64_t r = 0; r < rows; ++r) {
                 float *row = scores + (h * span + r) * width;
                 const int64_t seen = start[b] + r / group + 1;
-                softmax_row(row, seen);
-                memset(row + seen, 0, sizeof(float) * (length - seen));
+                for (int64_t t = seen; t < pages * page_size; ++t) row[t] = -INFINITY;
+                v16 top = (v16){0} - INFINITY;
+                for (int64_t t = 0; t + LANES <= first_new * page_size; t += LANES) top = max16(top, load16(row + t));
+                float m = -INFINITY;
+                for (int i = 0; i < LANES; ++i) m = top[i] > m ? top[i] : m;
+                for (int64_t t = first_new * page_size - (first_new * page_size) % LANES; t < seen; ++t)
+                    m = row[t] > m ? row[t] : m;
+                row_max[h * span + r] = m;
+                memset(row_sum + (h * span + r) * LANES, 0, sizeof(float) * LANES);
             }
+        /* p.V page by page: the page's weights exp(s - max) of every row into p (rows x P, L1), their sums
+         * lane-wise, then p.V with VQ rows per loaded value vector; each row is divided by its sum at the end */
         memset(os, 0, sizeof(float) * hkv * span * head_dim);
         for (int64_t j = 0; j < pages; ++j) {
             const int64_t valid = length - j * page_size < page_size ? length - j * page_size : page_size;
             const float *vp = v_pages + (int64_t)table[j] * stride_vp;
-            for (int64_t h = 0; h < hkv; ++h)
-                page_values_rows(scores + h * span * width + j * page_size, rows, width, vp + h * stride_vh,
-                                 stride_vs, head_dim, valid, os + h * span * head_dim);
+            for (int64_t h = 0; h < hkv; ++h) {
+                for (int64_t r = 0; r < rows; ++r) {
+                    const float *src = scores + (h * span + r) * width + j * page_size;
+                    float *dst = p + r * page_size, *sum = row_sum + (h * span + r) * LANES;
+                    if (page_size == LANES) {
+                        const v16 e = exp16(load16(src) - row_max[h * span + r]);
+                        store16(sum, load16(sum) + e);
+                        store16(dst, e);
+                    } else
+                        for (int64_t t = 0; t < page_size; ++t) {
+                            dst[t] = src[t] == -INFINITY ? 0.0f : expf(src[t] - row_max[h * span + r]);
+                            sum[0] += dst[t];
+                        }
+                }
+                page_values_rows(p, rows, page_size, vp + h * stride_vh, stride_vs, head_dim, valid,
+                                 os + h * span * head_dim);
+            }
         }
+        for (int64_t h = 0; h < hkv; ++h)
+            for (int64_t r = 0; r < rows; ++r) {
+                float total = 0.0f;
+                for (int i = 0; i < LANES; ++i) total += row_sum[(h * span + r) * LANES + i];
+                float *o = os + (h * span + r) * head_dim;
+                for (int64_t d = 0; d < head_dim; ++d) o[d] /= total;
+            }
         for (int64_t h = 0; h < hkv; ++h)
             for (int64_t t = 0; t < nq; ++t)
                 for (int64_t g = 0; g < group; ++g)
