@@ -228,6 +228,7 @@ def fill_random_cache(engine: TorchRolloutEngine, batch: int, context: int, extr
     return cache, table, seq_len
 
 
+@torch.no_grad()  # as generate() decodes (the CPU layer kernels run only without autograd)
 def time_decode_steps(
     engine: TorchRolloutEngine,
     context: int,
