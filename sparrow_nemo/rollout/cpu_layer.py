@@ -14,7 +14,7 @@ import ctypes
 
 import torch
 
-from sparrow_nemo.rollout import cpu_attention
+import sparrow_nemo.rollout.cpu_attention as cpu_attention
 
 _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 

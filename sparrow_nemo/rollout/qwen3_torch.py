@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+import sparrow_nemo.rollout.cpu_layer as cpu_layer
 from sparrow_nemo.hf_qwen3 import (
     LoraAdapter,
     SafetensorsDir,
@@ -27,7 +28,6 @@ from sparrow_nemo.hf_qwen3 import (
     shape_from_hf_config,
 )
 from sparrow_nemo.model_shapes import Qwen3Shape
-from sparrow_nemo.rollout import cpu_layer
 
 #: projections that read the same input and run as one stacked matmul: (group name, HF modules)
 FUSED_GROUPS = (
