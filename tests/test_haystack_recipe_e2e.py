@@ -14,6 +14,7 @@ from sparrow_nemo.grpo.metrics import read_metrics
 from sparrow_nemo.grpo.recipe import load_config
 from sparrow_nemo.grpo.summary import tail_per_bin
 from sparrow_nemo.grpo.trainer import train
+from sparrow_nemo.sparse.mismatch import tail_name
 
 pytestmark = pytest.mark.slow
 
@@ -37,15 +38,15 @@ def test_haystack_smoke_run_loads_the_shipped_warm_start_and_rolls_out_over_long
     for row in rows:
         assert row["response_length/mean"] > 20, row
     # the contexts are long: cached lengths of >= 512 tokens (the minimum filler) fill only bins >= 2 of 256
-    last = rows[-1]
-    populated = [b for b in tail_per_bin([last]) if (last.get(f"acceptance/tokens/bin_{b}") or 0) > 0]
+    last, stat = rows[-1], tail_name(config.sparsity.quantile)
+    populated = [b for b in tail_per_bin([last], stat) if (last.get(f"acceptance/tokens/bin_{b}") or 0) > 0]
     assert populated and min(populated) >= 2, last
     # the tail is kept: a decided bin whose tail (the recipe's p1) dips below the threshold gets a larger budget
     # for the next step (tail_scheduler.adapt: raise), or the collapse guard switches the run to dense (measured
     # in the recipe's 30-step run: bin 4's p1 fell to 0.06 at 192 tokens, raised to 512 over steps 5-15)
-    threshold, stat = config.sparsity.threshold, f"p{100 * config.sparsity.quantile:g}"
+    threshold = config.sparsity.threshold
     for row in rows:
-        for b in tail_per_bin([row]):
+        for b in tail_per_bin([row], stat):
             if (row.get(f"acceptance/tokens/bin_{b}") or 0) < config.sparsity.min_bin_tokens:
                 continue
             if row[f"acceptance/{stat}/bin_{b}"] < threshold:

@@ -39,7 +39,7 @@ def test_long_smoke_run_loads_the_shipped_warm_start_and_rolls_out_long_response
     last = rows[-1]
     decided = [
         b
-        for b in tail_per_bin([last])
+        for b in tail_per_bin([last], "p5")
         if (last.get(f"acceptance/tokens/bin_{b}") or 0) >= config.sparsity.min_bin_tokens
     ]
     assert len(decided) >= 2, last

@@ -110,7 +110,7 @@ def test_smoke_run_trains_without_losing_accuracy_and_keeps_the_tail(smoke_overr
     last = rows[-1]
     decided = [
         b
-        for b in tail_per_bin([last])
+        for b in tail_per_bin([last], "p5")
         if (last.get(f"acceptance/tokens/bin_{b}") or 0) >= config.sparsity.min_bin_tokens
     ]
     assert decided, last

@@ -25,6 +25,7 @@ from matplotlib.figure import Figure
 from sparrow_nemo.rollout.engine import RolloutEngine, SamplingParams
 from sparrow_nemo.rollout.scoring import measure_mismatch
 from sparrow_nemo.sparse.calibration import CalibrationResult, calibrate_schedule
+from sparrow_nemo.sparse.mismatch import tail_name
 from sparrow_nemo.sparse.pattern import PAGE_SIZE
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET, BudgetSchedule
 
@@ -89,7 +90,7 @@ def run_calibration(
     if result.unsatisfied_bins:
         logger.warning(
             "calibration: no candidate budget reaches %s >= %.3f in bins %s; those bins fall back to dense",
-            f"p{100 * quantile:g}",
+            tail_name(quantile),
             threshold,
             list(result.unsatisfied_bins),
         )
@@ -158,7 +159,7 @@ def plot_calibration(result: CalibrationResult, path: Path) -> None:
             ax.scatter(*zip(*picked), s=90, facecolors="none", edgecolors=line.get_color(), linewidths=1.5)
     ax.axhline(result.threshold, color="black", ls="--", lw=1, label=f"threshold {result.threshold:g}")
     ax.set_xlabel("cached length (tokens)")
-    ax.set_ylabel(f"p{100 * result.quantile:g} of acceptance rate")
+    ax.set_ylabel(f"{tail_name(result.quantile)} of acceptance rate")
     ax.set_title("calibration: tail per bin and budget (circles: chosen budget)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2, loc="lower left")

@@ -44,6 +44,7 @@ from sparrow_nemo.callbacks.tail_report import plot_tail_history
 from sparrow_nemo.callbacks.tail_stats import BinTail
 from sparrow_nemo.config.schema import AT_LEAST_ONE, NON_NEGATIVE, OPEN_UNIT, Section, knob
 from sparrow_nemo.sparse.config import SparsityConfig
+from sparrow_nemo.sparse.mismatch import tail_name
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET, BudgetSchedule
 
 logger = logging.getLogger(__name__)
@@ -164,7 +165,7 @@ class TailMismatchScheduler(Callback):
     @property
     def stat_name(self) -> str:
         """Metric name of the tail statistic, e.g. ``p5`` for quantile 0.05."""
-        return f"p{100 * self.quantile:g}"
+        return tail_name(self.quantile)
 
     @property
     def ladder(self) -> list[int]:

@@ -8,7 +8,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-_TAIL = re.compile(r"^acceptance/p[\d.]+/bin_(\d+)$")
 _BUDGET = re.compile(r"^sparsity/budget/bin_(\d+)$")
 
 
@@ -22,9 +21,10 @@ def _per_bin(history: Sequence[dict[str, Any]], pattern: re.Pattern) -> dict[int
     return dict(sorted((int(pattern.match(k).group(1)), k) for k in keys))
 
 
-def write_plots(history: Sequence[dict[str, Any]], threshold: float, out_dir: Path) -> list[Path]:
-    """Write reward.png, response_length.png, tail_per_bin.png and schedule.png (and, for a speculative run,
-    speculative.png and speculative_tokens.png); returns their paths."""
+def write_plots(history: Sequence[dict[str, Any]], threshold: float, out_dir: Path, stat: str) -> list[Path]:
+    """Write reward.png, response_length.png, tail_per_bin.png (the tail statistic ``stat``, e.g. ``p1``, per
+    bin) and schedule.png (and, for a speculative run, speculative.png and speculative_tokens.png); returns
+    their paths."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -43,8 +43,11 @@ def write_plots(history: Sequence[dict[str, Any]], threshold: float, out_dir: Pa
             None,
         ),
         "tail_per_bin.png": (
-            "acceptance-rate tail per bin",
-            [(k, f"bin {b}") for b, k in _per_bin(history, _TAIL).items()],
+            f"acceptance-rate tail ({stat}) per bin",
+            [
+                (k, f"bin {b}")
+                for b, k in _per_bin(history, re.compile(rf"^acceptance/{stat}/bin_(\d+)$")).items()
+            ],
             threshold,
         ),
         "schedule.png": (

@@ -9,22 +9,24 @@ from pathlib import Path
 from typing import Any
 
 from sparrow_nemo.grpo.recipe import SparrowConfig
+from sparrow_nemo.sparse.mismatch import tail_name
 
 SUMMARY_JSON = "summary.json"
 SUMMARY_TXT = "summary.txt"
-_BIN = re.compile(r"^acceptance/(p[\d.]+)/bin_(\d+)$")
 
 
-def tail_per_bin(history: Sequence[dict[str, Any]]) -> dict[int, dict[str, float]]:
-    """Per bin over the steps: ``last`` and ``min`` of the tail statistic, ``steps`` with a value and
-    ``tokens`` behind the last value (``acceptance/tokens/bin_<b>``; 0 when not logged)."""
+def tail_per_bin(history: Sequence[dict[str, Any]], stat: str) -> dict[int, dict[str, float]]:
+    """Per bin over the steps: ``last`` and ``min`` of the tail statistic ``stat`` (``acceptance/<stat>/bin_<b>``,
+    e.g. ``p5``: :func:`~sparrow_nemo.sparse.mismatch.tail_name` of the rule's quantile), ``steps`` with a value
+    and ``tokens`` behind the last value (``acceptance/tokens/bin_<b>``; 0 when not logged)."""
+    pattern = re.compile(rf"^acceptance/{re.escape(stat)}/bin_(\d+)$")
     out: dict[int, dict[str, float]] = {}
     for row in history:
         for key, value in row.items():
-            match = _BIN.match(key)
+            match = pattern.match(key)
             if match is None or value is None:
                 continue
-            b = int(match.group(2))
+            b = int(match.group(1))
             entry = out.setdefault(b, {"last": value, "min": value, "steps": 0})
             entry["last"], entry["min"], entry["steps"] = value, min(entry["min"], value), entry["steps"] + 1
             entry["tokens"] = row.get(f"acceptance/tokens/bin_{b}") or 0
@@ -49,7 +51,7 @@ def build_summary(
     steps = [row for row in history if row["step"] >= 0]
     evals = state.evals
     threshold = config.sparsity.threshold
-    tails = tail_per_bin(steps)
+    tails = tail_per_bin(steps, tail_name(config.sparsity.quantile))
     predicted = [row["sparsity/predicted_speedup"] for row in steps if row.get("sparsity/predicted_speedup")]
     summary: dict[str, Any] = {
         "steps": state.step,

@@ -64,6 +64,7 @@ from sparrow_nemo.rollout.cost_fit import COST_HARDWARE_FILE, rollout_cost_model
 from sparrow_nemo.rollout.oom_retry import OomRetryEngine
 from sparrow_nemo.rollout.sampling import sample_seed
 from sparrow_nemo.rollout.spec_rollout import with_rollout_mode
+from sparrow_nemo.sparse.mismatch import tail_name
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 logger = logging.getLogger(__name__)
@@ -280,7 +281,12 @@ class GrpoTrainer:
         summary = build_summary(self.state, self.metrics.history, cfg, self.cost_model.hardware.name)
         if self.is_main:
             if cfg.logging.plots:
-                write_plots(self.metrics.history, cfg.sparsity.threshold, self.run_dir / "plots")
+                write_plots(
+                    self.metrics.history,
+                    cfg.sparsity.threshold,
+                    self.run_dir / "plots",
+                    tail_name(cfg.sparsity.quantile),
+                )
             write_summary(summary, self.run_dir)
         self.metrics.close()
         return summary

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from sparrow_nemo.config.schema import AT_LEAST_ONE, Section, knob
-from sparrow_nemo.sparse.mismatch import tail_by_bin
+from sparrow_nemo.sparse.mismatch import tail_by_bin, tail_name
 from sparrow_nemo.sparse.pattern import PAGE_SIZE
 from sparrow_nemo.sparse.schedule import (
     DENSE_BUDGET,
@@ -95,7 +95,7 @@ class CalibrationResult:
             rows.append(cells)
         widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
         lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
-        title = f"p{100 * self.quantile:g} of alpha per bin (threshold {self.threshold})"
+        title = f"{tail_name(self.quantile)} of alpha per bin (threshold {self.threshold})"
         return "\n".join([title, *lines])
 
     def to_dict(self) -> dict[str, Any]:

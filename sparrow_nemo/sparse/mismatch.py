@@ -19,11 +19,17 @@ __all__ = [
     "binned_quantiles",
     "summarize",
     "tail_by_bin",
+    "tail_name",
 ]
 
 
 #: The paper's tail level: the 5th percentile of the acceptance rate per bin of cached length.
 PAPER_QUANTILE = 0.05
+
+
+def tail_name(quantile: float) -> str:
+    """The metric name of a tail level: 0.05 -> ``p5``, 0.01 -> ``p1`` (``acceptance/p5/bin_3``)."""
+    return f"p{100 * quantile:g}"
 
 
 def acceptance_rate(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:

@@ -114,7 +114,7 @@ def test_tail_per_bin_summary_and_plots(tmp_path: Path) -> None:
         },
     ]
     assert timing_per_phase(history) == {"step": 3.0, "rollout": 2.0}
-    tails = tail_per_bin(history)
+    tails = tail_per_bin(history, "p5")
     assert tails == {
         0: {"last": 0.88, "min": 0.88, "steps": 2, "tokens": 0},
         1: {"last": 0.9, "min": 0.7, "steps": 2, "tokens": 0},
@@ -154,7 +154,7 @@ def test_tail_per_bin_summary_and_plots(tmp_path: Path) -> None:
     text = format_summary(summary)
     assert "0.90x (cpu (fitted) cost model)" in text
     assert "last step's plan per bin: k [0, 0], draft budget [16, 16] tokens (k = 0: plain dense" in text
-    paths = write_plots(history, 0.86, tmp_path / "plots")
+    paths = write_plots(history, 0.86, tmp_path / "plots", "p5")
     assert sorted(p.name for p in paths) == [
         "response_length.png",
         "reward.png",
