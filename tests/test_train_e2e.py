@@ -89,7 +89,11 @@ def test_smoke_run_trains_without_losing_accuracy_and_keeps_the_tail(smoke_overr
             trainer.policy.close()
     rows = [row for row in read_metrics(tmp_path / "metrics.jsonl") if row["step"] >= 0]
     assert len(rows) == config.trainer.max_steps
-    assert all(row["train/skipped_nonfinite"] == 0.0 and row["train/grad_norm"] > 0 for row in rows), rows
+    # every update with a learning signal reaches the weights; a step whose groups all have equal rewards (a
+    # near-deterministic policy on the short task) has none and a zero gradient, as in any GRPO
+    assert all(row["train/skipped_nonfinite"] == 0.0 for row in rows), rows
+    assert all(row["train/grad_norm"] > 0 for row in rows if row["advantage/nonzero_fraction"] > 0), rows
+    assert sum(row["advantage/nonzero_fraction"] > 0 for row in rows) >= len(rows) // 2, rows
     # 20 steps at this size move the held-out accuracy by less than its noise. Measured on a cold cache (2-core
     # machine, one warm-start): mean probability of the 256 reference solutions 0.561 -> 0.567 (+0.006, s.e.
     # 0.005, 117 of 256 up; 1-hop problems 0.825 -> 0.827, 2-hop 0.029 -> 0.044: RL sharpens) with one update
@@ -166,7 +170,7 @@ def test_fixed_budget_far_too_small_shows_bins_below_threshold(
     assert f"run folder: {tmp_path}" in out and "BELOW" in out
     rows = [row for row in read_metrics(tmp_path / "metrics.jsonl") if row["step"] >= 0]
     threshold = load_config("tiny_cpu_short_smoke", overrides).sparsity.threshold
-    tails = {b: t["min"] for b, t in tail_per_bin(rows).items()}
+    tails = {b: t["min"] for b, t in tail_per_bin(rows, "p5").items()}
     assert any(v < threshold for v in tails.values()), tails
 
 
@@ -211,9 +215,12 @@ def test_kl_penalty_to_the_initial_policy(smoke_overrides, tmp_path: Path) -> No
 
 def test_mini_batches_make_the_ppo_ratio_and_clip_real(smoke_overrides, tmp_path: Path) -> None:
     # old logprobs come from the step's starting weights: one update per step is exactly on-policy, with four
-    # the later mini-batches see moved weights and some tokens leave the clip range
+    # the later mini-batches see moved weights and some tokens leave the clip range (a narrow one, +-2 %: at the
+    # recipe's 0.2 / 0.28 whether any token of two steps leaves it depends on the samples)
     common = [
         *smoke_overrides,
+        "grpo.loss.clip_low=0.02",
+        "grpo.loss.clip_high=0.02",
         "trainer.max_steps=2",
         "checkpoint.enabled=false",
         "logging.plots=false",

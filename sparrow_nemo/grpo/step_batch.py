@@ -37,7 +37,7 @@ from sparrow_nemo.policy.logprobs import LogprobOutput
 from sparrow_nemo.rollout.engine import RolloutSample, SamplingParams, TokenProgress
 from sparrow_nemo.rollout.sampling import sample_seed
 from sparrow_nemo.rollout.scoring import TokenMismatch
-from sparrow_nemo.sparse.mismatch import PAPER_QUANTILE
+from sparrow_nemo.sparse.mismatch import PAPER_QUANTILE, tail_name
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET, BudgetSchedule
 
 
@@ -186,6 +186,8 @@ class StepStats:
     Attributes:
         samples, tokens: samples and generated response tokens of the step.
         reward_mean, reward_std, accuracy: over samples (accuracy = reward >= 1).
+        advantage_nonzero: fraction of samples with a non-zero advantage (a group whose rewards are all equal
+            gives its samples none: a step where every group is so has no policy gradient).
         length_mean, length_median, length_max, length_min, truncation_rate: response lengths (tokens; the
             median interpolates between the two middle samples of the world).
         tokens_per_rank: generated tokens of each global rank.
@@ -205,6 +207,7 @@ class StepStats:
     reward_mean: float
     reward_std: float
     accuracy: float
+    advantage_nonzero: float
     length_mean: float
     length_median: float
     length_max: float
@@ -230,11 +233,12 @@ class StepStats:
 
     def metrics(self, schedule: BudgetSchedule, quantile: float) -> dict[str, float]:
         """Flat ``group/name`` metrics (NeMo-RL / verl names); ``schedule``: the one the rollouts used."""
-        stat = f"p{100 * quantile:g}"
+        stat = tail_name(quantile)
         m: dict[str, float] = {
             "reward/mean": self.reward_mean,
             "reward/std": self.reward_std,
             "reward/accuracy": self.accuracy,
+            "advantage/nonzero_fraction": self.advantage_nonzero,
             "response_length/mean": self.length_mean,
             "response_length/median": self.length_median,
             "response_length/max": self.length_max,
@@ -297,12 +301,13 @@ def measure_tokens(
         dense = BudgetSchedule.dense(schedule.bin_tokens, schedule.page_size)
         dense_s = cost_model.rollout_cost(dense, lengths, prompt_lens).total_s
         sparse_s = cost_model.rollout_cost(schedule, lengths, prompt_lens).total_s
-    n, r_sum, r_sq, correct, tokens, n_trunc, a_sum, a_count, tmpe, d_sum, rollout_s = reduce_sums(
+    n, r_sum, r_sq, correct, signal, tokens, n_trunc, a_sum, a_count, tmpe, d_sum, rollout_s = reduce_sums(
         [
             len(local.samples),
             float(rewards.sum()),
             float((rewards**2).sum()),
             float((rewards >= 1.0).sum()),
+            float((local.advantages != 0).sum()),
             float(lengths.sum()),
             truncated,
             float(mm.alpha.double().sum()),
@@ -354,6 +359,7 @@ def measure_tokens(
         reward_mean=mean,
         reward_std=math.sqrt(max(r_sq - n * mean * mean, 0.0) / (n - 1)) if n > 1 else 0.0,
         accuracy=correct / n,
+        advantage_nonzero=signal / n,
         length_mean=tokens / n,
         length_median=float(median[0, 0]),
         length_max=length_max,

@@ -35,7 +35,13 @@ def _sample(n: int, reason: str) -> RolloutSample:
 
 def test_step_metrics_hand_computed() -> None:
     samples = [_sample(2, "stop_token"), _sample(4, "length")]
-    local = LocalRollout(samples, range(0, 2), seconds=0.48, rewards=torch.tensor([1.0, 0.0]))
+    local = LocalRollout(
+        samples,
+        range(0, 2),
+        seconds=0.48,
+        rewards=torch.tensor([1.0, 0.0]),
+        advantages=torch.tensor([0.7, 0.0]),
+    )
     # 6 tokens: alpha in bins of 4 tokens of cached length: cached 2,3 | 2,3,4,5 -> bin 0: 2,3,2,3; bin 1: 4,5
     alpha = torch.tensor([1.0, 0.9, 0.8, 0.7, 0.6, 0.5])
     cached = torch.tensor([2, 3, 2, 3, 4, 5])
@@ -46,7 +52,7 @@ def test_step_metrics_hand_computed() -> None:
     stats = measure_tokens(local, TokenMismatch(alpha, cached, train, gen), schedule, 0.5, 2.0, cost)
     m = stats.metrics(schedule, 0.5)
     assert m["reward/mean"] == 0.5 and m["reward/std"] == pytest.approx(math.sqrt(0.5))
-    assert m["reward/accuracy"] == 0.5
+    assert m["reward/accuracy"] == 0.5 and m["advantage/nonzero_fraction"] == 0.5
     assert (m["response_length/mean"], m["response_length/max"], m["response_length/min"]) == (3.0, 4.0, 2.0)
     assert m["response_length/truncation_rate"] == 0.5
     assert m["rollout/tokens"] == 6.0 and m["rollout/tokens_per_s"] == pytest.approx(12.5)
