@@ -13,7 +13,7 @@ the adapter never saw (``--eval-prompts`` x ``--samples`` fresh samples, fixed s
 
 Prints a table and writes the numbers as JSON (``--out``). CPU, one process:
 
-    .venv/bin/python benchmarks/distill_tail.py --rounds 40             # tiny_cpu_distill (24 tokens)
+    .venv/bin/python benchmarks/distill_tail.py --rounds 40             # tiny_cpu_distill (20 tokens)
     .venv/bin/python benchmarks/distill_tail.py --rounds 20 'sparsity.budgets=[16,16,16,16,16]'
 """
 
