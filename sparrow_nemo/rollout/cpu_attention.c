@@ -629,210 +629,126 @@ void sparrow_sparse_attention(const float *q, const float *centroids, const floa
  * Dense causal attention of T query positions per row over the paged cache: query t of row b sits at cache
  * position start[b] + t and attends to positions 0 .. start[b] + t (its own key/value already stored); only
  * the first num_queries[b] queries of a row are computed (the rest of out is zero) and only the pages holding
- * positions below start[b] + num_queries[b] are read. Every key and value of a (row, KV head) is read once
- * for all of its num_queries * G query rows (the T positions and the G query heads sharing the KV head):
- * the scores of a page are a [rows x D] x [D x P] product on the page's keys transposed once (P = 16 lanes),
- * register-blocked over VQ query rows. Each row's max comes from its scores (lane-wise, pages below start
- * unmasked); the second pass turns a page's scores into weights exp(s - max) in L1 and accumulates p.V (VQ rows
- * per loaded value vector) and the weights' sums, and each output row is divided by its sum at the end (no
- * normalisation pass over the scores).
- * q, out: [B, T, Hq, D] contiguous fp32 (Hq = Hkv * G, head h * G + g); work: Hkv * T * G * (W + 2 * D) floats,
- * W = n * P with n >= every row's page count. */
-#define VQ 6
-
-/* t[d] = column d of the 16 x 16 block whose rows are a[0..15] (four stages, each swapping one bit of the
- * row index with the same bit of the column index: two-source shuffles, no scalar moves). */
-static inline void transpose16(v16 a[LANES]) {
-    v16 b[LANES];
-    for (int i = 0; i < LANES; i += 2) {
-        b[i] = SHUFFLE(a[i], a[i + 1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
-        b[i + 1] = SHUFFLE(a[i], a[i + 1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
-    }
-    for (int i = 0; i < LANES; i += 4)
-        for (int o = 0; o < 2; ++o) {
-            a[i + o] = SHUFFLE(b[i + o], b[i + o + 2], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
-            a[i + o + 2] = SHUFFLE(b[i + o], b[i + o + 2], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
-        }
-    for (int i = 0; i < LANES; i += 8)
-        for (int o = 0; o < 4; ++o) {
-            b[i + o] = SHUFFLE(a[i + o], a[i + o + 4], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
-            b[i + o + 4] = SHUFFLE(a[i + o], a[i + o + 4], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
-        }
-    for (int o = 0; o < 8; ++o) {
-        a[o] = SHUFFLE(b[o], b[o + 8], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
-        a[o + 8] = SHUFFLE(b[o], b[o + 8], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-    }
-}
-
-/* nr (a constant after inlining) query rows' scores against a page of transposed keys kt[d] (slots on lanes). */
-static inline __attribute__((always_inline)) void scores_block(const float *restrict qs, const v16 *restrict kt,
-                                                               int64_t head_dim, float *restrict scores,
-                                                               int64_t stride, const int nr) {
-    v16 acc[VQ];
-    for (int i = 0; i < nr; ++i) acc[i] = (v16){0};
-    for (int64_t d = 0; d < head_dim; ++d) {
-        const v16 kv = kt[d];
-        for (int i = 0; i < nr; ++i) acc[i] += qs[i * head_dim + d] * kv;
-    }
-    for (int i = 0; i < nr; ++i) store16(scores + i * stride, acc[i]);
-}
-
-/* nr query rows' out[:, d .. d + 15] += p . V over the page's valid slots. */
-static inline __attribute__((always_inline)) void values_block(const float *restrict p, int64_t stride,
-                                                               const float *restrict v, int64_t vs, int64_t valid,
-                                                               float *restrict out, int64_t head_dim,
-                                                               const int nr) {
-    v16 acc[VQ];
-    for (int i = 0; i < nr; ++i) acc[i] = load16(out + i * head_dim);
-    for (int64_t s = 0; s < valid; ++s) {
-        const v16 vv = load16(v + s * vs);
-        for (int i = 0; i < nr; ++i) acc[i] += p[i * stride + s] * vv;
-    }
-    for (int i = 0; i < nr; ++i) store16(out + i * head_dim, acc[i]);
-}
-
-/* scores[r * stride + s] = <qs[r], key_s> for the rows r < rows and slots s < valid of one page. */
-static void page_scores_rows(const float *restrict qs, int64_t rows, const float *restrict k, int64_t ks,
-                             int64_t head_dim, int64_t page_size, int64_t valid, float *restrict scores,
-                             int64_t stride) {
-    if (page_size != LANES || head_dim % LANES || head_dim > 256) {
-        for (int64_t r = 0; r < rows; ++r)
-            for (int64_t s = 0; s < valid; ++s) {
-                float acc = 0.0f;
-                for (int64_t d = 0; d < head_dim; ++d) acc += qs[r * head_dim + d] * k[s * ks + d];
-                scores[r * stride + s] = acc;
-            }
-        return;
-    }
-    v16 kt[256]; /* kt[d] = the page's keys' coordinate d, slots on lanes (0 past valid) */
-    for (int64_t d = 0; d < head_dim; d += LANES) {
-        v16 *blk = kt + d;
-        for (int64_t s = 0; s < LANES; ++s) blk[s] = s < valid ? load16(k + s * ks + d) : (v16){0};
-        transpose16(blk);
-    }
-    int64_t r = 0;
-    for (; rows - r >= VQ; r += VQ) scores_block(qs + r * head_dim, kt, head_dim, scores + r * stride, stride, VQ);
-    if (rows - r >= 4) {
-        scores_block(qs + r * head_dim, kt, head_dim, scores + r * stride, stride, 4);
-        r += 4;
-    }
-    if (rows - r >= 2) {
-        scores_block(qs + r * head_dim, kt, head_dim, scores + r * stride, stride, 2);
-        r += 2;
-    }
-    if (rows - r >= 1) scores_block(qs + r * head_dim, kt, head_dim, scores + r * stride, stride, 1);
-}
-
-/* out[r, :] += sum over slots s < valid of p[r * stride + s] * value_s, rows r < rows (D a multiple of 16
- * takes register blocks of up to VQ rows per 16-wide slice of the head dim). */
-static void page_values_rows(const float *restrict p, int64_t rows, int64_t stride, const float *restrict v,
-                             int64_t vs, int64_t head_dim, int64_t valid, float *restrict out) {
-    if (head_dim % LANES) {
-        for (int64_t r = 0; r < rows; ++r)
-            for (int64_t s = 0; s < valid; ++s)
-                for (int64_t d = 0; d < head_dim; ++d) out[r * head_dim + d] += p[r * stride + s] * v[s * vs + d];
-        return;
-    }
-    for (int64_t d = 0; d < head_dim; d += LANES) {
-        int64_t r = 0;
-        for (; rows - r >= VQ; r += VQ)
-            values_block(p + r * stride, stride, v + d, vs, valid, out + r * head_dim + d, head_dim, VQ);
-        if (rows - r >= 4) {
-            values_block(p + r * stride, stride, v + d, vs, valid, out + r * head_dim + d, head_dim, 4);
-            r += 4;
-        }
-        if (rows - r >= 2) {
-            values_block(p + r * stride, stride, v + d, vs, valid, out + r * head_dim + d, head_dim, 2);
-            r += 2;
-        }
-        if (rows - r >= 1) values_block(p + r * stride, stride, v + d, vs, valid, out + r * head_dim + d, head_dim, 1);
-    }
-}
+ * positions below start[b] + num_queries[b] are read, each once (pages in order, both KV heads of a page
+ * together) for all num_queries * G query rows of its KV head (the T positions and the G query heads sharing it).
+ * The query rows sit on the 16 lanes of a vector (a row vector; the last one of a head padded with zero queries
+ * that see every position, whose outputs are dropped), so nothing is transposed per page: a slot's score for 16
+ * rows is D FMAs of the slot's key coordinates broadcast against the rows' transposed queries, the page's max
+ * per row is lane-wise, and p.V is one FMA per (slot, coordinate) for 16 rows. The softmax is online (flash
+ * style): per row a running max and weight sum, the unnormalised output rescaled when the max grows, divided by
+ * the sum at the end.
+ * q, out: [B, T, Hq, D] contiguous fp32 (Hq = Hkv * G, head h * G + g); work: 2 * Hkv * ceil(T * G / 16) * D * 16
+ * floats. */
+#define SLOTS 8 /* slots scored per register block */
 
 void sparrow_paged_verify_attention(const float *q, const float *k_pages, int64_t stride_kp, int64_t stride_kh,
                                     int64_t stride_ks, const float *v_pages, int64_t stride_vp,
                                     int64_t stride_vh, int64_t stride_vs, const int32_t *block_table,
                                     int64_t stride_bt, const int64_t *start, const int64_t *num_queries,
-                                    int64_t width, int64_t batch, int64_t t_max, int64_t hkv, int64_t group,
-                                    int64_t head_dim, int64_t page_size, float scale, float *out, float *work) {
-    const int64_t hq = hkv * group, span = t_max * group; /* span: query rows per KV head, at most */
-    float *scores = work, *qs = work + hkv * span * width, *os = qs + hkv * span * head_dim;
-    /* per (KV head, row): its max score, its weights' sum lane-wise; p: one page's weights of every row */
-    float row_max[hkv * span > 0 ? hkv * span : 1], row_sum[hkv * span > 0 ? hkv * span * LANES : 1];
-    float p[span > 0 ? span * page_size : 1];
-    memset(out, 0, sizeof(float) * batch * t_max * hq * head_dim);
+                                    int64_t batch, int64_t t_max, int64_t hkv, int64_t group, int64_t head_dim,
+                                    int64_t page_size, float scale, float *out, float *work) {
+    const int64_t hq = hkv * group, D = head_dim;
+    const int64_t vecs = (t_max * group + LANES - 1) / LANES; /* row vectors per KV head, at most */
+    float *qt = work;                                         /* [Hkv, vecs, D, 16]: scaled queries, rows on lanes */
+    float *ot = work + hkv * vecs * D * LANES;                /* [Hkv, vecs, D, 16]: unnormalised outputs */
+    v16 run_max[hkv * vecs], run_sum[hkv * vecs], last[vecs];
+    memset(out, 0, sizeof(float) * batch * t_max * hq * D);
     for (int64_t b = 0; b < batch; ++b) {
         const int64_t nq = num_queries[b], length = start[b] + nq, rows = nq * group;
-        const int64_t pages = (length + page_size - 1) / page_size;
+        const int64_t nv = (rows + LANES - 1) / LANES, pages = (length + page_size - 1) / page_size;
         const int32_t *table = block_table + b * stride_bt;
-        /* rows of KV head h: r = t * G + g (position t, query head h * G + g), at qs + h * span * D */
-        for (int64_t h = 0; h < hkv; ++h)
-            for (int64_t t = 0; t < nq; ++t)
-                for (int64_t g = 0; g < group; ++g) {
-                    const float *src = q + ((b * t_max + t) * hq + h * group + g) * head_dim;
-                    float *dst = qs + (h * span + t * group + g) * head_dim;
-                    for (int64_t d = 0; d < head_dim; ++d) dst[d] = src[d] * scale;
-                }
-        for (int64_t j = 0; j < pages; ++j) { /* pages outer, heads inner: the pool is read in order (the
-                                                hardware prefetcher follows it) */
-            const int64_t valid = length - j * page_size < page_size ? length - j * page_size : page_size;
-            const float *kp = k_pages + (int64_t)table[j] * stride_kp;
-            for (int64_t h = 0; h < hkv; ++h)
-                page_scores_rows(qs + h * span * head_dim, rows, kp + h * stride_kh, stride_ks, head_dim, page_size,
-                                 valid, scores + h * span * width + j * page_size, width);
-        }
-        /* the causal mask on the pages that hold drafted positions (row r sees 0 .. start + r / G), then each
-         * row's max: lane-wise over its pages, then over the lanes */
-        const int64_t first_new = start[b] / page_size;
-        for (int64_t h = 0; h < hkv; ++h)
-            for (int64_t r = 0; r < rows; ++r) {
-                float *row = scores + (h * span + r) * width;
-                const int64_t seen = start[b] + r / group + 1;
-                for (int64_t t = seen; t < pages * page_size; ++t) row[t] = -INFINITY;
-                v16 top = (v16){0} - INFINITY;
-                for (int64_t t = 0; t + LANES <= first_new * page_size; t += LANES) top = max16(top, load16(row + t));
-                float m = -INFINITY;
-                for (int i = 0; i < LANES; ++i) m = top[i] > m ? top[i] : m;
-                for (int64_t t = first_new * page_size - (first_new * page_size) % LANES; t < seen; ++t)
-                    m = row[t] > m ? row[t] : m;
-                row_max[h * span + r] = m;
-                memset(row_sum + (h * span + r) * LANES, 0, sizeof(float) * LANES);
+        /* lane i of row vector v is row r = 16 v + i = t * G + g; it sees positions <= last (padding: all) */
+        for (int64_t v = 0; v < nv; ++v)
+            for (int i = 0; i < LANES; ++i) {
+                const int64_t r = v * LANES + i;
+                last[v][i] = (float)(r < rows ? start[b] + r / group : length - 1);
             }
-        /* p.V page by page: the page's weights exp(s - max) of every row into p (rows x P, L1), their sums
-         * lane-wise, then p.V with VQ rows per loaded value vector; each row is divided by its sum at the end */
-        memset(os, 0, sizeof(float) * hkv * span * head_dim);
+        for (int64_t h = 0; h < hkv; ++h)
+            for (int64_t v = 0; v < nv; ++v) {
+                float *dst = qt + (h * vecs + v) * D * LANES;
+                for (int i = 0; i < LANES; ++i) {
+                    const int64_t r = v * LANES + i;
+                    const float *src = q + ((b * t_max + r / group) * hq + h * group + r % group) * D;
+                    for (int64_t d = 0; d < D; ++d) dst[d * LANES + i] = r < rows ? src[d] * scale : 0.0f;
+                }
+                memset(ot + (h * vecs + v) * D * LANES, 0, sizeof(float) * D * LANES);
+                run_max[h * vecs + v] = (v16){0} - INFINITY;
+                run_sum[h * vecs + v] = (v16){0};
+            }
         for (int64_t j = 0; j < pages; ++j) {
             const int64_t valid = length - j * page_size < page_size ? length - j * page_size : page_size;
-            const float *vp = v_pages + (int64_t)table[j] * stride_vp;
+            const int masked = j * page_size + valid - 1 >= start[b]; /* holds a position some row must not see */
             for (int64_t h = 0; h < hkv; ++h) {
-                for (int64_t r = 0; r < rows; ++r) {
-                    const float *src = scores + (h * span + r) * width + j * page_size;
-                    float *dst = p + r * page_size, *sum = row_sum + (h * span + r) * LANES;
-                    if (page_size == LANES) {
-                        const v16 e = exp16(load16(src) - row_max[h * span + r]);
-                        store16(sum, load16(sum) + e);
-                        store16(dst, e);
-                    } else
-                        for (int64_t t = 0; t < page_size; ++t) {
-                            dst[t] = src[t] == -INFINITY ? 0.0f : expf(src[t] - row_max[h * span + r]);
-                            sum[0] += dst[t];
+                const float *kp = k_pages + (int64_t)table[j] * stride_kp + h * stride_kh;
+                const float *vp = v_pages + (int64_t)table[j] * stride_vp + h * stride_vh;
+                for (int64_t v = 0; v < nv; ++v) {
+                    const float *qv = qt + (h * vecs + v) * D * LANES;
+                    float *ov = ot + (h * vecs + v) * D * LANES;
+                    for (int64_t c = 0; c < valid; c += LANES) { /* chunks of at most 16 slots */
+                        const int64_t n = valid - c < LANES ? valid - c : LANES;
+                        v16 s[LANES];
+                        for (int64_t s0 = 0; s0 < n; s0 += SLOTS) { /* scores, SLOTS slots per pass over q */
+                            const int64_t m = n - s0 < SLOTS ? n - s0 : SLOTS;
+                            v16 acc[SLOTS];
+                            for (int i = 0; i < SLOTS; ++i) acc[i] = (v16){0};
+                            const float *key = kp + (c + s0) * stride_ks;
+                            if (m == SLOTS)
+                                for (int64_t d = 0; d < D; ++d) {
+                                    const v16 qd = load16(qv + d * LANES);
+                                    for (int i = 0; i < SLOTS; ++i) acc[i] += key[i * stride_ks + d] * qd;
+                                }
+                            else
+                                for (int64_t d = 0; d < D; ++d) {
+                                    const v16 qd = load16(qv + d * LANES);
+                                    for (int64_t i = 0; i < m; ++i) acc[i] += key[i * stride_ks + d] * qd;
+                                }
+                            for (int64_t i = 0; i < m; ++i) s[s0 + i] = acc[i];
                         }
+                        if (masked)
+                            for (int64_t i = 0; i < n; ++i) {
+                                const i16 hide = (v16){0} + (float)(j * page_size + c + i) > last[v];
+                                i16 bits;
+                                memcpy(&bits, &s[i], sizeof bits);
+                                const i16 ninf = (i16){0} + (int32_t)0xff800000;
+                                bits = (bits & ~hide) | (ninf & hide);
+                                memcpy(&s[i], &bits, sizeof bits);
+                            }
+                        v16 top = run_max[h * vecs + v];
+                        for (int64_t i = 0; i < n; ++i) top = max16(top, s[i]);
+                        const v16 shrink = exp16(run_max[h * vecs + v] - top); /* 0 on the first chunk */
+                        run_max[h * vecs + v] = top;
+                        v16 sum = run_sum[h * vecs + v] * shrink;
+                        for (int64_t i = 0; i < n; ++i) {
+                            s[i] = exp16(s[i] - top);
+                            sum += s[i];
+                        }
+                        run_sum[h * vecs + v] = sum;
+                        const float *val = vp + c * stride_vs;
+                        for (int64_t d = 0; d < D; d += SLOTS) { /* out[d] = out[d] * shrink + sum_i v[i][d] p_i */
+                            const int64_t w = D - d < SLOTS ? D - d : SLOTS;
+                            v16 acc[SLOTS];
+                            for (int64_t e = 0; e < w; ++e) acc[e] = load16(ov + (d + e) * LANES) * shrink;
+                            if (w == SLOTS)
+                                for (int64_t i = 0; i < n; ++i)
+                                    for (int e = 0; e < SLOTS; ++e) acc[e] += val[i * stride_vs + d + e] * s[i];
+                            else
+                                for (int64_t i = 0; i < n; ++i)
+                                    for (int64_t e = 0; e < w; ++e) acc[e] += val[i * stride_vs + d + e] * s[i];
+                            for (int64_t e = 0; e < w; ++e) store16(ov + (d + e) * LANES, acc[e]);
+                        }
+                    }
                 }
-                page_values_rows(p, rows, page_size, vp + h * stride_vh, stride_vs, head_dim, valid,
-                                 os + h * span * head_dim);
             }
         }
         for (int64_t h = 0; h < hkv; ++h)
-            for (int64_t r = 0; r < rows; ++r) {
-                float total = 0.0f;
-                for (int i = 0; i < LANES; ++i) total += row_sum[(h * span + r) * LANES + i];
-                float *o = os + (h * span + r) * head_dim;
-                for (int64_t d = 0; d < head_dim; ++d) o[d] /= total;
+            for (int64_t v = 0; v < nv; ++v) {
+                const v16 inv = 1.0f / run_sum[h * vecs + v];
+                const float *ov = ot + (h * vecs + v) * D * LANES;
+                for (int i = 0; i < LANES && v * LANES + i < rows; ++i) {
+                    const int64_t r = v * LANES + i;
+                    float *dst = out + ((b * t_max + r / group) * hq + h * group + r % group) * D;
+                    for (int64_t d = 0; d < D; ++d) dst[d] = ov[d * LANES + i] * inv[i];
+                }
             }
-        for (int64_t h = 0; h < hkv; ++h)
-            for (int64_t t = 0; t < nq; ++t)
-                for (int64_t g = 0; g < group; ++g)
-                    memcpy(out + ((b * t_max + t) * hq + h * group + g) * head_dim,
-                           os + (h * span + t * group + g) * head_dim, sizeof(float) * head_dim);
     }
 }

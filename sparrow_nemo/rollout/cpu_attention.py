@@ -483,7 +483,7 @@ def _verify_kernel():
     if lib is None:
         return None
     fn = lib.sparrow_paged_verify_attention
-    fn.argtypes = [_P, _P, *[_I64] * 3, _P, *[_I64] * 3, _P, _I64, _P, _P, *[_I64] * 7, _F32, _P, _P]
+    fn.argtypes = [_P, _P, *[_I64] * 3, _P, *[_I64] * 3, _P, _I64, _P, _P, *[_I64] * 6, _F32, _P, _P]
     fn.restype = None
     return fn
 
@@ -520,17 +520,16 @@ def paged_verify_attention(
     start = start.to(torch.int64).contiguous()
     num_queries = num_queries.to(torch.int64).contiguous()
     table = block_table.to(torch.int32).contiguous()
-    width = -(-int((start + num_queries).max()) // ps) * ps
     q = q.float().contiguous()
     out = torch.empty(batch, t, hq, d, dtype=torch.float32)
     group = hq // hkv
-    work = torch.empty(hkv * t * group * (width + 2 * d), dtype=torch.float32)
+    vectors = -(-t * group // 16)  # query rows per KV head on the kernel's 16 lanes
+    work = torch.empty(2 * hkv * vectors * d * 16, dtype=torch.float32)
     fn(
         q.data_ptr(),
         *_pool_args(k_pages, v_pages, table),
         start.data_ptr(),
         num_queries.data_ptr(),
-        width,
         batch,
         t,
         hkv,

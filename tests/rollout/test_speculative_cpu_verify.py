@@ -1,9 +1,10 @@
 """The compiled CPU verify attention (``cpu_attention.paged_verify_attention``) against the torch fallback.
 
 Several query positions per row, causal among them, GQA groups, rows with different numbers of real queries,
-scattered physical pages, both code paths of the kernel (16-token pages with a head dim that is a multiple of
-16: transposed-key register blocks; other shapes: plain loops). It never reads past a row's last real query:
-NaN there leaves every real output unchanged.
+scattered physical pages, and the kernel's partial blocks: query rows that fill 16 lanes exactly, or not (18, 15,
+12, 13 rows per KV head), pages of 4, 8, 16 and 32 slots (a 32-slot page is two chunks of 16), head dims that are
+a multiple of its 8-wide blocks or not (20). It never reads past a row's last real query: NaN there leaves every
+real output unchanged.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="no C comp
 
 @pytest.mark.parametrize(
     ("hkv", "group", "head_dim", "page_size", "t"),
-    [(2, 2, 32, 16, 9), (2, 3, 64, 16, 5), (1, 4, 24, 8, 3), (3, 1, 16, 4, 13)],
+    [(2, 2, 32, 16, 9), (2, 2, 32, 16, 8), (2, 3, 64, 16, 5), (1, 4, 24, 8, 3), (3, 1, 16, 4, 13), (2, 2, 20, 32, 8)],
 )
 def test_cpu_verify_equals_the_torch_fallback(
     hkv: int, group: int, head_dim: int, page_size: int, t: int
