@@ -21,7 +21,14 @@ pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="no C comp
 
 @pytest.mark.parametrize(
     ("hkv", "group", "head_dim", "page_size", "t"),
-    [(2, 2, 32, 16, 9), (2, 2, 32, 16, 8), (2, 3, 64, 16, 5), (1, 4, 24, 8, 3), (3, 1, 16, 4, 13), (2, 2, 20, 32, 8)],
+    [
+        (2, 2, 32, 16, 9),
+        (2, 2, 32, 16, 8),
+        (2, 3, 64, 16, 5),
+        (1, 4, 24, 8, 3),
+        (3, 1, 16, 4, 13),
+        (2, 2, 20, 32, 8),
+    ],
 )
 def test_cpu_verify_equals_the_torch_fallback(
     hkv: int, group: int, head_dim: int, page_size: int, t: int
