@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from sparrow_nemo.grpo.recipe import SparrowConfig
-from sparrow_nemo.sparse.mismatch import tail_name
+from sparrow_nemo.sparse.mismatch import PAPER_QUANTILE, tail_name
 
 SUMMARY_JSON = "summary.json"
 SUMMARY_TXT = "summary.txt"
@@ -51,7 +51,17 @@ def build_summary(
     steps = [row for row in history if row["step"] >= 0]
     evals = state.evals
     threshold = config.sparsity.threshold
-    tails = tail_per_bin(steps, tail_name(config.sparsity.quantile))
+    stat = tail_name(config.sparsity.quantile)
+    min_tokens = config.sparsity.min_bin_tokens
+
+    def verdicts(tails: dict[int, dict[str, float]]) -> dict[str, dict[str, Any]]:
+        # decided: the last value rests on enough tokens for the scheduler to act on it
+        return {
+            str(b): {**t, "ok": t["last"] >= threshold, "decided": t.get("tokens", 0) >= min_tokens}
+            for b, t in tails.items()
+        }
+
+    tails = tail_per_bin(steps, stat)
     predicted = [row["sparsity/predicted_speedup"] for row in steps if row.get("sparsity/predicted_speedup")]
     summary: dict[str, Any] = {
         "steps": state.step,
@@ -64,8 +74,11 @@ def build_summary(
         "train_reward_last": steps[-1]["reward/mean"] if steps else None,
         # the median response length (tokens) of the steps' rollouts, averaged over the run's steps
         "response_length_median_mean": _mean([row.get("response_length/median") for row in steps]),
-        "min_bin_tokens": config.sparsity.min_bin_tokens,
-        "tail_per_bin": {str(b): {**t, "ok": t["last"] >= threshold} for b, t in tails.items()},
+        "min_bin_tokens": min_tokens,
+        "tail_statistic": stat,
+        "tail_per_bin": verdicts(tails),
+        # the paper's p5 per bin whatever the rule's quantile (every step logs it), so runs compare
+        "paper_tail_per_bin": verdicts(tail_per_bin(steps, tail_name(PAPER_QUANTILE))),
         "bins_below_threshold_last_step": [b for b, t in tails.items() if t["last"] < threshold],
         "initial_schedule": state.initial_schedule.to_dict() if state.initial_schedule else None,
         "final_schedule": state.schedule.to_dict(),
@@ -112,6 +125,7 @@ def _fmt(value: Any, spec: str = ".3f") -> str:
 def format_summary(summary: dict[str, Any]) -> str:
     """A few lines of text for the terminal."""
     hardware = summary.get("cost_hardware") or "h200"  # summaries written before the field: H200 constants
+    stat = summary.get("tail_statistic", "p5")  # summaries written before the field: the paper's p5
     lines = [
         f"steps: {summary['steps']}",
         f"accuracy on held-out prompts: start {_fmt(summary['accuracy_start'])} -> end "
@@ -119,14 +133,16 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"{_fmt(summary['accuracy_end_dense'])} (dense)",
         f"response length: median {_fmt(summary.get('response_length_median_mean'), '.0f')} tokens "
         "(per step, mean over the steps)",
-        f"acceptance-rate tail per bin (threshold {summary['threshold']:g}; last step / worst step):",
+        f"acceptance-rate tail per bin ({stat}, threshold {summary['threshold']:g}; last step / worst step):",
     ]
+    paper = summary.get("paper_tail_per_bin", {}) if stat != tail_name(PAPER_QUANTILE) else {}
     for b, t in summary["tail_per_bin"].items():
         mark = "ok" if t["ok"] else "BELOW"
         if not t["ok"] and t.get("tokens", 0) < summary.get("min_bin_tokens", 0):
             mark += " (too few tokens for a decision)"
+        also = f"  (p5 last {paper[b]['last']:.3f})" if b in paper else ""
         lines.append(
-            f"  bin {b:>3}: {t['last']:.3f} / {t['min']:.3f}  {mark}  [{t.get('tokens', 0):.0f} tokens]"
+            f"  bin {b:>3}: {t['last']:.3f} / {t['min']:.3f}  {mark}  [{t.get('tokens', 0):.0f} tokens]{also}"
         )
     final = summary["final_schedule"]["budgets"]
     lines.append(f"final schedule (tokens per bin): {final}")

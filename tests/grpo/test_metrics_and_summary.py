@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from sparrow_nemo.grpo.metrics import MetricsWriter, merge_metrics, read_metrics, rollout_progress
 from sparrow_nemo.grpo.plots import write_plots
+from sparrow_nemo.grpo.recipe import load_config
 from sparrow_nemo.grpo.step_batch import LocalRollout, measure_tokens
-from sparrow_nemo.grpo.summary import format_summary, tail_per_bin, timing_per_phase
+from sparrow_nemo.grpo.summary import build_summary, format_summary, tail_per_bin, timing_per_phase
 from sparrow_nemo.model_shapes import PRESETS
 from sparrow_nemo.rollout.engine import RolloutSample, SamplingParams
 from sparrow_nemo.rollout.scoring import TokenMismatch
@@ -179,3 +181,34 @@ def test_rollout_progress_bar_counts_the_engines_tokens(capsys: pytest.CaptureFi
     assert "rollout" in capsys.readouterr().err
     with rollout_progress(4, 30, enabled=False) as silent:
         silent.update(7)  # a disabled bar takes the same calls
+
+
+def test_summary_reports_the_rules_tail_and_the_papers_p5_per_bin() -> None:
+    # the default recipe's rule is p1; the summary decides on it and also shows the paper's p5 of every bin
+    config = load_config("tiny_cpu")
+    assert config.sparsity.quantile == 0.01 and config.sparsity.min_bin_tokens == 200
+    history = [
+        {
+            "step": 0,
+            "reward/mean": 0.5,
+            "acceptance/p1/bin_0": 0.95,
+            "acceptance/p5/bin_0": 0.99,
+            "acceptance/tokens/bin_0": 500.0,
+            "acceptance/p1/bin_1": 0.70,
+            "acceptance/p5/bin_1": 0.90,
+            "acceptance/tokens/bin_1": 150.0,
+        }
+    ]
+    dense = BudgetSchedule.dense(256, 16)
+    state = SimpleNamespace(step=1, evals={}, initial_schedule=None, schedule=dense)
+    summary = build_summary(state, history, config)
+    assert summary["tail_statistic"] == "p1"
+    assert summary["tail_per_bin"]["0"] | {"ok": True, "decided": True} == summary["tail_per_bin"]["0"]
+    assert summary["tail_per_bin"]["1"]["ok"] is False and summary["tail_per_bin"]["1"]["decided"] is False
+    assert summary["paper_tail_per_bin"]["1"]["last"] == 0.90 and summary["paper_tail_per_bin"]["1"]["ok"]
+    assert summary["bins_below_threshold_last_step"] == [1]
+    text = format_summary(summary)
+    assert "acceptance-rate tail per bin (p1, threshold 0.86" in text
+    assert (
+        "bin   1: 0.700 / 0.700  BELOW (too few tokens for a decision)  [150 tokens]  (p5 last 0.900)" in text
+    )
