@@ -45,7 +45,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def one_run(seed: int, overrides: list[str], folder: Path) -> dict:
     """``sparrow train rollout.seed=seed`` with an empty cache under ``folder``; its summary and wall time."""
     words = ["sparrow", "train", f"rollout.seed={seed}", f"logging.run_dir={folder / 'run'}", *overrides]
-    env = {**os.environ, "SPARROW_CACHE": str(folder / "cache")}
+    # A fresh single-process run: no launcher world inherited from the caller (e.g. a test process whose
+    # earlier in-process run left RANK/WORLD_SIZE/MASTER_PORT set, a port its process group may still hold).
+    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in launcher}
+    env["SPARROW_CACHE"] = str(folder / "cache")
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
     done = subprocess.run(
