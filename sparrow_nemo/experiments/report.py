@@ -164,7 +164,7 @@ def render_report(
     plots: Sequence[Path],
 ) -> str:
     """The report's markdown text."""
-    title = "# Sparrow at toy scale: the paper's claims (a)-(d) on the embedded task"
+    title = "# Sparrow in miniature: the paper's claims (a)-(d) on the embedded task"
     lines = [title, ""]
     if ctx.note:
         lines += [f"> **{ctx.note}**", ""]
@@ -179,10 +179,11 @@ def render_report(
         "accuracy: per RL step on the training rollouts. Response length: tokens, last 5 steps. Acceptance: "
         "per response token, union-of-top-20 lower bound; p5 (all tokens) is the mean over steps of each "
         "step's p5, lowest bin p5 the pooled per-bin tail below. Tokens/s: rollout generation on this machine "
-        "(shared CPU: noisy); measured speedup = held-out decode tokens/s with the arm's schedule / dense; "
-        "predicted speedup = the decode cost model of the run's rollout.cost_hardware (recorded runs: H200; "
-        "now auto = fitted to the CPU) for this tiny model at these lengths (weights and per-step overhead "
-        "dominate a 30-token cache, so it stays near 1). CPU = process time of the run.",
+        "(shared CPU: noisy); measured speedup = held-out tokens/s with the arm's schedule / under dense decode, "
+        "the two evaluations of the same run (minutes apart: with other jobs on the CPU the ratio moves by tens "
+        "of percent, and the dense arm's own row, 1.0 by construction, shows by how much); predicted speedup = "
+        "the decode cost model of the run's `rollout.cost_hardware` (`cost_hardware.json` in each run folder; "
+        "auto = fitted to this CPU) for the run's rollouts under its schedule. CPU = process time of the run.",
         "",
         "## Acceptance per bin of cached length (pooled over steps and seeds)",
         "",

@@ -11,6 +11,7 @@ from sparrow_nemo.experiments.arms import ArmsError, arm_config, load_arms
 from sparrow_nemo.experiments.runner import plan_runs, run_folder
 
 SHIPPED = Path(__file__).resolve().parents[2] / "experiments" / "tiny_arms.yaml"
+LONG = SHIPPED.with_name("long_arms.yaml")
 
 
 def test_shipped_arms_resolve_with_the_same_seed_and_steps() -> None:
@@ -28,6 +29,30 @@ def test_shipped_arms_resolve_with_the_same_seed_and_steps() -> None:
     smoke = arm_config("tiny_cpu_short_smoke", spec, spec.arm("dense"), seed=0, smoke=True)
     assert smoke.trainer.max_steps == 2
     assert [a.name for a in spec.selected(smoke=True)] == list(spec.smoke_arms)
+
+
+def test_long_arms_resolve_on_the_default_recipe() -> None:
+    """The long-context experiment (docs/experiments.md): every arm on ``tiny_cpu``, the paper's 16-token pages,
+    the fixed budgets as named, the calibrated arms at their thresholds and quantiles."""
+    spec = load_arms(LONG)
+    assert spec.prefix == "long" and {a.role for a in spec.arms} == {"dense", "fixed", "schedule", "distill"}
+    configs = {a.name: arm_config("tiny_cpu", spec, a, seed=1) for a in spec.arms}
+    assert {c.rollout.seed for c in configs.values()} == {1}
+    assert len({c.trainer.max_steps for c in configs.values()}) == 1
+    assert all(c.sparsity.page_size == 16 and not c.tail_scheduler.collapse_guard for c in configs.values())
+    assert configs["dense"].sparsity.build_schedule().is_dense
+    for budget in (512, 256, 128):
+        assert configs[f"fixed_{budget}"].sparsity.build_schedule().budgets == (budget,)
+    assert configs["distill_128"].distill.enabled and configs[
+        "distill_128"
+    ].sparsity.build_schedule().budgets == (128,)
+    calibrated = {n: c.sparsity for n, c in configs.items() if n.startswith("calib_")}
+    assert {(s.threshold, s.quantile) for s in calibrated.values()} == {
+        (0.86, 0.01),
+        (0.7, 0.01),
+        (0.86, 0.05),
+    }
+    assert all(s.calibrate for s in calibrated.values())
 
 
 def _write(tmp_path: Path, text: str) -> Path:

@@ -50,7 +50,7 @@ def test_smoke_experiment_writes_runs_report_and_figures(tmp_path: Path) -> None
     assert not list(runs.glob("*/*.partial"))
 
     report = (tmp_path / "tiny_smoke_report.md").read_text()
-    assert report.startswith("# Sparrow at toy scale") and "> **pipeline check**" in report
+    assert report.startswith("# Sparrow in miniature") and "> **pipeline check**" in report
     for arm in spec.smoke_arms:  # one row per arm in the arms, results and per-bin tables
         assert len(re.findall(rf"^\| {re.escape(arm)} \|", report, flags=re.M)) == 3, arm
     for letter in "abcd":
