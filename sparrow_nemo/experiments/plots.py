@@ -3,7 +3,9 @@
 - ``p5_vs_length.png``: pooled p5 per bin against cached length (tokens), fixed budgets solid, schedules
   dashed, distilled dotted, the threshold as a red line (claim b); hollow markers: bins with too few
   tokens for a verdict;
-- ``training_curves.png``: mean reward, train accuracy and response length per RL step, one line per arm;
+- ``training_curves.png``: mean reward, train accuracy and response length per RL step, one line per arm, and
+  each sparse arm's reward minus the dense arm's (a trailing 5-step mean): the arms share the prompt stream, so
+  the difference removes the step-to-step swing of problem difficulty that hides a slow degradation;
 - ``acceptance_over_steps.png``: mean acceptance and the lowest per-bin p5 per RL step (claim a).
 """
 
@@ -19,6 +21,7 @@ __all__ = ["PLOT_NAMES", "write_plots"]
 
 PLOT_NAMES: tuple[str, ...] = ("p5_vs_length.png", "training_curves.png", "acceptance_over_steps.png")
 _STYLE = {"dense": "-", "fixed": "-", "schedule": "--", "distill": ":"}
+_SMOOTH_STEPS = 5  # the trailing window of the reward-minus-dense panel (RL steps)
 
 
 def _clean(values: Sequence[float]) -> list[float]:
@@ -66,8 +69,9 @@ def write_plots(
         ("reward", "mean reward"),
         ("accuracy", "train accuracy"),
         ("response_length", "response length"),
+        (_VS_DENSE, f"reward - dense reward ({_SMOOTH_STEPS}-step trailing mean)"),
     )
-    paths.append(_curves_over_steps(results, panels, out_dir / PLOT_NAMES[1], width=15))
+    paths.append(_curves_over_steps(results, panels, out_dir / PLOT_NAMES[1], width=20))
     panels = (("acceptance_mean", "mean acceptance"), ("min_bin_p5", "lowest per-bin p5"))
     paths.append(
         _curves_over_steps(
@@ -75,6 +79,22 @@ def write_plots(
         )
     )
     return paths
+
+
+_VS_DENSE = "reward_vs_dense"  # a derived curve: not in ArmResult.curves
+
+
+def _reward_vs_dense(arm: ArmResult, results: Sequence[ArmResult]) -> list[float]:
+    """Per RL step, ``arm``'s mean reward minus the dense arm's, as a trailing mean over ``_SMOOTH_STEPS``
+    steps (empty without a dense arm, and for the dense arm itself)."""
+    dense = next((r for r in results if r.arm.role == "dense"), None)
+    if dense is None or arm is dense:
+        return []
+    diff = [a - b for a, b in zip(_clean(arm.curves["reward"]), _clean(dense.curves["reward"]))]
+    return [
+        sum(window) / len(window)
+        for window in (diff[max(0, i + 1 - _SMOOTH_STEPS) : i + 1] for i in range(len(diff)))
+    ]
 
 
 def _curves_over_steps(
@@ -91,7 +111,10 @@ def _curves_over_steps(
     fig, axes = plt.subplots(1, len(panels), figsize=(width, 4))
     for ax, (key, title) in zip(axes, panels):
         for i, r in enumerate(results):
-            ax.plot(_clean(r.curves[key]), _STYLE[r.arm.role], color=f"C{i}", marker=".", label=r.arm.title)
+            values = _reward_vs_dense(r, results) if key == _VS_DENSE else _clean(r.curves[key])
+            ax.plot(values, _STYLE[r.arm.role], color=f"C{i}", marker=".", label=r.arm.title)
+        if key == _VS_DENSE:
+            ax.axhline(0.0, color="gray", linewidth=1)
         if threshold is not None and key == threshold[0]:
             value = threshold[1]
             ax.axhline(value, color="red", linestyle="--", linewidth=1, label=f"threshold {value:g}")
