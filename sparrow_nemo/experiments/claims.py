@@ -262,7 +262,9 @@ def claim_d(results: Sequence[ArmResult], spec: ArmsSpec) -> Claim:
     by_name = {r.arm.name: r for r in results}
     distilled = [r for r in results if r.arm.role == "distill"]
     if not distilled:
-        return Claim("d", statement, "no distill arm", rule, INCONCLUSIVE, "the arms file has no distill arm")
+        return Claim(
+            "d", statement, "no distill run", rule, INCONCLUSIVE, "no distill arm has a finished run"
+        )
     passing = [r for r in results if r.arm.role in ("fixed", "schedule") and _passes(r, spec)]
     best = max(passing, key=lambda r: r.predicted_speedup, default=None)
     best_speedup = best.predicted_speedup if best is not None else 1.0
