@@ -404,12 +404,14 @@ class GrpoTrainer:
         )
 
     def _dense_logprobs(self, batch: StepBatch):
-        """Dense log-probs, entropy and top-20 of the replica's rows (collective over its model-parallel group)."""
+        """Dense log-probs, entropy and top-K of the replica's rows (collective over its model-parallel group);
+        K = ``rollout.logprobs_topk``, the rollout's K, so alpha compares lists of one length."""
         data, p = batch.data, self.config.policy
         batches = micro_batches(
             data.tokens, data.lengths, {}, p.micro_batch_size, p.max_tokens_per_micro_batch
         )
-        return concat_outputs([o.detach() for o in self.policy.logprobs(batches)])
+        outputs = self.policy.logprobs(batches, top_k=self.config.rollout.logprobs_topk)
+        return concat_outputs([o.detach() for o in outputs])
 
     def _speculative_planner(self):
         """This rank's engine's :class:`~sparrow_nemo.rollout.spec_rollout.SpeculativePlanner` (None unless

@@ -62,7 +62,10 @@ class SamplingParams(Section):
         (), "texts that end a response once it contains them (needs an engine tokenizer)"
     )
     logprobs_topk: int = knob(
-        20, "top (id, logprob) pairs returned per position (the acceptance rate uses 20)", check=AT_LEAST_ONE
+        20,
+        "top (id, logprob) pairs returned per position, also K of the trainer's dense side; the acceptance "
+        "rate is a lower bound from both top-K lists (paper: 20), exact once K >= the vocabulary",
+        check=AT_LEAST_ONE,
     )
 
     def check(self) -> None:

@@ -602,9 +602,7 @@ class TorchRolloutEngine:
                 q, k, v = self.model.attention_inputs(layer, h, positions, rope)
                 cache.write_prefill(layer, block_table, k, v, lengths, start=start)
                 k_all, v_all = cache.contiguous(layer, block_table, lengths.clamp(max=end))  # [B, Hkv, L, D]
-                attn = causal_attention(
-                    q, k_all.transpose(1, 2), v_all.transpose(1, 2), lengths, q_offset=start
-                )
+                attn = causal_attention(q, k_all.transpose(1, 2), v_all.transpose(1, 2), q_offset=start)
                 h = self.model.attention_output(layer, h, attn)
             emit(start, h)
 

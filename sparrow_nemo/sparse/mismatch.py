@@ -69,7 +69,8 @@ def acceptance_rate_topk(
 
     Sum over the union of both top-k sets of min(p(v), q(v)), where a token missing from one side's
     list counts 0 there; so only tokens in both lists contribute. Every term is an exact min(p, q)
-    or 0 <= min(p, q), hence the result is <= :func:`acceptance_rate` of the full distributions.
+    or 0 <= min(p, q), hence the result is <= :func:`acceptance_rate` of the full distributions,
+    and equal to it when both lists hold the whole vocabulary.
 
     Args:
         p_ids, p_logprobs: [..., Kp] distinct token ids (negative ids = padding) and their exact
@@ -83,10 +84,15 @@ def acceptance_rate_topk(
     if p_ids.shape[:-1] != q_ids.shape[:-1]:
         raise ValueError(f"p_ids {tuple(p_ids.shape)} and q_ids {tuple(q_ids.shape)} differ in leading dims")
     dtype = torch.float64 if torch.float64 in (p_logprobs.dtype, q_logprobs.dtype) else torch.float32
-    same = (p_ids[..., :, None] == q_ids[..., None, :]) & (p_ids[..., :, None] >= 0)  # [..., Kp, Kq]
-    low = torch.minimum(p_logprobs.to(dtype)[..., :, None], q_logprobs.to(dtype)[..., None, :])
+    # Match each p id in q's sorted list: O(K log K) per row and [..., K] memory, so k = the whole
+    # vocabulary (an exact alpha for small vocabularies) costs no [..., Kp, Kq] intermediate.
+    q_sorted, order = torch.sort(q_ids, dim=-1)
+    at = torch.searchsorted(q_sorted, p_ids.contiguous()).clamp(max=q_ids.shape[-1] - 1)
+    same = (q_sorted.gather(-1, at) == p_ids) & (p_ids >= 0)
+    q_lp = q_logprobs.to(dtype).gather(-1, order.gather(-1, at))
+    low = torch.minimum(p_logprobs.to(dtype), q_lp)
     overlap = torch.where(same, torch.exp(low), torch.zeros((), dtype=dtype, device=low.device))
-    return overlap.sum(dim=(-2, -1)).clamp(0.0, 1.0)
+    return overlap.sum(dim=-1).clamp(0.0, 1.0)
 
 
 def _check_tokens(alpha: torch.Tensor, cached_len: torch.Tensor, bin_tokens: int) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparrow_nemo.rollout.paged_attention import all_pages, decode_attention_torch
+from sparrow_nemo.rollout.paged_attention import all_pages, causal_attention, decode_attention_torch
 from sparrow_nemo.rollout.paged_cache import PagedKVCache
 from sparrow_nemo.sparse.attention import (
     page_centroids,
@@ -99,3 +99,26 @@ def test_paged_decode_attention_equals_method_layer_on_the_same_cache(group: int
     dense = decode_attention_torch(q, cache, 0, table, lengths, None)
     assert (dense - sparse_decode_attention(q, kc, vc, lengths, 10**6, page_size=PS)).abs().max() < 1e-5
     assert all_pages(lengths, HKV, PS).shape == (4, HKV, 12)
+
+
+def test_causal_attention_chunks_match_one_call_on_valid_rows():
+    """The whole-sequence call (SDPA is_causal) and a chunked prefill (later chunks masked) give each
+    sequence of a right-padded batch the rows of a dense softmax over that sequence alone: padding,
+    here large finite keys and values, never reaches a valid row, so no length mask is needed."""
+    gen = torch.Generator().manual_seed(0)
+    b, t, hq, hkv, d = 3, 40, 4, 2, 8
+    q, k, v = (torch.randn(b, t, h, d, generator=gen, dtype=torch.float64) for h in (hq, hkv, hkv))
+    lengths = [40, 23, 9]
+    for i, n in enumerate(lengths):
+        k[i, n:], v[i, n:] = 1e3, 1e3
+    whole = causal_attention(q, k, v)
+    chunks = [
+        causal_attention(q[:, s : s + 16], k[:, : s + 16], v[:, : s + 16], q_offset=s) for s in (0, 16, 32)
+    ]
+    for i, n in enumerate(lengths):
+        kk, vv = k[i, :n].repeat_interleave(2, dim=1), v[i, :n].repeat_interleave(2, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[i, :n], kk) / d**0.5
+        scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+        ref = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv)
+        torch.testing.assert_close(whole[i, :n], ref)
+        torch.testing.assert_close(torch.cat(chunks, 1)[i, :n], ref)
