@@ -30,6 +30,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rollout_throughput import machine_info
 
+from sparrow_nemo.grpo.world import env_without_launcher
+
 RESULTS = Path(__file__).resolve().parent / "results" / "default_run.jsonl"
 
 
@@ -45,10 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def one_run(seed: int, overrides: list[str], folder: Path) -> dict:
     """``sparrow train rollout.seed=seed`` with an empty cache under ``folder``; its summary and wall time."""
     words = ["sparrow", "train", f"rollout.seed={seed}", f"logging.run_dir={folder / 'run'}", *overrides]
-    # A fresh single-process run: no launcher world inherited from the caller (e.g. a test process whose
-    # earlier in-process run left RANK/WORLD_SIZE/MASTER_PORT set, a port its process group may still hold).
-    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    env = {k: v for k, v in os.environ.items() if k not in launcher}
+    env = env_without_launcher()  # a fresh 1-rank world, whatever the caller's earlier runs left set
     env["SPARROW_CACHE"] = str(folder / "cache")
     load = os.getloadavg()[0]
     t0 = time.perf_counter()

@@ -17,7 +17,6 @@ The warm-start is the smoke recipe's (same cache key; trained once into the shar
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -33,6 +32,7 @@ from sparrow_nemo.grpo.prompts import build_prompt_source
 from sparrow_nemo.grpo.recipe import load_config
 from sparrow_nemo.grpo.trainer import GrpoTrainer, train
 from sparrow_nemo.grpo.warmstart import ensure_warm_start
+from sparrow_nemo.grpo.world import env_without_launcher
 
 pytestmark = pytest.mark.slow
 
@@ -106,9 +106,7 @@ def _distill_checkpoint(run_dir: Path) -> dict:
 
 def _torchrun_train(run_dir: Path, overrides: list[str]) -> str:
     """``sparrow train`` of ``tiny_cpu_distill`` on 2 gloo ranks (torchrun); returns its stderr."""
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    }
+    env = env_without_launcher()
     torchrun = str(Path(sys.executable).parent / "torchrun")
     launch = [torchrun, "--nproc_per_node=2", f"--master_port={free_port()}", "-m", "sparrow_nemo.cli"]
     args = ["train", "--config", "tiny_cpu_distill", "--run-dir", str(run_dir), *overrides]

@@ -36,6 +36,7 @@ from sparrow_nemo.grpo.rollout_step import concat_outputs, micro_batches, pad_pa
 from sparrow_nemo.grpo.summary import tail_per_bin
 from sparrow_nemo.grpo.trainer import GrpoTrainer, train
 from sparrow_nemo.grpo.warmstart import ensure_warm_start
+from sparrow_nemo.grpo.world import env_without_launcher
 from sparrow_nemo.tasks.chain import ChainTask
 
 pytestmark = pytest.mark.slow
@@ -252,9 +253,7 @@ def test_two_tensor_parallel_ranks_match_one_rank(smoke_overrides, tmp_path: Pat
         "logging.plots=false",
         "evaluation.num_prompts=8",
     ]
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    }
+    env = env_without_launcher()
     torchrun = Path(sys.executable).parent / "torchrun"
     command = [str(torchrun), "--nproc_per_node=2", f"--master_port={free_port()}", "-m", "sparrow_nemo.cli"]
     args = ["train", "--config", "tiny_cpu_short_smoke", "--run-dir", str(tmp_path / "tp2")]

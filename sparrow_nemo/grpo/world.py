@@ -14,6 +14,15 @@ from typing import Any
 
 import torch.distributed as dist
 
+#: The variables a launcher (torchrun, srun) sets to place a process in its world.
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def env_without_launcher() -> dict[str, str]:
+    """This process's environment minus :data:`LAUNCHER_ENV`: for a subprocess that must start its own
+    world (a caller's earlier 1-rank run may have left its variables set, and its port still held)."""
+    return {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
+
 
 def single_process_defaults() -> None:
     """Outside torchrun / srun (no ``WORLD_SIZE``): a 1-rank world on a free local port.
@@ -35,8 +44,7 @@ def one_rank_world() -> Iterator[None]:
     For running several trainers one after another in one process (experiments, tests): each gets a new
     port, since the previous one closed its process group.
     """
-    keys = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    saved = {k: os.environ.pop(k, None) for k in keys}
+    saved = {k: os.environ.pop(k, None) for k in LAUNCHER_ENV}
     single_process_defaults()
     try:
         yield

@@ -36,6 +36,7 @@ from sparrow_nemo.grpo.metrics import read_metrics
 from sparrow_nemo.grpo.prompts import build_prompt_source
 from sparrow_nemo.grpo.recipe import load_config
 from sparrow_nemo.grpo.warmstart import ensure_warm_start
+from sparrow_nemo.grpo.world import env_without_launcher
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
@@ -86,9 +87,7 @@ def one_rank(cache_overrides, tmp_path_factory) -> Path:
 
 
 def _torchrun(run_dir: Path, overrides: list[str]) -> None:
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    }
+    env = env_without_launcher()
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
     script = Path(__file__).with_name("_train_run.py")

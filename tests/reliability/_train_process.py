@@ -7,7 +7,6 @@ it comes from the shared cache (``~/.cache/sparrow_nemo/warmstart`` or ``$SPARRO
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -15,6 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from sparrow_nemo.grpo.world import env_without_launcher
 
 #: a few-second-per-step version of the smoke recipe
 FAST = (
@@ -44,16 +45,14 @@ def command(run_dir: Path, *overrides: str) -> list[str]:
     ]
 
 
-def _env() -> dict[str, str]:
-    """This environment without a launcher's rank variables (each subprocess is its own 1-rank world)."""
-    drop = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
-    return {k: v for k, v in os.environ.items() if k not in drop}
-
-
 def run(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
     """Run training to its end; returns the finished process (stderr holds the log)."""
     return subprocess.run(
-        command(run_dir, *overrides), env=_env(), capture_output=True, text=True, timeout=TIMEOUT
+        command(run_dir, *overrides),
+        env=env_without_launcher(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
     )
 
 
@@ -61,7 +60,7 @@ def start(run_dir: Path, log: Path, *overrides: str) -> subprocess.Popen:
     """Start training in the background, stdout and stderr to ``log``."""
     with log.open("w") as out:
         return subprocess.Popen(
-            command(run_dir, *overrides), env=_env(), stdout=out, stderr=subprocess.STDOUT
+            command(run_dir, *overrides), env=env_without_launcher(), stdout=out, stderr=subprocess.STDOUT
         )
 
 

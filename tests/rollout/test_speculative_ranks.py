@@ -27,6 +27,7 @@ from sparrow_nemo.grpo.metrics import read_metrics
 from sparrow_nemo.grpo.prompts import build_prompt_source
 from sparrow_nemo.grpo.recipe import load_config
 from sparrow_nemo.grpo.warmstart import ensure_warm_start
+from sparrow_nemo.grpo.world import env_without_launcher
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
@@ -68,9 +69,7 @@ def test_two_ranks_speculate_like_one(tmp_path: Path) -> None:
     with single_rank_env():
         ensure_warm_start(config, build_prompt_source(config), show_progress=False)
         train_speculative(tmp_path / "one", overrides)
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    }
+    env = env_without_launcher()
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
     torchrun = Path(sys.executable).parent / "torchrun"
