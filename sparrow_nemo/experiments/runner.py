@@ -5,7 +5,9 @@ Layout under the runs folder: ``<arm>/seed_<s>/`` holds the trainer's own files 
 A run is done when its folder has ``summary.json``: a second invocation skips it. A run is made in
 ``seed_<s>.partial/`` and renamed when it finishes, so an interrupted run leaves no folder that looks done
 (a stale ``.partial`` is removed and the run starts over). A done folder whose ``config.yaml`` differs from
-the config the arms file now gives is an error, not silently reused.
+the config the arms file now gives, in any knob, is an error, not silently reused; a knob added since the
+run was made counts as equal at its default (a new knob's default is the behaviour before it existed), so
+adding knobs keeps old runs usable.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from sparrow_nemo.config.yaml_io import YamlProblem, load_yaml
 from sparrow_nemo.experiments.arms import Arm, ArmsError, ArmsSpec, arm_config
 from sparrow_nemo.grpo.recipe import SparrowConfig
 from sparrow_nemo.grpo.world import one_rank_world
@@ -53,9 +57,42 @@ def run_folder(root: Path, arm: str, seed: int) -> Path:
     return Path(root) / arm / f"seed_{seed}"
 
 
-def _config_text(config: SparrowConfig) -> str:
-    """``config.yaml`` as the trainer writes it (sparrow_nemo.grpo.rundir.make_run_dir)."""
-    return f"# sparrow config '{config.name}', hash {config.hash()}\n{config.to_yaml()}"
+_MISSING = object()
+
+
+def _leaves(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested dicts -> {dotted key: value}; lists and scalars are leaves."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_leaves(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def config_drift(stored_text: str, config: SparrowConfig) -> str | None:
+    """How a finished run's ``config.yaml`` differs from ``config``, knob by knob, else None.
+
+    A knob the stored file lacks matches when ``config`` holds its default (added after the run); one
+    ``config`` lacks (removed since) never matches. Returns the first difference as ``key: stored -> now``.
+    """
+    try:
+        stored = load_yaml(stored_text)
+    except YamlProblem as problem:
+        return f"config.yaml is not YAML ({problem.problem})"
+    if not isinstance(stored, dict):
+        return "config.yaml is not a mapping"
+    old, now = _leaves(stored), _leaves(config.to_dict())
+    default = _leaves(SparrowConfig().to_dict())
+    for key, value in now.items():
+        before = old.get(key, _MISSING)
+        if before is _MISSING and default.get(key, _MISSING) != value:
+            return f"{key}: absent -> {value!r}, not a default"
+        if before is not _MISSING and before != value:
+            return f"{key}: {before!r} -> {value!r}"
+    removed = sorted(set(old) - set(now))
+    return f"{removed[0]}: no longer a knob" if removed else None
 
 
 def plan_runs(
@@ -75,10 +112,11 @@ def plan_runs(
         for seed in seeds:
             config = arm_config(recipe, spec, arm, seed, extra, smoke)
             plan = RunPlan(arm, seed, config, run_folder(root, arm.name, seed))
-            if plan.done and (plan.folder / "config.yaml").read_text() != _config_text(config):
+            drift = config_drift((plan.folder / "config.yaml").read_text(), config) if plan.done else None
+            if drift is not None:
                 raise ArmsError(
-                    f"run folder {plan.folder} was made with another config than arm {arm.name} now gives; "
-                    "delete it (or use another --out) to rerun it"
+                    f"run folder {plan.folder} was made with another config than arm {arm.name} now gives "
+                    f"({drift}); delete it (or use another --out) to rerun it"
                 )
             plans.append(plan)
     return plans

@@ -7,8 +7,10 @@ from pathlib import Path
 import pytest
 
 from sparrow_nemo import cli
+from sparrow_nemo.config.yaml_io import dump_yaml
 from sparrow_nemo.experiments.arms import ArmsError, arm_config, load_arms
 from sparrow_nemo.experiments.runner import plan_runs, run_folder
+from sparrow_nemo.grpo.recipe import SparrowConfig
 
 SHIPPED = Path(__file__).resolve().parents[2] / "experiments" / "tiny_arms.yaml"
 LONG = SHIPPED.with_name("long_arms.yaml")
@@ -109,3 +111,35 @@ def test_a_finished_run_made_with_another_config_is_refused(tmp_path: Path) -> N
     (plan.folder / "config.yaml").write_text("# sparrow config 'dense', hash 0\n")
     with pytest.raises(ArmsError, match=r"seed_0 was made with another config than arm dense now gives"):
         plan_runs("tiny_cpu_short_smoke", spec, [0], tmp_path, smoke=True)
+
+
+def test_a_finished_run_is_compared_knob_by_knob(tmp_path: Path) -> None:
+    """A knob added since the run (absent from its config.yaml) matches at its default; any other change,
+    a changed value, an added knob off its default or a removed knob, is refused naming the key."""
+    spec = load_arms(SHIPPED)
+    (plan,) = plan_runs("tiny_cpu_short_smoke", spec, [0], tmp_path, smoke=True)[:1]
+    plan.folder.mkdir(parents=True)
+    (plan.folder / "summary.json").write_text("{}")
+    stored = plan.config.to_dict()
+
+    def refusal(tree: dict) -> str | None:
+        (plan.folder / "config.yaml").write_text(dump_yaml(tree))
+        try:
+            plan_runs("tiny_cpu_short_smoke", spec, [0], tmp_path, smoke=True)
+        except ArmsError as err:
+            return str(err)
+        return None
+
+    assert refusal(stored) is None
+    assert plan.config.distill.seed == SparrowConfig().distill.seed
+    del stored["distill"]["seed"]  # a knob the run predates, at its default
+    assert refusal(stored) is None
+    stored["trainer"]["max_steps"] += 1
+    assert "(trainer.max_steps: " in refusal(stored)
+    stored["trainer"]["max_steps"] -= 1
+    stored["distill"]["gone"] = 1
+    assert "(distill.gone: no longer a knob)" in refusal(stored)
+    del stored["distill"]["gone"]
+    assert plan.config.rollout.max_new_tokens != SparrowConfig().rollout.max_new_tokens
+    del stored["rollout"]["max_new_tokens"]
+    assert "(rollout.max_new_tokens: absent -> " in refusal(stored)
