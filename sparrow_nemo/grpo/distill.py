@@ -84,6 +84,13 @@ class DistillConfig(Section):
     )
     grad_clip: float = knob(1.0, "adapter gradient L2-norm clip; 0 = off", check=NON_NEGATIVE)
     seed: int = knob(0, "adapter initialisation and probe sampling seed", check=NON_NEGATIVE)
+    probe_every: int = knob(
+        1,
+        "rank 0 probes the tail before and after the adapter update every this many RL steps (from the "
+        "first); 0 = never. A probe is two sparse generates and dense scorings of the calibration prompts: "
+        "at ~800-token responses on a CPU it costs several times the adapter update",
+        check=NON_NEGATIVE,
+    )
 
     def check(self) -> None:
         if not self.target_modules:
@@ -270,11 +277,15 @@ class DistillSparse:
         schedule: BudgetSchedule,
         probe: Probe | None,
     ) -> dict[str, float]:
-        """One RL step's adapter updates on ``data``; with a ``probe`` (rank 0) the tail before and after.
+        """One RL step's adapter updates on ``data``; with a ``probe`` (rank 0) the tail before and after,
+        on the steps ``distill.probe_every`` picks.
 
         The engine must hold the step's policy weights (after the refit); it sleeps while the adapter trains.
         Returns the ``distill/*`` metrics (the probe's only where it ran). Collective.
         """
+        every = self.config.probe_every
+        if every == 0 or self.step % every:
+            probe = None
         before = probe.measure(engine, schedule) if probe is not None else None
         if engine is not None:
             engine.sleep()

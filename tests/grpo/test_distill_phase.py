@@ -35,6 +35,7 @@ from sparrow_nemo.policy.policy import MegatronPolicy
 from sparrow_nemo.rollout.engine import SamplingParams
 from sparrow_nemo.rollout.sampling import sample_seed
 from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
+from sparrow_nemo.sparse.mismatch import tail_by_bin
 from sparrow_nemo.sparse.pattern import SparsePattern
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
@@ -93,26 +94,30 @@ def test_distill_steps_train_the_adapter_the_engine_uses(checkpoint):
         run = _Run(checkpoint, overrides)
         try:
             weights = run.policy.export_hf()
-            phase = run.phase()
+            phase = run.phase(probe_every=2)
             phase.start(run.policy, run.engine)
             assert max(b.abs().max().item() for _, b in run.engine.model.lora.weights.values()) == 0
-            logged = [phase.run(run.policy, run.engine, run.data(), AGGRESSIVE, run.probe) for _ in range(2)]
+            logged = [phase.run(run.policy, run.engine, run.data(), AGGRESSIVE, run.probe) for _ in range(3)]
+            again = run.probe.measure(run.engine, AGGRESSIVE)
             after = run.policy.export_hf()
             adapter = run.policy.lora.export_adapter()
             engine_adapter = run.engine.model.lora
         finally:
             run.policy.close()
-    callback = phase
-    for entry in callback.history:  # the adapter fits its batch: k3 falls over the adapter steps
+    history = phase.history
+    for entry in history:  # the adapter fits its batch: k3 falls over the adapter steps
         assert entry["loss"] < 0.7 * entry["loss_first"], entry
+    for entry in history[0], history[2]:  # probe_every=2: steps 0 and 2 probe, step 1 does not
         assert entry["p5_before"] and entry["p5_after"] and entry["kl_before"] > 0
-    assert callback.history[0]["p5_after"] == callback.history[1]["p5_before"]  # same probe, same adapter
+    assert "p5_before" not in history[1] and not any(k.startswith("distill/kl_") for k in logged[1])
+    tail = tail_by_bin(again.alpha, again.cached_len, AGGRESSIVE.bin_tokens, run.probe.quantile)
+    assert {str(b): v for b, v in tail.items()} == history[2]["p5_after"]  # same probe, same adapter
     for name, (a, b) in adapter.weights.items():
         assert torch.equal(engine_adapter.weights[name][0], a) and torch.equal(
             engine_adapter.weights[name][1], b
         )
     assert all(torch.equal(weights[n], w) for n, w in after.items()), "the policy must stay frozen"
-    logged = logged[-1]
+    logged = logged[-1]  # a probed step
     assert {
         "distill/kl_before",
         "distill/kl_after",
