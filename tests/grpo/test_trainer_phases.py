@@ -176,3 +176,28 @@ def test_the_process_group_gets_the_recipe_timeout() -> None:
             assert backend.options._timeout == datetime.timedelta(minutes=7)
         finally:
             dist.destroy_process_group()
+
+
+def test_dense_rollout_of_a_random_model_reads_alpha_one_with_the_whole_vocabulary(tmp_path) -> None:
+    """rollout.logprobs_topk is K on both sides: at K = the vocabulary alpha is exact, so a dense rollout of a
+    random-init model (next-token distributions near uniform, where a top-20 bound reads ~its top-20 mass)
+    reads 1 at every token."""
+    rows = {}
+    for k in (128, 20):
+        config = load_config(
+            "tiny_cpu_short_smoke",
+            [
+                *FAST,
+                "trainer.max_steps=1",
+                "checkpoint.enabled=false",
+                "sparsity.schedule=dense",
+                "tail_scheduler.adapt='off'",
+                f"rollout.logprobs_topk={k}",
+            ],
+        )
+        assert config.model.preset == "tiny"  # a 128-token vocabulary
+        with single_rank_env():
+            train(config, tmp_path / f"k{k}")
+        (rows[k],) = _rows(tmp_path / f"k{k}")
+    assert rows[128]["acceptance/mean"] > 0.9999 and rows[128]["acceptance/p5"] > 0.999, rows[128]
+    assert rows[20]["acceptance/mean"] < 0.9, rows[20]  # the bound misses the flat tail
