@@ -177,8 +177,9 @@ def render_report(
         "",
         "Accuracy: fraction of held-out prompts solved, one sample each (start = warm-start policy). Train "
         "accuracy: per RL step on the training rollouts. Response length: tokens, last 5 steps. Acceptance: "
-        "per response token, union-of-top-20 lower bound; p5 (all tokens) is the mean over steps of each "
-        "step's p5, lowest bin p5 the pooled per-bin tail below. Tokens/s: rollout generation on this machine "
+        "per response token, the union-of-top-K lower bound with K = `rollout.logprobs_topk` (the paper's 20; "
+        "exact once K covers the vocabulary); p5 (all tokens) is the mean over steps of each step's p5, lowest "
+        "bin p5 the pooled per-bin tail below. Tokens/s: rollout generation on this machine "
         "(shared CPU: noisy); measured speedup = held-out tokens/s with the arm's schedule / under dense decode, "
         "the two evaluations of the same run (minutes apart: with other jobs on the CPU the ratio moves by tens "
         "of percent, and the dense arm's own row, 1.0 by construction, shows by how much); predicted speedup = "
