@@ -84,6 +84,8 @@ def acceptance_rate_topk(
     if p_ids.shape[:-1] != q_ids.shape[:-1]:
         raise ValueError(f"p_ids {tuple(p_ids.shape)} and q_ids {tuple(q_ids.shape)} differ in leading dims")
     dtype = torch.float64 if torch.float64 in (p_logprobs.dtype, q_logprobs.dtype) else torch.float32
+    if p_ids.shape[-1] == 0 or q_ids.shape[-1] == 0:  # an empty list shares no token
+        return torch.zeros(p_ids.shape[:-1], dtype=dtype, device=p_ids.device)
     # Match each p id in q's sorted list: O(K log K) per row and [..., K] memory, so k = the whole
     # vocabulary (an exact alpha for small vocabularies) costs no [..., Kp, Kq] intermediate.
     q_sorted, order = torch.sort(q_ids, dim=-1)

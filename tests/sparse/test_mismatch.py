@@ -80,6 +80,8 @@ def test_topk_identical_disjoint_and_padding():
     padded_ids = torch.tensor([[5, -1, -1]])
     padded_lp = torch.tensor([[math.log(0.6), -math.inf, -math.inf]])
     assert acceptance_rate_topk(padded_ids, padded_lp, padded_ids, padded_lp).item() == pytest.approx(0.6)
+    none = torch.empty(1, 0, dtype=torch.int64)
+    assert acceptance_rate_topk(ids, lp, none, none.float()).item() == 0.0  # an empty list shares nothing
     with pytest.raises(ValueError, match="repeats a token id"):
         acceptance_rate_topk(torch.tensor([[1, 1]]), lp[:, :2], ids[:, :2], lp[:, :2])
     with pytest.raises(ValueError, match="leading dims"):
