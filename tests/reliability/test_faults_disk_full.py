@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from reliability import _train_process as tp
+from sparrow_nemo.grpo.world import env_without_launcher
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +34,7 @@ def test_disk_full_during_a_checkpoint_is_one_line_and_leaves_no_partial_folder(
         capture_output=True,
         text=True,
         timeout=tp.TIMEOUT,
-        env=tp._env(),
+        env=env_without_launcher(),
     )
     if "Creating new namespace failed" in out.stderr:
         pytest.skip(f"bubblewrap cannot make a mount namespace here: {out.stderr.strip()}")
