@@ -48,6 +48,7 @@ __all__ = [
     "MAX_DEFAULTS_DEPTH",
     "Override",
     "build",
+    "dotted_leaves",
     "from_dict",
     "hashed_view",
     "load",
@@ -111,6 +112,16 @@ def plain(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [plain(v) for v in value]
     return value
+
+
+def dotted_leaves(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested mappings -> ``{"a.b.c": value}``; lists and scalars are leaves, an empty mapping has none."""
+    if isinstance(tree, Mapping):
+        out: dict[str, Any] = {}
+        for key, value in tree.items():
+            out.update(dotted_leaves(value, f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: tree}
 
 
 def hashed_view(obj: Any) -> Any:

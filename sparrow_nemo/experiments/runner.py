@@ -22,8 +22,8 @@ from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+from sparrow_nemo.config.compose import dotted_leaves
 from sparrow_nemo.config.yaml_io import YamlProblem, load_yaml
 from sparrow_nemo.experiments.arms import Arm, ArmsError, ArmsSpec, arm_config
 from sparrow_nemo.grpo.recipe import SparrowConfig
@@ -60,17 +60,6 @@ def run_folder(root: Path, arm: str, seed: int) -> Path:
 _MISSING = object()
 
 
-def _leaves(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Nested dicts -> {dotted key: value}; lists and scalars are leaves."""
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_leaves(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def config_drift(stored_text: str, config: SparrowConfig) -> str | None:
     """How a finished run's ``config.yaml`` differs from ``config``, knob by knob, else None.
 
@@ -83,8 +72,8 @@ def config_drift(stored_text: str, config: SparrowConfig) -> str | None:
         return f"config.yaml is not YAML ({problem.problem})"
     if not isinstance(stored, dict):
         return "config.yaml is not a mapping"
-    old, now = _leaves(stored), _leaves(config.to_dict())
-    default = _leaves(SparrowConfig().to_dict())
+    old, now = dotted_leaves(stored), dotted_leaves(config.to_dict())
+    default = dotted_leaves(SparrowConfig().to_dict())
     for key, value in now.items():
         before = old.get(key, _MISSING)
         if before is _MISSING and default.get(key, _MISSING) != value:

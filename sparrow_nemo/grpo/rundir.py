@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import yaml
 
 from sparrow_nemo.config import ConfigError
+from sparrow_nemo.config.compose import dotted_leaves
 from sparrow_nemo.grpo.recipe import SparrowConfig
 
 logger = logging.getLogger(__name__)
@@ -37,22 +36,13 @@ def make_run_dir(config: SparrowConfig, run_dir: str | Path | None = None) -> Pa
     return path
 
 
-def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(tree, Mapping):
-        out: dict[str, Any] = {}
-        for key, value in tree.items():
-            out.update(_flat(value, f"{prefix}{key}."))
-        return out
-    return {prefix[:-1]: tree}
-
-
 def _key_differences(run_dir: Path, config: SparrowConfig) -> list[str]:
     """``key: folder value -> this value`` for the hashed keys that differ from the folder's config.yaml."""
     try:
-        old = _flat(yaml.safe_load((run_dir / "config.yaml").read_text()) or {})
+        old = dotted_leaves(yaml.safe_load((run_dir / "config.yaml").read_text()) or {})
     except (OSError, yaml.YAMLError):
         return []
-    new = _flat(config.hashed_dict())
+    new = dotted_leaves(config.hashed_dict())
     return [f"{k}: {old.get(k)!r} -> {v!r}" for k, v in sorted(new.items()) if old.get(k, v) != v]
 
 

@@ -9,7 +9,7 @@ Per step (:meth:`GrpoTrainer.step`), each phase timed as ``timing/<phase>``:
 1. ``rollout``: this rank's engine samples its prompts' groups (halved and retried on out-of-memory,
    :mod:`sparrow_nemo.rollout.oom_retry`), then sleeps; ``reward``: rewards and group advantages there;
 2. ``exchange``: the replica's samples on every rank of its model-parallel group -> the :class:`StepBatch`;
-3. ``logprobs`` / ``reference``: dense logprobs, entropy and top-20 (and the KL reference's) of the replica's
+3. ``logprobs`` / ``reference``: dense logprobs, entropy and top-K (and the KL reference's) of the replica's
    rows only; ``stats``: acceptance rate of each rank's own tokens, then the step's statistics and the tail per
    bin merged over all ranks (:func:`~sparrow_nemo.grpo.step_batch.measure`) -> :class:`StepReport`;
 4. ``update``: ``grpo.mini_batches_per_step`` optimizer steps of the step-normalised policy loss on the

@@ -32,7 +32,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset
 
     Right padding needs no length mask: a valid query (position < its sequence's length) only sees
     keys at or before it, all valid. A whole-sequence call (q_offset 0, Tq == Tk) takes SDPA's
-    ``is_causal`` kernel (no mask tensor; ~2.5x the masked path on CPU); a later chunk one [Tq, Tk]
+    ``is_causal`` kernel (no mask tensor); a later chunk one [Tq, Tk]
     causal mask shared by the batch.
 
     Args:

@@ -2,7 +2,7 @@
 
 Used by ``bench rollout`` and calibration: generate (sparse) with an engine, re-score the same tokens
 with the engine's dense teacher-forced forward (:meth:`RolloutEngine.score`, no LoRA), and compare the
-two top-20 lists per token with the method layer's acceptance-rate bound.
+two top-K lists per token (K = the rollout's ``logprobs_topk``) with the method layer's acceptance-rate bound.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ class TokenMismatch:
     """Flattened over all response tokens of a batch (N tokens, sample-major order).
 
     Attributes:
-        alpha: [N] float32 acceptance rate (top-20 union lower bound) between dense p and rollout q.
+        alpha: [N] float32 acceptance rate (top-K union lower bound) between dense p and rollout q.
         cached_len: [N] int64 tokens in the cache when the token was sampled.
         train_logprobs: [N] float32 dense logprob of the sampled token.
         gen_logprobs: [N] float32 rollout-engine logprob of the sampled token.
