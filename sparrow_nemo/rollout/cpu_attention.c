@@ -641,6 +641,17 @@ void sparrow_sparse_attention(const float *q, const float *centroids, const floa
  * floats. */
 #define SLOTS 8 /* slots scored per register block */
 
+/* Prefetch the lines of `slots` slots of one (page, KV head) of a pool (slot stride `stride` floats). The
+ * verify's pages lie scattered over the pool and each is computed on for long enough that fetching the next
+ * one meanwhile hides its loads, which the hardware prefetcher does not (it stops at a page's end). Measured
+ * on the 2-core CI machine (tiny shape, batch 32, 2K cached, T = 8, G = 2; one layer of six, so the pool
+ * comes from memory): 6.4-7.1 -> 4.4-4.7 ms per layer; 2 or 4 pages ahead no better. The dense decode's
+ * row-at-a-time pass did not gain from it (3.0 ms either way). */
+static inline void prefetch_page(const float *at, int64_t slots, int64_t stride) {
+    for (int64_t byte = 0; byte < slots * stride * (int64_t)sizeof(float); byte += 64)
+        __builtin_prefetch((const char *)at + byte, 0, 3);
+}
+
 void sparrow_paged_verify_attention(const float *q, const float *k_pages, int64_t stride_kp, int64_t stride_kh,
                                     int64_t stride_ks, const float *v_pages, int64_t stride_vp,
                                     int64_t stride_vh, int64_t stride_vs, const int32_t *block_table,
@@ -676,6 +687,11 @@ void sparrow_paged_verify_attention(const float *q, const float *k_pages, int64_
                 run_sum[h * vecs + v] = (v16){0};
             }
         for (int64_t j = 0; j < pages; ++j) {
+            if (j + 1 < pages) /* the next page's keys and values, while this one is computed */
+                for (int64_t h = 0; h < hkv; ++h) {
+                    prefetch_page(k_pages + (int64_t)table[j + 1] * stride_kp + h * stride_kh, page_size, stride_ks);
+                    prefetch_page(v_pages + (int64_t)table[j + 1] * stride_vp + h * stride_vh, page_size, stride_vs);
+                }
             const int64_t valid = length - j * page_size < page_size ? length - j * page_size : page_size;
             const int masked = j * page_size + valid - 1 >= start[b]; /* holds a position some row must not see */
             for (int64_t h = 0; h < hkv; ++h) {
