@@ -20,6 +20,12 @@ the date, the speedup over dense of the same run, and for the speculative arms t
 (exact sum_v min(p, q) of the tested drafts), accept rate, tokens per verify and the tokens per verify the
 acceptance predicts, E = (1 - alpha^(k+1)) / (1 - alpha).
 
+On a GPU (``--device cuda --dtype bf16``; benchmarks/gpu_speculative_check.sh runs it at the 1.7B and 8B
+shapes with 32K-token contexts) the engine takes the fused Triton kernels: dense and sparse arms decode from a
+CUDA graph, the speculative arms run eagerly with the Triton verify kernel; the cost model is the GPU's preset
+(``rollout_hardware("auto", ...)``) and there is no CPU-time column. Weights are random, so alpha is that of
+a random model at this context, not a trained one's.
+
 Example (the README's numbers):
     python benchmarks/speculative_rollout.py --batch 32 --prompt-len 1920 --gen-len 256 --ks 4 8
 """
@@ -42,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rollout_throughput import machine_info
 
 from sparrow_nemo.model_shapes import PRESETS
-from sparrow_nemo.rollout.cost_fit import engine_cost_model, fit_cpu_hardware
+from sparrow_nemo.rollout.cost_fit import engine_cost_model, fit_cpu_hardware, rollout_hardware
 from sparrow_nemo.rollout.engine import SamplingParams
 from sparrow_nemo.rollout.speculative import SpeculativeConfig
 from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
@@ -55,6 +61,7 @@ from sparrow_nemo.sparse.speculative_cost import (
 )
 
 RESULTS = Path(__file__).resolve().parent / "results" / "speculative_rollout.jsonl"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -72,6 +79,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dense-layers", type=int, default=0)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="weights and KV cache")
+    p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="decode attention (auto: triton on CUDA, torch on the CPU; triton on the CPU needs TRITON_INTERPRET=1)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=RESULTS, help="JSONL file to append to")
     return p.parse_args(argv)
@@ -93,11 +104,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     engine = TorchRolloutEngine.from_shape(
         PRESETS[args.shape],
         seed=args.seed,
+        dtype=DTYPES[args.dtype],
+        device=args.device,
         dense_layers=args.dense_layers,
         page_size=args.page_size,
-        attention_backend="torch",
+        attention_backend=args.backend,
         prefill_chunk_tokens=512,
     )
+    on_cpu = engine.device.type == "cpu"  # CPU time per arm is measured only there
     gen = torch.Generator().manual_seed(args.seed)
     vocab = engine.shape.vocab_size
     prompts = [torch.randint(3, vocab, (args.prompt_len,), generator=gen).tolist() for _ in range(args.batch)]
@@ -115,30 +129,41 @@ def main(argv: list[str] | None = None) -> list[dict]:
             draft = BudgetSchedule(args.bin_tokens, (n,), args.page_size, name=f"fixed:{n}")
             arms[f"speculative k={k} draft={n}"] = (schedule, SpeculativeConfig((k,), draft_schedule=draft))
 
-    # the decode cost model fitted to this CPU and engine (sparrow_nemo.rollout.cost_fit): its prediction per arm
-    fitted = engine_cost_model(engine, fit_cpu_hardware(engine, batch=args.batch, seed=args.seed))
+    # the decode cost model of this engine (sparrow_nemo.rollout.cost_fit): fitted to this CPU, or the GPU's preset
+    hardware = (
+        fit_cpu_hardware(engine, batch=args.batch, seed=args.seed)
+        if on_cpu
+        else rollout_hardware("auto", engine)
+    )
+    fitted = engine_cost_model(engine, hardware)
     first_token = replace(sampling, max_new_tokens=1)
     times: dict[str, list[float]] = {name: [] for name in arms}
     cpu: dict[str, list[float]] = {name: [] for name in arms}
     stats: dict[str, dict] = {}
     started = time.perf_counter()
     for repeat in range(args.repeats):
-        c0 = time.process_time()
-        engine.generate(prompts, first_token, dense)  # the prefill's CPU time, to subtract
-        prefill_cpu = time.process_time() - c0
+        prefill_cpu = 0.0
+        if on_cpu:
+            c0 = time.process_time()
+            engine.generate(prompts, first_token, dense)  # the prefill's CPU time, to subtract
+            prefill_cpu = time.process_time() - c0
         for name, (sched, spec) in arms.items():
             c0 = time.process_time()
             out = engine.generate(prompts, sampling, sched, speculative=spec)
-            cpu[name].append(time.process_time() - c0 - prefill_cpu)
+            if on_cpu:
+                cpu[name].append(time.process_time() - c0 - prefill_cpu)
             times[name].append(out.decode_s)
             if spec is not None and repeat == 0:
                 stats[name] = _draft_stats(out.samples, spec.draft_tokens[0])
-            print(f"repeat {repeat + 1}/{args.repeats} {name}: {out.num_response_tokens / out.decode_s:.0f} tok/s wall, "
-                  f"{out.num_response_tokens / cpu[name][-1]:.0f} tok/s CPU ({time.perf_counter() - started:.0f} s elapsed)",
-                  file=sys.stderr)  # fmt: skip
+            per_cpu = f", {out.num_response_tokens / cpu[name][-1]:.0f} tok/s CPU" if on_cpu else ""
+            print(f"repeat {repeat + 1}/{args.repeats} {name}: {out.num_response_tokens / out.decode_s:.0f} tok/s wall"
+                  f"{per_cpu} ({time.perf_counter() - started:.0f} s elapsed)", file=sys.stderr)  # fmt: skip
     tokens = args.batch * args.gen_len
     meta = {
-        **machine_info("cpu"),
+        **machine_info(args.device),
+        **({} if on_cpu else _gpu_environment(engine.device)),
+        "dtype": args.dtype,
+        "backend": engine.backend,
         "load_avg_1m": load,
         "load_avg_1m_after": os.getloadavg()[0],
         "benchmark": "speculative_rollout",
@@ -153,10 +178,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         rows.append({
             **meta, **config, "arm": name, "schedule": list(drafted.budgets),
             "decode_tokens_per_s": tokens / statistics.median(times[name]),
-            "decode_tokens_per_cpu_s": tokens / statistics.median(cpu[name]),
-            "decode_s": times[name], "decode_cpu_s": cpu[name],
+            "decode_tokens_per_cpu_s": tokens / statistics.median(cpu[name]) if on_cpu else None,
+            "decode_s": times[name], "decode_cpu_s": cpu[name] if on_cpu else None,
             "speedup_vs_dense": statistics.median(d / t for d, t in zip(times["dense"], times[name])),
-            "speedup_vs_dense_cpu": statistics.median(d / t for d, t in zip(cpu["dense"], cpu[name])),
+            "speedup_vs_dense_cpu": (
+                statistics.median(d / t for d, t in zip(cpu["dense"], cpu[name])) if on_cpu else None
+            ),
             "predicted_speedup_fitted": predicted, "fitted_hardware": asdict(fitted.hardware),
             **stats.get(name, {}),
         })  # fmt: skip
@@ -172,8 +199,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
             if "alpha" in r
             else ""
         )
-        print(f"{r['arm']:<30} {r['decode_tokens_per_s']:>8.0f} {r['speedup_vs_dense']:>8.2f}x "
-              f"{r['decode_tokens_per_cpu_s']:>9.0f} {r['speedup_vs_dense_cpu']:>8.2f}x "
+        per_cpu = (
+            f"{r['decode_tokens_per_cpu_s']:>9.0f} {r['speedup_vs_dense_cpu']:>8.2f}x"
+            if on_cpu
+            else f"{'-':>9} {'-':>9}"
+        )
+        print(f"{r['arm']:<30} {r['decode_tokens_per_s']:>8.0f} {r['speedup_vs_dense']:>8.2f}x {per_cpu} "
               f"{r['predicted_speedup_fitted']:>6.2f}x {extra}")  # fmt: skip
     print(f"wrote {len(rows)} lines to {args.out} (load average {load:.1f} before the run, "
           f"{meta['load_avg_1m_after']:.1f} after)", file=sys.stderr)  # fmt: skip
@@ -195,6 +226,14 @@ def _predicted_speedup(model: DecodeCostModel, schedule, spec, stats: dict | Non
     return SpeculativeCostModel(model, args.page_size).predicted_speedup(
         plan, [stats["alpha"]], lengths, prompt
     )
+
+
+def _gpu_environment(device: torch.device) -> dict:
+    """Driver, CUDA and Triton versions for a GPU run (sparse_attention.environment's fields)."""
+    import sparrow_kernels
+    from sparse_attention import environment
+
+    return environment(sparrow_kernels, device)
 
 
 def _draft_stats(samples, k: int) -> dict[str, float]:

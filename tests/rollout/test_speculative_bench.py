@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -69,3 +72,34 @@ def test_tiny_run_writes_one_consistent_line_per_arm(bench, tmp_path: Path) -> N
         assert 0.0 <= r["alpha"] <= 1.0 + 1e-6 and 0.0 <= r["accept_rate"] <= 1.0
         assert 1.0 <= r["tokens_per_verify"] <= r["k"] + 1
         assert 1.0 <= r["predicted_tokens_per_verify"] <= r["k"] + 1
+
+
+def test_gpu_speculative_check_dry_mode(tmp_path: Path) -> None:
+    """The prepared GPU script in --dry mode: imports, the verify kernel tests collected, a tiny run of the
+    benchmark (torch path), all exit 0."""
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    env["RESULTS_DIR"] = str(tmp_path)
+    env["PYTHON"] = sys.executable  # the script's interpreter (python3 on PATH by default: the GPU image's)
+    proc = subprocess.run(
+        ["bash", str(REPO / "benchmarks" / "gpu_speculative_check.sh"), "--dry"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    log = (tmp_path / "gpu_speculative_check_dry.log").read_text()
+    assert proc.returncode == 0, log[-3000:]
+    assert "=== summary: imports=0 tests=0 bench_tiny=0" in log
+    assert "test_speculative_kernel.py::" in log  # the kernel tests were collected
+    rows = [
+        json.loads(x) for x in (tmp_path / "gpu_speculative_check_dry_bench.jsonl").read_text().splitlines()
+    ]
+    assert [r["arm"] for r in rows] == ["dense", "sparse", "speculative k=4", "speculative k=4 draft=32"]
+    assert all(r["speedup_vs_dense"] > 0 and r["backend"] == "torch" for r in rows)
+
+
+def test_gpu_lines_carry_the_driver_and_library_versions(bench) -> None:
+    """A GPU run's lines add sparse_attention.environment's fields (here on the CPU device: no driver)."""
+    env = bench._gpu_environment(torch.device("cpu"))
+    assert {"gpu", "driver", "cuda", "torch", "triton", "interpreted", "date"} <= set(env)
+    assert env["driver"] is None and env["device"] == "cpu"
