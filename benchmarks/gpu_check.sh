@@ -27,17 +27,6 @@ GPU_RESULTS=("sparse_attention*.jsonl")
 # shellcheck source=benchmarks/gpu_common.sh
 source benchmarks/gpu_common.sh "$@"
 
-# Pure-Python fallbacks for pytest / pyyaml when the image lacks them (only those packages are linked).
-SITE=.venv/lib/python3.11/site-packages
-if ! "$PY" -c "import pytest, yaml" 2>/dev/null && [ -d "$SITE" ]; then
-  SHIM=$(mktemp -d)
-  for p in _pytest pytest pluggy iniconfig packaging yaml py.py; do
-    [ -e "$SITE/$p" ] && ln -s "$PWD/$SITE/$p" "$SHIM/$p"
-  done
-  export PYTHONPATH="$PYTHONPATH:$SHIM"
-  log "pytest/pyyaml not in the image: using the copies linked in $SHIM"
-fi
-
 log "=== sparrow_kernels check, mode=$MODE, $(date -u +%Y-%m-%dT%H:%M:%SZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee -a "$LOG"
 "$PY" -c "import sys, torch, triton; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available())" 2>&1 | tee -a "$LOG"

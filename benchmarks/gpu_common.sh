@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Shared set-up of the prepared GPU checks (gpu_check.sh, gpu_rollout_check.sh); sourced, not run.
+# Shared set-up of the prepared GPU checks (gpu_check.sh, gpu_rollout_check.sh, gpu_speculative_check.sh);
+# sourced, not run.
 # The caller sets CHECK_NAME (log file prefix) and GPU_RESULTS (result file globs copied to $OUT after
 # a GPU run), then sources this file with its own arguments. Defines MODE (gpu | tiny | dry), PY,
 # RESULTS, LOG, log, step (a time-limited, logged command whose exit status and seconds also go to
-# <check>_<mode>_stages.jsonl) and an EXIT trap that writes the summary and copies the outputs to $OUT.
+# <check>_<mode>_stages.jsonl) and an EXIT trap that writes the summary and copies the outputs to $OUT; links
+# pure-Python copies of pytest / pyyaml from the venv when the image lacks them.
 # shellcheck disable=SC2034  # STATUS/FAILED/MODE/PY are read by the sourcing script
 
 MODE=gpu
@@ -25,6 +27,18 @@ mkdir -p "$RESULTS"
 LOG="$RESULTS/${CHECK_NAME}_${MODE}.log"
 : > "$LOG"
 log() { echo "$@" | tee -a "$LOG"; }
+# Pure-Python fallbacks for pytest / pyyaml when the image lacks them (only those packages are linked; every
+# check needs both: the rollout engine imports pyyaml). Carry those venv paths to the GPU machine.
+SITE=.venv/lib/python3.11/site-packages
+if ! "$PY" -c "import pytest, yaml" 2>/dev/null && [ -d "$SITE" ]; then
+  SHIM=$(mktemp -d)
+  for p in _pytest pytest pluggy iniconfig packaging yaml py.py; do
+    [ -e "$SITE/$p" ] && ln -s "$PWD/$SITE/$p" "$SHIM/$p"
+  done
+  export PYTHONPATH="$PYTHONPATH:$SHIM"
+  log "pytest/pyyaml not in the image: using the copies linked in $SHIM"
+fi
+
 STAGES="$RESULTS/${CHECK_NAME}_${MODE}_stages.jsonl"
 : > "$STAGES"
 step() { # step NAME TIMEOUT_S CMD...: run with a time limit, log output, record exit status and seconds

@@ -13,6 +13,10 @@
 # gpu_speculative_check_<mode>_stages.jsonl, gpu_speculative_check_<mode>_tests.xml and (GPU)
 # speculative_rollout_gpu.jsonl; all copied to $OUT when set.
 #
+# The GPU image needs torch, triton, pytest and pyyaml (gpu_common.sh links the venv's pure-Python pytest and
+# pyyaml where they are missing: carry .venv/lib/python3.11/site-packages/{_pytest,pytest,pluggy,iniconfig,
+# packaging,yaml}).
+#
 # Usage:  bash benchmarks/gpu_speculative_check.sh          # GPU (the image's python3; PYTHONPATH only)
 #         bash benchmarks/gpu_speculative_check.sh --tiny   # CPU, TRITON_INTERPRET=1: the tests + a tiny run of
 #                                                           # the benchmark on the Triton path (~3 min)
