@@ -27,22 +27,10 @@ GPU_RESULTS=("sparse_attention*.jsonl")
 # shellcheck source=benchmarks/gpu_common.sh
 source benchmarks/gpu_common.sh "$@"
 
-log "=== sparrow_kernels check, mode=$MODE, $(date -u +%Y-%m-%dT%H:%M:%SZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
-command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee -a "$LOG"
-"$PY" -c "import sys, torch, triton; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available())" 2>&1 | tee -a "$LOG"
+log_header "sparrow_kernels check"
 TRITON_CACHE=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
 log "triton cache $TRITON_CACHE: $(find "$TRITON_CACHE" -name '*.cubin' 2>/dev/null | wc -l) compiled kernels at start"
-
-# 20 s is generous for a GPU machine; the CPU rehearsals run on shared CI cores, where imports alone can take longer.
-IMPORT_LIMIT=20
-[ "$MODE" = gpu ] || IMPORT_LIMIT=120
-step imports "$IMPORT_LIMIT" "$PY" -c "
-import sys
-import sparrow_kernels, sparrow_kernels.decode, sparrow_kernels.verify, sparrow_nemo.sparse.attention
-bad = sorted(m for m in sys.modules if m.split('.')[0] in ('megatron', 'transformers'))
-assert not bad, f'kernel tests must not import megatron/transformers, got {bad}'
-print('imports ok; INTERPRETED =', sparrow_kernels.INTERPRETED)
-"
+import_stage 20 sparrow_kernels.decode sparrow_kernels.verify sparrow_nemo.sparse.attention
 
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider tests/kernels --junitxml "$RESULTS/gpu_check_${MODE}_tests.xml")
 BENCH=("$PY" benchmarks/sparse_attention.py)

@@ -4,8 +4,8 @@
 # The caller sets CHECK_NAME (log file prefix) and GPU_RESULTS (result file globs copied to $OUT after
 # a GPU run), then sources this file with its own arguments. Defines MODE (gpu | tiny | dry), PY,
 # RESULTS, LOG, log, step (a time-limited, logged command whose exit status and seconds also go to
-# <check>_<mode>_stages.jsonl) and an EXIT trap that writes the summary and copies the outputs to $OUT; links
-# pure-Python copies of pytest / pyyaml from the venv when the image lacks them.
+# <check>_<mode>_stages.jsonl), log_header, import_stage and an EXIT trap that writes the summary and copies
+# the outputs to $OUT; links pure-Python copies of pytest / pyyaml from the venv when the image lacks them.
 # shellcheck disable=SC2034  # STATUS/FAILED/MODE/PY are read by the sourcing script
 
 MODE=gpu
@@ -51,6 +51,28 @@ step() { # step NAME TIMEOUT_S CMD...: run with a time limit, log output, record
   echo "{\"stage\": \"$name\", \"rc\": $rc, \"seconds\": $((SECONDS - start)), \"limit_s\": $limit}" >> "$STAGES"
   STATUS+=("$name=$rc")
   [ "$rc" -eq 0 ] || FAILED=1
+}
+# log_header TITLE: the check's first log lines (title, mode, date, commit; GPU, driver and library versions).
+log_header() {
+  log "=== $1, mode=$MODE, $(date -u +%Y-%m-%dT%H:%M:%SZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv | tee -a "$LOG"
+  "$PY" -c "import sys, torch, triton; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available())" 2>&1 | tee -a "$LOG"
+}
+# import_stage LIMIT_S MODULE...: the "imports" stage, LIMIT_S on the GPU machine (120 s in the CPU rehearsals,
+# which run on shared CI cores): import sparrow_kernels and the modules; fail when megatron or transformers come
+# with them (the kernels and the rollout engine must run on the bare GPU image).
+import_stage() {
+  local limit=$1
+  shift
+  [ "$MODE" = gpu ] || limit=120
+  step imports "$limit" "$PY" -c "
+import importlib, sys
+for name in sys.argv[1:]:
+    importlib.import_module(name)
+bad = sorted(m for m in sys.modules if m.split('.')[0] in ('megatron', 'transformers'))
+assert not bad, f'{sys.argv[1:]} must not import megatron/transformers, got {bad}'
+print('imports ok; INTERPRETED =', sys.modules['sparrow_kernels'].INTERPRETED)
+" sparrow_kernels "$@"
 }
 # shellcheck disable=SC2329  # called through the EXIT trap
 finish() {

@@ -29,17 +29,8 @@ GPU_RESULTS=("speculative_rollout_gpu.jsonl")
 # shellcheck source=benchmarks/gpu_common.sh
 source benchmarks/gpu_common.sh "$@"
 
-log "=== speculative rollout check, mode=$MODE, $(date -u +%Y-%m-%dT%H:%M:%SZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
-command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv | tee -a "$LOG"
-"$PY" -c "import sys, torch, triton; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available())" 2>&1 | tee -a "$LOG"
-
-step imports 60 "$PY" -c "
-import sys
-import sparrow_kernels, sparrow_nemo.rollout.torch_engine, sparrow_nemo.rollout.speculative, sparrow_nemo.rollout.spec_verify
-bad = sorted(m for m in sys.modules if m.split('.')[0] in ('megatron', 'transformers'))
-assert not bad, f'the rollout engine must not import megatron/transformers, got {bad}'
-print('imports ok; INTERPRETED =', sparrow_kernels.INTERPRETED)
-"
+log_header "speculative rollout check"
+import_stage 60 sparrow_nemo.rollout.torch_engine sparrow_nemo.rollout.speculative sparrow_nemo.rollout.spec_verify
 
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider tests/rollout/test_speculative_kernel.py
         --junitxml "$RESULTS/gpu_speculative_check_${MODE}_tests.xml")
