@@ -1,9 +1,13 @@
-"""Helpers for the rollout tests: the tiny shape, a saved random transformers Qwen3, and the method layer's
-greedy decode loop over a contiguous cache (the reference the engine's sparse decode is held to)."""
+"""Helpers for the rollout tests: the tiny shape, a saved random transformers Qwen3, the method layer's
+greedy decode loop over a contiguous cache (the reference the engine's sparse decode is held to), and a
+prepared GPU check run in its --dry mode."""
 
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -14,6 +18,8 @@ from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder
 from sparrow_nemo.sparse.attention import sparse_decode_attention
 from sparrow_nemo.sparse.pattern import PAGE_SIZE
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET, BudgetSchedule
+
+REPO = Path(__file__).resolve().parents[2]
 
 #: tiny-test with 3 layers, so the default 2 dense layers leave one sparse layer.
 SHAPE: Qwen3Shape = PRESETS["tiny-test"].replace(num_layers=3)
@@ -90,3 +96,20 @@ def contiguous_reference(
             h = model.attention_output(layer, h, out)
         logits = model.logits(h[0])
     return tokens, torch.tensor(logprobs)
+
+
+def run_gpu_check_dry(check: str, results: Path) -> str:
+    """``bash benchmarks/<check>.sh --dry`` writing into ``results`` with this interpreter (by default the
+    script takes python3 on PATH: the GPU image's) -> its log, after asserting that it exited 0."""
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    env["RESULTS_DIR"], env["PYTHON"] = str(results), sys.executable
+    proc = subprocess.run(
+        ["bash", str(REPO / "benchmarks" / f"{check}.sh"), "--dry"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    log = (results / f"{check}_dry.log").read_text()
+    assert proc.returncode == 0, log[-3000:]
+    return log

@@ -10,8 +10,6 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
@@ -22,6 +20,8 @@ import torch
 from sparrow_nemo.model_shapes import get_shape
 from sparrow_nemo.sparse.cost_model import DecodeCostModel, Hardware
 from sparrow_nemo.sparse.schedule import BudgetSchedule
+
+from ._helpers import run_gpu_check_dry
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -141,19 +141,7 @@ def test_tiny_cpu_run_writes_a_consistent_line(bench: ModuleType, tmp_path: Path
 def test_gpu_rollout_check_dry_mode(tmp_path: Path) -> None:
     """The prepared GPU script in --dry mode: imports, test collection (the minmax kernel tests too), tiny
     benchmark, all exit 0."""
-    env = {k: v for k, v in os.environ.items() if k != "OUT"}
-    env["RESULTS_DIR"] = str(tmp_path)
-    # the script's interpreter: this one (by default python3 on PATH: the image's, on the GPU machine)
-    env["PYTHON"] = sys.executable
-    proc = subprocess.run(
-        ["bash", str(REPO / "benchmarks" / "gpu_rollout_check.sh"), "--dry"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    log = (tmp_path / "gpu_rollout_check_dry.log").read_text()
-    assert proc.returncode == 0, log[-3000:]
+    log = run_gpu_check_dry("gpu_rollout_check", tmp_path)
     assert "=== summary: imports=0 tests=0 minmax=0 benchmark=0" in log
     assert "test_kernel_minmax.py::test_fused_sparse_decode_matches_method_layer" in log  # collected
     rows = [json.loads(x) for x in (tmp_path / "gpu_rollout_check_dry_bench.jsonl").read_text().splitlines()]

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
+
+from ._helpers import run_gpu_check_dry
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -77,18 +77,7 @@ def test_tiny_run_writes_one_consistent_line_per_arm(bench, tmp_path: Path) -> N
 def test_gpu_speculative_check_dry_mode(tmp_path: Path) -> None:
     """The prepared GPU script in --dry mode: imports, the verify kernel tests collected, a tiny run of the
     benchmark (torch path), all exit 0."""
-    env = {k: v for k, v in os.environ.items() if k != "OUT"}
-    env["RESULTS_DIR"] = str(tmp_path)
-    env["PYTHON"] = sys.executable  # the script's interpreter (python3 on PATH by default: the GPU image's)
-    proc = subprocess.run(
-        ["bash", str(REPO / "benchmarks" / "gpu_speculative_check.sh"), "--dry"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    log = (tmp_path / "gpu_speculative_check_dry.log").read_text()
-    assert proc.returncode == 0, log[-3000:]
+    log = run_gpu_check_dry("gpu_speculative_check", tmp_path)
     assert "=== summary: imports=0 tests=0 bench_tiny=0" in log
     assert "test_speculative_kernel.py::" in log  # the kernel tests were collected
     rows = [
