@@ -21,9 +21,7 @@ from sparrow_nemo.model_shapes import get_shape
 from sparrow_nemo.sparse.cost_model import DecodeCostModel, Hardware
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
-from ._helpers import run_gpu_check_dry
-
-REPO = Path(__file__).resolve().parents[2]
+from ._helpers import REPO, run_gpu_check_dry
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from ._helpers import run_gpu_check_dry
-
-REPO = Path(__file__).resolve().parents[2]
+from ._helpers import REPO, run_gpu_check_dry
 
 
 @pytest.fixture(scope="module")
