@@ -32,12 +32,9 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from sparrow_nemo.callbacks import run_calibration
-    from sparrow_nemo.grpo import setup, world
+    from sparrow_nemo.grpo import setup
     from sparrow_nemo.grpo.prompts import build_prompt_source
     from sparrow_nemo.grpo.rundir import make_run_dir
-    from sparrow_nemo.grpo.warmstart import ensure_warm_start
-    from sparrow_nemo.policy.parallel import destroy_parallel
-    from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     setup.apply_cpu_threads(config)
@@ -49,17 +46,7 @@ def run(args: argparse.Namespace) -> int:
             f"sparrow calibrate: reward.type={config.reward.type} calibrates on held-out prompts: set "
             "data.val_path (the calibration never uses training prompts)"
         )
-    hf_dir = config.model.hf_checkpoint
-    if hf_dir is None and config.warmstart.enabled:
-        world.start_processes()
-        try:
-            hf_dir = ensure_warm_start(config, source, config.logging.progress_bar)
-        finally:
-            destroy_parallel()
-    if hf_dir is not None:
-        weights = Qwen3Decoder.from_hf_dir(hf_dir).params
-    else:
-        weights = Qwen3Decoder.random(config.model.shape(), seed=config.trainer.seed).params
+    weights = setup.start_weights(config, source, config.logging.progress_bar)
     engine = setup.build_engine(config, weights, source.tokenizer)
     out = Path(args.out) if args.out else make_run_dir(config) / "calibration"
     prompts = [item.prompt_ids for item in items for _ in range(s.calibration.samples_per_prompt)]

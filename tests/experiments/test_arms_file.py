@@ -42,6 +42,7 @@ def test_long_arms_resolve_on_the_default_recipe() -> None:
     assert {c.rollout.seed for c in configs.values()} == {1}
     assert len({c.trainer.max_steps for c in configs.values()}) == 1
     assert all(c.sparsity.page_size == 16 and not c.tail_scheduler.collapse_guard for c in configs.values())
+    assert all(c.sparsity.dense_layers == 0 for c in configs.values())  # as the committed report measured
     assert configs["dense"].sparsity.build_schedule().is_dense
     for budget in (512, 256, 128):
         assert configs[f"fixed_{budget}"].sparsity.build_schedule().budgets == (budget,)

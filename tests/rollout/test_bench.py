@@ -6,6 +6,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from sparrow_nemo.rollout import SamplingParams, TorchRolloutEngine
@@ -169,3 +170,62 @@ def test_page_score_calibration_script_appends_one_line_per_score(tmp_path: Path
         assert set(r["tails"]) == {"64", "96"} and r["budgets"] and set(r["budgets"]) <= {64, 96}
         assert all(p is not None and p >= 0.01 for p in r["chosen_p5"])
         assert (tmp_path / "w" / r["page_score"] / "calibration_table.json").is_file()
+
+
+def _load_page_choice_oracle():
+    spec = importlib.util.spec_from_file_location(
+        "page_choice_oracle", REPO / "benchmarks" / "page_choice_oracle.py"
+    )
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def test_page_choice_oracle_layer_sets_name_a_bad_layer() -> None:
+    script = _load_page_choice_oracle()
+    assert script.layer_sets(["all", "3,1", "0"], 4) == [(0, 1, 2, 3), (1, 3), (0,)]
+    with pytest.raises(ValueError, match=r"--sparse-layers '1,4': layer\(s\) \[4\] outside the model's 0..3"):
+        script.layer_sets(["1,4"], 4)
+
+
+def test_page_choice_oracle_keeps_the_dense_output_when_the_budget_covers_the_cache(tmp_path: Path) -> None:
+    """benchmarks/page_choice_oracle.py on the smoke recipe (the shipped warm-start of the default): one line per
+    (ranking, sparse layers, budget); a budget above every sequence's length keeps every page, so alpha is 1 for
+    every ranking, and a one-page budget moves the output off the dense one somewhere."""
+    script = _load_page_choice_oracle()
+    out = tmp_path / "o.jsonl"
+    argv = ["--config", "tiny_cpu_smoke", "--prompts", "3", "--budgets", "16", "4096", "--out", str(out)]
+    script.main([*argv, "--rankings", "minmax", "centroid", "oracle", "--sparse-layers", "all", "1"])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 3 * 2 * 2
+    for r in rows:
+        assert r["benchmark"] == "page_choice_oracle" and r["date"] and r["prompts"] == 3
+        assert (
+            set(r["p1"]) == set(r["p5"]) == set(r["tokens_per_bin"]) and sum(r["tokens_per_bin"].values()) > 0
+        )
+        assert all(0.0 <= r["p1"][b] <= r["p5"][b] <= 1.0 for b in r["p1"])
+        if r["budget"] == 4096:
+            assert min(r["p1"].values()) > 1 - 1e-5, r
+    one_page = [r for r in rows if r["budget"] == 16 and r["sparse_layers"] == [0, 1, 2, 3]]
+    assert min(min(r["p1"].values()) for r in one_page) < 1 - 1e-3
+
+
+def test_schedule_ab_alternates_the_arms_and_pools_their_rates(tmp_path: Path) -> None:
+    """benchmarks/schedule_ab.py on the smoke recipe: ABBA order, one pair ratio per repeat, the pooled speedup
+    from the arms' summed tokens and seconds; a dense schedule is refused."""
+    spec = importlib.util.spec_from_file_location("schedule_ab", REPO / "benchmarks" / "schedule_ab.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.abba(3) == [("dense", "sparse"), ("sparse", "dense"), ("dense", "sparse")]
+    out = tmp_path / "ab.jsonl"
+    small = ["--config", "tiny_cpu_smoke", "--prompts", "2", "--repeats", "2", "--out", str(out)]
+    row = script.main([*small, "rollout.max_new_tokens=64", "sparsity.budgets=[64]"])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(row))
+    assert row["benchmark"] == "schedule_ab" and row["schedule"]["budgets"] == [64] and row["prompts"] == 2
+    assert len(row["pair_speedups"]) == 2 and len(row["runs"]["dense"]) == len(row["runs"]["sparse"]) == 2
+    tokens = sum(t for t, _ in row["runs"]["sparse"])
+    seconds = sum(s for _, s in row["runs"]["sparse"])
+    assert row["sparse_tokens_per_s"] == pytest.approx(tokens / seconds)
+    assert row["speedup"] == pytest.approx(row["sparse_tokens_per_s"] / row["dense_tokens_per_s"])
+    with pytest.raises(SystemExit, match="the schedule is dense"):
+        script.main([*small, "sparsity.schedule=dense"])
