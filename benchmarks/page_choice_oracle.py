@@ -159,10 +159,11 @@ def dense_samples(config: SparrowConfig, count: int) -> tuple[Qwen3Decoder, list
     (prompt length, prompt + response ids) each."""
     from sparrow_nemo.grpo import setup
     from sparrow_nemo.grpo.prompts import build_prompt_source
+    from sparrow_nemo.grpo.start import start_weights
     from sparrow_nemo.sparse.schedule import BudgetSchedule
 
     source = build_prompt_source(config)
-    model = Qwen3Decoder(config.model.shape(), setup.start_weights(config, source, show_progress=False))
+    model = Qwen3Decoder(config.model.shape(), start_weights(config, source, show_progress=False))
     engine = setup.build_engine(config, model.params, source.tokenizer)
     items = source.eval_batch(count)
     s = config.sparsity

@@ -33,6 +33,7 @@ from rollout_throughput import machine_info
 from sparrow_nemo.grpo import setup
 from sparrow_nemo.grpo.prompts import build_prompt_source
 from sparrow_nemo.grpo.recipe import load_config
+from sparrow_nemo.grpo.start import start_weights
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 RESULTS = Path(__file__).resolve().parent / "results" / "schedule_ab.jsonl"
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("schedule_ab: the schedule is dense; give a sparse one (--schedule or sparsity.*)")
     arms = {"dense": BudgetSchedule.dense(s.bin_tokens, s.page_size), "sparse": schedule}
     source = build_prompt_source(config)
-    engine = setup.build_engine(config, setup.start_weights(config, source, False), source.tokenizer)
+    engine = setup.build_engine(config, start_weights(config, source, False), source.tokenizer)
     items = source.eval_batch(args.prompts)
     prompts, seeds = [i.prompt_ids for i in items], list(range(len(items)))
     sampling = setup.sampling_params(config)

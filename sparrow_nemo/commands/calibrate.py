@@ -35,6 +35,7 @@ def run(args: argparse.Namespace) -> int:
     from sparrow_nemo.grpo import setup
     from sparrow_nemo.grpo.prompts import build_prompt_source
     from sparrow_nemo.grpo.rundir import make_run_dir
+    from sparrow_nemo.grpo.start import start_weights
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     setup.apply_cpu_threads(config)
@@ -46,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
             f"sparrow calibrate: reward.type={config.reward.type} calibrates on held-out prompts: set "
             "data.val_path (the calibration never uses training prompts)"
         )
-    weights = setup.start_weights(config, source, config.logging.progress_bar)
+    weights = start_weights(config, source, config.logging.progress_bar)
     engine = setup.build_engine(config, weights, source.tokenizer)
     out = Path(args.out) if args.out else make_run_dir(config) / "calibration"
     prompts = [item.prompt_ids for item in items for _ in range(s.calibration.samples_per_prompt)]

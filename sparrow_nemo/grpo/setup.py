@@ -11,7 +11,6 @@ from pathlib import Path
 
 import torch
 
-from sparrow_nemo.grpo.prompt_source import PromptSource
 from sparrow_nemo.grpo.recipe import SparrowConfig
 from sparrow_nemo.grpo.world import world_size
 from sparrow_nemo.rollout.engine import SamplingParams
@@ -69,29 +68,6 @@ def build_policy(config: SparrowConfig, hf_dir: str | Path | None, lr: float | N
         seed=config.trainer.seed + 1,
         memory=MemorySettings.from_policy_config(p),
     )
-
-
-def start_weights(
-    config: SparrowConfig, source: PromptSource, show_progress: bool = True
-) -> dict[str, torch.Tensor]:
-    """HF-named weights a one-process tool (``sparrow calibrate``, benchmarks) starts the rollout from:
-    ``model.hf_checkpoint``, else the warm-start (trained first when missing, in its own process group) when
-    ``warmstart.enabled``, else random weights of the recipe's shape seeded ``trainer.seed``."""
-    from sparrow_nemo.grpo import world
-    from sparrow_nemo.grpo.warmstart import ensure_warm_start
-    from sparrow_nemo.policy.parallel import destroy_parallel
-    from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder
-
-    hf_dir = config.model.hf_checkpoint
-    if hf_dir is None and config.warmstart.enabled:
-        world.start_processes()
-        try:
-            hf_dir = ensure_warm_start(config, source, show_progress)
-        finally:
-            destroy_parallel()
-    if hf_dir is not None:
-        return Qwen3Decoder.from_hf_dir(hf_dir).params
-    return Qwen3Decoder.random(config.model.shape(), seed=config.trainer.seed).params
 
 
 def build_engine(config: SparrowConfig, weights: Mapping[str, torch.Tensor], tokenizer=None):
