@@ -21,7 +21,7 @@ better than the recipe's ranking at a budget, no ranking can: the model's attent
 The forward builds [S, S] masks per layer: an analysis tool for the tiny recipes (sequences up to
 ``MAX_TOKENS``), not a rollout path.
 
-Example (README, "Which layers stay dense"; ~4 min on one core):
+Example (docs/METHOD.md, "Which layers stay dense"; ~3 min on one core):
     python benchmarks/page_choice_oracle.py --prompts 24 --budgets 128 192 256 \
         --rankings minmax oracle --sparse-layers 0,1,2,3 1,2,3 0 1 2 3
 """

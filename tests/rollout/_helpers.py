@@ -1,14 +1,16 @@
 """Helpers for the rollout tests: the tiny shape, a saved random transformers Qwen3, the method layer's
-greedy decode loop over a contiguous cache (the reference the engine's sparse decode is held to), and a
-prepared GPU check run in its --dry mode."""
+greedy decode loop over a contiguous cache (the reference the engine's sparse decode is held to), a
+benchmark script as a module, and a prepared GPU check run in its --dry mode."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -113,3 +115,13 @@ def run_gpu_check_dry(check: str, results: Path) -> str:
     log = (results / f"{check}_dry.log").read_text()
     assert proc.returncode == 0, log[-3000:]
     return log
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """``benchmarks/<name>.py`` as a module, executed afresh (registered in ``sys.modules`` under ``name``,
+    where dataclasses resolve their annotations)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

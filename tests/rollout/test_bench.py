@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -15,9 +14,7 @@ from sparrow_nemo.rollout.scoring import measure_mismatch
 from sparrow_nemo.sparse.mismatch import acceptance_rate
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
-from ._helpers import SHAPE
-
-REPO = Path(__file__).resolve().parents[2]
+from ._helpers import SHAPE, load_benchmark
 
 
 def test_measure_mismatch_aligns_rollout_and_dense_positions(hf_dir: Path) -> None:
@@ -72,11 +69,7 @@ def test_bench_rollout_rows_and_table() -> None:
 
 
 def test_throughput_script_appends_json_lines(tmp_path: Path) -> None:
-    spec = importlib.util.spec_from_file_location(
-        "rollout_throughput", REPO / "benchmarks" / "rollout_throughput.py"
-    )
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_benchmark("rollout_throughput")
     out = tmp_path / "r.jsonl"
     args = [
         "--shape",
@@ -107,9 +100,7 @@ def test_throughput_script_appends_json_lines(tmp_path: Path) -> None:
 def test_cpu_decode_script_appends_json_lines(tmp_path: Path) -> None:
     """benchmarks/cpu_decode.py (the README's bench numbers) on small contexts: one line per (context,
     schedule, page score) with the machine, the load before and after, the bound and the ratio."""
-    spec = importlib.util.spec_from_file_location("cpu_decode", REPO / "benchmarks" / "cpu_decode.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_benchmark("cpu_decode")
     out = tmp_path / "d.jsonl"
     argv = [
         "--shape",
@@ -139,11 +130,7 @@ def test_cpu_decode_script_appends_json_lines(tmp_path: Path) -> None:
 def test_page_score_calibration_script_appends_one_line_per_score(tmp_path: Path) -> None:
     """benchmarks/page_score_calibration.py on the smoke recipe (random weights, no warm-start, a lenient
     threshold so every bin takes the smaller candidate): one line per page score with its budgets and p5s."""
-    spec = importlib.util.spec_from_file_location(
-        "page_score_calibration", REPO / "benchmarks" / "page_score_calibration.py"
-    )
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_benchmark("page_score_calibration")
     out = tmp_path / "c.jsonl"
     overrides = [
         "warmstart.enabled=false",
@@ -172,17 +159,8 @@ def test_page_score_calibration_script_appends_one_line_per_score(tmp_path: Path
         assert (tmp_path / "w" / r["page_score"] / "calibration_table.json").is_file()
 
 
-def _load_page_choice_oracle():
-    spec = importlib.util.spec_from_file_location(
-        "page_choice_oracle", REPO / "benchmarks" / "page_choice_oracle.py"
-    )
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
-
-
 def test_page_choice_oracle_layer_sets_name_a_bad_layer() -> None:
-    script = _load_page_choice_oracle()
+    script = load_benchmark("page_choice_oracle")
     assert script.layer_sets(["all", "3,1", "0"], 4) == [(0, 1, 2, 3), (1, 3), (0,)]
     with pytest.raises(ValueError, match=r"--sparse-layers '1,4': layer\(s\) \[4\] outside the model's 0..3"):
         script.layer_sets(["1,4"], 4)
@@ -192,7 +170,7 @@ def test_page_choice_oracle_keeps_the_dense_output_when_the_budget_covers_the_ca
     """benchmarks/page_choice_oracle.py on the smoke recipe (the shipped warm-start of the default): one line per
     (ranking, sparse layers, budget); a budget above every sequence's length keeps every page, so alpha is 1 for
     every ranking, and a one-page budget moves the output off the dense one somewhere."""
-    script = _load_page_choice_oracle()
+    script = load_benchmark("page_choice_oracle")
     out = tmp_path / "o.jsonl"
     argv = ["--config", "tiny_cpu_smoke", "--prompts", "3", "--budgets", "16", "4096", "--out", str(out)]
     script.main([*argv, "--rankings", "minmax", "centroid", "oracle", "--sparse-layers", "all", "1"])
@@ -213,9 +191,7 @@ def test_page_choice_oracle_keeps_the_dense_output_when_the_budget_covers_the_ca
 def test_schedule_ab_alternates_the_arms_and_pools_their_rates(tmp_path: Path) -> None:
     """benchmarks/schedule_ab.py on the smoke recipe: ABBA order, one pair ratio per repeat, the pooled speedup
     from the arms' summed tokens and seconds; a dense schedule is refused."""
-    spec = importlib.util.spec_from_file_location("schedule_ab", REPO / "benchmarks" / "schedule_ab.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_benchmark("schedule_ab")
     assert script.abba(3) == [("dense", "sparse"), ("sparse", "dense"), ("dense", "sparse")]
     out = tmp_path / "ab.jsonl"
     small = ["--config", "tiny_cpu_smoke", "--prompts", "2", "--repeats", "2", "--out", str(out)]

@@ -7,10 +7,8 @@ times linear in the cached length, and the tiny run writes a complete, self-cons
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
-import sys
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
@@ -21,18 +19,12 @@ from sparrow_nemo.model_shapes import get_shape
 from sparrow_nemo.sparse.cost_model import DecodeCostModel, Hardware
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
-from ._helpers import REPO, run_gpu_check_dry
+from ._helpers import load_benchmark, run_gpu_check_dry
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "rollout_speedup_bench", REPO / "benchmarks" / "rollout_speedup.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("rollout_speedup")
 
 
 @pytest.mark.parametrize("preset", ["qwen3-1.7b-0.86", "qwen3-8b-0.86", "qwen3-14b-0.86"])

@@ -7,27 +7,19 @@ grows with the cached length in whole pages. Timing values are only checked to b
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
 
-from ._helpers import REPO, run_gpu_check_dry
+from ._helpers import load_benchmark, run_gpu_check_dry
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "speculative_bench", REPO / "benchmarks" / "speculative_rollout.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("speculative_rollout")
 
 
 def test_fraction_schedule_grows_in_whole_pages(bench) -> None:
