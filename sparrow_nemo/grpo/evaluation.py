@@ -32,6 +32,29 @@ class EvaluationConfig(Section):
         check=AT_LEAST_ONE,
         hashed=False,
     )
+    speed_pairs: int = knob(
+        1,
+        "end of run: (sparse, dense) evaluation pairs whose pooled tokens/s give the measured speedup; pair 2 "
+        "runs dense first (ABBA order), so a drift of the machine's speed falls on both schedules alike",
+        check=AT_LEAST_ONE,
+        hashed=False,
+    )
+
+
+def repeat_tag(tag: str, pair: int) -> str:
+    """The evaluation tag of ``tag``'s ``pair``-th timing repeat: ``tag`` itself for pair 0, else
+    ``<tag>_repeat_<pair>`` (the state's ``evals`` and the ``eval/<tag>/...`` metrics use it)."""
+    return tag if pair == 0 else f"{tag}_repeat_{pair}"
+
+
+def end_evaluation_order(pairs: int) -> list[tuple[str, int]]:
+    """The end-of-run evaluations as (``"end"`` sparse / ``"end_dense"``, pair) in the order they run: pair 0
+    sparse then dense, pair 1 dense then sparse, and so on (ABBA)."""
+    order = []
+    for pair in range(pairs):
+        arms = [("end", pair), ("end_dense", pair)]
+        order += arms if pair % 2 == 0 else arms[::-1]
+    return order
 
 
 @dataclass(frozen=True)

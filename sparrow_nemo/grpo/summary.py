@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from sparrow_nemo.grpo.evaluation import repeat_tag
 from sparrow_nemo.grpo.recipe import SparrowConfig
 from sparrow_nemo.sparse.mismatch import PAPER_QUANTILE, tail_name
 
@@ -41,6 +42,29 @@ def timing_per_phase(history: Sequence[dict[str, Any]]) -> dict[str, float]:
             if key.startswith("timing/") and value is not None:
                 values.setdefault(key.removeprefix("timing/"), []).append(value)
     return {phase: sum(v) / len(v) for phase, v in values.items()}
+
+
+def pooled_speedup(evals: dict[str, dict[str, Any]], rate: str) -> tuple[float | None, list[float]]:
+    """The end schedule's speedup over dense from the end-of-run evaluation pairs (``end`` / ``end_dense`` and
+    their ``_repeat_<i>`` timing repeats): the ratio of the two schedules' ``rate`` (``tokens_per_s`` or
+    ``decode_tokens_per_s``) pooled over the pairs (their tokens summed over their seconds summed), and each
+    pair's own ratio. ``(None, [])`` without a pair, or when a rate of one is missing or not positive."""
+    found = []
+    while (sparse := evals.get(repeat_tag("end", len(found)))) and (
+        dense := evals.get(repeat_tag("end_dense", len(found)))
+    ):
+        if not (sparse.get(rate, 0) > 0 and dense.get(rate, 0) > 0):
+            return None, []
+        found.append((sparse, dense))
+    if not found:
+        return None, []
+
+    def pooled(results: list[dict[str, Any]]) -> float:
+        tokens = [r["response_length_mean"] * r["prompts"] for r in results]
+        return sum(tokens) / sum(t / r[rate] for t, r in zip(tokens, results, strict=True))
+
+    ratio = pooled([s for s, _ in found]) / pooled([d for _, d in found])
+    return ratio, [s[rate] / d[rate] for s, d in found]
 
 
 def build_summary(
@@ -87,13 +111,14 @@ def build_summary(
         "timing_mean_s": timing_per_phase(steps),
         "evals": evals,
     }
-    end, dense = evals.get("end"), evals.get("end_dense")
-    if end and dense and dense["tokens_per_s"] > 0:
-        summary["measured_rollout_speedup"] = end["tokens_per_s"] / dense["tokens_per_s"]
-        if (
-            end.get("decode_tokens_per_s", 0) > 0 and dense.get("decode_tokens_per_s", 0) > 0
-        ):  # absent before 12/2026
-            summary["measured_decode_speedup"] = end["decode_tokens_per_s"] / dense["decode_tokens_per_s"]
+    speedup, pairs = pooled_speedup(evals, "tokens_per_s")
+    if speedup is not None:
+        summary["measured_rollout_speedup"] = speedup
+        if len(pairs) > 1:
+            summary["measured_rollout_speedup_pairs"] = pairs
+        decode, _ = pooled_speedup(evals, "decode_tokens_per_s")  # absent before 12/2026
+        if decode is not None:
+            summary["measured_decode_speedup"] = decode
     speculative = {
         name: _mean([row.get(f"spec/{name}") for row in steps])
         for name in (
@@ -120,6 +145,14 @@ def _mean(values: Sequence[float | None]) -> float | None:
 
 def _fmt(value: Any, spec: str = ".3f") -> str:
     return "n/a" if value is None else format(value, spec)
+
+
+def _pairs(summary: dict[str, Any]) -> str:
+    """``, N pairs in ABBA order: a, b`` when the measured speedup pools several evaluation pairs."""
+    pairs = summary.get("measured_rollout_speedup_pairs") or []
+    if len(pairs) < 2:
+        return ""
+    return f", {len(pairs)} pairs in ABBA order: " + ", ".join(f"{p:.2f}x" for p in pairs)
 
 
 def format_summary(summary: dict[str, Any]) -> str:
@@ -150,8 +183,9 @@ def format_summary(summary: dict[str, Any]) -> str:
     if spec is None:
         lines.append(
             f"rollout speedup vs dense: predicted {_fmt(summary['predicted_speedup_mean'], '.2f')}x ({hardware} cost model), "
-            f"measured {_fmt(summary.get('measured_rollout_speedup'), '.2f')}x (this machine; decode only "
-            f"{_fmt(summary.get('measured_decode_speedup'), '.2f')}x, prefill is dense in every schedule)"
+            f"measured {_fmt(summary.get('measured_rollout_speedup'), '.2f')}x (this machine{_pairs(summary)}; "
+            f"decode only {_fmt(summary.get('measured_decode_speedup'), '.2f')}x, prefill is dense in every "
+            "schedule)"
         )
     else:
         lines.append(
@@ -171,7 +205,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         lines.append(
             f"rollout speedup vs dense: predicted {_fmt(spec['predicted_speedup'], '.2f')}x ({hardware} cost model), "
             f"measured {_fmt(summary.get('measured_rollout_speedup'), '.2f')}x (this machine, speculative vs dense "
-            f"evaluation; decode only {_fmt(summary.get('measured_decode_speedup'), '.2f')}x)"
+            f"evaluation{_pairs(summary)}; decode only {_fmt(summary.get('measured_decode_speedup'), '.2f')}x)"
         )
     timing = summary.get("timing_mean_s") or {}
     if timing:

@@ -45,7 +45,7 @@ from sparrow_nemo.grpo.advantages import compute_advantages
 from sparrow_nemo.grpo.checkpoint import TrainerState, load_run_checkpoint
 from sparrow_nemo.grpo.distill import STATE_KEY as DISTILL_KEY
 from sparrow_nemo.grpo.distill import DistillData, DistillSparse, Probe
-from sparrow_nemo.grpo.evaluation import evaluate
+from sparrow_nemo.grpo.evaluation import end_evaluation_order, evaluate, repeat_tag
 from sparrow_nemo.grpo.metrics import MetricsWriter, merge_metrics, progress, rollout_progress
 from sparrow_nemo.grpo.preemption import Preempted, PreemptionGuard
 from sparrow_nemo.grpo.process_model import RankPlan, broadcast_object, gather_objects, reduce_max
@@ -271,8 +271,9 @@ class GrpoTrainer:
                     metrics["timing/step"],
                 )
         self._stop_if_signalled()  # a stop during the last step: the next attempt only evaluates
-        self._evaluate("end", self.schedule)
-        self._evaluate("end_dense", self._dense_schedule())
+        schedules = {"end": self.schedule, "end_dense": self._dense_schedule()}
+        for tag, pair in end_evaluation_order(cfg.evaluation.speed_pairs):
+            self._evaluate(repeat_tag(tag, pair), schedules[tag])
         if cfg.checkpoint.enabled and self._saved_step() != self.state.step:
             self.save_checkpoint()
         if self.scheduler is not None:

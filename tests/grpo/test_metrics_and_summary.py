@@ -9,11 +9,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from sparrow_nemo.grpo.evaluation import end_evaluation_order, repeat_tag
 from sparrow_nemo.grpo.metrics import MetricsWriter, merge_metrics, read_metrics, rollout_progress
 from sparrow_nemo.grpo.plots import write_plots
 from sparrow_nemo.grpo.recipe import load_config
 from sparrow_nemo.grpo.step_batch import LocalRollout, measure_tokens
-from sparrow_nemo.grpo.summary import build_summary, format_summary, tail_per_bin, timing_per_phase
+from sparrow_nemo.grpo.summary import (
+    build_summary,
+    format_summary,
+    pooled_speedup,
+    tail_per_bin,
+    timing_per_phase,
+)
 from sparrow_nemo.model_shapes import PRESETS
 from sparrow_nemo.rollout.engine import RolloutSample, SamplingParams
 from sparrow_nemo.rollout.scoring import TokenMismatch
@@ -98,6 +105,71 @@ def test_metrics_writer_jsonl_rows_and_nulls(tmp_path: Path) -> None:
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1] and all("time" in r for r in rows)
     assert rows[0]["a/b"] == 1.5 and rows[0]["c"] is None
+
+
+def _eval(tokens: int, seconds: float, decode_seconds: float) -> dict:
+    return {
+        "prompts": 4,
+        "response_length_mean": tokens / 4,
+        "tokens_per_s": tokens / seconds,
+        "decode_tokens_per_s": tokens / decode_seconds,
+    }
+
+
+def test_pooled_speedup_over_abba_pairs() -> None:
+    evals = {
+        "end": _eval(1000, 10.0, 8.0),
+        "end_dense": _eval(800, 16.0, 15.0),
+        "end_dense_repeat_1": _eval(800, 12.0, 11.0),  # the machine sped up between the pairs
+        "end_repeat_1": _eval(1000, 6.0, 5.0),
+    }
+    speedup, pairs = pooled_speedup(evals, "tokens_per_s")
+    assert speedup == pytest.approx((2000 / 16.0) / (1600 / 28.0))  # tokens over seconds, pooled per schedule
+    assert pairs == pytest.approx([100 / 50, (1000 / 6) / (800 / 12)])
+    assert pooled_speedup(evals, "decode_tokens_per_s")[0] == pytest.approx((2000 / 13.0) / (1600 / 26.0))
+    # a repeat without its partner is not a pair; a pair with a missing rate gives no speedup
+    one = {k: v for k, v in evals.items() if k != "end_repeat_1"}
+    assert pooled_speedup(one, "tokens_per_s") == (pytest.approx(100 / 50), [pytest.approx(2.0)])
+    assert pooled_speedup(
+        {**evals, "end_dense": {**evals["end_dense"], "tokens_per_s": 0.0}}, "tokens_per_s"
+    ) == (
+        None,
+        [],
+    )
+    assert pooled_speedup({"end": evals["end"]}, "tokens_per_s") == (None, [])
+    text = format_summary(
+        {
+            "steps": 1,
+            "threshold": 0.86,
+            "accuracy_start": None,
+            "accuracy_end": None,
+            "accuracy_end_dense": None,
+            "tail_per_bin": {},
+            "final_schedule": {"budgets": [96]},
+            "predicted_speedup_mean": None,
+            "measured_rollout_speedup": speedup,
+            "measured_rollout_speedup_pairs": pairs,
+        }
+    )
+    assert "measured 2.19x (this machine, 2 pairs in ABBA order: 2.00x, 2.50x; decode only n/a" in text
+
+
+def test_end_evaluations_alternate_abba() -> None:
+    assert end_evaluation_order(1) == [("end", 0), ("end_dense", 0)]
+    assert end_evaluation_order(3) == [
+        ("end", 0),
+        ("end_dense", 0),
+        ("end_dense", 1),
+        ("end", 1),
+        ("end", 2),
+        ("end_dense", 2),
+    ]
+    assert [repeat_tag(t, p) for t, p in end_evaluation_order(2)] == [
+        "end",
+        "end_dense",
+        "end_dense_repeat_1",
+        "end_repeat_1",
+    ]
 
 
 def test_tail_per_bin_summary_and_plots(tmp_path: Path) -> None:

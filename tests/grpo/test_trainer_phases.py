@@ -80,17 +80,19 @@ def test_rows_carry_timings_next_budgets_and_prefixed_callback_metrics(tmp_path)
         [
             *FAST,
             "checkpoint.enabled=false",
+            "evaluation.speed_pairs=2",
             "callbacks=[{_target_: test_trainer_phases.LoggingCallback}, {_target_: test_trainer_phases.Recorder}]",
         ],
     )
     with single_rank_env():
         trainer = GrpoTrainer(config, tmp_path)
         try:
-            trainer.fit()
+            summary = trainer.fit()
         finally:
             trainer.policy.close()
     rows = _rows(tmp_path)
     assert [r["step"] for r in rows] == [0, 1, 2]
+    assert len(summary["measured_rollout_speedup_pairs"]) == 2 and summary["measured_rollout_speedup"] > 0
     for row in rows:
         for phase in PHASES:
             assert row[f"timing/{phase}"] >= 0.0, phase
@@ -100,7 +102,14 @@ def test_rows_carry_timings_next_budgets_and_prefixed_callback_metrics(tmp_path)
         assert row["callbacks/LoggingCallback/seen"] == row["step"]
         assert "sparsity/next_budget/bin_0" in row and "sparsity/budget/bin_0" in row
     validations = trainer.callbacks.callbacks[1].validations
-    assert [sorted(v)[0].split("/")[1] for v in validations] == ["start", "start_dense", "end", "end_dense"]
+    assert [sorted(v)[0].split("/")[1] for v in validations] == [
+        "start",
+        "start_dense",
+        "end",
+        "end_dense",
+        "end_dense_repeat_1",  # the second pair in the other order (ABBA)
+        "end_repeat_1",
+    ]
     assert validations[0]["eval/start/prompts"] == 2.0
 
 
