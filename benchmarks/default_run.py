@@ -11,7 +11,7 @@ final schedule vs dense (same prompts, same run), the cost model's prediction an
 bin's last tail meets the threshold; then the means over the seeds.
 
 Example (the README's numbers):
-    python benchmarks/default_run.py --seeds 0 1 2 --jobs 2
+    python benchmarks/default_run.py --seeds 0 1 2 --jobs 1
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from sparrow_nemo.model_shapes import PRESETS
 from sparrow_nemo.rollout import SamplingParams, TorchRolloutEngine
 from sparrow_nemo.rollout.bench import bench_rollout, make_engine
 from sparrow_nemo.rollout.scoring import measure_mismatch
@@ -205,3 +206,30 @@ def test_schedule_ab_alternates_the_arms_and_pools_their_rates(tmp_path: Path) -
     assert row["speedup"] == pytest.approx(row["sparse_tokens_per_s"] / row["dense_tokens_per_s"])
     with pytest.raises(SystemExit, match="the schedule is dense"):
         script.main([*small, "sparsity.schedule=dense"])
+
+
+def test_decode_profile_splits_each_arm_and_bounds_the_speedup(tmp_path: Path) -> None:
+    """benchmarks/decode_profile.py on the smoke recipe: every layer's attention timed in both arms, the
+    per-token split adds up to the wall time, and the Amdahl bound and its inverse are exact."""
+    script = load_benchmark("decode_profile")
+    assert script.amdahl(4.0, 2.0, 2.0, 0.5) == pytest.approx(4.0 / 3.0)
+    assert script.amdahl(4.0, 2.0, 2.0, 0.0) == pytest.approx(2.0)
+    assert script.needed_r(4.0, 2.0, 2.0, 4.0 / 3.0) == pytest.approx(0.5)
+    assert script.needed_r(4.0, 2.0, 2.0, 2.5) < 0  # above the r = 0 ceiling of 2x: out of reach
+    out = tmp_path / "profile.jsonl"
+    small = ["--config", "tiny_cpu_smoke", "--prompts", "2", "--repeats", "1", "--out", str(out)]
+    row = script.main(
+        [*small, "rollout.max_new_tokens=48", "sparsity.budgets=[64]", "sparsity.dense_layers=1"]
+    )
+    assert json.loads(out.read_text()) == json.loads(json.dumps(row))
+    layers = PRESETS["tiny"].num_layers
+    for arm in ("dense", "sparse"):
+        assert sorted(map(int, row["layer_seconds"][arm])) == list(range(layers)), arm
+        split = row["us_per_token"][arm]
+        assert min(split.values()) > 0, split
+        assert split["rest"] + split["dense"] + split["sparse"] == pytest.approx(split["total"])
+    assert row["dense_layers"] == 1 and row["ceiling_speedup"] > row["measured_speedup"] > 0
+    dense, sparse = row["us_per_token"]["dense"], row["us_per_token"]["sparse"]
+    parts = (dense["total"], sparse["rest"] + sparse["dense"], dense["sparse"])
+    # at the measured ratio the bound gives back the measured speedup: the split accounts for all the time
+    assert script.amdahl(*parts, row["sparse_attention_ratio"]) == pytest.approx(row["measured_speedup"])
