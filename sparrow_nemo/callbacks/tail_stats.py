@@ -12,6 +12,17 @@ so the noise margin of the bin's p5 is ``margin(n) = ucb - p5`` (above) and ``p5
 *below* the threshold only when ``ucb < threshold`` (``p5 < threshold - margin(n)``), and *well above* when
 ``lcb > threshold + lower_margin``. Bins with fewer than ``min_tokens`` tokens get no decision. No
 assumption about the shape of the alpha distribution is needed (it is skewed: mostly ~1 with a long low tail).
+
+Tokens of one sequence are not independent: they share a prompt and a sampled path, so a hard problem puts
+many of a bin's low-alpha tokens in a few sequences, and the binomial ``se(n)`` (n tokens) is then too narrow.
+Given each token's sequence (``sequence``), the bound uses the cluster-robust standard error of the fraction
+of the bin's tokens at or below its quantile value ``v`` (Woodruff's interval with the ratio estimator's
+variance over the K sequences in the bin; c_i of sequence i's m_i tokens in the bin are at or below v,
+F = sum c_i / n)::
+
+    se_seq = sqrt(K / (K - 1) * sum_i (c_i - F m_i)^2) / n          (infinite for K = 1)
+
+and never less than the binomial one: ``se = max(se(n), se_seq)``.
 """
 
 from __future__ import annotations
@@ -47,16 +58,62 @@ class BinTail:
         return asdict(self)
 
 
-def confidence_levels(tokens: int, quantile: float, z: float) -> tuple[float, float]:
-    """Quantile levels ``(q - z*se, q + z*se)`` clipped to [0, 1], ``se = sqrt(q (1 - q) / tokens)``."""
+def confidence_levels(tokens: int, quantile: float, z: float, se_floor: float = 0.0) -> tuple[float, float]:
+    """Quantile levels ``(q - z*se, q + z*se)`` clipped to [0, 1], ``se = max(sqrt(q (1 - q) / tokens),
+    se_floor)`` (``se_floor``: e.g. :func:`sequence_se`'s)."""
     if tokens <= 0:
         raise ValueError(f"confidence_levels: tokens must be positive, got {tokens}")
-    se = math.sqrt(quantile * (1.0 - quantile) / tokens)
+    se = max(math.sqrt(quantile * (1.0 - quantile) / tokens), se_floor)
     return max(quantile - z * se, 0.0), min(quantile + z * se, 1.0)
 
 
+def sequence_se(
+    alpha: torch.Tensor,
+    bins: torch.Tensor,
+    sequence: torch.Tensor,
+    values: torch.Tensor,
+    counts: torch.Tensor,
+    group=None,
+) -> torch.Tensor:
+    """The cluster-robust standard error (module docstring) of each bin's fraction of tokens at or below its
+    value, the tokens of a sequence counted together. Collective: one all-reduce of [5, B] float64 sums.
+
+    Args:
+        alpha: [N] floating; bins: [N] int64 bin of each token, in [0, B); sequence: [N] int64 >= 0, the
+            token's sequence (numbered within this rank: a sequence never spans ranks).
+        values: [B] the bin's quantile value v; counts: [B] int64 tokens per bin over the group.
+
+    Returns:
+        [B] float64: ``sqrt(K / (K - 1) * sum_i (c_i - F m_i)^2) / n``; inf where a bin holds one sequence,
+        0 where it holds none.
+    """
+    num_bins = counts.numel()
+    sums = torch.zeros(5, num_bins, dtype=torch.float64)  # sum c, c^2, c m, m^2, sequences
+    if alpha.numel():
+        bins, sequence = bins.to(torch.int64), sequence.to(torch.int64)
+        below = (alpha.double() <= values.to(torch.float64)[bins]).double()
+        pair, where = torch.unique(bins * (int(sequence.max()) + 1) + sequence, return_inverse=True)
+        m = torch.zeros(pair.numel(), dtype=torch.float64).index_add_(0, where, torch.ones_like(below))
+        c = torch.zeros(pair.numel(), dtype=torch.float64).index_add_(0, where, below)
+        pair_bin = torch.div(pair, int(sequence.max()) + 1, rounding_mode="floor")
+        for row, x in enumerate((c, c * c, c * m, m * m, torch.ones_like(m))):
+            sums[row].index_add_(0, pair_bin, x)
+    sums = _all_reduce(sums, _sum_op(), group)
+    n = counts.to(torch.float64)
+    frac = sums[0] / n.clamp(min=1)
+    spread = (sums[1] - 2 * frac * sums[2] + frac * frac * sums[3]).clamp(min=0)
+    k = sums[4]
+    se = torch.sqrt(k / (k - 1).clamp(min=1) * spread) / n.clamp(min=1)
+    return torch.where(k == 1, torch.full_like(se, math.inf), torch.where(k == 0, torch.zeros_like(se), se))
+
+
 def bin_tails(
-    alpha: torch.Tensor, cached_len: torch.Tensor, bin_tokens: int, quantile: float = 0.05, z: float = 2.0
+    alpha: torch.Tensor,
+    cached_len: torch.Tensor,
+    bin_tokens: int,
+    quantile: float = 0.05,
+    z: float = 2.0,
+    sequence: torch.Tensor | None = None,
 ) -> list[BinTail]:
     """Tail statistic and its confidence bounds for every bin that holds tokens, ascending by bin.
 
@@ -66,6 +123,8 @@ def bin_tails(
         bin_tokens: bin width in tokens of cached length.
         quantile: tail level in (0, 1), e.g. 0.05 for the paper's p5.
         z: standard errors of the confidence interval (2.0 ~ 95% two-sided).
+        sequence: [N] int64 >= 0, the sequence of each token (the bounds then widen where a bin's low tokens
+            sit in few sequences, :func:`sequence_se`); None = tokens independent (the binomial bound).
 
     Quantiles are :func:`sparrow_nemo.sparse.mismatch.binned_quantiles` (the same definition as
     ``tail_by_bin``), so ``value`` equals ``tail_by_bin(alpha, cached_len, bin_tokens, quantile)[bin]``.
@@ -79,18 +138,37 @@ def bin_tails(
             f"bin_tails: alpha [N] and integer cached_len [N] expected, got {tuple(alpha.shape)} {alpha.dtype} "
             f"and {tuple(cached_len.shape)} {cached_len.dtype}"
         )
+    _check_sequence(sequence, alpha, "bin_tails")
     bins = torch.div(cached_len, bin_tokens, rounding_mode="floor")
-    bin_ids, counts, _ = binned_quantiles(alpha, bins, (quantile,))
+    bin_ids, counts, table = binned_quantiles(alpha, bins, (quantile,))
+    floors = [0.0] * len(bin_ids)
+    if sequence is not None and len(bin_ids):
+        num_bins = int(bin_ids.max()) + 1
+        values = torch.zeros(num_bins, dtype=torch.float64).index_copy_(0, bin_ids, table[0])
+        all_counts = torch.zeros(num_bins, dtype=torch.int64).index_copy_(0, bin_ids, counts)
+        floors = sequence_se(alpha, bins, sequence, values, all_counts)[bin_ids].tolist()
     tails = []
-    for b, tokens in zip(bin_ids.tolist(), counts.tolist()):
+    for b, tokens, floor in zip(bin_ids.tolist(), counts.tolist(), floors):
         in_bin = alpha[bins == b]
-        low, high = confidence_levels(tokens, quantile, z)
+        low, high = confidence_levels(tokens, quantile, z, floor)
         _, _, table = binned_quantiles(
             in_bin, torch.zeros_like(in_bin, dtype=torch.int64), (quantile, low, high)
         )
         value, lcb, ucb = table[:, 0].tolist()
         tails.append(BinTail(bin=b, tokens=tokens, value=value, lcb=lcb, ucb=ucb))
     return tails
+
+
+def _check_sequence(sequence: torch.Tensor | None, alpha: torch.Tensor, name: str) -> None:
+    if sequence is not None and (
+        sequence.shape != alpha.shape
+        or sequence.is_floating_point()
+        or (sequence.numel() and int(sequence.min()) < 0)
+    ):
+        raise ValueError(
+            f"{name}: sequence must be a non-negative integer tensor shaped like alpha {tuple(alpha.shape)}, got "
+            f"{tuple(sequence.shape)} {sequence.dtype}"
+        )
 
 
 # ----------------------------------------------------------------------------------------- several ranks
@@ -221,8 +299,10 @@ def merged_bin_tails(
     quantile: float = 0.05,
     z: float = 2.0,
     group=None,
+    sequence: torch.Tensor | None = None,
 ) -> list[BinTail]:
-    """:func:`bin_tails` of the union of every rank's tokens, each rank passing only its own. Collective.
+    """:func:`bin_tails` of the union of every rank's tokens, each rank passing only its own (``sequence``
+    numbered within the rank). Collective.
 
     Exact: every ``value`` / ``lcb`` / ``ucb`` equals what :func:`bin_tails` gives on all the tokens gathered
     in one place (the same order statistics, the same interpolation), from one count all-reduce and the
@@ -237,15 +317,21 @@ def merged_bin_tails(
             f"merged_bin_tails: alpha [N] and integer cached_len [N] expected, got {tuple(alpha.shape)} "
             f"{alpha.dtype} and {tuple(cached_len.shape)} {cached_len.dtype}"
         )
+    _check_sequence(sequence, alpha, "merged_bin_tails")
     bins = torch.div(cached_len.cpu().to(torch.int64), bin_tokens, rounding_mode="floor")
     num_bins = num_bins_of(bins, group)
     if num_bins == 0:
         return []
     counts = bin_counts(bins, num_bins, group)
+    floors = torch.zeros(num_bins, dtype=torch.float64)
+    if sequence is not None:  # the values first: the bounds' width depends on them
+        level = torch.full((1, num_bins), quantile, dtype=torch.float64)
+        values = merged_quantiles(alpha, bins, level, counts, group)[0]
+        floors = sequence_se(alpha.cpu(), bins, sequence.cpu(), values, counts, group)
     levels = torch.zeros(3, num_bins, dtype=torch.float64)
     for b, n in enumerate(counts.tolist()):
         if n:
-            low, high = confidence_levels(n, quantile, z)
+            low, high = confidence_levels(n, quantile, z, float(floors[b]))
             levels[:, b] = torch.tensor((quantile, low, high), dtype=torch.float64)
     table = merged_quantiles(alpha, bins, levels, counts, group)
     return [

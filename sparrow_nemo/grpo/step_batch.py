@@ -267,9 +267,17 @@ class StepStats:
         return m
 
 
-def measure(batch: StepBatch, quantile: float, noise_z: float, cost_model: Any | None = None) -> StepStats:
+def measure(
+    batch: StepBatch,
+    quantile: float,
+    noise_z: float,
+    cost_model: Any | None = None,
+    by_sequence: bool = False,
+) -> StepStats:
     """:func:`measure_tokens` of this rank's samples and the acceptance rate of their tokens. Collective."""
-    return measure_tokens(batch.local, batch.local_mismatch(), batch.schedule, quantile, noise_z, cost_model)
+    return measure_tokens(
+        batch.local, batch.local_mismatch(), batch.schedule, quantile, noise_z, cost_model, by_sequence
+    )
 
 
 def measure_tokens(
@@ -279,6 +287,7 @@ def measure_tokens(
     quantile: float,
     noise_z: float,
     cost_model: Any | None = None,
+    by_sequence: bool = False,
 ) -> StepStats:
     """The step's :class:`StepStats` from every rank's own samples (``local``, rewards scored) and the
     mismatch of their response tokens (``mm``, sample-major). Collective over the world.
@@ -287,7 +296,8 @@ def measure_tokens(
     many model-parallel ranks hold a copy): one all-reduce each of sums, maxima and minima, one all-gather
     of per-rank token counts, the exact per-bin tail (:func:`merged_bin_tails`) and the overall quantile.
     ``cost_model`` prices this engine's batch dense and under the step's schedule (the step's prediction is
-    the slowest engine's dense time over its slowest sparse time).
+    the slowest engine's dense time over its slowest sparse time). ``by_sequence``: the tails' bounds count
+    a sample's tokens together (``sparsity.noise_unit: sequence``).
     """
     world = torch.distributed.group.WORLD if distributed() else None
     rank0 = not distributed() or torch.distributed.get_rank() == 0
@@ -326,11 +336,18 @@ def measure_tokens(
             sparse_s,
         ]
     )
-    tails = merged_bin_tails(mm.alpha, mm.cached_len, schedule.bin_tokens, quantile, noise_z, world)
+    sequence = torch.repeat_interleave(torch.arange(len(lengths)), lengths) if by_sequence else None
+    if sequence is not None and sequence.shape != mm.alpha.shape:
+        raise ValueError(
+            f"measure_tokens: {tuple(mm.alpha.shape)} token alphas for {int(lengths.sum())} tokens"
+        )
+    tails = merged_bin_tails(mm.alpha, mm.cached_len, schedule.bin_tokens, quantile, noise_z, world, sequence)
     paper = (
         tails
         if quantile == PAPER_QUANTILE
-        else merged_bin_tails(mm.alpha, mm.cached_len, schedule.bin_tokens, PAPER_QUANTILE, noise_z, world)
+        else merged_bin_tails(
+            mm.alpha, mm.cached_len, schedule.bin_tokens, PAPER_QUANTILE, noise_z, world, sequence
+        )
     )
     bins = torch.div(mm.cached_len, schedule.bin_tokens, rounding_mode="floor")
     num_bins = max([t.bin + 1 for t in tails], default=0)

@@ -317,7 +317,14 @@ class GrpoTrainer:
                         self.policy, batch.data, cfg.policy.micro_batch_size
                     )
             with timer.phase("stats"):
-                batch.stats = measure(batch, cfg.sparsity.quantile, cfg.sparsity.noise_z, self.cost_model)
+                sparsity = cfg.sparsity
+                batch.stats = measure(
+                    batch,
+                    sparsity.quantile,
+                    sparsity.noise_z,
+                    self.cost_model,
+                    by_sequence=sparsity.noise_unit == "sequence",
+                )
                 speculative = self._observe_speculative(batch)  # spec/*, then the re-plan
             self._stop_between_phases()
         except _StopRequested:

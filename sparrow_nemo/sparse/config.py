@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from sparrow_nemo.config.schema import AT_LEAST_ONE, NON_NEGATIVE, OPEN_UNIT, knob
 from sparrow_nemo.sparse.calibration import CalibrationConfig
@@ -51,6 +51,12 @@ class SparsityConfig(SparsePattern):
         "a bin fails only when its tail is below threshold by more than this many standard errors of the "
         "quantile estimate (binomial confidence bound)",
         check=NON_NEGATIVE,
+    )
+    noise_unit: Literal["token", "sequence"] = knob(
+        "token",
+        "what the bound counts as independent: tokens (binomial), or sequences (a sequence's tokens share its "
+        "prompt and path, so its misses come together: the cluster-robust bound, never narrower; "
+        "callbacks/tail_stats.py)",
     )
     min_bin_tokens: int = knob(
         200,

@@ -124,9 +124,19 @@ def _worker(rank: int, out: str) -> None:
     torch.save({f: getattr(got, f) for f in SampleShare.__dataclass_fields__}, Path(out) / f"gather{rank}.pt")
     alpha, cached = _tokens(rank)
     tails = merged_bin_tails(alpha, cached, 16, 0.05, 2.0, dist.group.WORLD)
+    by_sequence = merged_bin_tails(alpha, cached, 16, 0.05, 2.0, dist.group.WORLD, _sequences(rank))
     local, mm = _local(rank)
     stats = measure_tokens(local, mm, SCHEDULE, 0.05, 2.0, DecodeCostModel.for_preset("qwen3-1.7b", "h200"))
-    torch.save({"tails": tails, "metrics": stats.metrics(SCHEDULE, 0.05)}, Path(out) / f"stats{rank}.pt")
+    per_sample = measure_tokens(local, mm, SCHEDULE, 0.05, 2.0, by_sequence=True)
+    torch.save(
+        {
+            "tails": tails,
+            "by_sequence": by_sequence,
+            "metrics": stats.metrics(SCHEDULE, 0.05),
+            "per_sample_tails": per_sample.tails,
+        },
+        Path(out) / f"stats{rank}.pt",
+    )
     dist.destroy_process_group()
 
 
@@ -159,6 +169,11 @@ def _tokens(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return alpha.float(), torch.randint(0, 96, (n,), generator=g)
 
 
+def _sequences(rank: int) -> torch.Tensor:
+    """Rank r's tokens in sequences of 7, numbered within the rank."""
+    return torch.arange(len(_tokens(rank)[0])) // 7
+
+
 def _local(rank: int) -> tuple[LocalRollout, TokenMismatch]:
     samples = _samples(rank, (3, 1, 0, 5)[rank])
     g = torch.Generator().manual_seed(rank + 7)
@@ -175,6 +190,13 @@ def _local(rank: int) -> tuple[LocalRollout, TokenMismatch]:
 
 
 SCHEDULE = BudgetSchedule(bin_tokens=4, budgets=(16, 24), page_size=4, name="s")
+
+
+def _close(got: list, want: list) -> bool:
+    return [(t.bin, t.tokens) for t in got] == [(t.bin, t.tokens) for t in want] and all(
+        (g.value, g.lcb, g.ucb) == pytest.approx((w.value, w.lcb, w.ucb), rel=1e-9, abs=1e-12)
+        for g, w in zip(got, want)
+    )
 
 
 @pytest.mark.multiproc
@@ -194,9 +216,16 @@ def test_merged_statistics_equal_one_rank_of_all_tokens(four_ranks) -> None:
         )
     )
     want = measure_tokens(union, mm, SCHEDULE, 0.05, 2.0).metrics(SCHEDULE, 0.05)
+    apart = torch.cat([_sequences(r) + 10_000 * r for r in range(4)])
+    want_by_sequence = bin_tails(alpha, cached, 16, 0.05, 2.0, apart)
+    assert want_by_sequence != want_tails  # the sequences widen some bound
+    want_per_sample = measure_tokens(union, mm, SCHEDULE, 0.05, 2.0, by_sequence=True).tails
     for rank in range(4):
         got = torch.load(tmp_path / f"stats{rank}.pt", weights_only=False)
         assert got["tails"] == want_tails, rank  # bit for bit
+        # per sequence: the same bounds as one rank's with the sequences numbered apart (sums in another order)
+        assert _close(got["by_sequence"], want_by_sequence), rank
+        assert _close(got["per_sample_tails"], want_per_sample), rank
         metrics = got["metrics"]
         assert [metrics[f"rollout/tokens_rank_{r}"] for r in range(4)] == [
             float(sum(s.response_ids.numel() for s in lo.samples)) for lo, _ in locals_

@@ -81,6 +81,7 @@ def test_rows_carry_timings_next_budgets_and_prefixed_callback_metrics(tmp_path)
             *FAST,
             "checkpoint.enabled=false",
             "evaluation.speed_pairs=2",
+            "sparsity.noise_unit=sequence",  # the tails' bounds per sample (tests/distributed: their values)
             "callbacks=[{_target_: test_trainer_phases.LoggingCallback}, {_target_: test_trainer_phases.Recorder}]",
         ],
     )
