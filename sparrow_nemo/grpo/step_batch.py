@@ -37,6 +37,7 @@ from sparrow_nemo.policy.logprobs import LogprobOutput
 from sparrow_nemo.rollout.engine import RolloutSample, SamplingParams, TokenProgress
 from sparrow_nemo.rollout.sampling import sample_seed
 from sparrow_nemo.rollout.scoring import TokenMismatch
+from sparrow_nemo.sparse.config import SparsityConfig
 from sparrow_nemo.sparse.mismatch import PAPER_QUANTILE, tail_name
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET, BudgetSchedule
 
@@ -267,16 +268,13 @@ class StepStats:
         return m
 
 
-def measure(
-    batch: StepBatch,
-    quantile: float,
-    noise_z: float,
-    cost_model: Any | None = None,
-    by_sequence: bool = False,
-) -> StepStats:
-    """:func:`measure_tokens` of this rank's samples and the acceptance rate of their tokens. Collective."""
+def measure(batch: StepBatch, sparsity: SparsityConfig, cost_model: Any | None = None) -> StepStats:
+    """:func:`measure_tokens` of this rank's samples and the acceptance rate of their tokens, the tails as
+    ``sparsity`` states them (``quantile``, ``noise_z``, ``noise_unit``). Collective."""
+    by_sequence = sparsity.noise_unit == "sequence"
+    mm = batch.local_mismatch()
     return measure_tokens(
-        batch.local, batch.local_mismatch(), batch.schedule, quantile, noise_z, cost_model, by_sequence
+        batch.local, mm, batch.schedule, sparsity.quantile, sparsity.noise_z, cost_model, by_sequence
     )
 
 

@@ -317,14 +317,7 @@ class GrpoTrainer:
                         self.policy, batch.data, cfg.policy.micro_batch_size
                     )
             with timer.phase("stats"):
-                sparsity = cfg.sparsity
-                batch.stats = measure(
-                    batch,
-                    sparsity.quantile,
-                    sparsity.noise_z,
-                    self.cost_model,
-                    by_sequence=sparsity.noise_unit == "sequence",
-                )
+                batch.stats = measure(batch, cfg.sparsity, self.cost_model)
                 speculative = self._observe_speculative(batch)  # spec/*, then the re-plan
             self._stop_between_phases()
         except _StopRequested:
