@@ -92,10 +92,11 @@ def sequence_se(
     if alpha.numel():
         bins, sequence = bins.to(torch.int64), sequence.to(torch.int64)
         below = (alpha.double() <= values.to(torch.float64)[bins]).double()
-        pair, where = torch.unique(bins * (int(sequence.max()) + 1) + sequence, return_inverse=True)
+        stride = int(sequence.max()) + 1
+        pair, where = torch.unique(bins * stride + sequence, return_inverse=True)  # (bin, sequence) pairs
         m = torch.zeros(pair.numel(), dtype=torch.float64).index_add_(0, where, torch.ones_like(below))
         c = torch.zeros(pair.numel(), dtype=torch.float64).index_add_(0, where, below)
-        pair_bin = torch.div(pair, int(sequence.max()) + 1, rounding_mode="floor")
+        pair_bin = torch.div(pair, stride, rounding_mode="floor")
         for row, x in enumerate((c, c * c, c * m, m * m, torch.ones_like(m))):
             sums[row].index_add_(0, pair_bin, x)
     sums = _all_reduce(sums, _sum_op(), group)
