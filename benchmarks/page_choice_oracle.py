@@ -10,6 +10,9 @@ keys and values each layer writes come from that sparse forward, as in a sparse 
 - ``minmax``: the recipe's, Quest's key-bound score of the GQA group's mean query
   (:func:`~sparrow_nemo.sparse.attention.key_bound_scores`);
 - ``centroid``: the paper's, the group's mean query . the page's mean key;
+- ``keymax``: each query head's largest logit in the page, as a share of an attention over the pages' largest
+  logits, summed over the group's heads (:func:`key_max_scores`): what a scorer reading every key exactly would
+  choose (no decode step reads them all; a compressed copy of the keys could approximate it);
 - ``oracle``: the pages holding the most of this layer's softmax attention mass (summed over the group's
   query heads): the best page choice a ranking can make for the layer, which no decode step can afford.
 
@@ -17,6 +20,10 @@ Per (ranking, sparse layers, budget) it prints p1 and p5 of alpha (the exact acc
 sum_v min(p_dense, p_sparse)) per bin of cached length, and appends one JSON line with them, the tokens per
 bin, the machine and the date to ``benchmarks/results/page_choice_oracle.jsonl``. If ``oracle`` does no
 better than the recipe's ranking at a budget, no ranking can: the model's attention itself is too spread.
+Per (ranking, sparse layers) it also prints the schedule the recipe's calibration rule (``sparsity.threshold``,
+``quantile``, ``min_bin_tokens``) would choose from these tails (``calibrated`` in the rows): timed with
+``decode_profile.py`` (the time of a budget does not depend on which pages fill it), the oracle's schedule
+bounds the speedup any page ranking can buy under the rule.
 
 The forward builds [S, S] masks per layer: an analysis tool for the tiny recipes (sequences up to
 ``MAX_TOKENS``), not a rollout path.
@@ -51,11 +58,12 @@ from sparrow_nemo.sparse.attention import (
     select_pages_from_scores,
     selected_token_mask,
 )
-from sparrow_nemo.sparse.mismatch import acceptance_rate, binned_quantiles
+from sparrow_nemo.sparse.calibration import calibrate_schedule
+from sparrow_nemo.sparse.mismatch import acceptance_rate, binned_quantiles, tail_name
 from sparrow_nemo.sparse.pattern import SparsePattern
 
 RESULTS = Path(__file__).resolve().parent / "results" / "page_choice_oracle.jsonl"
-RANKINGS = ("minmax", "centroid", "oracle")
+RANKINGS = ("minmax", "centroid", "keymax", "oracle")
 #: longest sequence the [S, S] forward takes (the tiny recipes' responses end below 2,300 tokens)
 MAX_TOKENS = 4096
 QUANTILES = (0.01, 0.05)
@@ -105,6 +113,8 @@ def page_scores(
         mass = torch.nn.functional.pad(probs, (0, num_pages * page_size - seq))
         mass = mass.view(num_kv, -1, seq, num_pages, page_size).sum(dim=(1, 4))  # [Hkv, S, P]
         return mass.permute(1, 0, 2)
+    if ranking == "keymax":
+        return key_max_scores(q, k, page_size)
     keys = k.permute(1, 0, 2)[None]  # [1, Hkv, S, D]: the whole sequence's pages, scored by every position
     full = torch.tensor([seq])
     q_mean = group_mean_query(q, num_kv)  # [S, Hkv, D]
@@ -113,6 +123,23 @@ def page_scores(
         return key_bound_scores(q_mean, k_min.expand(seq, -1, -1, -1), k_max.expand(seq, -1, -1, -1))
     centroids = page_centroids(keys, full, page_size)[0]  # [Hkv, P, D]
     return torch.einsum("shd,hpd->shp", q_mean, centroids.float())
+
+
+def key_max_scores(q: torch.Tensor, k: torch.Tensor, page_size: int) -> torch.Tensor:
+    """The ``keymax`` score: q [S, Hq, D], k [S, Hkv, D] -> [S, Hkv, P] float32.
+
+    For position s and query head h, m[h, p] = max over the keys t <= s of page p of q_h . k_t / sqrt(D) (a page
+    wholly after s: -inf); the page's score is log sum over the group's heads h of softmax_p(m[h, :])[p], the
+    group's summed share of an attention over the page maxima, so that every head's best page ranks high
+    whatever the scale of its logits."""
+    seq, num_kv, d = k.shape
+    group, num_pages = q.shape[1] // num_kv, -(-seq // page_size)
+    logits = torch.einsum("shgd,thd->shgt", q.float().view(seq, num_kv, group, d), k.float()) / math.sqrt(d)
+    future = torch.ones(seq, seq, dtype=torch.bool).triu(1)[:, None, None]  # key t after position s
+    logits = logits.masked_fill(future, -math.inf)
+    logits = torch.nn.functional.pad(logits, (0, num_pages * page_size - seq), value=-math.inf)
+    page_max = logits.view(seq, num_kv, group, num_pages, page_size).amax(-1)  # [S, Hkv, G, P]
+    return torch.logsumexp(torch.log_softmax(page_max, -1), dim=2)
 
 
 def teacher_forced_logprobs(
@@ -204,7 +231,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 f"\rsequence {n}/{len(samples)} ({rate:.2f}/s, ETA {(len(samples) - n) / rate:.0f} s)", end=""
             )
     print()
-    bins = torch.cat(cached) // s.bin_tokens
+    cached_len = torch.cat(cached)
+    bins = cached_len // s.bin_tokens
+    calibrated = {
+        (ranking, layers): calibrate_schedule(
+            {b: (torch.cat(alphas[(ranking, layers, b)]), cached_len) for b in args.budgets},
+            threshold=s.threshold,
+            bin_tokens=s.bin_tokens,
+            quantile=s.quantile,
+            page_size=s.page_size,
+            min_tokens=s.min_bin_tokens,
+            name=f"{ranking}-calibrated",
+        ).schedule
+        for ranking, layers, _ in runs
+    }
     rows = []
     for ranking, layers, budget in runs:
         bin_ids, counts, table = binned_quantiles(
@@ -219,6 +259,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 "ranking": ranking,
                 "sparse_layers": list(layers),
                 "budget": budget,
+                "calibrated": calibrated[(ranking, layers)].to_dict(),
                 "bin_tokens": s.bin_tokens,
                 "tokens_per_bin": dict(zip(map(str, bin_ids.tolist()), counts.tolist(), strict=True)),
                 **{
@@ -233,6 +274,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
             }
         )
     print_table(rows)
+    print(
+        f"\nschedules the calibration rule picks ({tail_name(s.quantile)} >= {s.threshold:g} per bin, budgets)"
+    )
+    for (ranking, layers), schedule in calibrated.items():
+        budgets = " ".join(str(b) for b in schedule.to_dict()["budgets"])
+        print(f"{ranking:8} {','.join(map(str, layers)):14} {budgets}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("a") as f:
         for row in rows:

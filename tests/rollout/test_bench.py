@@ -174,9 +174,11 @@ def test_page_choice_oracle_keeps_the_dense_output_when_the_budget_covers_the_ca
     script = load_benchmark("page_choice_oracle")
     out = tmp_path / "o.jsonl"
     argv = ["--config", "tiny_cpu_smoke", "--prompts", "3", "--budgets", "16", "4096", "--out", str(out)]
-    script.main([*argv, "--rankings", "minmax", "centroid", "oracle", "--sparse-layers", "all", "1"])
+    script.main(
+        [*argv, "--rankings", "minmax", "centroid", "keymax", "oracle", "--sparse-layers", "all", "1"]
+    )
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert len(rows) == 3 * 2 * 2
+    assert len(rows) == 4 * 2 * 2
     for r in rows:
         assert r["benchmark"] == "page_choice_oracle" and r["date"] and r["prompts"] == 3
         assert (
@@ -185,8 +187,37 @@ def test_page_choice_oracle_keeps_the_dense_output_when_the_budget_covers_the_ca
         assert all(0.0 <= r["p1"][b] <= r["p5"][b] <= 1.0 for b in r["p1"])
         if r["budget"] == 4096:
             assert min(r["p1"].values()) > 1 - 1e-5, r
+        # the whole-cache budget passes every bin, so the rule's schedule never falls back to dense
+        assert (
+            set(r["calibrated"]["budgets"]) <= {16, 4096} and r["calibrated"]["bin_tokens"] == r["bin_tokens"]
+        )
     one_page = [r for r in rows if r["budget"] == 16 and r["sparse_layers"] == [0, 1, 2, 3]]
     assert min(min(r["p1"].values()) for r in one_page) < 1 - 1e-3
+
+
+def test_page_choice_oracle_keymax_is_each_heads_page_maximum_share() -> None:
+    """The keymax score against a loop over positions, heads and pages: log of the group's summed softmax (over
+    the pages) of each head's largest causal logit in the page; keys after a position never move its scores."""
+    script = load_benchmark("page_choice_oracle")
+    torch.manual_seed(0)
+    seq, hkv, group, d, ps = 11, 2, 2, 8, 4
+    q, k = torch.randn(seq, hkv * group, d), torch.randn(seq, hkv, d)
+    got = script.key_max_scores(q, k, ps)
+    pages = -(-seq // ps)
+    assert got.shape == (seq, hkv, pages)
+    for s in range(seq):
+        for h in range(hkv):
+            share = torch.zeros(pages)
+            for g in range(group):
+                m = torch.full((pages,), float("-inf"))
+                for p in range(min(pages, s // ps + 1)):
+                    keys = k[p * ps : min((p + 1) * ps, s + 1), h]
+                    m[p] = (keys @ q[s, h * group + g]).max() / d**0.5
+                share += torch.softmax(m, 0)
+            torch.testing.assert_close(got[s, h], share.log(), rtol=1e-5, atol=1e-5)
+    later = k.clone()
+    later[6:] = torch.randn(seq - 6, hkv, d) * 10
+    torch.testing.assert_close(script.key_max_scores(q, later, ps)[:6], got[:6])
 
 
 def test_schedule_ab_alternates_the_arms_and_pools_their_rates(tmp_path: Path) -> None:
