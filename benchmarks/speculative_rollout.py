@@ -12,8 +12,9 @@ prompts of ``--prompt-len`` tokens (so the cached length runs from prompt-len to
   with ``--draft-budgets``, also ``speculative k=K draft=N``: drafts under a fixed N-token budget instead.
 
 Decode tokens/s excludes the prefill (the same work in every arm), twice: per second of wall time, and per
-second of this process's CPU time (one torch thread: the CPU time of a generate minus that of a 1-token
-generate of the same prompts in the same repeat), which a shared, loaded machine disturbs much less; the
+second of this process's CPU time (one torch thread: the CPU time of a generate minus the median over the
+repeats of a 1-token generate of the same prompts, so that one slow probe cannot turn a repeat negative), which
+a shared, loaded machine disturbs much less; the
 speedups over dense are medians over the repeats of each repeat's ratio. Each arm is one JSON line appended to
 ``benchmarks/results/speculative_rollout.jsonl`` with the machine, the 1-minute load average before and after the run,
 the date, the speedup over dense of the same run, and for the speculative arms the measured acceptance
@@ -138,24 +139,25 @@ def main(argv: list[str] | None = None) -> list[dict]:
     fitted = engine_cost_model(engine, hardware)
     first_token = replace(sampling, max_new_tokens=1)
     times: dict[str, list[float]] = {name: [] for name in arms}
-    cpu: dict[str, list[float]] = {name: [] for name in arms}
+    cpu: dict[str, list[float]] = {name: [] for name in arms}  # a generate's CPU seconds, prefill included
+    prefill_cpu: list[float] = []  # per repeat, a 1-token generate's: the prefill's CPU time, to subtract
     stats: dict[str, dict] = {}
     started = time.perf_counter()
     for repeat in range(args.repeats):
-        prefill_cpu = 0.0
         if on_cpu:
             c0 = time.process_time()
-            engine.generate(prompts, first_token, dense)  # the prefill's CPU time, to subtract
-            prefill_cpu = time.process_time() - c0
+            engine.generate(prompts, first_token, dense)
+            prefill_cpu.append(time.process_time() - c0)
         for name, (sched, spec) in arms.items():
             c0 = time.process_time()
             out = engine.generate(prompts, sampling, sched, speculative=spec)
             if on_cpu:
-                cpu[name].append(time.process_time() - c0 - prefill_cpu)
+                cpu[name].append(time.process_time() - c0)
             times[name].append(out.decode_s)
             if spec is not None and repeat == 0:
                 stats[name] = _draft_stats(out.samples, spec.draft_tokens[0])
-            per_cpu = f", {out.num_response_tokens / cpu[name][-1]:.0f} tok/s CPU" if on_cpu else ""
+            decode_cpu = cpu[name][-1] - statistics.median(prefill_cpu) if on_cpu else 0.0
+            per_cpu = f", {out.num_response_tokens / decode_cpu:.0f} tok/s CPU" if on_cpu else ""
             print(f"repeat {repeat + 1}/{args.repeats} {name}: {out.num_response_tokens / out.decode_s:.0f} tok/s wall"
                   f"{per_cpu} ({time.perf_counter() - started:.0f} s elapsed)", file=sys.stderr)  # fmt: skip
     tokens = args.batch * args.gen_len
@@ -169,6 +171,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "benchmark": "speculative_rollout",
         "shape": args.shape,
     }
+    if on_cpu:  # the decode's CPU seconds: each generate's less the median prefill
+        cpu = {name: [c - statistics.median(prefill_cpu) for c in raw] for name, raw in cpu.items()}
     config = {k: getattr(args, k) for k in ("batch", "prompt_len", "gen_len", "fraction", "bin_tokens",
                                              "page_size", "dense_layers", "repeats")}  # fmt: skip
     rows = []
