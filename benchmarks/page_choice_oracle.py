@@ -243,7 +243,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             min_tokens=s.min_bin_tokens,
             name=f"{ranking}-calibrated",
         ).schedule
-        for ranking, layers, _ in runs
+        for ranking in args.rankings
+        for layers in sets
     }
     rows = []
     for ranking, layers, budget in runs:
