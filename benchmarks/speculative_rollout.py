@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     fitted = engine_cost_model(engine, hardware)
     first_token = replace(sampling, max_new_tokens=1)
     times: dict[str, list[float]] = {name: [] for name in arms}
-    cpu: dict[str, list[float]] = {name: [] for name in arms}  # a generate's CPU seconds, prefill included
+    generate_cpu: dict[str, list[float]] = {name: [] for name in arms}  # a generate's CPU seconds, prefill in
     prefill_cpu: list[float] = []  # per repeat, a 1-token generate's: the prefill's CPU time, to subtract
     stats: dict[str, dict] = {}
     started = time.perf_counter()
@@ -152,11 +152,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
             c0 = time.process_time()
             out = engine.generate(prompts, sampling, sched, speculative=spec)
             if on_cpu:
-                cpu[name].append(time.process_time() - c0)
+                generate_cpu[name].append(time.process_time() - c0)
             times[name].append(out.decode_s)
             if spec is not None and repeat == 0:
                 stats[name] = _draft_stats(out.samples, spec.draft_tokens[0])
-            decode_cpu = cpu[name][-1] - statistics.median(prefill_cpu) if on_cpu else 0.0
+            decode_cpu = generate_cpu[name][-1] - statistics.median(prefill_cpu) if on_cpu else 0.0
             per_cpu = f", {out.num_response_tokens / decode_cpu:.0f} tok/s CPU" if on_cpu else ""
             print(f"repeat {repeat + 1}/{args.repeats} {name}: {out.num_response_tokens / out.decode_s:.0f} tok/s wall"
                   f"{per_cpu} ({time.perf_counter() - started:.0f} s elapsed)", file=sys.stderr)  # fmt: skip
@@ -171,8 +171,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "benchmark": "speculative_rollout",
         "shape": args.shape,
     }
-    if on_cpu:  # the decode's CPU seconds: each generate's less the median prefill
-        cpu = {name: [c - statistics.median(prefill_cpu) for c in raw] for name, raw in cpu.items()}
+    prefill = statistics.median(prefill_cpu) if on_cpu else 0.0
+    cpu = {name: [c - prefill for c in raw] for name, raw in generate_cpu.items()}  # the decodes' CPU seconds
     config = {k: getattr(args, k) for k in ("batch", "prompt_len", "gen_len", "fraction", "bin_tokens",
                                              "page_size", "dense_layers", "repeats")}  # fmt: skip
     rows = []
