@@ -24,9 +24,9 @@ GPU_RESULTS=("rollout_speedup.jsonl")
 source benchmarks/gpu_common.sh "$@"
 
 log_header "rollout fast-decode check"
-import_stage 60 sparrow_nemo.rollout.torch.engine sparrow_nemo.rollout.torch.static_decode sparrow_nemo.sparse.cost_model
+import_stage 60 sparrow_nemo.rollout.torch.engine sparrow_nemo.rollout.torch.cuda_graphs sparrow_nemo.sparse.cost_model
 
-TESTS=(tests/rollout/test_fast_decode.py tests/rollout/test_fast_decode_bench.py tests/rollout/test_kernel_path.py)
+TESTS=(tests/rollout/test_decode_graphs.py tests/rollout/test_fast_decode_bench.py tests/rollout/test_kernel_path.py)
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider "${TESTS[@]}" --junitxml "$RESULTS/gpu_rollout_check_${MODE}_tests.xml")
 MINMAX=("$PY" -m pytest -q -p no:cacheprovider tests/kernels/test_kernel_minmax.py
         --junitxml "$RESULTS/gpu_rollout_check_${MODE}_minmax_tests.xml")

@@ -30,7 +30,7 @@ GPU_RESULTS=("speculative_rollout_gpu.jsonl")
 source benchmarks/gpu_common.sh "$@"
 
 log_header "speculative rollout check"
-import_stage 60 sparrow_nemo.rollout.torch.engine sparrow_nemo.rollout.torch.speculative sparrow_nemo.rollout.torch.spec_verify
+import_stage 60 sparrow_nemo.rollout.torch.engine sparrow_nemo.rollout.torch.speculative sparrow_nemo.rollout.torch.extend
 
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider tests/rollout/test_speculative_kernel.py
         --junitxml "$RESULTS/gpu_speculative_check_${MODE}_tests.xml")

@@ -90,7 +90,7 @@ class UpdateResult:
         metrics: ``train/*``: loss and grad_norm (means over the mini-batches), the loss's token means
             (clip_fraction, ratio_mean, entropy, kl, ...; over all the step's response tokens), ratio_max /
             ratio_min, optimizer_steps (mini-batches applied) and skipped_nonfinite (1.0 when any was not).
-        updated: at least one mini-batch changed the weights (the rollout engine needs a refit).
+        updated: at least one mini-batch changed the weights.
         skipped: None when every mini-batch was applied; else the first skip's reason (``StepResult.skipped``).
         skip_detail: where the first skip came from, with its mini-batch.
     """
