@@ -209,7 +209,7 @@ def test_rewards_route_by_data_source(tmp_path: Path, tok: Path) -> None:
 
 
 def test_data_check_prints_rows_as_the_model_sees_them(tmp_path: Path, tok: Path, capsys) -> None:
-    rows = verl_rows(4) + [{"prompt": [], "reward_model": {"ground_truth": "1"}}]
+    rows = [*verl_rows(4), {"prompt": [], "reward_model": {"ground_truth": "1"}}]
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     args = [
@@ -284,3 +284,4 @@ def test_each_layout_trains_the_smoke_recipe(tmp_path: Path, layout: str) -> Non
     rows = [row for row in read_metrics(run_dir / "metrics.jsonl") if row["step"] >= 0]
     assert [row["step"] for row in rows] == [0, 1]
     assert all(row["rollout/tokens"] > 0 and row["reward/mean"] is not None for row in rows)
+    assert all(row["rollout_corr/k3_kl"] >= 0 and row["rollout_corr/ratio_p50"] > 0 for row in rows)
