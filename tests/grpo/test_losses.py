@@ -179,7 +179,8 @@ def test_bad_shapes_and_names() -> None:
         compute_policy_loss(PolicyLossConfig(kl_coef=0.1), lp, lp, torch.zeros(2), torch.ones(2, 3))
     # unknown registry names are refused when the config is built (the registries' names() are the choices)
     with pytest.raises(
-        ValueError, match=r"correction='magic' - expected a registered name \(icepop, mis, none, seq_mask, seq_mask_tis, tis\)"
+        ValueError,
+        match=r"correction='magic' - expected a registered name \(icepop, mis, none, seq_mask, seq_mask_tis, tis\)",
     ):
         PolicyLossConfig(correction="magic")
     with pytest.raises(ValueError, match=r"name='dpo' - expected a registered name \(clipped_pg\)"):
