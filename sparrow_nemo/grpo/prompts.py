@@ -35,6 +35,7 @@ from sparrow_nemo.grpo.prompt_source import (
     check_vocab,
 )
 from sparrow_nemo.grpo.recipe import SYNTHETIC_REWARD, SparrowConfig
+from sparrow_nemo.grpo.shaping import overlong_penalty
 from sparrow_nemo.rewards.registry import bind_reward
 
 logger = logging.getLogger(__name__)
@@ -171,11 +172,17 @@ def _file_source(config: SparrowConfig) -> PromptSource:
 
 
 def build_prompt_source(config: SparrowConfig) -> PromptSource:
-    """The :class:`PromptSource` the recipe names (see the module docstring)."""
+    """The :class:`PromptSource` the recipe names (see the module docstring), with ``grpo.overlong``'s length
+    penalty on its training reward."""
     if config.reward.type == SYNTHETIC_REWARD:
         if config.reward.options:
             raise ValueError(
                 f"reward.options {sorted(config.reward.options)}: the synthetic task's reward takes no options"
             )
-        return _synthetic_source(config)
-    return _file_source(config)
+        source = _synthetic_source(config)
+    else:
+        source = _file_source(config)
+    overlong, cap = config.grpo.overlong, config.rollout.max_new_tokens
+    if overlong.enabled:
+        source.length_penalty = lambda length: overlong_penalty(length, cap, overlong)
+    return source

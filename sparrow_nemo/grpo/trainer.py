@@ -390,7 +390,7 @@ class GrpoTrainer:
         score(
             local,
             [items[j].answer for j in mine],
-            self.prompts.reward,
+            self.prompts.train_reward,
             lambda rewards: compute_advantages(
                 g.adv_estimator, rewards, g.samples_per_prompt, **self._adv_options()
             ),
