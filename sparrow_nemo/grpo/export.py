@@ -11,7 +11,11 @@ HF-named weights are gathered (:meth:`~sparrow_nemo.policy.policy.MegatronPolicy
 - ``config.json`` (:func:`~sparrow_nemo.hf_qwen3.hf_config_dict`) and ``generation_config.json`` (the eos id,
   and the recipe's sampling: temperature, top_p, top_k);
 - the tokenizer files of ``model.hf_checkpoint`` when the run started from one (the synthetic task's
-  character tokenizer is not a Hugging Face one: none then).
+  character tokenizer is not a Hugging Face one: none then);
+- with DistillSparse (``distill.enabled``), its rollout-only LoRA in PEFT's format under ``<out>/distill_lora``
+  (``adapter_config.json``: LORA, r, lora_alpha = scaling x r, target_modules; ``adapter_model.safetensors``:
+  ``base_model.model.<module>.lora_A.weight`` [r, in] and ``lora_B.weight`` [out, r]), which
+  ``peft.PeftModel.from_pretrained(model, <out>/distill_lora)`` applies to the exported model.
 
 The folder is written as ``<out>.partial`` and renamed when complete: a failed export leaves nothing at
 ``out``. An existing ``out`` is refused.
@@ -75,8 +79,10 @@ def write_hf_folder(
     config,
     out: str | Path,
     max_shard_bytes: int = MAX_SHARD_BYTES,
+    adapter: dict | None = None,
 ) -> Path:
-    """Write the HF checkpoint folder of ``state`` (HF-named tensors) for the recipe ``config`` atomically."""
+    """Write the HF checkpoint folder of ``state`` (HF-named tensors) for the recipe ``config`` atomically, with
+    the DistillSparse ``adapter`` state in PEFT's format when given."""
     from safetensors.torch import save_file
 
     from sparrow_nemo.hf_qwen3 import hf_config_dict
@@ -110,7 +116,40 @@ def write_hf_folder(
     for name in TOKENIZER_FILES if source is not None else ():
         if (Path(source) / name).is_file():
             shutil.copyfile(Path(source) / name, staging / name)
+    if adapter is not None:
+        write_peft_adapter(adapter, staging / "distill_lora")
     staging.rename(out)
+    return out
+
+
+def write_peft_adapter(adapter: dict, out: Path) -> Path:
+    """The DistillSparse adapter state (``{"weights": {HF module: (A, B)}, "scaling": float}``) as a PEFT
+    LoRA folder ``out`` (module docstring)."""
+    from safetensors.torch import save_file
+
+    weights = adapter["weights"]
+    ranks = {int(a.shape[0]) for a, _ in weights.values()}
+    if len(ranks) != 1:
+        raise ValueError(f"DistillSparse adapter: one LoRA rank expected, got {sorted(ranks)}")
+    rank = ranks.pop()
+    tensors = {}
+    for module, (a, b) in weights.items():
+        tensors[f"base_model.model.{module}.lora_A.weight"] = a.contiguous()
+        tensors[f"base_model.model.{module}.lora_B.weight"] = b.contiguous()
+    out.mkdir(parents=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": float(adapter["scaling"]) * rank,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "target_modules": sorted({m.rsplit(".", 1)[-1] for m in weights}),
+        "base_model_name_or_path": "..",
+        "inference_mode": True,
+    }
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
     return out
 
 
@@ -134,7 +173,16 @@ def export_run(run_dir: str | Path, out: str | Path, step: int | None = None) ->
         policy.load(checkpoint)
         state = policy.export_hf()
         if world.rank() == 0:
-            write_hf_folder(state, config, out)
+            write_hf_folder(state, config, out, adapter=_distill_adapter(checkpoint))
     finally:
         policy.close()
     return Path(out)
+
+
+def _distill_adapter(checkpoint: Path) -> dict | None:
+    """The DistillSparse adapter state saved in ``checkpoint``, if the run had one."""
+    from sparrow_nemo.checkpoint.run_state import read_run_state
+    from sparrow_nemo.grpo.distill import STATE_KEY
+
+    _, states = read_run_state(checkpoint)
+    return states.get(STATE_KEY, {}).get("adapter")

@@ -115,3 +115,40 @@ def test_export_of_a_step_sharded_and_bad_requests(trained_run: Path, tmp_path, 
     assert main(["export", "--run-dir", str(trained_run), "--out", str(step1)]) == 2
     assert "already exists" in capsys.readouterr().err
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_distill_adapter_in_peft_format_applies_to_the_exported_model(tmp_path) -> None:
+    """A DistillSparse adapter state exported with the weights: PEFT's LoraModel on the exported folder gives
+    the logits of the weights merged by hand (W + scaling * B @ A)."""
+    pytest.importorskip("peft")
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from sparrow_nemo.grpo.export import write_hf_folder
+    from sparrow_nemo.hf_qwen3 import linear_in_out
+
+    shape = PRESETS["tiny"]
+    base = make_hf_checkpoint(shape, tmp_path / "base")
+    state = load_file(str(base / "model.safetensors"))
+    g = torch.Generator().manual_seed(0)
+    weights = {
+        name: (torch.randn(4, fan_in, generator=g) * 0.1, torch.randn(fan_out, 4, generator=g) * 0.1)
+        for name, (fan_in, fan_out) in linear_in_out(shape).items()
+        if name.endswith(("q_proj", "down_proj"))
+    }
+    config = load_config("tiny_cpu_short_smoke")
+    out = write_hf_folder(state, config, tmp_path / "hf", adapter={"weights": weights, "scaling": 0.5})
+    model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32), out / "distill_lora"
+    )
+    merged = dict(state)
+    for name, (a, b) in weights.items():
+        merged[f"{name}.weight"] = state[f"{name}.weight"] + 0.5 * b @ a
+    reference = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    reference.load_state_dict(merged, strict=False)
+    tokens = torch.tensor([[5, 9, 17, 33, 2, 64, 100]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens).logits, reference(tokens).logits, atol=1e-5, rtol=1e-5)
+        plain = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(tokens).logits
+    assert not torch.allclose(plain, reference(tokens).logits, atol=1e-3)  # the adapter changes the logits
