@@ -151,6 +151,7 @@ class GrpoTrainer:
             config.logging.jsonl,
             config.logging.tensorboard and self.is_main,
             open_wandb(config.logging.wandb, self.run_dir, config.to_dict()) if self.is_main else None,
+            config.logging.metric_aliases,
         )
         self.loss_config = config.grpo.loss
         self._logged: dict[str, float] = {}
@@ -163,8 +164,7 @@ class GrpoTrainer:
     def _check_batch_split(self) -> None:
         """Whole prompts per data-parallel rank and per mini-batch, and (without a token budget per
         micro-batch) whole micro-batches of each mini-batch's samples (one-line errors)."""
-        g, p = self.config.grpo, self.config.policy
-        mbs = p.micro_batch_size
+        g, p, mbs = self.config.grpo, self.config.policy, self.config.policy.micro_batch_size
         rows = len(self.plan.replica_prompts(g.prompts_per_step)) * g.samples_per_prompt
         mini_batch_order(rows, g.samples_per_prompt, g.mini_batches_per_step)
         if p.max_tokens_per_micro_batch is None and (rows // g.mini_batches_per_step) % mbs:
@@ -388,7 +388,7 @@ class GrpoTrainer:
         score(
             local,
             [items[j].answer for j in mine],
-            self.prompts.reward,
+            self.prompts.train_reward,
             lambda rewards: compute_advantages(
                 g.adv_estimator, rewards, g.samples_per_prompt, **self._adv_options()
             ),
