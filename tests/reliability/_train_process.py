@@ -92,6 +92,17 @@ def metric_rows(run_dir: Path) -> list[dict]:
     return rows
 
 
+#: metrics that measure this machine's speed, not the computation (``timing/*``: seconds per phase); the
+#: predicted speedups are the cost model's on constants each fresh run fits to the CPU (a resumed run reads its
+#: folder's: tests/rollout/test_cost_fit.py)
+WALL_CLOCK = ("time", "rollout/tokens_per_s", "sparsity/predicted_speedup")
+
+
+def computed(row: dict) -> dict:
+    """A metrics row without its wall-clock entries: what two runs of the same seed must agree on."""
+    return {k: v for k, v in row.items() if k not in WALL_CLOCK and not k.startswith("timing/")}
+
+
 def checkpoint_state(folder: Path) -> dict:
     """The one-rank policy file of a checkpoint folder: ``model``, ``optimizer``, ``rng``, ``step``."""
     return torch.load(folder / "policy_tp00_pp00_dp000.pt", map_location="cpu", weights_only=True)
