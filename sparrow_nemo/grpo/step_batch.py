@@ -14,7 +14,6 @@ Order within a step (see :mod:`sparrow_nemo.grpo.process_model` for what runs wh
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -35,14 +34,13 @@ from sparrow_nemo.grpo.process_model import (
 )
 from sparrow_nemo.grpo.rollout_step import RolloutTensors, collate_share, token_mismatch
 from sparrow_nemo.policy.logprobs import LogprobOutput
+from sparrow_nemo.rewards.registry import guarded_reward
 from sparrow_nemo.rollout.engine import RolloutSample, SamplingParams, TokenProgress
 from sparrow_nemo.rollout.sampling import sample_seed
 from sparrow_nemo.rollout.scoring import TokenMismatch
 from sparrow_nemo.sparse.config import SparsityConfig
 from sparrow_nemo.sparse.mismatch import PAPER_QUANTILE, tail_name
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET, BudgetSchedule
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -113,25 +111,12 @@ def score(
     expanded = [a for a in answers for _ in range(group_size)]
     if len(expanded) != len(local.samples):
         raise ValueError(f"score: {len(answers)} answers for {len(local.samples)} samples of {group_size}")
-    values = [_guarded(reward, s.response_ids.tolist(), a) for s, a in zip(local.samples, expanded)]
+    values = [guarded_reward(reward, s.response_ids.tolist(), a) for s, a in zip(local.samples, expanded)]
     local.reward_errors = sum(v is None for v in values)
     local.rewards = torch.tensor([0.0 if v is None else v for v in values], dtype=torch.float32)
     local.advantages = (
         advantages(local.rewards).float() if local.samples else torch.zeros(0, dtype=torch.float32)
     )
-
-
-def _guarded(reward: Callable[[list[int], Any], float], ids: list[int], answer: Any) -> float | None:
-    """``reward(ids, answer)`` as a float; None (logged) when it raised or is not finite."""
-    try:
-        value = float(reward(ids, answer))
-    except Exception as exc:  # any completion reaches here: its reward's failure is that sample's alone
-        logger.warning("reward raised %s: %s; the sample scores 0", type(exc).__name__, str(exc)[:300])
-        return None
-    if not math.isfinite(value):
-        logger.warning("reward returned %s; the sample scores 0", value)
-        return None
-    return value
 
 
 @dataclass

@@ -169,7 +169,8 @@ def _run_case(channel: _Channel, job: dict, index: int) -> None:
         candidate = _bind(channel, namespace, job["test"], extra=(entry,)).get(entry)
         if not isinstance(candidate, Remote):
             raise NameError(f"the program defines no '{entry}'")
-        if namespace.get(entry, _UNBOUND) is stub:  # tests may call it by name: the stub's name, not the test's
+        # tests may also call it by name: the name of the prompt's stub (never one the test defines) is rebound
+        if namespace.get(entry, _UNBOUND) is stub:
             namespace[entry] = candidate
         check(candidate)
     else:

@@ -42,7 +42,9 @@ def _sample(n: int, reason: str) -> RolloutSample:
     )
 
 
-def test_a_reward_that_raises_scores_that_sample_zero_and_is_counted(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_reward_that_raises_scores_that_sample_zero_and_is_counted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """One completion the reward function cannot take (it raises, or returns NaN) is a 0 and a count in
     ``reward/errors``, never the end of the run; the other samples keep their rewards."""
 

@@ -7,12 +7,14 @@ it comes from the shared cache (``~/.cache/sparrow_nemo/warmstart`` or ``$SPARRO
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 
 from sparrow_nemo.grpo.world import env_without_launcher
@@ -62,6 +64,26 @@ def start(run_dir: Path, log: Path, *overrides: str) -> subprocess.Popen:
         return subprocess.Popen(
             command(run_dir, *overrides), env=env_without_launcher(), stdout=out, stderr=subprocess.STDOUT
         )
+
+
+def run_on_small_disk(command: list[str], mount: str, size: int) -> tuple[list[str], str]:
+    """Run ``command`` with a ``size``-byte tmpfs at ``mount`` (bubblewrap, a private mount namespace; the rest
+    of the file system is the host's); returns (stdout lines: ``exit=<status>`` then the tmpfs's entries,
+    stderr). Skips the test where bubblewrap is missing or cannot make the namespace."""
+    bwrap = shutil.which("bwrap")
+    if bwrap is None:
+        pytest.skip("needs bubblewrap (apt-get install bubblewrap) to mount a tiny file system")
+    wrap = [bwrap, "--dev-bind", "/", "/", "--size", str(size), "--tmpfs", mount, "--"]
+    done = subprocess.run(
+        [*wrap, "sh", "-c", f'"$@"; echo "exit=$?"; ls -A {mount}', "sh", *command],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=env_without_launcher(),
+    )
+    if "Creating new namespace failed" in done.stderr:
+        pytest.skip(f"bubblewrap cannot make a mount namespace here: {done.stderr.strip()}")
+    return done.stdout.splitlines(), done.stderr
 
 
 def wait_for(process: subprocess.Popen, condition: Callable[[], bool], what: str, log: Path) -> None:

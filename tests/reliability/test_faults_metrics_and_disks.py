@@ -108,28 +108,14 @@ def test_a_run_folder_that_turns_read_only_mid_run_is_one_line(tmp_path: Path) -
 
 
 def test_a_full_disk_while_copying_the_shipped_warm_start_is_one_line(tmp_path: Path) -> None:
-    bwrap = shutil.which("bwrap")
-    if bwrap is None:
-        pytest.skip("needs bubblewrap (apt-get install bubblewrap) to mount a tiny file system")
     full = "/sparrow_full_cache"
     # the default recipe's warm-start is shipped (3.2 MB): its copy meets the full disk
     train = [sys.executable, "-m", "sparrow_nemo.cli", "train", "--run-dir", str(tmp_path / "run")]
-    train.append(f"warmstart.cache_dir={full}")
-    cmd = [bwrap, "--dev-bind", "/", "/", "--size", str(1 << 20), "--tmpfs", full, "--"]
-    done = subprocess.run(
-        [*cmd, "sh", "-c", f'"$@"; echo "exit=$?"; ls -A {full}', "sh", *train],
-        capture_output=True,
-        text=True,
-        timeout=tp.TIMEOUT,
-        env=env_without_launcher(),
-    )
-    if "Creating new namespace failed" in done.stderr:
-        pytest.skip(f"bubblewrap cannot make a mount namespace here: {done.stderr.strip()}")
-    lines = done.stdout.splitlines()
-    assert lines[0] == "exit=2", (done.stdout, done.stderr[-3000:])
+    lines, err = tp.run_on_small_disk([*train, f"warmstart.cache_dir={full}"], full, 1 << 20)
+    assert lines[0] == "exit=2", (lines, err[-3000:])
     assert all(".partial-" in name for name in lines[1:])  # no cache entry: only the staging of this pid
-    last = done.stderr.strip().splitlines()[-1]
+    last = err.strip().splitlines()[-1]
     assert last.startswith(f"sparrow train: cannot write {full}/.") and "No space left on device" in last, (
         last
     )
-    assert "Traceback" not in done.stderr and not (tmp_path / "run").exists()
+    assert "Traceback" not in err and not (tmp_path / "run").exists()
