@@ -13,8 +13,7 @@ Loading (:func:`load_run_checkpoint`) tries the candidates newest first; each ra
 the files it reads, rank 0 validates the trainer state (:meth:`TrainerState.from_dict`: types and ranges,
 the manifest's step) and that ``metrics.jsonl`` can continue from it
 (:func:`~sparrow_nemo.grpo.metrics.check_resume_rows`), the ranks agree, and a checkpoint that fails on any
-rank is skipped with a warning
-naming it and the reason (the previous good one is used). A tampered checkpoint whose manifest hashes were
+rank is skipped with a warning naming it and the reason (the previous good one is used). A tampered checkpoint whose manifest hashes were
 recomputed is therefore never resumed from, and never allowed to cut ``metrics.jsonl``.
 """
 
