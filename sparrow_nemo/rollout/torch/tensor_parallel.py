@@ -64,6 +64,19 @@ def weight_layout(name: str) -> str:
     return module_layout(name.removesuffix(".weight"))
 
 
+def local_weight_shape(name: str, full: tuple[int, ...], size: int, padded_vocab: int) -> tuple[int, ...]:
+    """The shape of one rank's slice of HF weight ``name`` (full shape ``full``) over ``size`` ranks, the
+    vocabulary padded to ``padded_vocab`` rows."""
+    layout = weight_layout(name)
+    if layout == ROWS:
+        return (full[0] // size, *full[1:])
+    if layout == COLUMNS:
+        return (full[0], full[1] // size)
+    if layout == VOCAB:
+        return (padded_vocab // size, full[1])
+    return tuple(full)
+
+
 @dataclass(frozen=True)
 class TensorParallel:
     """One engine's tensor-parallel group and this rank's place in it.
@@ -116,14 +129,7 @@ class TensorParallel:
 
     def local_shape(self, name: str, full: tuple[int, ...]) -> tuple[int, ...]:
         """The shape of this rank's slice of HF weight ``name`` whose full shape is ``full``."""
-        layout = weight_layout(name)
-        if layout == ROWS:
-            return (full[0] // self.size, *full[1:])
-        if layout == COLUMNS:
-            return (full[0], full[1] // self.size)
-        if layout == VOCAB:
-            return (self.vocab_rows, full[1])
-        return tuple(full)
+        return local_weight_shape(name, full, self.size, self.padded_vocab)
 
     def local_shapes(self, shape: Qwen3Shape) -> dict[str, tuple[int, ...]]:
         """HF name -> this rank's shape of every weight of ``shape``."""
