@@ -14,6 +14,13 @@ So no rank ever holds a full copy besides its engine's own weights, and nothing 
 unless the engine lives there (CPU runs). Cost per rank and step: one TP all-gather of its stage's shards
 (``(tp - 1) / tp`` of the stage's weights received) and, with ``pp > 1``, the other stages' weights received
 once. :func:`engine_weights` collects the same pieces into one dict for building an engine.
+
+With tensor-parallel engines over the policy's whole TP group (``rollout.tensor_parallel_size`` = ``tp`` > 1)
+a rank's engine shard is its megatron shard (:mod:`sparrow_nemo.rollout.torch.tensor_parallel`), so the refit
+gathers nothing: each rank converts its own shards to HF-named slices
+(:func:`~sparrow_nemo.policy.tp_layout.local_hf_tensors`) and, with ``pp > 1``, a stage broadcasts them to the
+same TP rank of the other stages (``1 / tp`` of the model received per rank). Engines over fewer ranks get the
+full pieces and slice them.
 """
 
 from __future__ import annotations
@@ -27,7 +34,8 @@ import torch.distributed as dist
 from sparrow_nemo.hf_qwen3 import hf_tensor_shape
 from sparrow_nemo.policy.hf_import import weight_plan
 from sparrow_nemo.policy.model import unwrap_model
-from sparrow_nemo.policy.tp_layout import REPLICATED, all_gather_shards, merge_shards
+from sparrow_nemo.policy.tp_layout import REPLICATED, all_gather_shards, local_hf_tensors, merge_shards
+from sparrow_nemo.rollout.torch.tensor_parallel import local_weight_shape
 
 #: a piece of the model: HF name -> full tensor on this rank's device
 Piece = dict[str, torch.Tensor]
@@ -45,12 +53,13 @@ def _stage_plans(spec) -> list[list[tuple[str, tuple[str, ...], str]]]:
     return [weight_plan(dataclasses.replace(spec, pp_rank=s)) for s in range(spec.layout.pp)]
 
 
-def pieces(policy) -> Iterator[Piece]:
-    """The policy's whole model as HF-named full tensors on this rank's device, a piece at a time.
+def pieces(policy, local: bool = False) -> Iterator[Piece]:
+    """The policy's whole model as HF-named full tensors on this rank's device, a piece at a time; with
+    ``local``, this TP rank's slices of them instead (the shard of a tensor-parallel engine over the TP group).
 
-    Collective over the tensor- and pipeline-parallel groups (every rank iterates to the end). Yields the
-    same pieces in the same order on every rank. A tensor held by two stages (tied embeddings on a separate
-    last stage) comes once, from the first.
+    Collective over the tensor- (unless ``local``) and pipeline-parallel groups (every rank iterates to the
+    end). Yields the same pieces in the same order on every rank. A tensor held by two stages (tied embeddings
+    on a separate last stage) comes once, from the first.
     """
     from megatron.core import parallel_state as ps
 
@@ -70,13 +79,14 @@ def pieces(policy) -> Iterator[Piece]:
             if all(name in seen for name in hf_names):
                 continue
             if stage == spec.pp_rank:
-                local = params[key].detach()
-                shards = all_gather_shards(local, tp_group) if layout != REPLICATED else [local]
-                tensors = merge_shards(shards, layout, spec.shape)
+                mine = params[key].detach()
+                if local:
+                    tensors = local_hf_tensors(mine, layout, spec.shape)
+                else:
+                    shards = all_gather_shards(mine, tp_group) if layout != REPLICATED else [mine]
+                    tensors = merge_shards(shards, layout, spec.shape)
             else:
-                tensors = [
-                    torch.empty(hf_tensor_shape(n, spec.shape), dtype=dtype, device=device) for n in hf_names
-                ]
+                tensors = [torch.empty(_shape(n, spec, local), dtype=dtype, device=device) for n in hf_names]
             if pp_group is not None:
                 for t in tensors:
                     dist.broadcast(t, src=src, group=pp_group)
@@ -92,11 +102,18 @@ def pieces(policy) -> Iterator[Piece]:
             yield piece
 
 
-def refit(policy, update: Callable[[Piece], None] | None) -> int:
+def _shape(name: str, spec, local: bool) -> tuple[int, ...]:
+    """The shape of HF tensor ``name`` as :func:`pieces` yields it: whole, or this TP rank's slice."""
+    full = hf_tensor_shape(name, spec.shape)
+    return local_weight_shape(name, full, spec.layout.tp, spec.padded_vocab) if local else full
+
+
+def refit(policy, update: Callable[[Piece], None] | None, local: bool = False) -> int:
     """Stream the policy's weights into an engine: ``update(piece)`` per piece (None on a rank without an
-    engine, which still takes part in the collectives). Returns the number of tensors sent. Collective."""
+    engine, which still takes part in the collectives); ``local``: each rank's TP slices (:func:`pieces`), for
+    tensor-parallel engines over the policy's whole TP group. Returns the number of tensors sent. Collective."""
     count = 0
-    for piece in pieces(policy):
+    for piece in pieces(policy, local):
         if update is not None:
             update(piece)
         count += len(piece)

@@ -54,11 +54,16 @@ def fuse_qkv(
 
 def unfuse_qkv(shards: list[torch.Tensor], shape: Qwen3Shape) -> list[torch.Tensor]:
     """Inverse of :func:`fuse_qkv` over all TP shards (rank order) -> [q, k, v] in HF layout."""
-    hkv, d, g = shape.num_key_value_heads, shape.head_dim, shape.gqa_group_size
-    full = torch.cat(shards, dim=0)
-    grouped = full.view(hkv, (g + 2) * d, full.shape[1])
+    return _split_qkv(torch.cat(shards, dim=0), shape)
+
+
+def _split_qkv(fused: torch.Tensor, shape: Qwen3Shape) -> list[torch.Tensor]:
+    """``linear_qkv`` rows of whole KV groups (all of them, or one rank's) -> [q, k, v] of those groups, HF
+    row order (q heads of the groups, then their k heads, then their v heads)."""
+    d, g, x = shape.head_dim, shape.gqa_group_size, fused.shape[1]
+    grouped = fused.view(-1, (g + 2) * d, x)
     q, k, v = grouped.split([g * d, d, d], dim=1)
-    return [t.reshape(-1, full.shape[1]).contiguous() for t in (q, k, v)]
+    return [t.reshape(-1, x).contiguous() for t in (q, k, v)]
 
 
 def fuse_fc1(gate: torch.Tensor, up: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
@@ -70,6 +75,18 @@ def unfuse_fc1(shards: list[torch.Tensor]) -> list[torch.Tensor]:
     """Inverse of :func:`fuse_fc1` over all TP shards (rank order) -> [gate, up]."""
     halves = [s.chunk(2, dim=0) for s in shards]
     return [torch.cat([h[0] for h in halves]).contiguous(), torch.cat([h[1] for h in halves]).contiguous()]
+
+
+def local_hf_tensors(shard: torch.Tensor, layout: str, shape: Qwen3Shape) -> list[torch.Tensor]:
+    """One rank's megatron shard of one tensor -> that rank's slices of its HF tensors (list, HF-name order):
+    what a tensor-parallel rollout engine over the same ranks holds
+    (:mod:`sparrow_nemo.rollout.torch.tensor_parallel`): q, k, v of the rank's KV groups, its rows of gate and
+    up, its columns, its padded vocabulary rows, a replicated tensor whole."""
+    if layout == QKV:
+        return _split_qkv(shard, shape)
+    if layout == FC1:
+        return [half.contiguous() for half in shard.chunk(2, dim=0)]
+    return [shard]
 
 
 def merge_shards(shards: list[torch.Tensor], layout: str, shape: Qwen3Shape) -> list[torch.Tensor]:

@@ -17,6 +17,10 @@
   dense forwards, rounds inside the same loop (:mod:`sparrow_nemo.rollout.torch.spec_decode`).
 - ``sleep`` releases the weights and the KV pool (no host copy); ``wake`` gives the weights storage again and
   the refit (``update_weights``, every tensor) fills it before the next ``generate``.
+- Tensor parallelism: a decoder built with a :class:`~sparrow_nemo.rollout.torch.tensor_parallel.TensorParallel`
+  holds one rank's shard (its KV heads: the pool's pages shrink by ``k``); every rank of the engine calls
+  ``generate`` / ``score`` / ``update_weights`` / ``set_lora`` / ``sleep`` / ``wake`` with the same arguments,
+  in the same order, and gets the same samples (its forward gathers the full logits on every rank).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from sparrow_nemo.hf_qwen3 import LoraAdapter, expected_weight_shapes, linear_in_out
 from sparrow_nemo.model_shapes import Qwen3Shape
@@ -52,6 +57,7 @@ from sparrow_nemo.rollout.torch.sequence import Sequence as Seq
 from sparrow_nemo.rollout.torch.spec_decode import SpeculativeRounds
 from sparrow_nemo.rollout.torch.speculative import SpeculativeConfig
 from sparrow_nemo.rollout.torch.stopping import Detokenizer, StopRule
+from sparrow_nemo.rollout.torch.tensor_parallel import TensorParallel
 from sparrow_nemo.sparse.pattern import PAGE_SCORES, PAGE_SIZE, landmarks_per_page
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
@@ -65,10 +71,10 @@ DEFAULT_MAX_RUNNING = 256
 
 
 class TorchRolloutEngine:
-    """:class:`~sparrow_nemo.rollout.engine.RolloutEngine` in plain torch (CPU or one GPU).
+    """:class:`~sparrow_nemo.rollout.engine.RolloutEngine` in plain torch (CPU or GPUs).
 
     Args:
-        model: the decoder (its device and dtype are the engine's).
+        model: the decoder (its device and dtype are the engine's; its ``tensor_parallel`` the engine's shard).
         dense_layers: leading layers that always attend densely (paper: 2).
         page_size, sink_pages, local_pages: the sparse rule's constants (paper: 16, 1, 2).
         page_score: how the sparse rule ranks pages: "centroid" (paper) or "minmax" (the cache's key bounds).
@@ -160,10 +166,13 @@ class TorchRolloutEngine:
         path: str | Path,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        tensor_parallel: TensorParallel | None = None,
         **kwargs,
     ) -> TorchRolloutEngine:
-        """Engine over an HF Qwen3 checkpoint directory (config.json + safetensors)."""
-        return cls(Qwen3Decoder.from_hf_dir(path, dtype=dtype, device=device), **kwargs)
+        """Engine over an HF Qwen3 checkpoint directory (config.json + safetensors); with ``tensor_parallel``
+        this rank's shard of it."""
+        model = Qwen3Decoder.from_hf_dir(path, dtype=dtype, device=device, tensor_parallel=tensor_parallel)
+        return cls(model, **kwargs)
 
     @classmethod
     def from_shape(
@@ -172,10 +181,37 @@ class TorchRolloutEngine:
         seed: int = 0,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        tensor_parallel: TensorParallel | None = None,
         **kwargs,
     ) -> TorchRolloutEngine:
-        """Engine over random weights of ``shape`` (tests, benchmarks)."""
-        return cls(Qwen3Decoder.random(shape, seed=seed, dtype=dtype, device=device), **kwargs)
+        """Engine over random weights of ``shape`` (tests, benchmarks); with ``tensor_parallel`` this rank's
+        shard of the same weights."""
+        model = Qwen3Decoder.random(
+            shape, seed=seed, dtype=dtype, device=device, tensor_parallel=tensor_parallel
+        )
+        return cls(model, **kwargs)
+
+    @classmethod
+    def awaiting_weights(
+        cls,
+        shape: Qwen3Shape,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        tensor_parallel: TensorParallel | None = None,
+        **kwargs,
+    ) -> TorchRolloutEngine:
+        """Engine whose weights have storage but no values yet (as after a wake): ``update_weights`` of every
+        tensor (a trainer's refit) must come before the first ``generate`` or ``score``."""
+        engine = cls(
+            Qwen3Decoder.empty(shape, dtype=dtype, device=device, tensor_parallel=tensor_parallel), **kwargs
+        )
+        engine._unfilled = engine._weight_names()
+        return engine
+
+    @property
+    def tensor_parallel(self) -> TensorParallel | None:
+        """This rank's place in a tensor-parallel engine (None: the whole model on one device)."""
+        return self.model.tensor_parallel
 
     @property
     def shape(self) -> Qwen3Shape:
@@ -190,15 +226,15 @@ class TorchRolloutEngine:
     def page_bytes(self) -> int:
         """Bytes of one KV page in every layer: keys, values and the page score's landmarks."""
         s, item = self.shape, torch.empty(0, dtype=self.dtype).element_size()
-        per_layer = (
-            s.num_key_value_heads * s.head_dim * (2 * self.page_size + landmarks_per_page(self.page_score))
-        )
+        kv_heads = self.model.heads[1]  # this rank's
+        per_layer = kv_heads * s.head_dim * (2 * self.page_size + landmarks_per_page(self.page_score))
         return s.num_layers * per_layer * item
 
     # ----------------------------------------------------------------- RolloutEngine API
     def update_weights(self, state: Mapping[str, torch.Tensor]) -> None:
         """Copy HF-named weights into the decoder in place (a subset is fine; after a wake, every tensor must
-        come before the next ``generate``)."""
+        come before the next ``generate``). A tensor-parallel engine takes each tensor whole (it slices its
+        shard) or as its own shard, told apart by shape (:meth:`Qwen3Decoder.load_state`)."""
         self.model.load_state(state)
         self._unfilled -= set(state)
 
@@ -206,6 +242,8 @@ class TorchRolloutEngine:
         """Apply ``adapter`` in generation (base weights untouched); None restores the base model."""
         if adapter is not None:
             adapter.validate(linear_in_out(self.shape))
+            if self.tensor_parallel is not None:
+                adapter = self.tensor_parallel.shard_lora(adapter)
             adapter = adapter.to(device=self.device, dtype=self.dtype)
         self.model.lora = adapter
         if self.runner.graphs is not None:
@@ -226,11 +264,13 @@ class TorchRolloutEngine:
         if not self._asleep:
             return
         self.model.allocate(self.device, self.dtype)
-        self._unfilled = set(expected_weight_shapes(self.shape))
-        if self.shape.tie_word_embeddings:
-            self._unfilled.discard("lm_head.weight")
+        self._unfilled = self._weight_names()
         self._fraction_pages = None
         self._asleep = False
+
+    def _weight_names(self) -> set[str]:
+        """The HF names a refit must fill."""
+        return set(expected_weight_shapes(self.shape))
 
     @torch.no_grad()
     def score(self, sequences: Sequence[Sequence[int]], topk: int = 20) -> list[ScoredSequence]:
@@ -449,7 +489,8 @@ class TorchRolloutEngine:
                 self._cache = None  # its memory counts as free
                 torch.cuda.empty_cache()
                 free, _ = torch.cuda.mem_get_info(self.device)
-                self._fraction_pages = max(1, int(self.kv_cache_fraction * free) // self.page_bytes - 1)
+                pages = max(1, int(self.kv_cache_fraction * free) // self.page_bytes - 1)
+                self._fraction_pages = self._agreed_pages(pages)
             pages = self._fraction_pages
         else:  # room for everything the call could write, above the scheduler's admission watermark
             pages = pages_wanted + math.ceil(2 * WATERMARK * pages_wanted) + 1
@@ -459,7 +500,7 @@ class TorchRolloutEngine:
             self._cache = PagedKVCache(
                 s.num_layers,
                 pages + 1,
-                s.num_key_value_heads,
+                self.model.heads[1],
                 s.head_dim,
                 self.page_size,
                 dtype=self.dtype,
@@ -469,6 +510,16 @@ class TorchRolloutEngine:
             if self.runner.graphs is not None:
                 self.runner.graphs.reset()  # the captured steps read the old pools
         return self._cache
+
+    def _agreed_pages(self, pages: int) -> int:
+        """The pool every rank of a tensor-parallel engine can hold (the smallest ``pages``): its ranks must
+        schedule alike, so their pools are one size."""
+        tp = self.tensor_parallel
+        if tp is None:
+            return pages
+        least = torch.tensor([pages], dtype=torch.int64, device=self.device)
+        dist.all_reduce(least, op=dist.ReduceOp.MIN, group=tp.group)
+        return int(least.item())
 
     def _as_ids(self, ids: Sequence[int] | torch.Tensor, index: int, what: str) -> torch.Tensor:
         """Validate one token list -> 1-D int64 tensor on the engine device."""

@@ -10,6 +10,11 @@ LoRA (DistillSparse) is applied inside :meth:`Qwen3Decoder.linears` as
 The q/k/v projections of a layer, and its gate/up projections, are stored as one stacked matrix each
 (``Qwen3Decoder.fused``) and run as one matmul; the HF-named ``params`` entries are row views of it, so a
 refit through them (``load_state``) updates the stacked matrix in place.
+
+With a :class:`~sparrow_nemo.rollout.torch.tensor_parallel.TensorParallel` the decoder holds one rank's shard of
+every weight (``params`` hold the local slices under the HF names) and runs the sharded forward: its heads, its
+MLP columns, an all-reduce after the attention output and after the MLP, a vocabulary-parallel embedding and
+logits gathered over the ranks (every rank ends with the full logits).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from sparrow_nemo.hf_qwen3 import (
     shape_from_hf_config,
 )
 from sparrow_nemo.model_shapes import Qwen3Shape
+from sparrow_nemo.rollout.torch.tensor_parallel import COLUMNS, TensorParallel, module_layout
 
 #: projections that read the same input and run as one stacked matmul: (group name, HF modules)
 FUSED_GROUPS = (
@@ -50,19 +56,31 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class Qwen3Decoder:
     """Qwen3 weights (HF names, in ``params``) and the per-layer forward pieces.
 
-    Tensor conventions: hidden states ``[..., hidden]``; per-head tensors ``[..., heads, head_dim]``;
-    positions are absolute token indices (int64). Everything runs in the weights' dtype except the
-    RMSNorm statistics (fp32) and rotary angles (computed in fp32, cast to the activations' dtype).
+    Tensor conventions: hidden states ``[..., hidden]``; per-head tensors ``[..., heads, head_dim]`` (this
+    rank's heads under tensor parallelism, :attr:`heads`); positions are absolute token indices (int64).
+    Everything runs in the weights' dtype except the RMSNorm statistics (fp32) and rotary angles (computed in
+    fp32, cast to the activations' dtype).
+
+    Args:
+        shape: the whole model's shape.
+        params: HF name -> tensor, of the local shapes (:meth:`local_shapes`: the full ones without
+            ``tensor_parallel``).
+        tensor_parallel: this rank's place in a tensor-parallel engine; None = the whole model here.
     """
 
-    def __init__(self, shape: Qwen3Shape, params: dict[str, torch.Tensor]) -> None:
-        expected = expected_weight_shapes(shape)
+    def __init__(
+        self,
+        shape: Qwen3Shape,
+        params: dict[str, torch.Tensor],
+        tensor_parallel: TensorParallel | None = None,
+    ) -> None:
+        self._setup(shape, tensor_parallel, params["model.embed_tokens.weight"].device)
+        expected = self.local_shapes()
         missing = sorted(set(expected) - set(params))
         if missing:
             raise ValueError(
                 f"Qwen3 weights: missing tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}"
             )
-        self.shape = shape
         self.params: dict[str, torch.Tensor] = {}
         for name, want in expected.items():
             got = tuple(params[name].shape)
@@ -71,12 +89,34 @@ class Qwen3Decoder:
             self.params[name] = params[name]
         self.fused: dict[str, torch.Tensor] = {}
         self._fuse()
+
+    def _setup(self, shape: Qwen3Shape, tensor_parallel: TensorParallel | None, device: torch.device) -> None:
+        """Everything but the weights: the shape, the tensor-parallel spec, the rotary frequencies, no adapter."""
+        if tensor_parallel is not None:
+            tensor_parallel.check(shape)
+        self.shape = shape
+        self.tensor_parallel = tensor_parallel
         d = shape.head_dim
         inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
-        self.inv_freq = inv_freq.to(self.params["model.embed_tokens.weight"].device)
+        self.inv_freq = inv_freq.to(device)
         self.lora: LoraAdapter | None = None
 
     # ----------------------------------------------------------------- construction
+    @classmethod
+    def empty(
+        cls,
+        shape: Qwen3Shape,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        tensor_parallel: TensorParallel | None = None,
+    ) -> Qwen3Decoder:
+        """Storage for this rank's weights, uninitialised: a refit fills it (an engine built before its weights
+        arrive, as the trainer's is)."""
+        decoder = cls.__new__(cls)
+        decoder._setup(shape, tensor_parallel, torch.device(device))
+        decoder.allocate(device, dtype)
+        return decoder
+
     @classmethod
     def random(
         cls,
@@ -84,8 +124,10 @@ class Qwen3Decoder:
         seed: int = 0,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        tensor_parallel: TensorParallel | None = None,
     ) -> Qwen3Decoder:
-        """Random weights (normal, std 0.02; norm weights 1 + N(0, 0.1)) from a private generator."""
+        """Random weights (normal, std 0.02; norm weights 1 + N(0, 0.1)) from a private generator; with
+        ``tensor_parallel`` this rank's shard of the same full weights (tests, benchmarks)."""
         gen = torch.Generator().manual_seed(seed)
         params = {}
         for name, shp in expected_weight_shapes(shape).items():
@@ -93,14 +135,21 @@ class Qwen3Decoder:
                 t = 1.0 + 0.1 * torch.randn(shp, generator=gen)
             else:
                 t = 0.02 * torch.randn(shp, generator=gen)
+            if tensor_parallel is not None:
+                t = tensor_parallel.shard(name, t).clone()  # not a view that keeps the whole tensor
             params[name] = t.to(device=device, dtype=dtype)
-        return cls(shape, params)
+        return cls(shape, params, tensor_parallel)
 
     @classmethod
     def from_hf_dir(
-        cls, path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+        cls,
+        path: str | Path,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        tensor_parallel: TensorParallel | None = None,
     ) -> Qwen3Decoder:
-        """Load an HF Qwen3 checkpoint directory (``config.json`` + single or sharded safetensors).
+        """Load an HF Qwen3 checkpoint directory (``config.json`` + single or sharded safetensors); with
+        ``tensor_parallel`` only this rank's shard of each tensor is kept.
 
         Reads the config with :func:`sparrow_nemo.hf_qwen3.shape_from_hf_config` (one parser for the project) and refuses a
         sliding-window config, which this decoder does not implement. A tensor of the wrong shape is a
@@ -120,8 +169,10 @@ class Qwen3Decoder:
                 raise ValueError(
                     f"{path}: tensor '{name}' has shape {tuple(tensor.shape)}, expected {want} from config.json"
                 )
+            if tensor_parallel is not None:
+                tensor = tensor_parallel.shard(name, tensor).clone()
             params[name] = tensor.to(device=device, dtype=dtype)
-        return cls(shape, params)
+        return cls(shape, params, tensor_parallel)
 
     @property
     def device(self) -> torch.device:
@@ -131,27 +182,51 @@ class Qwen3Decoder:
     def dtype(self) -> torch.dtype:
         return self.params["model.embed_tokens.weight"].dtype
 
+    @property
+    def heads(self) -> tuple[int, int]:
+        """(q heads, KV heads) this rank computes: all of them without tensor parallelism."""
+        if self.tensor_parallel is None:
+            return self.shape.num_attention_heads, self.shape.num_key_value_heads
+        return self.tensor_parallel.heads(self.shape)
+
+    def local_shapes(self) -> dict[str, tuple[int, ...]]:
+        """HF name -> the shape this rank holds of every weight."""
+        if self.tensor_parallel is None:
+            return expected_weight_shapes(self.shape)
+        return self.tensor_parallel.local_shapes(self.shape)
+
     # ----------------------------------------------------------------- weights
     def load_state(self, state: Mapping[str, torch.Tensor]) -> None:
         """Copy HF-named tensors into the existing parameters in place (a refit, no re-allocation).
 
         A subset of the names may be given. ``lm_head.weight`` is ignored when the embeddings are tied.
+        Under tensor parallelism a tensor may come whole or as this rank's shard: one of the full HF shape is
+        sliced (:meth:`TensorParallel.shard`), any other must have the local shape. (Where the two shapes
+        coincide for a sharded tensor, a vocabulary of ``padded_vocab / k`` rows, the real rows are all on rank
+        0 and both readings give every rank the same real rows.)
         Raises KeyError for an unknown name and ValueError naming the tensor and both shapes on mismatch.
         """
+        full = expected_weight_shapes(self.shape)
+        local: dict[str, torch.Tensor] = {}
         for name, value in state.items():
             if name == "lm_head.weight" and self.shape.tie_word_embeddings:
                 continue
             if name not in self.params:
                 raise KeyError(f"update_weights: unknown tensor '{name}' for this Qwen3 shape")
-            if tuple(value.shape) != tuple(self.params[name].shape):
-                raise ValueError(
-                    f"update_weights: tensor '{name}' has shape {tuple(value.shape)}, "
-                    f"expected {tuple(self.params[name].shape)}"
+            want = tuple(self.params[name].shape)
+            if self.tensor_parallel is not None and tuple(value.shape) == full[name] != want:
+                value = self.tensor_parallel.shard(name, value)
+            if tuple(value.shape) != want:
+                shard = (
+                    "" if self.tensor_parallel is None else f" (this rank's shard) or {full[name]} (whole)"
                 )
+                raise ValueError(
+                    f"update_weights: tensor '{name}' has shape {tuple(value.shape)}, expected {want}{shard}"
+                )
+            local[name] = value
         with torch.no_grad():
-            for name, value in state.items():
-                if name in self.params:
-                    self.params[name].copy_(value)
+            for name, value in local.items():
+                self.params[name].copy_(value)
 
     def _fuse(self) -> None:
         """Stack each layer's :data:`FUSED_GROUPS` weights into ``fused`` and make ``params`` views of it."""
@@ -178,9 +253,9 @@ class Qwen3Decoder:
         self.params, self.fused = {}, {}
 
     def allocate(self, device: str | torch.device, dtype: torch.dtype) -> None:
-        """Storage for every weight, uninitialised (the refit fills it): each fused group as one stacked matrix,
-        its modules' entries views of it, as :meth:`_fuse` lays them out."""
-        shapes = expected_weight_shapes(self.shape)
+        """Storage for every weight of this rank's shapes, uninitialised (the refit fills it): each fused group as
+        one stacked matrix, its modules' entries views of it, as :meth:`_fuse` lays them out."""
+        shapes = self.local_shapes()
         grouped = {
             f"model.layers.{i}.{m}.weight"
             for i in range(self.shape.num_layers)
@@ -190,6 +265,7 @@ class Qwen3Decoder:
         self.params = {
             n: torch.empty(shp, dtype=dtype, device=device) for n, shp in shapes.items() if n not in grouped
         }
+        self.fused = {}
         for i in range(self.shape.num_layers):
             for group, modules in FUSED_GROUPS:
                 names = [f"model.layers.{i}.{m}.weight" for m in modules]
@@ -201,8 +277,12 @@ class Qwen3Decoder:
 
     # ----------------------------------------------------------------- forward pieces
     def linear(self, module: str, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W.T`` for HF module ``module`` plus the LoRA delta when an adapter targets it."""
-        return self._lora(module, x, F.linear(x, self.params[module + ".weight"]))
+        """``x @ W.T`` for HF module ``module`` plus the LoRA delta when an adapter targets it; for a
+        row-parallel module under tensor parallelism (its input features split), summed over the ranks."""
+        y = self._lora(module, x, F.linear(x, self.params[module + ".weight"]))
+        if self.tensor_parallel is not None and module_layout(module) == COLUMNS:
+            y = self.tensor_parallel.all_reduce(y)
+        return y
 
     def linears(self, layer: int, group: str, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The projections of :data:`FUSED_GROUPS` ``group`` of ``layer`` on ``x``, one matmul: a tuple in the
@@ -234,6 +314,8 @@ class Qwen3Decoder:
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Token ids ``[...]`` int64 -> hidden ``[..., hidden]``."""
+        if self.tensor_parallel is not None:
+            return self.tensor_parallel.embed(ids, self.params["model.embed_tokens.weight"])
         return F.embedding(ids, self.params["model.embed_tokens.weight"])
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -255,31 +337,33 @@ class Qwen3Decoder:
         positions: torch.Tensor,
         rope: tuple[torch.Tensor, ...] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Hidden ``h [..., T, hidden]`` at ``positions [..., T]`` -> (q ``[..., T, Hq, D]``, k, v ``[..., T, Hkv, D]``).
+        """Hidden ``h [..., T, hidden]`` at ``positions [..., T]`` -> (q ``[..., T, Hq, D]``, k, v ``[..., T, Hkv, D]``),
+        this rank's heads (:attr:`heads`).
 
         q and k are RMS-normalised per head and rotated: exactly what the KV cache stores. ``rope``:
         :meth:`rope` of ``positions`` when the caller shares it over layers (computed here otherwise).
         """
         s, p = self.shape, f"model.layers.{layer}."
+        hq, hkv = self.heads
         if cpu_layer.supports(h) and s.head_dim <= cpu_layer.MAX_HEAD_DIM:  # one kernel per elementwise stage
             x = cpu_layer.rms_norm(h, self.params[p + "input_layernorm.weight"], s.rms_norm_eps)
             qkv = self.stacked(layer, "self_attn.qkv", x)
             q, k = cpu_layer.qk_norm_rope(
                 qkv,
-                (s.num_attention_heads, s.num_key_value_heads),
+                (hq, hkv),
                 self.params[p + "self_attn.q_norm.weight"],
                 self.params[p + "self_attn.k_norm.weight"],
                 rope or self.rope(positions, qkv.dtype),
                 s.rms_norm_eps,
             )
-            v = qkv[..., (s.num_attention_heads + s.num_key_value_heads) * s.head_dim :]
-            return q, k, v.unflatten(-1, (s.num_key_value_heads, s.head_dim))
+            v = qkv[..., (hq + hkv) * s.head_dim :]
+            return q, k, v.unflatten(-1, (hkv, s.head_dim))
         x = rms_norm(h, self.params[p + "input_layernorm.weight"], s.rms_norm_eps)
         lead = x.shape[:-1]
         q, k, v = self.linears(layer, "self_attn.qkv", x)
-        q = q.view(*lead, s.num_attention_heads, s.head_dim)
-        k = k.view(*lead, s.num_key_value_heads, s.head_dim)
-        v = v.view(*lead, s.num_key_value_heads, s.head_dim)
+        q = q.view(*lead, hq, s.head_dim)
+        k = k.view(*lead, hkv, s.head_dim)
+        v = v.view(*lead, hkv, s.head_dim)
         q = rms_norm(q, self.params[p + "self_attn.q_norm.weight"], s.rms_norm_eps)
         k = rms_norm(k, self.params[p + "self_attn.k_norm.weight"], s.rms_norm_eps)
         rope = rope or self.rope(positions, q.dtype)
@@ -300,8 +384,12 @@ class Qwen3Decoder:
         return h + self.linear(p + "mlp.down_proj", act)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Final norm and LM head: ``[..., hidden]`` -> fp32 logits ``[..., vocab]``."""
+        """Final norm and LM head: ``[..., hidden]`` -> fp32 logits ``[..., vocab]`` (gathered over the ranks of a
+        tensor-parallel engine: every rank gets all of them)."""
         norm = cpu_layer.rms_norm if cpu_layer.supports(h) else rms_norm
         x = norm(h, self.params["model.norm.weight"], self.shape.rms_norm_eps)
         head = "model.embed_tokens.weight" if self.shape.tie_word_embeddings else "lm_head.weight"
-        return F.linear(x, self.params[head]).float()
+        logits = F.linear(x, self.params[head]).float()
+        if self.tensor_parallel is not None:
+            return self.tensor_parallel.gather_logits(logits, self.shape.vocab_size)
+        return logits
