@@ -43,6 +43,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_targets import cache_bytes_per_token, paper_reachable, rollout_limits, rollout_target
+from rollout_speedup import (
+    random_decoder,  # weights drawn on the device (a CPU generator takes minutes at 8B)
+)
 
 from sparrow_nemo.model_shapes import get_shape
 from sparrow_nemo.rollout.engine import RolloutBatch, SamplingParams
@@ -65,11 +68,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--mean-new", type=int, default=128, help="mean response length the stop set aims at")
     p.add_argument("--group", type=int, default=16, help="samples per prompt (a GRPO group)")
     p.add_argument("--waves", type=float, default=2.0, help="requests = waves x the rows that fit at once")
-    p.add_argument("--rows", type=int, default=None, help="rows that fit at once (default: measured free memory)")
+    p.add_argument(
+        "--rows", type=int, default=None, help="rows that fit at once (default: measured free memory)"
+    )
     p.add_argument("--threshold", default="0.86", help="the paper's schedule: qwen3-<size>-<threshold>")
     p.add_argument("--dense-layers", type=int, default=2)
-    p.add_argument("--headroom-gib", type=float, default=8.0, help="GPU memory kept free besides the KV cache")
-    p.add_argument("--warmup-tokens", type=int, default=8, help="tokens of each arm's untimed warm-up generate")
+    p.add_argument(
+        "--headroom-gib", type=float, default=8.0, help="GPU memory kept free besides the KV cache"
+    )
+    p.add_argument(
+        "--warmup-tokens", type=int, default=8, help="tokens of each arm's untimed warm-up generate"
+    )
     p.add_argument("--time-budget-s", type=float, default=1e9, help="start no model after this many seconds")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=RESULTS, help="JSON lines file to append to")
@@ -95,14 +104,9 @@ def fitting_rows(shape, device: torch.device, context: int, headroom_gib: float)
     return max(0, int(free // (cache_bytes_per_token(shape) * context)))
 
 
-def random_decoder(shape, dtype: torch.dtype, device: torch.device, seed: int):
-    """rollout_speedup's device-drawn random weights (a CPU generator takes minutes at 8B)."""
-    from rollout_speedup import random_decoder as draw
-
-    return draw(shape, dtype, device, seed)
-
-
-def request_mix(vocab: int, eos: int, args: argparse.Namespace, rows: int) -> tuple[list[list[int]], tuple[int, ...]]:
+def request_mix(
+    vocab: int, eos: int, args: argparse.Namespace, rows: int
+) -> tuple[list[list[int]], tuple[int, ...]]:
     """GRPO-shaped prompts (groups of ``--group`` copies of one random prompt; ``waves x rows`` requests,
     whole groups) and the stop set (EOS + about vocab / mean-new other ids)."""
     gen = torch.Generator().manual_seed(args.seed)
@@ -155,7 +159,9 @@ def run_model(name: str, args: argparse.Namespace, device: torch.device, env: di
                                 prefill_chunk_tokens=16 if args.tiny else 2048, **capacity)  # fmt: skip
     build_s = time.perf_counter() - t0
     prompts, stop = request_mix(shape.vocab_size, shape.eos_token_id, args, rows)
-    sampling = SamplingParams(max_new_tokens=args.max_new, temperature=1.0, seed=args.seed + 1, stop_token_ids=stop)
+    sampling = SamplingParams(
+        max_new_tokens=args.max_new, temperature=1.0, seed=args.seed + 1, stop_token_ids=stop
+    )
     dense = BudgetSchedule.dense(schedule.bin_tokens, schedule.page_size)
     arms = {}
     for arm, sched in (("dense", dense), ("sparse", schedule)):

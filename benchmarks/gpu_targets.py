@@ -86,7 +86,9 @@ def memory_bound_model(shape: Qwen3Shape, dense_layers: int = 2) -> DecodeCostMo
     """The decode cost model with its compute and overhead terms gone: time = bytes / bandwidth. A speedup it
     predicts is the memory-bound limit (on a GPU every read runs at one bandwidth, so the kind cancels)."""
     bandwidth = HARDWARE["h200"].mem_bandwidth
-    return DecodeCostModel(shape, Hardware("memory-bound", peak_flops=1e30, mem_bandwidth=bandwidth), dense_layers)
+    return DecodeCostModel(
+        shape, Hardware("memory-bound", peak_flops=1e30, mem_bandwidth=bandwidth), dense_layers
+    )
 
 
 def memory_bound_limit(
@@ -114,13 +116,17 @@ def rollout_limits(
         fit = fitting_batch(shape, kind, longest)
         out[kind] = {
             "batch": fit,
-            "memory_bound_limit": memory_bound_limit(shape, schedule, spread(lengths, fit), prompt, dense_layers)
+            "memory_bound_limit": memory_bound_limit(
+                shape, schedule, spread(lengths, fit), prompt, dense_layers
+            )
             if fit
             else float("nan"),
         }
     out["ran"] = {
         "batch": batch,
-        "memory_bound_limit": memory_bound_limit(shape, schedule, spread(lengths, batch), prompt, dense_layers),
+        "memory_bound_limit": memory_bound_limit(
+            shape, schedule, spread(lengths, batch), prompt, dense_layers
+        ),
     }
     return out
 

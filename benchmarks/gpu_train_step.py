@@ -48,7 +48,9 @@ GIB = 2**30
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tiny", action="store_true", help="the tiny shape in fp32 on CPU (the path, no memory numbers)")
+    p.add_argument(
+        "--tiny", action="store_true", help="the tiny shape in fp32 on CPU (the path, no memory numbers)"
+    )
     p.add_argument("--lengths", type=int, nargs="+", default=None, help="tokens per sequence (16384 32768)")
     p.add_argument("--out", type=Path, default=None, help="JSON lines file to append to")
     args = p.parse_args(argv)
@@ -71,7 +73,9 @@ def plan_parts(config, gpu_gib: float) -> dict:
     from sparrow_nemo.commands.plan import plan_config
 
     m = plan_config(config, 1, 1, gpu_gib).memory
-    parts = {k: getattr(m, k) for k in ("weights", "gradients", "optimizer", "activations", "logits", "recompute")}
+    parts = {
+        k: getattr(m, k) for k in ("weights", "gradients", "optimizer", "activations", "logits", "recompute")
+    }
     return {**parts, "total": m.total}
 
 
@@ -113,11 +117,8 @@ def train_rows(policy, config, args, cuda: bool, meta: dict) -> Iterator[dict]:
         scored, score_peak, score_s = peak(lambda b=scoring: policy.logprobs(b)[0], cuda)
         batch = update_batch(vocab, seq_len, args.prompt_tokens, scored.logprobs.float())
         p = cfg.policy
-        result, step_peak, step_s = peak(
-            lambda b=batch: update_policy(policy, b, cfg.grpo.loss, p.micro_batch_size, 1,
-                                          p.max_tokens_per_micro_batch),
-            cuda,
-        )  # fmt: skip
+        step = [cfg.grpo.loss, p.micro_batch_size, 1, p.max_tokens_per_micro_batch]
+        result, step_peak, step_s = peak(lambda b=batch, a=step: update_policy(policy, b, *a), cuda)
         gpu_gib = torch.cuda.get_device_properties(0).total_memory / GIB if cuda else 80.0
         plan = plan_parts(cfg, gpu_gib)
         row = {
@@ -162,7 +163,11 @@ def refit_row(policy, engine, config, cuda: bool, meta: dict) -> dict:
     wake2_s = time.perf_counter() - t0
     from sparrow_nemo.sparse.schedule import BudgetSchedule
 
-    out = engine.generate([[5, 6, 7, 8] * 4], replace(sampling_params(config), max_new_tokens=8, stop_token_ids=()), BudgetSchedule.dense())
+    out = engine.generate(
+        [[5, 6, 7, 8] * 4],
+        replace(sampling_params(config), max_new_tokens=8, stop_token_ids=()),
+        BudgetSchedule.dense(),
+    )
     finite = bool(torch.isfinite(out.samples[0].logprobs).all())
     row = {
         **meta, "benchmark": "refit_sleep_wake", "tensors": tensors, "refit_s": refit_s, "wake_s": wake_s,

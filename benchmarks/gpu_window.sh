@@ -6,18 +6,18 @@
 #   env          (20 s)  versions, GPU, driver, commit -> env.json; import hygiene (the kernels and the rollout
 #                        engine import neither megatron nor transformers); megatron-core installed from the
 #                        wheel carried in .window/ (the image has none) into .window/site, and checked
-#   correctness (110 s)  natively on the GPU: the kernel tests (selection, decode, append, verify, minmax, a
+#   correctness (130 s)  natively on the GPU: the kernel tests (selection, decode, append, verify, minmax, a
 #                        CUDA-graph replay of a decode layer), the engine's Triton path vs its torch path and
 #                        the CUDA-graph decode loop vs eager (tests/rollout/test_kernel_path.py,
 #                        test_fast_decode.py), the speculative verify kernel -> correctness.xml
-#   kernels      (60 s)  sparse_attention.py --only-targets: 8B, batch 64, 32K and 4K, 10 % and 25 % kept,
+#   kernels      (55 s)  sparse_attention.py --only-targets: 8B, batch 64, 32K and 4K, 10 % and 25 % kept,
 #                        each row with its targets -> kernels.jsonl
-#   rollout     (120 s)  engine_rollout.py: Qwen3 1.7B then 8B at 32K, dense vs the paper's 0.86 schedule, a
+#   rollout     (115 s)  engine_rollout.py: Qwen3 1.7B then 8B at 32K, dense vs the paper's 0.86 schedule, a
 #                        GRPO-shaped request mix (twice the rows that fit) with EOS honoured, through
 #                        engine.generate -> rollout.jsonl
-#   speculative  (75 s)  speculative_rollout.py at 1.7B, batch 16 (one GRPO group), 32,512-token prompts + 256
+#   speculative  (70 s)  speculative_rollout.py at 1.7B, batch 16 (one GRPO group), 32,512-token prompts + 256
 #                        tokens: dense, the 10 % schedule, speculative k = 8 -> speculative.jsonl
-#   train        (90 s)  gpu_train_step.py: MegatronPolicy (qwen3-1.7b, TP1, bf16, the recipe's recompute),
+#   train        (85 s)  gpu_train_step.py: MegatronPolicy (qwen3-1.7b, TP1, bf16, the recipe's recompute),
 #                        one GRPO update at 16K and at 32K tokens with its peak memory beside sparrow plan's,
 #                        one refit into the engine, one sleep/wake -> train_step.jsonl
 # Weights are drawn on the device; every timed arm has an untimed warm-up first. Every results line carries
@@ -35,7 +35,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 
 STAGES=(env correctness kernels rollout speculative train)
-declare -A GPU_LIMIT=([env]=20 [correctness]=110 [kernels]=60 [rollout]=120 [speculative]=75 [train]=90)
+declare -A GPU_LIMIT=([env]=20 [correctness]=130 [kernels]=55 [rollout]=115 [speculative]=70 [train]=85)
 declare -A TINY_LIMIT=([env]=120 [correctness]=900 [kernels]=300 [rollout]=300 [speculative]=600 [train]=300)
 declare -A DRY_LIMIT=([env]=120 [correctness]=300 [kernels]=300 [rollout]=300 [speculative]=300 [train]=300)
 
@@ -90,7 +90,8 @@ stage() { # stage NAME CMD...: run under the stage's limit, log its output, reco
   limit=$(limit_of "$name")
   log "=== $name (limit ${limit}s, $((SECONDS - START))s into the window): $*"
   start=$SECONDS
-  timeout --kill-after=5 "$limit" "$@" 2>&1 | tee -a "$LOG"
+  # SIGINT first: pytest still writes its JUnit file, a benchmark stops with its finished lines written
+  timeout --signal=INT --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$LOG"
   rc=${PIPESTATUS[0]}
   log "=== $name: exit $rc after $((SECONDS - start))s"
   printf '{"stage": "%s", "rc": %d, "seconds": %d, "limit_s": %d, "mode": "%s", "commit": "%s"}\n' \
@@ -103,8 +104,8 @@ stage() { # stage NAME CMD...: run under the stage's limit, log its output, reco
 MEGATRON_SITE=""
 # shellcheck disable=SC2329  # run as `bash -c env_stage` (exported), under the stage's limit
 env_stage() {
-  "$PY" - "$OUT/env.json" <<'EOF' || return 1
-import importlib, json, subprocess, sys
+  "$PY" - "$OUT/env.json" "$MODE" <<'EOF' || return 1
+import datetime, importlib, json, subprocess, sys
 sys.path.insert(0, "benchmarks")
 import torch, triton
 from gpu_targets import commit, kind_of
@@ -120,22 +121,37 @@ if cuda:
     q = "--query-gpu=name,driver_version,memory.total,memory.used"
     smi = subprocess.run(["nvidia-smi", q, "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
 gpu = torch.cuda.get_device_name(0) if cuda else "cpu"
-env = {"commit": commit(), "gpu": gpu, "gpu_kind": kind_of(gpu) if cuda else None, "nvidia_smi": smi,
+date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+env = {"commit": commit(), "date": date, "mode": sys.argv[2], "gpu": gpu, "gpu_kind": kind_of(gpu) if cuda else None, "nvidia_smi": smi,
        "driver": smi.split(", ")[1] if smi else None, "python": sys.version.split()[0], "torch": torch.__version__,
        "cuda": torch.version.cuda, "triton": triton.__version__, "interpreted": sys.modules["sparrow_kernels"].INTERPRETED,
        "gpu_memory_gib": torch.cuda.get_device_properties(0).total_memory / 2**30 if cuda else None}
 json.dump(env, open(sys.argv[1], "w"))
 print(json.dumps(env))
 EOF
+  # The GPU image has no megatron-core: its wheel travels in .window/ (README, "GPU window"), installed offline.
+  local wheels=(.window/megatron_core-0.16.1-*.whl) wheel site
+  wheel=${wheels[0]}
   if [ "$MODE" = gpu ]; then
-    # The GPU image has no megatron-core: its wheel travels in .window/ (README, "GPU"), installed offline here.
-    local wheels=(.window/megatron_core-0.16.1-*.whl) wheel
-    wheel=${wheels[0]}
     [ -f "$wheel" ] || { echo "no .window/megatron_core-0.16.1-*.whl: download it and carry .window (README)"; return 1; }
     echo "installing megatron-core from $wheel into .window/site (pip --no-index --no-deps --target)"
-    "$PY" -m pip install --quiet --no-index --no-deps --target .window/site "$wheel" || return 1
+    if "$PY" -m pip --version >/dev/null 2>&1; then
+      "$PY" -m pip install --quiet --no-index --no-deps --target .window/site "$wheel" || return 1
+    else  # no pip in the image: a wheel is a zip of its installed files
+      echo "no pip: unpacking the wheel instead"
+      "$PY" -m zipfile -e "$wheel" .window/site || return 1
+    fi
+    site=$PWD/.window/site
+  elif [ -f "$wheel" ]; then  # rehearsal: the same offline install of the cp312 wheel, for Python 3.12, not imported
+    site=$(mktemp -d)
+    "$PY" -m pip install --quiet --no-index --no-deps --python-version 3.12 --only-binary=:all: --target "$site" \
+      "$wheel" || return 1
+    [ -d "$site/megatron_core-0.16.1.dist-info" ] || { echo "the wheel did not install into $site"; return 1; }
+    echo "the carried wheel installs offline into a --target folder ($wheel); this $MODE run imports the venv's"
+    rm -rf "$site"
+    site=""
   fi
-  PYTHONPATH="$PYTHONPATH$([ "$MODE" = gpu ] && echo ":$PWD/.window/site")" "$PY" -c \
+  PYTHONPATH="$PYTHONPATH${site:+:$site}" "$PY" -c \
     "import megatron.core as m; assert m.__version__ == '0.16.1', m.__version__; print('megatron-core', m.__version__, m.__file__)"
 }
 

@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_targets import KINDS, fitting_batch, judge, memory_bound_model
+from gpu_targets import KINDS, commit, fitting_batch, judge, memory_bound_model
 from rollout_throughput import machine_info
 
 from sparrow_nemo.model_shapes import PRESETS
@@ -153,8 +153,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     prefill_cpu: list[float] = []  # per repeat, a 1-token generate's: the prefill's CPU time, to subtract
     stats: dict[str, dict] = {}
     started = time.perf_counter()
-    for name, (sched, spec) in arms.items() if args.warmup_tokens else ():
-        engine.generate(prompts, replace(sampling, max_new_tokens=args.warmup_tokens), sched, speculative=spec)
+    for sched, spec in arms.values() if args.warmup_tokens else ():
+        engine.generate(
+            prompts, replace(sampling, max_new_tokens=args.warmup_tokens), sched, speculative=spec
+        )
     warmup_s = time.perf_counter() - started
     meta = {
         **machine_info(args.device),
@@ -165,6 +167,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "benchmark": "speculative_rollout",
         "shape": args.shape,
         "warmup_s": warmup_s,
+        "commit": commit(),
     }
     config = {k: getattr(args, k) for k in ("batch", "group", "prompt_len", "gen_len", "fraction", "bin_tokens",
                                              "page_size", "dense_layers", "repeats", "warmup_tokens")}  # fmt: skip
@@ -223,7 +226,9 @@ def _arm_row(name, sched, spec, times, generate_cpu, prefill_cpu, stats, fitted,
     on_cpu = bool(prefill_cpu)
     tokens = args.batch * args.gen_len
     prefill = statistics.median(prefill_cpu) if on_cpu else 0.0
-    cpu = {arm: [c - prefill for c in raw] for arm, raw in generate_cpu.items() if raw}  # the decodes' CPU seconds
+    cpu = {
+        arm: [c - prefill for c in raw] for arm, raw in generate_cpu.items() if raw
+    }  # the decodes' CPU seconds
     drafted = sched if spec is None else spec.schedule_for(sched)
     speedup = statistics.median(d / t for d, t in zip(times["dense"], times[name]))
     shape = PRESETS[args.shape]
@@ -238,7 +243,11 @@ def _arm_row(name, sched, spec, times, generate_cpu, prefill_cpu, stats, fitted,
     target = None
     if name != "dense":
         target = judge(speedup / limits["ran"]["memory_bound_limit"], 0.8, ">=")
-        target.update(gpu_kind=meta.get("gpu_kind"), batch=args.batch, memory_bound_limit=limits["ran"]["memory_bound_limit"])
+        target.update(
+            gpu_kind=meta.get("gpu_kind"),
+            batch=args.batch,
+            memory_bound_limit=limits["ran"]["memory_bound_limit"],
+        )
     return {
         **meta, **config, "arm": name, "schedule": list(drafted.budgets), "load_avg_1m_after": os.getloadavg()[0],
         "decode_tokens_per_s": tokens / statistics.median(times[name]),

@@ -32,7 +32,18 @@ def test_fraction_schedule_grows_in_whole_pages(bench) -> None:
 def test_tiny_run_writes_one_consistent_line_per_arm(bench, tmp_path: Path) -> None:
     out = tmp_path / "spec.jsonl"
     args = ["--shape", "tiny-test", "--batch", "2", "--prompt-len", "40", "--gen-len", "12", "--ks", "2", "5"]
-    args += ["--draft-budgets", "8", "--bin-tokens", "16", "--page-size", "4", "--repeats", "2", "--group", "2"]
+    args += [
+        "--draft-budgets",
+        "8",
+        "--bin-tokens",
+        "16",
+        "--page-size",
+        "4",
+        "--repeats",
+        "2",
+        "--group",
+        "2",
+    ]
     args += ["--warmup-tokens", "3"]
     rows = bench.main([*args, "--out", str(out)])
     lines = [json.loads(line) for line in out.read_text().splitlines()]
