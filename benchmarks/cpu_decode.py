@@ -2,7 +2,7 @@
 
 Random weights of a Qwen3 shape preset and a cache of random keys/values; per context, dense decode,
 fixed budgets of the given fractions of the context, and the memory-bound limit of dense decode (bytes
-per step over the copy bandwidth measured in the same run; see ``sparrow_nemo.rollout.bench``). One JSON
+per step over the copy bandwidth measured in the same run; see ``sparrow_nemo.rollout.tools.bench``). One JSON
 object per (context, schedule) is appended to ``benchmarks/results/cpu_decode.jsonl`` with the machine,
 the load average and the date; the table is printed. ``--page-scores centroid minmax`` measures the page
 scores side by side: engines over one model (one per score) take turns, each keeping its best time per
@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rollout_throughput import machine_info
 
 from sparrow_nemo.commands.bench import fraction_schedule
-from sparrow_nemo.rollout.bench import decode_throughput, format_throughput, make_engine
-from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
+from sparrow_nemo.rollout.tools.bench import decode_throughput, format_throughput, make_engine
+from sparrow_nemo.rollout.torch.engine import TorchRolloutEngine
 from sparrow_nemo.sparse.pattern import PAGE_SCORES
 
 RESULTS = Path(__file__).resolve().parent / "results" / "cpu_decode.jsonl"

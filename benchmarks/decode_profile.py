@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rollout_throughput import machine_info
 from schedule_ab import alternate, append_row, check_counts, parser, prepare
 
-from sparrow_nemo.rollout.decode_step import DecodeAttention
-from sparrow_nemo.rollout.paged_cache import PagedKVCache
+from sparrow_nemo.rollout.torch.decode_step import DecodeAttention
+from sparrow_nemo.rollout.torch.paged_cache import PagedKVCache
 
 RESULTS = Path(__file__).resolve().parent / "results" / "decode_profile.jsonl"
 

@@ -49,7 +49,7 @@ from rollout_speedup import (
 
 from sparrow_nemo.model_shapes import get_shape
 from sparrow_nemo.rollout.engine import RolloutBatch, SamplingParams
-from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
+from sparrow_nemo.rollout.torch.engine import TorchRolloutEngine
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 RESULTS = Path(__file__).resolve().parent / "results" / "engine_rollout.jsonl"

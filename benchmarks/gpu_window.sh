@@ -110,8 +110,8 @@ sys.path.insert(0, "benchmarks")
 import torch, triton
 from gpu_targets import commit, kind_of
 
-for name in ("sparrow_kernels", "sparrow_kernels.decode", "sparrow_kernels.verify", "sparrow_nemo.rollout.torch_engine",
-             "sparrow_nemo.rollout.static_decode", "sparrow_nemo.rollout.speculative", "sparrow_nemo.sparse.cost_model"):
+for name in ("sparrow_kernels", "sparrow_kernels.decode", "sparrow_kernels.verify", "sparrow_nemo.rollout.torch.engine",
+             "sparrow_nemo.rollout.torch.static_decode", "sparrow_nemo.rollout.torch.speculative", "sparrow_nemo.sparse.cost_model"):
     importlib.import_module(name)
 bad = sorted(m for m in sys.modules if m.split(".")[0] in ("megatron", "transformers"))
 assert not bad, f"the kernels and the rollout engine must not import megatron/transformers, got {bad}"

@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rollout_throughput import machine_info
 
 from sparrow_nemo.grpo.recipe import SparrowConfig, load_config
-from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder
+from sparrow_nemo.rollout.torch.qwen3 import Qwen3Decoder
 from sparrow_nemo.sparse.attention import (
     group_mean_query,
     key_bound_scores,

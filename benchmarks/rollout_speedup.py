@@ -47,10 +47,10 @@ from sparse_attention import copy_bandwidth, environment, make_timer
 from sparrow_nemo.hf_qwen3 import expected_weight_shapes
 from sparrow_nemo.model_shapes import Qwen3Shape, get_shape
 from sparrow_nemo.rollout.engine import SamplingParams
-from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder
 from sparrow_nemo.rollout.sampling import sample_tokens, token_logprobs
-from sparrow_nemo.rollout.static_decode import StaticDecoder
-from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
+from sparrow_nemo.rollout.torch.engine import TorchRolloutEngine
+from sparrow_nemo.rollout.torch.qwen3 import Qwen3Decoder
+from sparrow_nemo.rollout.torch.static_decode import StaticDecoder
 from sparrow_nemo.sparse.cost_model import HARDWARE, DecodeCostModel, Hardware
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET, BudgetSchedule
 

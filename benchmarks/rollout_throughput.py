@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from sparrow_nemo.rollout.bench import bench_rollout, make_engine
+from sparrow_nemo.rollout.tools.bench import bench_rollout, make_engine
 
 RESULTS = Path(__file__).resolve().parent / "results" / "rollout_throughput.jsonl"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -55,11 +55,11 @@ from gpu_targets import KINDS, commit, fitting_batch, judge, memory_bound_model
 from rollout_throughput import machine_info
 
 from sparrow_nemo.model_shapes import PRESETS
-from sparrow_nemo.rollout.cost_fit import engine_cost_model, fit_cpu_hardware, rollout_hardware
 from sparrow_nemo.rollout.engine import SamplingParams
-from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder
-from sparrow_nemo.rollout.speculative import SpeculativeConfig
-from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
+from sparrow_nemo.rollout.tools.cost_fit import engine_cost_model, fit_cpu_hardware, rollout_hardware
+from sparrow_nemo.rollout.torch.engine import TorchRolloutEngine
+from sparrow_nemo.rollout.torch.qwen3 import Qwen3Decoder
+from sparrow_nemo.rollout.torch.speculative import SpeculativeConfig
 from sparrow_nemo.sparse.cost_model import DecodeCostModel
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 from sparrow_nemo.sparse.speculative_cost import (
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             draft = BudgetSchedule(args.bin_tokens, (n,), args.page_size, name=f"fixed:{n}")
             arms[f"speculative k={k} draft={n}"] = (schedule, SpeculativeConfig((k,), draft_schedule=draft))
 
-    # the decode cost model of this engine (sparrow_nemo.rollout.cost_fit): fitted to this CPU, or the GPU's preset
+    # the decode cost model of this engine (sparrow_nemo.rollout.tools.cost_fit): fitted to this CPU, or the GPU's preset
     hardware = (
         fit_cpu_hardware(engine, batch=args.batch, seed=args.seed)
         if on_cpu

@@ -29,8 +29,8 @@ import re
 
 import torch
 
-from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder
-from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
+from sparrow_nemo.rollout.torch.engine import TorchRolloutEngine
+from sparrow_nemo.rollout.torch.qwen3 import Qwen3Decoder
 from sparrow_nemo.sparse.attention import group_mean_query, key_bound_scores, page_key_bounds
 from sparrow_nemo.tasks.chain import ChainProblem, ChainTask, ChainTaskConfig
 from sparrow_nemo.tasks.tokenizer import CharTokenizer

@@ -1,7 +1,7 @@
 """The Hugging Face Qwen3 checkpoint format: tensor names and shapes, config.json, safetensors, LoRA by HF name.
 
 One module below both the policy (:mod:`sparrow_nemo.policy.hf_import`: megatron <-> HF) and the rollout
-engines (:mod:`sparrow_nemo.rollout.qwen3_torch`, TensorRT-LLM), so that neither imports the other:
+engines (:mod:`sparrow_nemo.rollout.torch.qwen3`, TensorRT-LLM), so that neither imports the other:
 
 - names: a decoder layer's linears (:data:`ATTN_LINEARS`, :data:`MLP_LINEARS`; the LoRA targets),
   every parameter's name and shape (:func:`expected_weight_shapes`, :func:`linear_in_out`);

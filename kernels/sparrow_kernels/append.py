@@ -1,6 +1,6 @@
 """Append one decoded token's key and value to the paged KV cache and update the page's landmarks.
 
-Layout (shared with the reference rollout engine, ``sparrow_nemo.rollout.paged_cache``): k_pages,
+Layout (shared with the reference rollout engine, ``sparrow_nemo.rollout.torch.paged_cache``): k_pages,
 v_pages [num_pages, Hkv, page_size, D]; landmarks (:mod:`sparrow_kernels.landmarks`): centroids
 [num_pages, Hkv, D], or key_min / key_max of that shape, in the key dtype (or float32); block_table
 [B, max_pages_per_seq] maps logical page -> physical page. Token t of sequence b lives at physical

@@ -65,7 +65,12 @@ def run(args: argparse.Namespace) -> int:
     from sparrow_nemo.config import ConfigError
     from sparrow_nemo.grpo.setup import apply_cpu_threads
     from sparrow_nemo.policy.model import resolve_dtype
-    from sparrow_nemo.rollout.bench import bench_rollout, decode_throughput, format_throughput, make_engine
+    from sparrow_nemo.rollout.tools.bench import (
+        bench_rollout,
+        decode_throughput,
+        format_throughput,
+        make_engine,
+    )
     from sparrow_nemo.sparse.schedule import BudgetSchedule
 
     config = config_from_args(args)

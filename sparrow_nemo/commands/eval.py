@@ -117,14 +117,14 @@ def _build_engine(config, tokenizer):
     """The rollout engine of ``rollout.backend`` over ``model.hf_checkpoint`` (random weights if none)."""
     from sparrow_nemo.config import ConfigError
     from sparrow_nemo.grpo import setup
-    from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder
+    from sparrow_nemo.rollout.torch.qwen3 import Qwen3Decoder
 
     setup.apply_cpu_threads(config)
     checkpoint = config.model.hf_checkpoint
     if config.rollout.backend == "trtllm":
         if checkpoint is None:
             raise ConfigError("sparrow eval: rollout.backend=trtllm needs model.hf_checkpoint")
-        from sparrow_nemo.rollout.trtllm import TrtllmRolloutEngine
+        from sparrow_nemo.rollout.trtllm.engine import TrtllmRolloutEngine
 
         return TrtllmRolloutEngine.from_recipe(config, checkpoint)
     if checkpoint is None:

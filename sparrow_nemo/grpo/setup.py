@@ -75,14 +75,14 @@ def build_engine(config: SparrowConfig, weights: Mapping[str, torch.Tensor], tok
     if config.rollout.backend == "trtllm":
         if config.model.hf_checkpoint is None:
             raise ValueError("rollout.backend=trtllm needs model.hf_checkpoint (the LLM starts from it)")
-        from sparrow_nemo.rollout.trtllm import TrtllmRolloutEngine
+        from sparrow_nemo.rollout.trtllm.engine import TrtllmRolloutEngine
 
         engine = TrtllmRolloutEngine.from_recipe(config, config.model.hf_checkpoint)
         engine.update_weights(weights)
         return engine
     from sparrow_nemo.hf_qwen3 import resolve_dtype
-    from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder
-    from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
+    from sparrow_nemo.rollout.torch.engine import TorchRolloutEngine
+    from sparrow_nemo.rollout.torch.qwen3 import Qwen3Decoder
 
     dtype, dev = resolve_dtype(config.model.dtype), device(config)
     params = {name: t.to(device=dev, dtype=dtype) for name, t in weights.items()}

@@ -21,7 +21,7 @@ def start_weights(
     from sparrow_nemo.grpo import world
     from sparrow_nemo.grpo.warmstart import ensure_warm_start
     from sparrow_nemo.policy.parallel import destroy_parallel
-    from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder
+    from sparrow_nemo.rollout.torch.qwen3 import Qwen3Decoder
 
     hf_dir = config.model.hf_checkpoint
     if hf_dir is None and config.warmstart.enabled:

@@ -60,10 +60,10 @@ from sparrow_nemo.grpo.timing import PhaseTimer
 from sparrow_nemo.grpo.update import UpdateBatch, UpdateResult, mini_batch_order, update_policy
 from sparrow_nemo.grpo.wandb_logger import open_wandb
 from sparrow_nemo.grpo.warmstart import ensure_warm_start
-from sparrow_nemo.rollout.cost_fit import COST_HARDWARE_FILE, rollout_cost_model
 from sparrow_nemo.rollout.oom_retry import OomRetryEngine
 from sparrow_nemo.rollout.sampling import sample_seed
 from sparrow_nemo.rollout.spec_rollout import with_rollout_mode
+from sparrow_nemo.rollout.tools.cost_fit import COST_HARDWARE_FILE, rollout_cost_model
 from sparrow_nemo.sparse.mismatch import tail_name
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 

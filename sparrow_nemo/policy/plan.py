@@ -30,7 +30,7 @@ training dtype, ``T`` the tokens of a micro-batch (``max_tokens_per_micro_batch`
 - rollout (the colocated engine, :class:`RolloutSpec`): its weights (the whole model: engine TP is 1)
   and KV cache (keys, values, page landmarks: one centroid, or two key bounds under minmax), and how
   many full-length sequences fit. TensorRT-LLM runs one engine per GPU, asleep while the policy trains,
-  whose pool takes :data:`~sparrow_nemo.rollout.trtllm.KV_CACHE_FREE_FRACTION` of the memory the policy's
+  whose pool takes :data:`~sparrow_nemo.rollout.trtllm.engine.KV_CACHE_FREE_FRACTION` of the memory the policy's
   weights, grads and optimizer leave; the torch engine runs on rank 0 and stays awake through the training step, so its
   KV cache gets what the training peak leaves.
 
@@ -330,7 +330,7 @@ def _distill_terms(
     fp32 keys and values every query block gathers from plus the page landmarks; kept for the layers full
     recompute does not recompute, and for one recomputed group while it runs.
     """
-    from sparrow_nemo.rollout.trtllm_kv_cache import landmarks_per_page
+    from sparrow_nemo.rollout.trtllm.kv_cache import landmarks_per_page
 
     lora = lora_parameters(shape, layout, stage, distill) * dtype_bytes * 4  # param, grad, AdamW m and v
     layers = list(stage_layer_range(shape.num_layers, layout.pp, stage))
@@ -387,8 +387,8 @@ def rollout_memory(
 ) -> RolloutMemory:
     """The engine's footprint next to the policy's ``resident`` bytes (trtllm: weights, grads, optimizer;
     torch: the whole training peak, since its engine stays awake on rank 0)."""
-    from sparrow_nemo.rollout.trtllm import KV_CACHE_FREE_FRACTION
-    from sparrow_nemo.rollout.trtllm_kv_cache import centroid_bytes_per_token, landmarks_per_page
+    from sparrow_nemo.rollout.trtllm.engine import KV_CACHE_FREE_FRACTION
+    from sparrow_nemo.rollout.trtllm.kv_cache import centroid_bytes_per_token, landmarks_per_page
 
     nbytes = _DTYPE_BYTES[spec.dtype]
     engine_weights = shape.num_parameters() * nbytes

@@ -8,8 +8,8 @@ from sparrow_nemo.rollout.engine import (
     SamplingParams,
     ScoredSequence,
 )
-from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder
-from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
+from sparrow_nemo.rollout.torch.engine import TorchRolloutEngine
+from sparrow_nemo.rollout.torch.qwen3 import Qwen3Decoder
 
 __all__ = [
     "Qwen3Decoder",

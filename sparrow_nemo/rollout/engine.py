@@ -107,7 +107,7 @@ class RolloutConfig(SamplingParams):
 
     backend: str = knob(
         "torch",
-        "engine: torch (sparrow_nemo.rollout.torch_engine: paged KV cache, CPU or one GPU) or trtllm (cluster)",
+        "engine: torch (sparrow_nemo.rollout.torch.engine: paged KV cache, CPU or one GPU) or trtllm (cluster)",
         check=one_of(("torch", "trtllm"), renamed={"reference": "torch"}),
     )
     mode: Literal["sparse", "speculative", "dense"] = knob(
@@ -133,7 +133,7 @@ class RolloutConfig(SamplingParams):
         "auto",
         "constants of the decode cost model (predicted speedups, the speculative planner): auto (a GPU's preset "
         "by its name; on the CPU fitted at startup from timed decode steps of the engine), h200, h100, or a "
-        "Hardware JSON file (sparrow_nemo.rollout.cost_fit)",
+        "Hardware JSON file (sparrow_nemo.rollout.tools.cost_fit)",
     )
     tensor_parallel_size: int = knob(
         1,

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-import sparrow_nemo.rollout.cpu_attention as cpu_attention
+import sparrow_nemo.rollout.torch.cpu_attention as cpu_attention
 from sparrow_nemo.rollout.engine import SamplingParams
 
 _MASK64 = (1 << 64) - 1

@@ -31,8 +31,8 @@ from sparrow_nemo.rollout.engine import (
     SamplingParams,
     TokenProgress,
 )
-from sparrow_nemo.rollout.spec_decode import DraftLog
-from sparrow_nemo.rollout.speculative import SpeculativeConfig
+from sparrow_nemo.rollout.torch.spec_decode import DraftLog
+from sparrow_nemo.rollout.torch.speculative import SpeculativeConfig
 from sparrow_nemo.sparse.cost_model import DecodeCostModel
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET, BudgetSchedule
 from sparrow_nemo.sparse.speculative_cost import (
@@ -285,7 +285,7 @@ def speculative_metrics(
 def with_rollout_mode(config, engine: RolloutEngine, decode: DecodeCostModel) -> RolloutEngine:
     """``engine`` as ``config.rollout.mode`` wants it: itself for sparse, else a :class:`RolloutModeEngine`
     (speculative: with a :class:`SpeculativePlanner` from ``rollout.speculative`` and ``sparsity`` on the
-    decode cost model ``decode``: :func:`sparrow_nemo.rollout.cost_fit.rollout_cost_model`)."""
+    decode cost model ``decode``: :func:`sparrow_nemo.rollout.tools.cost_fit.rollout_cost_model`)."""
     r, s = config.rollout, config.sparsity
     if r.mode == "sparse":
         return engine

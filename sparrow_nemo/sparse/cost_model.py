@@ -17,7 +17,7 @@ it keeps both terms visible when the memory term dominates (long-context decode)
   per-channel key minimum and maximum for ``minmax`` (1/page_size, resp. 2/page_size of the keys). The K and V a sparse layer reads
   from the pages it selected are ``page_bytes``: scattered runs of one page of one KV head, which a GPU
   reads as fast as the rest (``page_read_bandwidth`` unset) and a CPU core several times slower
-  (measured: docs/cpu_decode.md; :mod:`sparrow_nemo.rollout.cost_fit` fits it).
+  (measured: docs/cpu_decode.md; :mod:`sparrow_nemo.rollout.tools.cost_fit` fits it).
 
 The first ``dense_layers`` layers always read the whole cache (the paper keeps 2 layers dense);
 the others read the pages that :func:`sparrow_nemo.sparse.attention.selected_page_count` keeps

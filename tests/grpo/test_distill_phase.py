@@ -34,7 +34,7 @@ from sparrow_nemo.policy.parallel import ParallelLayout
 from sparrow_nemo.policy.policy import MegatronPolicy
 from sparrow_nemo.rollout.engine import SamplingParams
 from sparrow_nemo.rollout.sampling import sample_seed
-from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
+from sparrow_nemo.rollout.torch.engine import TorchRolloutEngine
 from sparrow_nemo.sparse.mismatch import tail_by_bin
 from sparrow_nemo.sparse.pattern import SparsePattern
 from sparrow_nemo.sparse.schedule import BudgetSchedule

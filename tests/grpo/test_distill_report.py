@@ -13,7 +13,7 @@ from sparrow_nemo.hf_qwen3 import LoraAdapter
 from sparrow_nemo.model_shapes import PRESETS
 from sparrow_nemo.policy.lora import LoraConfig, init_adapter
 from sparrow_nemo.rollout.engine import SamplingParams
-from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
+from sparrow_nemo.rollout.torch.engine import TorchRolloutEngine
 from sparrow_nemo.sparse.cost_model import HARDWARE, DecodeCostModel
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 

@@ -24,7 +24,7 @@ from sparrow_nemo.grpo.summary import (
 from sparrow_nemo.model_shapes import PRESETS
 from sparrow_nemo.rollout.engine import RolloutSample, SamplingParams
 from sparrow_nemo.rollout.scoring import TokenMismatch
-from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
+from sparrow_nemo.rollout.torch.engine import TorchRolloutEngine
 from sparrow_nemo.sparse.cost_model import DecodeCostModel
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 

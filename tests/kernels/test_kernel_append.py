@@ -14,7 +14,7 @@ import torch
 from kernel_cases import empty_paged_cache
 from sparrow_kernels import append_kv, sparse_decode_attention_paged
 
-from sparrow_nemo.rollout.paged_cache import PagedKVCache
+from sparrow_nemo.rollout.torch.paged_cache import PagedKVCache
 from sparrow_nemo.sparse.attention import page_centroids, sparse_decode_attention
 
 SEQ_LENS = [40, 17, 33]  # mixed lengths: partial last pages, one sequence stops early

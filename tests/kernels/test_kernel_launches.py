@@ -17,8 +17,8 @@ from kernel_cases import random_case
 from sparrow_kernels import recorded_launches
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from sparrow_nemo.rollout.paged_attention import KernelDecode
-from sparrow_nemo.rollout.paged_cache import PagedKVCache
+from sparrow_nemo.rollout.torch.paged_attention import KernelDecode
+from sparrow_nemo.rollout.torch.paged_cache import PagedKVCache
 
 _NO_LAUNCH = {"empty", "empty_like", "empty_strided", "unsqueeze", "select", "slice", "view", "as_strided",
               "alias", "detach", "expand", "_reshape_alias"}  # fmt: skip

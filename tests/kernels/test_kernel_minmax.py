@@ -17,8 +17,8 @@ from kernel_cases import DecodeCase, empty_paged_cache, key_bound_pools, paged_f
 from kernel_cases import check_selection as check_selection_of
 from sparrow_kernels import KeyBounds, append_kv, page_selection, sparse_decode_attention_paged
 
-from sparrow_nemo.rollout.paged_attention import KernelDecode, TorchDecode
-from sparrow_nemo.rollout.paged_cache import PagedKVCache
+from sparrow_nemo.rollout.torch.paged_attention import KernelDecode, TorchDecode
+from sparrow_nemo.rollout.torch.paged_cache import PagedKVCache
 from sparrow_nemo.sparse.attention import page_key_bounds, sparse_decode_attention
 
 SEQ_LENS = [77, 160, 5, 123]  # a partial last page, exact pages, one page, and a longer one

@@ -150,7 +150,7 @@ def measure_sparse(case: dict) -> dict:
     from sparrow_nemo.policy.policy import MegatronPolicy
     from sparrow_nemo.policy.sparse_forward import SparsePlan
     from sparrow_nemo.rollout.engine import SamplingParams
-    from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
+    from sparrow_nemo.rollout.torch.engine import TorchRolloutEngine
     from sparrow_nemo.sparse.pattern import SparsePattern
     from sparrow_nemo.sparse.schedule import BudgetSchedule
 

@@ -31,8 +31,8 @@ from sparrow_nemo.policy.parallel import ParallelLayout
 from sparrow_nemo.policy.policy import MegatronPolicy
 from sparrow_nemo.policy.sparse_forward import SparsePlan
 from sparrow_nemo.rollout.engine import SamplingParams
-from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder
-from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
+from sparrow_nemo.rollout.torch.engine import TorchRolloutEngine
+from sparrow_nemo.rollout.torch.qwen3 import Qwen3Decoder
 from sparrow_nemo.sparse.attention import (
     group_mean_query,
     key_bound_scores,

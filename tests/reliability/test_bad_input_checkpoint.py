@@ -23,7 +23,7 @@ from sparrow_nemo.model_shapes import PRESETS
 from sparrow_nemo.policy.optim import OptimizerSettings
 from sparrow_nemo.policy.parallel import ParallelLayout, destroy_parallel
 from sparrow_nemo.policy.policy import MegatronPolicy
-from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
+from sparrow_nemo.rollout.torch.engine import TorchRolloutEngine
 
 from ._helpers import save_char_tokenizer
 

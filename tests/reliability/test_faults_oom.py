@@ -16,7 +16,7 @@ from rollout._helpers import SHAPE
 
 from sparrow_nemo.rollout.engine import RolloutSample, SamplingParams
 from sparrow_nemo.rollout.oom_retry import OomRetryEngine
-from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
+from sparrow_nemo.rollout.torch.engine import TorchRolloutEngine
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 

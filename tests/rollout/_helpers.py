@@ -14,7 +14,7 @@ import torch
 
 from sparrow_nemo.hf_qwen3 import hf_config_dict
 from sparrow_nemo.model_shapes import PRESETS, Qwen3Shape
-from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder
+from sparrow_nemo.rollout.torch.qwen3 import Qwen3Decoder
 from sparrow_nemo.sparse.attention import sparse_decode_attention
 from sparrow_nemo.sparse.pattern import PAGE_SIZE
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET, BudgetSchedule

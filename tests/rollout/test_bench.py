@@ -10,8 +10,8 @@ import torch
 
 from sparrow_nemo.model_shapes import PRESETS
 from sparrow_nemo.rollout import SamplingParams, TorchRolloutEngine
-from sparrow_nemo.rollout.bench import bench_rollout, make_engine
 from sparrow_nemo.rollout.scoring import measure_mismatch
+from sparrow_nemo.rollout.tools.bench import bench_rollout, make_engine
 from sparrow_nemo.sparse.mismatch import acceptance_rate
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 

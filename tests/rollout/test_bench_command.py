@@ -7,7 +7,12 @@ import torch
 
 from sparrow_nemo import cli
 from sparrow_nemo.commands.bench import fraction_schedule
-from sparrow_nemo.rollout.bench import decode_throughput, dense_step_bytes, format_throughput, make_engine
+from sparrow_nemo.rollout.tools.bench import (
+    decode_throughput,
+    dense_step_bytes,
+    format_throughput,
+    make_engine,
+)
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 from ._helpers import SHAPE

@@ -10,7 +10,7 @@ import torch
 from sparrow_nemo.config import ConfigError
 from sparrow_nemo.grpo.recipe import load_config
 from sparrow_nemo.model_shapes import PRESETS
-from sparrow_nemo.rollout.cost_fit import (
+from sparrow_nemo.rollout.tools.cost_fit import (
     COST_HARDWARE_FILE,
     FitPoint,
     fit_cpu_hardware,
@@ -18,7 +18,7 @@ from sparrow_nemo.rollout.cost_fit import (
     rollout_hardware,
     solve_hardware,
 )
-from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
+from sparrow_nemo.rollout.torch.engine import TorchRolloutEngine
 from sparrow_nemo.sparse.cost_model import HARDWARE, DecodeCostModel, Hardware
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 

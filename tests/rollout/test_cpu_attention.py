@@ -14,11 +14,11 @@ import shutil
 import pytest
 import torch
 
-from sparrow_nemo.rollout import cpu_attention
 from sparrow_nemo.rollout.engine import SamplingParams
-from sparrow_nemo.rollout.paged_attention import all_pages, decode_attention_torch
-from sparrow_nemo.rollout.paged_cache import PagedKVCache
-from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
+from sparrow_nemo.rollout.torch import cpu_attention
+from sparrow_nemo.rollout.torch.engine import TorchRolloutEngine
+from sparrow_nemo.rollout.torch.paged_attention import all_pages, decode_attention_torch
+from sparrow_nemo.rollout.torch.paged_cache import PagedKVCache
 from sparrow_nemo.sparse.attention import decode_attention, select_pages_from_centroids
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 

@@ -1,4 +1,4 @@
-"""The fused CPU layer kernels (rollout/cpu_layer.c) against the decoder's torch ops: RMSNorm, q/k norm +
+"""The fused CPU layer kernels (rollout/torch/cpu_layer.c) against the decoder's torch ops: RMSNorm, q/k norm +
 rotary, residual add + norm, SwiGLU, with and without a LoRA adapter, and the autograd fallback."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 from sparrow_nemo.hf_qwen3 import LoraAdapter
 from sparrow_nemo.model_shapes import PRESETS
-from sparrow_nemo.rollout import cpu_layer
-from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder, rms_norm
+from sparrow_nemo.rollout.torch import cpu_layer
+from sparrow_nemo.rollout.torch.qwen3 import Qwen3Decoder, rms_norm
 
 
 def _decoder(lora: bool) -> Qwen3Decoder:

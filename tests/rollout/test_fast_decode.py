@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from sparrow_nemo.rollout import SamplingParams, TorchRolloutEngine
-from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder
 from sparrow_nemo.rollout.sampling import draw_uniforms, make_generators
-from sparrow_nemo.rollout.static_decode import DeviceBudgets, StaticDecoder, draw_uniform_block
+from sparrow_nemo.rollout.torch.qwen3 import Qwen3Decoder
+from sparrow_nemo.rollout.torch.static_decode import DeviceBudgets, StaticDecoder, draw_uniform_block
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 from ._helpers import SHAPE

@@ -23,11 +23,11 @@ import torch
 
 from sparrow_nemo import cli
 from sparrow_nemo.grpo.recipe import load_config
-from sparrow_nemo.rollout import cpu_attention
 from sparrow_nemo.rollout.engine import SamplingParams
-from sparrow_nemo.rollout.paged_cache import PagedKVCache
-from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder
-from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
+from sparrow_nemo.rollout.torch import cpu_attention
+from sparrow_nemo.rollout.torch.engine import TorchRolloutEngine
+from sparrow_nemo.rollout.torch.paged_cache import PagedKVCache
+from sparrow_nemo.rollout.torch.qwen3 import Qwen3Decoder
 from sparrow_nemo.sparse.attention import (
     decode_attention,
     group_mean_query,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparrow_nemo.rollout.paged_attention import all_pages, causal_attention, decode_attention_torch
-from sparrow_nemo.rollout.paged_cache import PagedKVCache
+from sparrow_nemo.rollout.torch.paged_attention import all_pages, causal_attention, decode_attention_torch
+from sparrow_nemo.rollout.torch.paged_cache import PagedKVCache
 from sparrow_nemo.sparse.attention import (
     page_centroids,
     select_pages,

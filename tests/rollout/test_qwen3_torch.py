@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from sparrow_nemo.hf_qwen3 import expected_weight_shapes
 from sparrow_nemo.rollout import TorchRolloutEngine
-from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder
+from sparrow_nemo.rollout.torch.qwen3 import Qwen3Decoder
 
 TOL = 1e-4
 

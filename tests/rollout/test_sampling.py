@@ -118,7 +118,7 @@ def test_draws_equal_the_torch_sort_definition(temperature: float, top_k: int, t
 def test_the_kernel_sort_is_torch_stable_descending_sort() -> None:
     """sort_rows_descending gives torch.sort(descending=True, stable=True)'s values and indices: ties in
     index order, zeros, negatives, infinities, a width that is not a power of two."""
-    cpu_attention = pytest.importorskip("sparrow_nemo.rollout.cpu_attention")
+    cpu_attention = pytest.importorskip("sparrow_nemo.rollout.torch.cpu_attention")
     if not cpu_attention.available():
         pytest.skip("no C compiler for the CPU kernel")
     gen = torch.Generator().manual_seed(4)

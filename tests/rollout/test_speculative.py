@@ -23,14 +23,15 @@ import torch
 
 from sparrow_nemo.hf_qwen3 import LoraAdapter, linear_in_out
 from sparrow_nemo.model_shapes import PRESETS
-from sparrow_nemo.rollout.decode_step import DecodeStep
 from sparrow_nemo.rollout.engine import SamplingParams
-from sparrow_nemo.rollout.paged_attention import TorchDecode
-from sparrow_nemo.rollout.paged_cache import PagedKVCache
 from sparrow_nemo.rollout.sampling import sample_seed, sample_tokens
-from sparrow_nemo.rollout.spec_decode import SpeculativeSample
-from sparrow_nemo.rollout.spec_verify import TorchVerify, rebuild_landmarks, verify_forward
-from sparrow_nemo.rollout.speculative import (
+from sparrow_nemo.rollout.torch.decode_step import DecodeStep
+from sparrow_nemo.rollout.torch.engine import TorchRolloutEngine
+from sparrow_nemo.rollout.torch.paged_attention import TorchDecode
+from sparrow_nemo.rollout.torch.paged_cache import PagedKVCache
+from sparrow_nemo.rollout.torch.spec_decode import SpeculativeSample
+from sparrow_nemo.rollout.torch.spec_verify import TorchVerify, rebuild_landmarks, verify_forward
+from sparrow_nemo.rollout.torch.speculative import (
     SpeculativeConfig,
     draw_round_uniforms,
     kept_probs,
@@ -38,7 +39,6 @@ from sparrow_nemo.rollout.speculative import (
     sampling_probs,
     verify_drafts,
 )
-from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
 from sparrow_nemo.sparse.attention import page_key_bounds
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET, BudgetSchedule
 

@@ -22,9 +22,9 @@ sparrow_kernels = pytest.importorskip("sparrow_kernels")
 pytest.importorskip("triton")
 
 from sparrow_nemo.rollout import SamplingParams, TorchRolloutEngine  # noqa: E402
-from sparrow_nemo.rollout.paged_cache import PagedKVCache  # noqa: E402
-from sparrow_nemo.rollout.spec_verify import KernelVerify, verify_attention_torch  # noqa: E402
-from sparrow_nemo.rollout.speculative import SpeculativeConfig  # noqa: E402
+from sparrow_nemo.rollout.torch.paged_cache import PagedKVCache  # noqa: E402
+from sparrow_nemo.rollout.torch.spec_verify import KernelVerify, verify_attention_torch  # noqa: E402
+from sparrow_nemo.rollout.torch.speculative import SpeculativeConfig  # noqa: E402
 from sparrow_nemo.sparse.schedule import BudgetSchedule  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -20,16 +20,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from sparrow_nemo.rollout import spec_decode
 from sparrow_nemo.rollout.engine import SamplingParams
-from sparrow_nemo.rollout.speculative import (
+from sparrow_nemo.rollout.torch import spec_decode
+from sparrow_nemo.rollout.torch.engine import TorchRolloutEngine
+from sparrow_nemo.rollout.torch.speculative import (
     SpeculativeConfig,
     Verdict,
     kept_probs,
     sample_from,
     verify_drafts,
 )
-from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 from ._helpers import SHAPE

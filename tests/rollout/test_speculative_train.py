@@ -24,11 +24,11 @@ from sparrow_nemo.checkpoint.run_state import read_run_state
 from sparrow_nemo.config import ConfigError
 from sparrow_nemo.grpo.recipe import load_config
 from sparrow_nemo.model_shapes import PRESETS
-from sparrow_nemo.rollout.cost_fit import rollout_cost_model
 from sparrow_nemo.rollout.engine import SamplingParams
-from sparrow_nemo.rollout.spec_decode import SpeculativeSample
 from sparrow_nemo.rollout.spec_rollout import RolloutModeEngine, with_rollout_mode
-from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
+from sparrow_nemo.rollout.tools.cost_fit import rollout_cost_model
+from sparrow_nemo.rollout.torch.engine import TorchRolloutEngine
+from sparrow_nemo.rollout.torch.spec_decode import SpeculativeSample
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET, BudgetSchedule
 
 SHAPE = PRESETS["tiny-test"].replace(num_layers=3)

@@ -14,8 +14,8 @@ from sparrow_nemo.rollout import (
     SamplingParams,
     TorchRolloutEngine,
 )
-from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder
 from sparrow_nemo.rollout.sampling import sample_seed
+from sparrow_nemo.rollout.torch.qwen3 import Qwen3Decoder
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET, BudgetSchedule
 
 from ._helpers import SHAPE, contiguous_reference
@@ -332,9 +332,9 @@ def test_engine_satisfies_the_protocol(engine: TorchRolloutEngine) -> None:
 
 
 def test_backend_choice_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
-    from sparrow_nemo.rollout.paged_attention import choose_backend
+    from sparrow_nemo.rollout.torch.paged_attention import choose_backend
 
-    with caplog.at_level(logging.INFO, logger="sparrow_nemo.rollout.paged_attention"):
+    with caplog.at_level(logging.INFO, logger="sparrow_nemo.rollout.torch.paged_attention"):
         assert choose_backend("auto", torch.device("meta")) == "torch"
         assert choose_backend("auto", torch.device("meta")) == "torch"
     assert [r.getMessage() for r in caplog.records] == [

@@ -20,8 +20,8 @@ import torch
 from sparrow_nemo._optional import MissingOptionalDependency, is_available
 from sparrow_nemo.grpo.recipe import load_config
 from sparrow_nemo.rollout.engine import RolloutSample, SamplingParams
-from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
-from sparrow_nemo.rollout.trtllm import (
+from sparrow_nemo.rollout.torch.engine import TorchRolloutEngine
+from sparrow_nemo.rollout.trtllm.engine import (
     SCORE_LOGITS_LIMIT_BYTES,
     TRTLLM_VERSION,
     TrtllmRolloutEngine,
@@ -31,8 +31,8 @@ from sparrow_nemo.rollout.trtllm import (
     to_rollout_sample,
     to_scored_sequence,
 )
-from sparrow_nemo.rollout.trtllm_runtime import TrtllmRuntime, TrtllmVersionError, check_runtime
-from sparrow_nemo.rollout.trtllm_sparse import SparrowSparseSpec
+from sparrow_nemo.rollout.trtllm.runtime import TrtllmRuntime, TrtllmVersionError, check_runtime
+from sparrow_nemo.rollout.trtllm.sparse import SparrowSparseSpec
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 from . import trtllm_sources as src
@@ -76,7 +76,7 @@ def _as_trtllm(sample: RolloutSample) -> Completion:
 
 
 def test_import_without_trtllm_and_clear_error() -> None:
-    module = importlib.import_module("sparrow_nemo.rollout.trtllm")
+    module = importlib.import_module("sparrow_nemo.rollout.trtllm.engine")
     assert module.TRTLLM_VERSION == TRTLLM_VERSION == "1.2.0"
     if is_available("tensorrt_llm"):
         pytest.skip("tensorrt_llm is installed here")

@@ -10,8 +10,8 @@ import pytest
 import torch
 from sparrow_kernels import KeyBounds
 
-from sparrow_nemo.rollout.paged_cache import PagedKVCache
-from sparrow_nemo.rollout.trtllm_kv_cache import (
+from sparrow_nemo.rollout.torch.paged_cache import PagedKVCache
+from sparrow_nemo.rollout.trtllm.kv_cache import (
     LandmarkPool,
     centroid_bytes_per_token,
     context_token_positions,

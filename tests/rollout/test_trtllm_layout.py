@@ -23,15 +23,15 @@ if not torch.cuda.is_available():
 sparrow_kernels = pytest.importorskip("sparrow_kernels")
 pytest.importorskip("triton")
 
-from sparrow_nemo.rollout.trtllm_decode import (  # noqa: E402
+from sparrow_nemo.rollout.trtllm.decode import (  # noqa: E402
     BudgetTable,
     generation_path,
     predict_native_indices,
     sparse_decode_step,
     to_trtllm_indices,
 )
-from sparrow_nemo.rollout.trtllm_kv_cache import LandmarkPool, context_token_positions  # noqa: E402
-from sparrow_nemo.rollout.trtllm_layout import block_table_from_offsets, kv_page_views  # noqa: E402
+from sparrow_nemo.rollout.trtllm.kv_cache import LandmarkPool, context_token_positions  # noqa: E402
+from sparrow_nemo.rollout.trtllm.layout import block_table_from_offsets, kv_page_views  # noqa: E402
 from sparrow_nemo.sparse.attention import select_pages, sparse_decode_attention  # noqa: E402
 from sparrow_nemo.sparse.schedule import BudgetSchedule  # noqa: E402
 

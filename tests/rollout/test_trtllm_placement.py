@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from sparrow_nemo.rollout.trtllm_placement import engine_env, patched_env, physical_gpu
+from sparrow_nemo.rollout.trtllm.placement import engine_env, patched_env, physical_gpu
 
 
 def test_physical_gpu_of_the_rank() -> None:

@@ -10,7 +10,7 @@ import importlib
 
 import pytest
 
-from sparrow_nemo.rollout.trtllm_sparse import SparrowSparseSpec
+from sparrow_nemo.rollout.trtllm.sparse import SparrowSparseSpec
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 pytest.importorskip(
@@ -19,7 +19,7 @@ pytest.importorskip(
 
 
 def test_config_class_and_registration() -> None:  # pragma: no cover - needs tensorrt_llm
-    plugin = importlib.import_module("sparrow_nemo.rollout.trtllm_plugin")
+    plugin = importlib.import_module("sparrow_nemo.rollout.trtllm.plugin")
     spec = SparrowSparseSpec(BudgetSchedule.from_preset("qwen3-8b-0.86"), dense_layers=2)
     config = plugin.SparrowSparseAttentionConfig(**spec.to_config_dict())
     assert config.spec() == spec
@@ -37,6 +37,6 @@ def test_config_class_and_registration() -> None:  # pragma: no cover - needs te
     assert issubclass(plugin.SparrowKVCacheManager, KVCacheManager)
     field = TorchLlmArgs.model_fields["sparse_attention_config"]
     assert "SparrowSparseAttentionConfig" in str(field.annotation)
-    from sparrow_nemo.rollout.trtllm_runtime import check_runtime, probe_runtime
+    from sparrow_nemo.rollout.trtllm.runtime import check_runtime, probe_runtime
 
     check_runtime(probe_runtime(importlib.import_module("tensorrt_llm")))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sparrow_nemo.grpo.recipe import load_config
-from sparrow_nemo.rollout.trtllm_sparse import ALGORITHM, SparrowSparseSpec
+from sparrow_nemo.rollout.trtllm.sparse import ALGORITHM, SparrowSparseSpec
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 PS = 4

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from sparrow_nemo.hf_qwen3 import LoraAdapter, expected_weight_shapes, linear_in_out
-from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder
-from sparrow_nemo.rollout.trtllm_weights import (
+from sparrow_nemo.rollout.torch.qwen3 import Qwen3Decoder
+from sparrow_nemo.rollout.trtllm.weights import (
     IpcHandles,
     buckets,
     check_handles,

@@ -1,6 +1,6 @@
 """A KV pool laid out and addressed exactly as TensorRT-LLM's C++ KV-cache manager does it (test support).
 
-Independent of the adapter under test (``sparrow_nemo.rollout.trtllm_layout``): it writes and reads tokens
+Independent of the adapter under test (``sparrow_nemo.rollout.trtllm.layout``): it writes and reads tokens
 with the C++ address arithmetic, so the adapter's views must see what TensorRT-LLM's kernels wrote.
 
 - primary pool ``[num_blocks, num_layers, 2, Hkv * tokens_per_block * D]`` (``KVCacheManager.get_buffers``

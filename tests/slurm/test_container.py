@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tomllib
 
-from sparrow_nemo.rollout.trtllm import TRTLLM_VERSION
+from sparrow_nemo.rollout.trtllm.engine import TRTLLM_VERSION
 
 from .conftest import REPO_ROOT
 

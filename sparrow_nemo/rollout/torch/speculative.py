@@ -15,7 +15,7 @@ the rule reduces to "accept while the draft equals the dense argmax, then emit t
 
 This module holds the rule as pure functions on tensors and :class:`SpeculativeConfig`, what
 ``TorchRolloutEngine.generate(..., speculative=...)`` takes; the decode loop is
-:mod:`sparrow_nemo.rollout.spec_decode`, the dense verify forward :mod:`sparrow_nemo.rollout.spec_verify`.
+:mod:`sparrow_nemo.rollout.torch.spec_decode`, the dense verify forward :mod:`sparrow_nemo.rollout.torch.spec_verify`.
 """
 
 from __future__ import annotations

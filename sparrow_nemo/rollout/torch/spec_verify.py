@@ -6,7 +6,7 @@ the draft's at the same positions of the paged cache, then causal attention of t
 cache (query i of a row sees cache positions 0 .. start + i). Two attention backends with one contract:
 
 - :class:`TorchVerify`: on the CPU with an fp32 cache the compiled kernel
-  :func:`~sparrow_nemo.rollout.cpu_attention.paged_verify_attention` (reads the paged cache in place, each key
+  :func:`~sparrow_nemo.rollout.torch.cpu_attention.paged_verify_attention` (reads the paged cache in place, each key
   and value once for all T * G queries of its KV head); elsewhere :func:`verify_attention_torch`, the cache as
   contiguous keys/values and one masked SDPA of the T * G queries of each KV head (fp32, scale 1/sqrt(D));
 - :class:`KernelVerify`: ``sparrow_kernels.verify_attention_paged`` (Triton, GQA-aware, reads each K/V
@@ -25,9 +25,9 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-import sparrow_nemo.rollout.cpu_attention as cpu_attention
-from sparrow_nemo.rollout.paged_cache import PagedKVCache
-from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder
+import sparrow_nemo.rollout.torch.cpu_attention as cpu_attention
+from sparrow_nemo.rollout.torch.paged_cache import PagedKVCache
+from sparrow_nemo.rollout.torch.qwen3 import Qwen3Decoder
 
 
 class VerifyAttention(Protocol):
@@ -69,7 +69,7 @@ def verify_attention_torch(
 
 class TorchVerify:
     """The verify attention of the torch backend: the compiled CPU kernel where it takes the tensors
-    (:func:`~sparrow_nemo.rollout.cpu_attention.supports`: CPU, fp32), else :func:`verify_attention_torch`."""
+    (:func:`~sparrow_nemo.rollout.torch.cpu_attention.supports`: CPU, fp32), else :func:`verify_attention_torch`."""
 
     def attend(
         self,

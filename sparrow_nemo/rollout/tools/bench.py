@@ -25,8 +25,8 @@ import torch
 from sparrow_nemo.model_shapes import Qwen3Shape, get_shape
 from sparrow_nemo.rollout.engine import SamplingParams
 from sparrow_nemo.rollout.scoring import measure_mismatch
-from sparrow_nemo.rollout.static_decode import StaticDecoder
-from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
+from sparrow_nemo.rollout.torch.engine import TorchRolloutEngine
+from sparrow_nemo.rollout.torch.static_decode import StaticDecoder
 from sparrow_nemo.sparse.mismatch import summarize
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 

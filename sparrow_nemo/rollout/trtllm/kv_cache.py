@@ -3,7 +3,7 @@
 The "sparrow" algorithm scores pages by a landmark per page: the centroid (mean key, the paper's
 ``page_score="centroid"``) or the per-channel minimum and maximum key (``"minmax"``, after Quest). The
 landmarks live next to the KV pool, are indexed by the same physical block ids, and are owned by the
-KV-cache manager (``SparrowKVCacheManager`` in :mod:`~sparrow_nemo.rollout.trtllm_plugin`, RocketKV's
+KV-cache manager (``SparrowKVCacheManager`` in :mod:`~sparrow_nemo.rollout.trtllm.plugin`, RocketKV's
 pattern: ``tensorrt_llm/_torch/attention_backend/sparse/rocket.py`` ``RocketKVCacheManager`` allocates its
 ``kt_cache`` in ``__init__`` and overrides the static ``get_cache_size_per_token`` so that the KV-cache
 budget counts it). This module holds what needs no TensorRT-LLM:

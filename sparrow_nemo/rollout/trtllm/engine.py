@@ -5,10 +5,10 @@ no TensorRT-LLM (constructor kwargs, sampling translation, output mapping, refit
 function tested on CPU against the field lists and behaviour read in its sources (README, TensorRT-LLM
 section). :class:`TrtllmRolloutEngine` implements :class:`~sparrow_nemo.rollout.engine.RolloutEngine`
 over ``tensorrt_llm.LLM`` (PyTorch backend) with Sparrow's sparse attention registered as the
-``sparse_attention_config`` algorithm "sparrow" (:mod:`sparrow_nemo.rollout.trtllm_plugin`):
+``sparse_attention_config`` algorithm "sparrow" (:mod:`sparrow_nemo.rollout.trtllm.plugin`):
 
-- one engine per GPU, colocated with that GPU's policy rank (:mod:`~sparrow_nemo.rollout.trtllm_placement`);
-  refit from that rank by its own device UUID (:func:`~sparrow_nemo.rollout.trtllm_weights.refit_messages`),
+- one engine per GPU, colocated with that GPU's policy rank (:mod:`~sparrow_nemo.rollout.trtllm.placement`);
+  refit from that rank by its own device UUID (:func:`~sparrow_nemo.rollout.trtllm.weights.refit_messages`),
   sleep/wake around rollout (TensorRT-LLM's sleep feature, ``enable_sleep``);
 - generation: one request per prompt, ``logprobs=K``; :func:`to_rollout_sample` maps outputs, the
   sampled token's logprob included when it is outside the top-K;
@@ -50,10 +50,10 @@ from sparrow_nemo.rollout.engine import (
     TokenProgress,
 )
 from sparrow_nemo.rollout.sampling import batch_seeds, sample_seed
-from sparrow_nemo.rollout.trtllm_placement import engine_env, patched_env
-from sparrow_nemo.rollout.trtllm_runtime import TRTLLM_VERSION, check_runtime, probe_runtime
-from sparrow_nemo.rollout.trtllm_sparse import SparrowSparseSpec
-from sparrow_nemo.rollout.trtllm_weights import (
+from sparrow_nemo.rollout.trtllm.placement import engine_env, patched_env
+from sparrow_nemo.rollout.trtllm.runtime import TRTLLM_VERSION, check_runtime, probe_runtime
+from sparrow_nemo.rollout.trtllm.sparse import SparrowSparseSpec
+from sparrow_nemo.rollout.trtllm.weights import (
     check_handles,
     merge_lora,
     refit_messages,
@@ -124,7 +124,7 @@ def llm_kwargs(
         "cuda_graph_config": None,  # never captured yet (the prediction is capturable; not run)
         "enable_sleep": True,
         "orchestrator_type": "ray",  # ray_worker_extension_cls needs it (TorchLlmArgs validator)
-        "ray_worker_extension_cls": "sparrow_nemo.rollout.trtllm_plugin.SparrowWorkerExtension",
+        "ray_worker_extension_cls": "sparrow_nemo.rollout.trtllm.plugin.SparrowWorkerExtension",
     }
 
 
@@ -176,7 +176,7 @@ def _token_logprob(entries: Mapping[int, TokenLogprob], token: int, where: str) 
     if token not in entries:
         raise ValueError(
             f"{where}: TensorRT-LLM returned no logprob for token {token} (outside the top-K and not added; "
-            "the TorchSampler this adapter needs adds it, see rollout/trtllm_runtime.py)"
+            "the TorchSampler this adapter needs adds it, see rollout/trtllm/runtime.py)"
         )
     return float(entries[token].logprob)
 
@@ -306,7 +306,7 @@ class TrtllmRolloutEngine:
     ) -> None:
         trtllm = require("tensorrt_llm")
         check_runtime(probe_runtime(trtllm))
-        from sparrow_nemo.rollout import trtllm_plugin
+        from sparrow_nemo.rollout.trtllm.engine import plugin as trtllm_plugin
 
         if kwargs.get("tensor_parallel_size", 1) != 1:
             raise ValueError(

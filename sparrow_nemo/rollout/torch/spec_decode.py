@@ -2,18 +2,18 @@
 
 One round for every live row (rows are at different lengths and advance by different amounts):
 
-1. k per row from :class:`~sparrow_nemo.rollout.speculative.SpeculativeConfig` for its cached length, capped
+1. k per row from :class:`~sparrow_nemo.rollout.torch.speculative.SpeculativeConfig` for its cached length, capped
    so that the round cannot pass the row's token cap;
-2. draft: k sparse decode steps (the engine's :class:`~sparrow_nemo.rollout.decode_step.DecodeStep` with the
+2. draft: k sparse decode steps (the engine's :class:`~sparrow_nemo.rollout.torch.decode_step.DecodeStep` with the
    draft schedule's budgets, the LoRA adapter on when set), batched over the rows still drafting, each draft
    token drawn from the row's own generator; their keys/values enter the cache as usual;
-3. verify: one dense forward of the pending token and the k drafts (:func:`~sparrow_nemo.rollout.spec_verify.verify_forward`,
+3. verify: one dense forward of the pending token and the k drafts (:func:`~sparrow_nemo.rollout.torch.spec_verify.verify_forward`,
    no adapter), which overwrites the drafted keys/values with the dense ones;
-4. accept (:func:`~sparrow_nemo.rollout.speculative.verify_drafts`): the kept prefix plus one token; the
+4. accept (:func:`~sparrow_nemo.rollout.torch.speculative.verify_drafts`): the kept prefix plus one token; the
    tokens go to the response one by one with the stop check after each, exactly as in dense decoding, so a stop
    token or string inside an accepted run ends the response there and drops the rest;
 5. rollback: the row's length becomes old length + accepted + 1 and the landmarks (centroids or key bounds)
-   of the pages the round wrote are rebuilt from the keys below it (:func:`~sparrow_nemo.rollout.spec_verify.rebuild_landmarks`).
+   of the pages the round wrote are rebuilt from the keys below it (:func:`~sparrow_nemo.rollout.torch.spec_verify.rebuild_landmarks`).
    Finished rows leave the batch and free their pages.
 
 Returned logprobs and top-K are the dense distribution's (the verify logits, temperature 1), the recorded
@@ -31,18 +31,18 @@ from dataclasses import dataclass
 
 import torch
 
-from sparrow_nemo.rollout.decode_step import DecodeStep
 from sparrow_nemo.rollout.engine import FinishReason, RolloutSample, SamplingParams, TokenTally
-from sparrow_nemo.rollout.paged_cache import PagedKVCache
-from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder
 from sparrow_nemo.rollout.sampling import draw_uniforms, sample_tokens, token_logprobs
-from sparrow_nemo.rollout.spec_verify import VerifyAttention, rebuild_landmarks, verify_forward
-from sparrow_nemo.rollout.speculative import (
+from sparrow_nemo.rollout.torch.decode_step import DecodeStep
+from sparrow_nemo.rollout.torch.paged_cache import PagedKVCache
+from sparrow_nemo.rollout.torch.qwen3 import Qwen3Decoder
+from sparrow_nemo.rollout.torch.spec_verify import VerifyAttention, rebuild_landmarks, verify_forward
+from sparrow_nemo.rollout.torch.speculative import (
     SpeculativeConfig,
     draw_round_uniforms,
     verify_drafts,
 )
-from sparrow_nemo.rollout.stopping import StopRule
+from sparrow_nemo.rollout.torch.stopping import StopRule
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET, BudgetSchedule
 
 

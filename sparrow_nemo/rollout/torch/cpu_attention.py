@@ -32,12 +32,12 @@ from pathlib import Path
 
 import torch
 
-from sparrow_nemo.rollout.paged_cache import PagedKVCache
+from sparrow_nemo.rollout.torch.paged_cache import PagedKVCache
 
 log = logging.getLogger(__name__)
 
 #: the C sources of the one library: the decode attention (this module) and the decoder layer's elementwise
-#: work (sparrow_nemo.rollout.cpu_layer)
+#: work (sparrow_nemo.rollout.torch.cpu_layer)
 SOURCES = (Path(__file__).with_name("cpu_attention.c"), Path(__file__).with_name("cpu_layer.c"))
 #: compile flags (the link step gets no -ffast-math-like flag: nothing changes the process's FP state)
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp-simd", "-fPIC", "-std=c11")

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-import sparrow_nemo.rollout.cpu_layer as cpu_layer
+import sparrow_nemo.rollout.torch.cpu_layer as cpu_layer
 from sparrow_nemo.hf_qwen3 import (
     LoraAdapter,
     SafetensorsDir,

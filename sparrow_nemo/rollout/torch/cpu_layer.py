@@ -2,8 +2,8 @@
 
 At rollout batch sizes a small model's decode step is bound by op launches, not arithmetic: RMSNorm, the
 per-head q/k norms and rotary, SwiGLU and the residual adds are ~30 torch ops per layer of a few microseconds
-each. :class:`~sparrow_nemo.rollout.qwen3_torch.Qwen3Decoder` calls these instead when :func:`supports` its
-tensors (CPU, fp32, the compiled library of :mod:`~sparrow_nemo.rollout.cpu_attention` available); the matmuls
+each. :class:`~sparrow_nemo.rollout.torch.qwen3.Qwen3Decoder` calls these instead when :func:`supports` its
+tensors (CPU, fp32, the compiled library of :mod:`~sparrow_nemo.rollout.torch.cpu_attention` available); the matmuls
 (and any LoRA delta) stay torch's. Results equal the torch ops' to fp32 rounding (the summation order is the
 kernel's); every caller of the decoder (prefill, decode, verify, scoring) takes the same path.
 """
@@ -14,7 +14,7 @@ import ctypes
 
 import torch
 
-import sparrow_nemo.rollout.cpu_attention as cpu_attention
+import sparrow_nemo.rollout.torch.cpu_attention as cpu_attention
 
 _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 

@@ -8,8 +8,8 @@ budget), then the output projection and MLP; finally the LM head.
 
 The attention backend is an object with ``append(cache, layer, block_table, positions, k, v)`` and
 ``attend(q, cache, layer, block_table, seq_len, budget_tokens, sink_pages, local_pages)``:
-:class:`~sparrow_nemo.rollout.paged_attention.TorchDecode` (CPU, and GPUs without the kernels) or
-:class:`~sparrow_nemo.rollout.paged_attention.KernelDecode` (the fused Triton kernels).
+:class:`~sparrow_nemo.rollout.torch.paged_attention.TorchDecode` (CPU, and GPUs without the kernels) or
+:class:`~sparrow_nemo.rollout.torch.paged_attention.KernelDecode` (the fused Triton kernels).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Protocol
 
 import torch
 
-from sparrow_nemo.rollout.paged_cache import PagedKVCache
-from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder
+from sparrow_nemo.rollout.torch.paged_cache import PagedKVCache
+from sparrow_nemo.rollout.torch.qwen3 import Qwen3Decoder
 
 
 class DecodeAttention(Protocol):

@@ -10,7 +10,7 @@ Python-launched kernels. :class:`StaticDecoder` runs the same math with static s
   so it no longer costs attention bandwidth. Pages for prompt + the longest response are reserved up
   front, so nothing is allocated per token;
 - one step = ``seq_len += 1``, the schedule's budget looked up on the device, the shared
-  :class:`~sparrow_nemo.rollout.decode_step.DecodeStep` (embeddings, norms, projections, attention, MLP, LM head), sampling and the
+  :class:`~sparrow_nemo.rollout.torch.decode_step.DecodeStep` (embeddings, norms, projections, attention, MLP, LM head), sampling and the
   logprob/top-k record, all written into preallocated buffers indexed by a device step counter;
 - per-sample random streams stay on the host (CPU generators, one uniform per step, as in the
   compact loop); a block of ``check_every`` steps' uniforms is drawn ahead and copied to the device
@@ -29,11 +29,11 @@ from collections.abc import Sequence
 
 import torch
 
-from sparrow_nemo.rollout.decode_step import DecodeStep
 from sparrow_nemo.rollout.engine import FinishReason, SamplingParams, TokenTally
-from sparrow_nemo.rollout.paged_cache import PagedKVCache
 from sparrow_nemo.rollout.sampling import sample_tokens, token_logprobs
-from sparrow_nemo.rollout.stopping import StopRule
+from sparrow_nemo.rollout.torch.decode_step import DecodeStep
+from sparrow_nemo.rollout.torch.paged_cache import PagedKVCache
+from sparrow_nemo.rollout.torch.stopping import StopRule
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET, BudgetSchedule
 
 
@@ -67,7 +67,7 @@ class StaticDecoder:
     """Fixed-batch decode steps over an engine's paged cache, writing into preallocated records.
 
     Args:
-        decode_step: the engine's :class:`~sparrow_nemo.rollout.decode_step.DecodeStep` (model, attention
+        decode_step: the engine's :class:`~sparrow_nemo.rollout.torch.decode_step.DecodeStep` (model, attention
             backend, dense layers, sink/local pages).
         attention_backend: "torch" or "triton" (CUDA-graph capture needs "triton").
         cache, block_table: the paged cache and ``[B, P]`` int32 block table with pages reserved for

@@ -155,7 +155,7 @@ def fit_cpu_hardware(engine: Any, batch: int = 32, seed: int = 0) -> Hardware:
 
 
 def _fit(engine: Any, batch: int, seed: int) -> Hardware:
-    from sparrow_nemo.rollout.bench import copy_bandwidth, time_decode_steps
+    from sparrow_nemo.rollout.tools.bench import copy_bandwidth, time_decode_steps
 
     ps, shape = engine.page_size, engine.shape
     longest = (shape.max_position_embeddings - FIT_STEPS - 4) // ps * ps
@@ -221,7 +221,7 @@ def rollout_hardware(spec: str, engine: Any, saved: Path | None = None) -> Hardw
     are read instead of fitted, so a resumed run prices steps, and the speculative planner decides, as before
     the interruption; a fit writes it (atomically).
     """
-    from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
+    from sparrow_nemo.rollout.torch.engine import TorchRolloutEngine
 
     if spec.endswith(".json"):
         if not Path(spec).is_file():
@@ -252,7 +252,7 @@ def rollout_cost_model(config: Any, engine: Any, saved: Path | None = None) -> D
     """The decode cost model of ``engine`` on the recipe's ``rollout.cost_hardware`` (:func:`rollout_hardware`,
     ``saved`` as there): a torch engine's model, dense layers, page score and element sizes, else (TensorRT-LLM)
     ``model``, ``sparsity.dense_layers`` and ``sparsity.page_score`` in bf16."""
-    from sparrow_nemo.rollout.torch_engine import TorchRolloutEngine
+    from sparrow_nemo.rollout.torch.engine import TorchRolloutEngine
 
     hardware = rollout_hardware(config.rollout.cost_hardware, engine, saved)
     if isinstance(engine, TorchRolloutEngine):

@@ -2,11 +2,11 @@
 
 :class:`SparrowSparseSpec` holds the algorithm's settings (page size, sink/local pages, dense first
 layers, the page score, the budget schedule) and translates them to and from the ``sparse_attention_config`` dict that
-TensorRT-LLM receives and that :class:`~sparrow_nemo.rollout.trtllm_plugin.SparrowSparseAttentionConfig`
+TensorRT-LLM receives and that :class:`~sparrow_nemo.rollout.trtllm.plugin.SparrowSparseAttentionConfig`
 validates. The rest of the algorithm's TensorRT-LLM side that runs without TensorRT-LLM: the page
-landmarks, centroids or key bounds (:mod:`~sparrow_nemo.rollout.trtllm_kv_cache`), the pool layout
-(:mod:`~sparrow_nemo.rollout.trtllm_layout`) and the generation step
-(:mod:`~sparrow_nemo.rollout.trtllm_decode`).
+landmarks, centroids or key bounds (:mod:`~sparrow_nemo.rollout.trtllm.kv_cache`), the pool layout
+(:mod:`~sparrow_nemo.rollout.trtllm.layout`) and the generation step
+(:mod:`~sparrow_nemo.rollout.trtllm.decode`).
 """
 
 from __future__ import annotations

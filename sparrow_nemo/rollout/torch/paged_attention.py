@@ -15,8 +15,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
-import sparrow_nemo.rollout.cpu_attention as cpu_attention
-from sparrow_nemo.rollout.paged_cache import PagedKVCache
+import sparrow_nemo.rollout.torch.cpu_attention as cpu_attention
+from sparrow_nemo.rollout.torch.paged_cache import PagedKVCache
 from sparrow_nemo.sparse.attention import (
     decode_attention,
     select_pages_from_centroids,
@@ -83,7 +83,7 @@ def decode_attention_torch(
     The page choice is the method layer's for the cache's page score (``select_pages_from_centroids`` on its
     incremental centroids, ``select_pages_from_key_bounds`` on its key bounds), batched over rows and KV
     heads. On the CPU with an fp32 cache the compiled kernel makes the same choice and reads the chosen pages
-    in place (:func:`~sparrow_nemo.rollout.cpu_attention.sparse_decode_attention`); elsewhere they are
+    in place (:func:`~sparrow_nemo.rollout.torch.cpu_attention.sparse_decode_attention`); elsewhere they are
     gathered (:meth:`PagedKVCache.gather`) into the method layer's masked attention.
 
     Args:

@@ -11,7 +11,7 @@ Where the sparse indices go depends on the GPU (:func:`generation_path`):
   paged pool (and updates the page's landmarks: centroid, or key bounds under ``page_score="minmax"``),
   ``page_selection`` picks the pages (physical ids) by the same score and
   ``decode_attention_paged`` attends to them (three launches per layer), all over the pool's own pages and block table
-  (:mod:`~sparrow_nemo.rollout.trtllm_layout`). The context phase stays TensorRT-LLM's.
+  (:mod:`~sparrow_nemo.rollout.trtllm.layout`). The context phase stays TensorRT-LLM's.
 
 Budgets come from a device-resident :class:`BudgetTable` so that nothing here reads a device value on the
 host; shapes are static (the block table's width), so a step is CUDA-graph capturable.
@@ -25,8 +25,8 @@ from typing import Literal
 import torch
 from sparrow_kernels.landmarks import Landmarks
 
-from sparrow_nemo.rollout.trtllm_kv_cache import LandmarkPool
-from sparrow_nemo.rollout.trtllm_layout import kv_page_views
+from sparrow_nemo.rollout.trtllm.kv_cache import LandmarkPool
+from sparrow_nemo.rollout.trtllm.layout import kv_page_views
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 GenerationPath = Literal["native", "sparrow_kernels"]
@@ -123,7 +123,7 @@ def sparse_decode_step(
         landmarks: the layer's page landmarks (:meth:`LandmarkPool.layer`, updated in place): float32
             [num_blocks, Hkv, D] centroids, or a ``sparrow_kernels.KeyBounds`` of two (minmax); the
             pages are scored by the matching rule.
-        block_table: int32 [G, max_pages] (:func:`~sparrow_nemo.rollout.trtllm_layout.block_table_from_offsets`).
+        block_table: int32 [G, max_pages] (:func:`~sparrow_nemo.rollout.trtllm.layout.block_table_from_offsets`).
         seq_len: int32 [G] tokens in the cache with the current one. budgets: int32 [G] tokens.
         num_heads: query heads Hq. scale: softmax scale (``1 / (q_scaling * sqrt(D))``).
 

@@ -26,7 +26,6 @@ import torch
 
 from sparrow_nemo.hf_qwen3 import LoraAdapter, linear_in_out
 from sparrow_nemo.model_shapes import Qwen3Shape
-from sparrow_nemo.rollout.decode_step import DecodeStep
 from sparrow_nemo.rollout.engine import (
     RolloutBatch,
     RolloutSample,
@@ -35,10 +34,6 @@ from sparrow_nemo.rollout.engine import (
     TokenProgress,
     TokenTally,
 )
-from sparrow_nemo.rollout.paged_attention import causal_attention, choose_backend, decode_attention_backend
-from sparrow_nemo.rollout.paged_cache import PagedKVCache
-from sparrow_nemo.rollout.qwen3_torch import Qwen3Decoder
-from sparrow_nemo.rollout.recorder import StepRecorder
 from sparrow_nemo.rollout.sampling import (
     batch_seeds,
     draw_uniforms,
@@ -46,11 +41,20 @@ from sparrow_nemo.rollout.sampling import (
     sample_tokens,
     token_logprobs,
 )
-from sparrow_nemo.rollout.spec_decode import SpeculativeDecoder, SpeculativeSample
-from sparrow_nemo.rollout.spec_verify import KernelVerify, TorchVerify, VerifyAttention
-from sparrow_nemo.rollout.speculative import SpeculativeConfig
-from sparrow_nemo.rollout.static_decode import StaticDecoder, decode_static
-from sparrow_nemo.rollout.stopping import Detokenizer, StopRule
+from sparrow_nemo.rollout.torch.decode_step import DecodeStep
+from sparrow_nemo.rollout.torch.paged_attention import (
+    causal_attention,
+    choose_backend,
+    decode_attention_backend,
+)
+from sparrow_nemo.rollout.torch.paged_cache import PagedKVCache
+from sparrow_nemo.rollout.torch.qwen3 import Qwen3Decoder
+from sparrow_nemo.rollout.torch.recorder import StepRecorder
+from sparrow_nemo.rollout.torch.spec_decode import SpeculativeDecoder, SpeculativeSample
+from sparrow_nemo.rollout.torch.spec_verify import KernelVerify, TorchVerify, VerifyAttention
+from sparrow_nemo.rollout.torch.speculative import SpeculativeConfig
+from sparrow_nemo.rollout.torch.static_decode import StaticDecoder, decode_static
+from sparrow_nemo.rollout.torch.stopping import Detokenizer, StopRule
 from sparrow_nemo.sparse.pattern import PAGE_SCORES, PAGE_SIZE
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET, BudgetSchedule
 
@@ -263,7 +267,7 @@ class TorchRolloutEngine:
 
         With ``speculative``, the sparse rule (``schedule``, or the config's own draft schedule) only drafts and
         dense verify passes decide: the samples are dense-distributed, their logprobs dense, and each is a
-        :class:`~sparrow_nemo.rollout.spec_decode.SpeculativeSample` carrying its draft statistics.
+        :class:`~sparrow_nemo.rollout.torch.spec_decode.SpeculativeSample` carrying its draft statistics.
 
         ``sample_seeds`` overrides the per-sample seeds (default ``sample_seed(sampling.seed, i)``), so a
         prompt run alone can reproduce its draws from inside a larger batch. Prompts are decoded in waves
@@ -446,7 +450,7 @@ class TorchRolloutEngine:
         t0: float,
         tally: TokenTally,
     ) -> RolloutBatch:
-        """The speculative loop of one wave after its prefill (:mod:`sparrow_nemo.rollout.spec_decode`)."""
+        """The speculative loop of one wave after its prefill (:mod:`sparrow_nemo.rollout.torch.spec_decode`)."""
         draft = speculative.schedule_for(schedule)
         if draft.page_size != self.page_size:
             raise ValueError(

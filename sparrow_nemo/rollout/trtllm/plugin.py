@@ -53,20 +53,20 @@ from tensorrt_llm._torch.pyexecutor.resource_manager import KVCacheManager
 from tensorrt_llm.llmapi import llm_args
 from tensorrt_llm.llmapi.rlhf_utils import WorkerExtension
 
-from sparrow_nemo.rollout.trtllm_decode import (
+from sparrow_nemo.rollout.trtllm.decode import (
     BudgetTable,
     generation_path,
     predict_native_indices,
     sparse_decode_step,
     split_fused_qkv,
 )
-from sparrow_nemo.rollout.trtllm_kv_cache import (
+from sparrow_nemo.rollout.trtllm.kv_cache import (
     LandmarkPool,
     centroid_bytes_per_token,
     context_token_positions,
 )
-from sparrow_nemo.rollout.trtllm_layout import block_table_from_offsets, layers_per_pool
-from sparrow_nemo.rollout.trtllm_sparse import ALGORITHM, SparrowSparseSpec
+from sparrow_nemo.rollout.trtllm.layout import block_table_from_offsets, layers_per_pool
+from sparrow_nemo.rollout.trtllm.sparse import ALGORITHM, SparrowSparseSpec
 
 
 class SparrowSparseAttentionConfig(llm_args.BaseSparseAttentionConfig):
