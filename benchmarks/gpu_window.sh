@@ -189,8 +189,8 @@ case "$MODE" in
   gpu) stage speculative "${SPEC[@]}" --device cuda --dtype bf16 --shape qwen3-1.7b --batch 16 --group 16 \
          --prompt-len 32512 --gen-len 256 --bin-tokens 2048 --page-size 16 --dense-layers 2 --fraction 0.1 --ks 8 \
          --warmup-tokens 16 ;;
-  *) stage speculative "${SPEC[@]}" --shape tiny-test --batch 2 --group 2 --prompt-len 64 --gen-len 16 --bin-tokens 32 \
-       --page-size 16 --ks 4 --warmup-tokens 4 --backend "$([ "$MODE" = tiny ] && echo triton || echo torch)" ;;
+  *) stage speculative "${SPEC[@]}" --shape tiny-test --batch 2 --group 2 --prompt-len 48 --gen-len 10 --bin-tokens 32 \
+       --page-size 16 --ks 4 --warmup-tokens 2 --backend "$([ "$MODE" = tiny ] && echo triton || echo torch)" ;;
 esac
 
 # ---- train: the megatron-core step, refit and sleep/wake ------------------------------------------------------
