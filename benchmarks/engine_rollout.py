@@ -13,8 +13,10 @@ continuous batching the ``max_cache_tokens`` it is given), which is what the lin
 Each arm runs one untimed warm-up generate first (the same prompts' first group, ``--warmup-tokens``
 tokens: Triton compiles and the prefill path's first use), then the timed generate. Decode throughput
 excludes the prefill (the same work in both arms); ``speedup`` = sparse decode tokens/s / dense decode
-tokens/s. The CUDA graph of a static decode wave is captured inside each timed wave (the engine captures per
-wave), so the timed decode includes one capture per wave; ``decode_waves_lower_bound`` says how many.
+tokens/s. The engine captures the CUDA graph of a static decode wave in every wave it runs (as it does in every
+RL step), so the timed decode holds one capture per wave (``decode_waves_lower_bound`` waves at least); the
+warm-up's decode seconds (``warmup_decode_s``: one eager step, the capture and ``--warmup-tokens`` - 1 replays)
+bound what that costs.
 
 Beside it, per GPU kind (:mod:`gpu_targets`): the batch that fits there and the cost model's memory-bound
 speedup limit of the same length mix at that batch, the limit at the batch that ran, and the target
@@ -166,11 +168,17 @@ def run_model(name: str, args: argparse.Namespace, device: torch.device, env: di
     arms = {}
     for arm, sched in (("dense", dense), ("sparse", schedule)):
         w0 = time.perf_counter()
-        engine.generate(prompts[: args.group], replace(sampling, max_new_tokens=args.warmup_tokens), sched)
+        warm = engine.generate(
+            prompts[: args.group], replace(sampling, max_new_tokens=args.warmup_tokens), sched
+        )
         warmup_s = time.perf_counter() - w0
         w0 = time.perf_counter()
         out = engine.generate(prompts, sampling, sched)
-        arms[arm] = {**arm_stats(out, time.perf_counter() - w0), "warmup_s": warmup_s}
+        arms[arm] = {
+            **arm_stats(out, time.perf_counter() - w0),
+            "warmup_s": warmup_s,
+            "warmup_decode_s": warm.decode_s,
+        }
         print(f"{name} {arm}: {arms[arm]['decode_tok_s']:.0f} tok/s decode, {arms[arm]['tokens']} tokens, mean length "
               f"{arms[arm]['length_mean']:.0f}, {arms[arm]['finish_reasons']}", flush=True)  # fmt: skip
     prompt_len = args.context - args.max_new
