@@ -2,21 +2,19 @@
 
 For each model (random bf16 weights drawn on the device) it builds a :class:`TorchRolloutEngine` whose KV
 cache holds the rows that fit at the context length, and asks ``engine.generate(prompts, sampling,
-schedule)`` for a GRPO-shaped request mix: ``--waves`` times as many requests as fit at once, in groups of
+schedule)`` for a GRPO-shaped request mix: ``--requests-per-row`` times as many requests as fit at once, in groups of
 ``--group`` samples of one prompt (the engine prefills a group's prompt once), prompts of ``--context -
 --max-new`` tokens, so every token is sampled at 32K cached. The response lengths are a realistic mix with
 EOS honoured: the stop set is the model's EOS plus ``V / --mean-new`` other token ids, so at temperature 1 a
 response stops at each step with probability ~1 / mean-new (a geometric mix of lengths, capped at
-``--max-new``). The engine decides how to batch the requests (waves of ``max_batch_size`` rows, or with
-continuous batching the ``max_cache_tokens`` it is given), which is what the line measures.
+``--max-new``). The engine's KV pool is ``rows x --context`` tokens (``max_cache_tokens``): it runs what fits
+and admits a request as another finishes (continuous batching, pages on demand, preemption when they run out),
+which is what the line measures, with the engine's counters (decode steps, preemptions, peak pages).
 
-Each arm runs one untimed warm-up generate first (the same prompts' first group, ``--warmup-tokens``
-tokens: Triton compiles and the prefill path's first use), then the timed generate. Decode throughput
-excludes the prefill (the same work in both arms); ``speedup`` = sparse decode tokens/s / dense decode
-tokens/s. The engine captures the CUDA graph of a static decode wave in every wave it runs (as it does in every
-RL step), so the timed decode holds one capture per wave (``decode_waves_lower_bound`` waves at least); the
-warm-up's decode seconds (``warmup_decode_s``: one eager step, the capture and ``--warmup-tokens`` - 1 replays)
-bound what that costs.
+Each arm first runs an untimed warm-up: one short generate at every CUDA-graph bucket size the timed run can
+reach (the engine captures a bucket's graph the first time it uses it and keeps it; Triton compiles on first
+use), so neither lands in the timed numbers; then the timed generate. Decode throughput excludes the prefill
+(the same work in both arms); ``speedup`` = sparse decode tokens/s / dense decode tokens/s.
 
 Beside it, per GPU kind (:mod:`gpu_targets`): the batch that fits there and the cost model's memory-bound
 speedup limit of the same length mix at that batch, the limit at the batch that ran, and the target
@@ -30,7 +28,6 @@ CPU: .venv/bin/python benchmarks/engine_rollout.py --tiny --device cpu --backend
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import math
 import os
@@ -51,6 +48,7 @@ from rollout_speedup import (
 
 from sparrow_nemo.model_shapes import get_shape
 from sparrow_nemo.rollout.engine import RolloutBatch, SamplingParams
+from sparrow_nemo.rollout.torch.cuda_graphs import bucket_sizes
 from sparrow_nemo.rollout.torch.engine import TorchRolloutEngine
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
@@ -69,7 +67,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-new", type=int, default=384, help="response cap, tokens")
     p.add_argument("--mean-new", type=int, default=128, help="mean response length the stop set aims at")
     p.add_argument("--group", type=int, default=16, help="samples per prompt (a GRPO group)")
-    p.add_argument("--waves", type=float, default=2.0, help="requests = waves x the rows that fit at once")
+    p.add_argument("--requests-per-row", type=float, default=2.0, help="requests per row that fits at once")
     p.add_argument(
         "--rows", type=int, default=None, help="rows that fit at once (default: measured free memory)"
     )
@@ -91,15 +89,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def engine_capacity(rows: int, context: int) -> dict[str, int]:
-    """How many rows the engine holds at once: ``max_cache_tokens`` where the engine takes it (continuous
-    batching, pages on demand), else ``max_batch_size`` (waves)."""
-    params = inspect.signature(TorchRolloutEngine).parameters
-    if "max_cache_tokens" in params:
-        return {"max_cache_tokens": rows * context}
-    return {"max_batch_size": rows}
-
-
 def fitting_rows(shape, device: torch.device, context: int, headroom_gib: float) -> int:
     """Rows whose whole KV cache (K, V, centroids) fits in the free device memory less the headroom."""
     free = torch.cuda.mem_get_info(device)[0] - headroom_gib * 2**30
@@ -109,10 +98,10 @@ def fitting_rows(shape, device: torch.device, context: int, headroom_gib: float)
 def request_mix(
     vocab: int, eos: int, args: argparse.Namespace, rows: int
 ) -> tuple[list[list[int]], tuple[int, ...]]:
-    """GRPO-shaped prompts (groups of ``--group`` copies of one random prompt; ``waves x rows`` requests,
+    """GRPO-shaped prompts (groups of ``--group`` copies of one random prompt; ``requests-per-row x rows`` requests,
     whole groups) and the stop set (EOS + about vocab / mean-new other ids)."""
     gen = torch.Generator().manual_seed(args.seed)
-    groups = max(1, math.ceil(args.waves * rows / args.group))
+    groups = max(1, math.ceil(args.requests_per_row * rows / args.group))
     prompt_len = args.context - args.max_new
     prompts = []
     for _ in range(groups):
@@ -122,6 +111,20 @@ def request_mix(
     n_stop = max(1, round(vocab / args.mean_new))
     stop = (eos, *[t for t in others if t != eos][: n_stop - 1])
     return prompts, stop
+
+
+def warm_up(engine: TorchRolloutEngine, sampling: SamplingParams, schedule, rows: int, tokens: int) -> float:
+    """Untimed: one short generate at every CUDA-graph bucket the timed run can use (the engine captures a
+    bucket's graph the first time a step runs at it, and keeps it; the kernels compile on first use), so neither
+    lands in the timed decode. Short prompts: a graph depends on the batch size, not on the cached length."""
+    sizes = bucket_sizes(engine.max_batch_size or rows)
+    top = next((b for b in sizes if b >= rows), sizes[-1])  # the most rows the pool runs at once use this one
+    prompt = list(range(3, 3 + 2 * engine.page_size))
+    short = replace(sampling, max_new_tokens=tokens, stop_token_ids=())
+    t0 = time.perf_counter()
+    for b in (b for b in sizes if b <= top):
+        engine.generate([prompt] * b, short, schedule)
+    return time.perf_counter() - t0
 
 
 def arm_stats(out: RolloutBatch, wall_s: float) -> dict:
@@ -140,9 +143,8 @@ def arm_stats(out: RolloutBatch, wall_s: float) -> dict:
         "finish_reasons": dict(Counter(s.finish_reason for s in out.samples)),
         "lengths": lengths,
     }
-    for name in ("decode_steps", "preemptions", "peak_pages"):  # the continuous-batching engine's counters
-        if hasattr(out, name):
-            stats[name] = getattr(out, name)
+    for name in ("decode_steps", "preemptions", "peak_pages", "capacity_pages"):  # the engine's batching
+        stats[name] = getattr(out, name)
     return stats
 
 
@@ -156,9 +158,8 @@ def run_model(name: str, args: argparse.Namespace, device: torch.device, env: di
     rows = args.rows or fitting_rows(shape, device, args.context, args.headroom_gib)
     if rows <= 0:
         raise RuntimeError(f"{name}: no {args.context}-token sequence fits beside the weights")
-    capacity = engine_capacity(rows, args.context)
     engine = TorchRolloutEngine(decoder, dense_layers=args.dense_layers, attention_backend=args.backend,
-                                prefill_chunk_tokens=16 if args.tiny else 2048, **capacity)  # fmt: skip
+                                prefill_chunk_tokens=16 if args.tiny else 2048, max_cache_tokens=rows * args.context)  # fmt: skip
     build_s = time.perf_counter() - t0
     prompts, stop = request_mix(shape.vocab_size, shape.eos_token_id, args, rows)
     sampling = SamplingParams(
@@ -167,18 +168,10 @@ def run_model(name: str, args: argparse.Namespace, device: torch.device, env: di
     dense = BudgetSchedule.dense(schedule.bin_tokens, schedule.page_size)
     arms = {}
     for arm, sched in (("dense", dense), ("sparse", schedule)):
-        w0 = time.perf_counter()
-        warm = engine.generate(
-            prompts[: args.group], replace(sampling, max_new_tokens=args.warmup_tokens), sched
-        )
-        warmup_s = time.perf_counter() - w0
+        warmup_s = warm_up(engine, sampling, sched, rows, args.warmup_tokens)
         w0 = time.perf_counter()
         out = engine.generate(prompts, sampling, sched)
-        arms[arm] = {
-            **arm_stats(out, time.perf_counter() - w0),
-            "warmup_s": warmup_s,
-            "warmup_decode_s": warm.decode_s,
-        }
+        arms[arm] = {**arm_stats(out, time.perf_counter() - w0), "warmup_s": warmup_s}
         print(f"{name} {arm}: {arms[arm]['decode_tok_s']:.0f} tok/s decode, {arms[arm]['tokens']} tokens, mean length "
               f"{arms[arm]['length_mean']:.0f}, {arms[arm]['finish_reasons']}", flush=True)  # fmt: skip
     prompt_len = args.context - args.max_new
@@ -187,10 +180,10 @@ def run_model(name: str, args: argparse.Namespace, device: torch.device, env: di
     limits = rollout_limits(shape, schedule, lengths, prompt_len, args.dense_layers, rows)
     row = {
         "benchmark": "engine_rollout", "model": name, "schedule": schedule.name, "rows_at_once": rows,
-        "engine_capacity": capacity, "requests": len(prompts), "group": args.group, "prompt_len": prompt_len,
+        "max_cache_tokens": rows * args.context, "requests": len(prompts), "group": args.group, "prompt_len": prompt_len,
         "max_new_tokens": args.max_new, "mean_new_aimed": args.mean_new, "stop_ids": len(stop),
         "dense_layers": args.dense_layers, "backend": engine.backend, "dtype": str(dtype).removeprefix("torch."),
-        "decode_waves_lower_bound": math.ceil(len(prompts) / rows), "build_s": build_s,
+        "requests_per_row": len(prompts) / rows, "build_s": build_s,
         "dense": arms["dense"], "sparse": arms["sparse"], "speedup": speedup, "limits": limits,
         "paper": None if args.tiny else paper_reachable(name, shape, schedule, args.dense_layers),
         **env,

@@ -14,11 +14,13 @@ the trainer's process model does), so the GPU holds only the policy during the u
    its peak is ``measured_peak_bytes``, beside ``plan``: ``sparrow plan``'s training phase for the same
    recipe, layout and sequence length (:func:`sparrow_nemo.commands.plan.plan_config`), part by part.
 
-Then the engine wakes, the policy's weights are streamed into it (``refit``; one of the engine's tensors is
-zeroed first, so it matches the policy's export afterwards only if the refit brought it), the engine sleeps and wakes once more and generates a few tokens. One JSON line per length
-and one for the refit, each written when it finishes. Targets: the measured peak <= 1.1 x the plan's total
-(the plan sizes the job: it may overestimate, not underestimate much), and the plan's total within each GPU
-kind's memory (``fits``); the refit line: the weights arrived and the engine generates after sleep/wake.
+Then the trainer's cycle: the engine wakes (storage for its weights, uninitialised: sleep released them), the
+policy's weights are streamed into it (``refit``; one is compared with the policy's export), it generates 8
+tokens, sleeps (weights and KV pool released), wakes, is refitted and generates the same 8 tokens again. One
+JSON line per length and one for the refit, each written when it finishes. Targets: the measured peak <= 1.1 x
+the plan's total (the plan sizes the job: it may overestimate, not underestimate much), and the plan's total
+within each GPU kind's memory (``fits``); the refit line: the weights arrived, and the same tokens came after
+sleep/wake/refit.
 
 ``--tiny``: the ``tiny`` shape in fp32 on CPU at 128/256 tokens: the same path, no memory numbers (CPU has
 no ``max_memory_allocated``).
@@ -139,44 +141,48 @@ def train_rows(policy, config, args, cuda: bool, meta: dict) -> Iterator[dict]:
 
 
 def refit_row(policy, engine, config, cuda: bool, meta: dict) -> dict:
-    """Wake the engine, stream the policy's weights into it, compare one, sleep/wake, generate."""
+    """The trainer's cycle after an update: wake (weight storage, uninitialised), refit, generate; then sleep
+    (weights and KV pool released), wake, refit and generate again: the same tokens, so the round trip holds."""
     from sparrow_nemo.grpo.refit import refit
     from sparrow_nemo.grpo.setup import sampling_params
-
-    t0 = time.perf_counter()
-    engine.wake()
-    wake_s = time.perf_counter() - t0
-    name = "model.layers.0.self_attn.q_proj.weight"
-    engine.update_weights({name: torch.zeros_like(engine.model.params[name])})  # so the refit must bring it
-    t0 = time.perf_counter()
-    tensors = refit(policy, engine.update_weights)
-    refit_s = time.perf_counter() - t0
-    exported = policy.export_hf()[name]
-    match = torch.equal(engine.model.params[name].to(exported.device, exported.dtype), exported)
-    awake = torch.cuda.memory_allocated() if cuda else None
-    t0 = time.perf_counter()
-    engine.sleep()
-    sleep_s = time.perf_counter() - t0
-    asleep = torch.cuda.memory_allocated() if cuda else None
-    t0 = time.perf_counter()
-    engine.wake()
-    wake2_s = time.perf_counter() - t0
     from sparrow_nemo.sparse.schedule import BudgetSchedule
 
-    out = engine.generate(
-        [[5, 6, 7, 8] * 4],
-        replace(sampling_params(config), max_new_tokens=8, stop_token_ids=()),
-        BudgetSchedule.dense(),
-    )
-    finite = bool(torch.isfinite(out.samples[0].logprobs).all())
+    name = "model.layers.0.self_attn.q_proj.weight"
+    sampling = replace(sampling_params(config), max_new_tokens=8, stop_token_ids=(), seed=7)
+
+    def timed(fn) -> tuple[object, float]:
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = fn()
+        if cuda:
+            torch.cuda.synchronize()
+        return out, time.perf_counter() - t0
+
+    _, wake_s = timed(engine.wake)
+    tensors, refit_s = timed(lambda: refit(policy, engine.update_weights))
+    exported = policy.export_hf()[name]
+    match = torch.equal(engine.model.params[name].to(exported.device, exported.dtype), exported)
+    del exported
+    first = engine.generate([[5, 6, 7, 8] * 4], sampling, BudgetSchedule.dense()).samples[0]
+    awake = torch.cuda.memory_allocated() if cuda else None
+    _, sleep_s = timed(engine.sleep)
+    asleep = torch.cuda.memory_allocated() if cuda else None
+    _, wake2_s = timed(engine.wake)
+    refit(policy, engine.update_weights)
+    again = engine.generate([[5, 6, 7, 8] * 4], sampling, BudgetSchedule.dense()).samples[0]
+    finite = bool(torch.isfinite(first.logprobs).all())
+    same = torch.equal(first.response_ids, again.response_ids)
     row = {
         **meta, "benchmark": "refit_sleep_wake", "tensors": tensors, "refit_s": refit_s, "wake_s": wake_s,
         "sleep_s": sleep_s, "wake_again_s": wake2_s, "allocated_awake_bytes": awake, "allocated_asleep_bytes": asleep,
-        "weights_match": match, "generated_tokens": int(out.samples[0].response_ids.numel()), "logprobs_finite": finite,
+        "weights_match": match, "generated_tokens": int(first.response_ids.numel()), "logprobs_finite": finite,
+        "same_tokens_after_sleep_wake": same,
     }  # fmt: skip
-    row["target"] = {"value": match and finite, "op": "==", "limit": True, "pass": match and finite}
+    ok = match and finite and same
+    row["target"] = {"value": ok, "op": "==", "limit": True, "pass": ok}
     print(f"refit {tensors} tensors in {refit_s:.2f} s (weights match: {match}); sleep {sleep_s:.2f} s, wake "
-          f"{wake2_s:.2f} s; generated {row['generated_tokens']} tokens after wake", flush=True)  # fmt: skip
+          f"{wake2_s:.2f} s; the same {row['generated_tokens']} tokens after sleep/wake/refit: {same}", flush=True)  # fmt: skip
     return row
 
 

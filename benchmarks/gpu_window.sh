@@ -8,8 +8,8 @@
 #                        wheel carried in .window/ (the image has none) into .window/site, and checked
 #   correctness (130 s)  natively on the GPU: the kernel tests (selection, decode, append, verify, minmax, a
 #                        CUDA-graph replay of a decode layer), the engine's Triton path vs its torch path and
-#                        the CUDA-graph decode loop vs eager (tests/rollout/test_kernel_path.py,
-#                        test_fast_decode.py), the speculative verify kernel -> correctness.xml
+#                        its bucketed CUDA-graph decode steps vs eager (tests/rollout/test_kernel_path.py,
+#                        test_decode_graphs.py), the speculative verify kernel -> correctness.xml
 #   kernels      (55 s)  sparse_attention.py --only-targets: 8B, batch 64, 32K and 4K, 10 % and 25 % kept,
 #                        each row with its targets -> kernels.jsonl
 #   rollout     (115 s)  engine_rollout.py: Qwen3 1.7B then 8B at 32K, dense vs the paper's 0.86 schedule, a
@@ -111,7 +111,7 @@ import torch, triton
 from gpu_targets import commit, kind_of
 
 for name in ("sparrow_kernels", "sparrow_kernels.decode", "sparrow_kernels.verify", "sparrow_nemo.rollout.torch.engine",
-             "sparrow_nemo.rollout.torch.static_decode", "sparrow_nemo.rollout.torch.speculative", "sparrow_nemo.sparse.cost_model"):
+             "sparrow_nemo.rollout.torch.cuda_graphs", "sparrow_nemo.rollout.torch.speculative", "sparrow_nemo.sparse.cost_model"):
     importlib.import_module(name)
 bad = sorted(m for m in sys.modules if m.split(".")[0] in ("megatron", "transformers"))
 assert not bad, f"the kernels and the rollout engine must not import megatron/transformers, got {bad}"
@@ -162,7 +162,7 @@ stage env bash -c env_stage
 if [ "$MODE" = gpu ] && [ -d .window/site ]; then MEGATRON_SITE=$PWD/.window/site; fi
 
 # ---- correctness: the native paths against their references ------------------------------------------------
-TESTS=(tests/kernels tests/rollout/test_kernel_path.py tests/rollout/test_fast_decode.py
+TESTS=(tests/kernels tests/rollout/test_kernel_path.py tests/rollout/test_decode_graphs.py
        tests/rollout/test_speculative_kernel.py)
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -p no:randomly "${TESTS[@]}" --junitxml "$OUT/correctness.xml")
 case "$MODE" in

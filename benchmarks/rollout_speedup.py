@@ -48,9 +48,11 @@ from sparrow_nemo.hf_qwen3 import expected_weight_shapes
 from sparrow_nemo.model_shapes import Qwen3Shape, get_shape
 from sparrow_nemo.rollout.engine import SamplingParams
 from sparrow_nemo.rollout.sampling import sample_tokens, token_logprobs
+from sparrow_nemo.rollout.torch.block_manager import BlockManager
+from sparrow_nemo.rollout.torch.cuda_graphs import DecodeGraphs
 from sparrow_nemo.rollout.torch.engine import TorchRolloutEngine
+from sparrow_nemo.rollout.torch.paged_cache import fill_block_table
 from sparrow_nemo.rollout.torch.qwen3 import Qwen3Decoder
-from sparrow_nemo.rollout.torch.static_decode import StaticDecoder
 from sparrow_nemo.sparse.cost_model import HARDWARE, DecodeCostModel, Hardware
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET, BudgetSchedule
 
@@ -128,10 +130,48 @@ def fill_random_cache(engine: TorchRolloutEngine, seed: int) -> None:
             c[lo : lo + 4096] = k[lo : lo + 4096].float().mean(dim=2)
 
 
-class StepClock:
-    """Milliseconds per decode step of a :class:`StaticDecoder` at given cached lengths."""
+class FixedSteps:
+    """Decode steps of a fixed batch over the engine's static step buffers (:class:`DecodeGraphs`: the CUDA graph
+    the engine replays at this batch's bucket on CUDA, the same step eagerly elsewhere), from ``seq_len``."""
 
-    def __init__(self, dec: StaticDecoder, steps: int, now: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self, engine: TorchRolloutEngine, table: torch.Tensor, schedule: BudgetSchedule, sampling
+    ) -> None:
+        batch = table.shape[0]
+        capture = engine.device.type == "cuda" and engine.backend == "triton"
+        self.graphs = DecodeGraphs(engine._step_fn, engine.device, batch, table.shape[1], capture=capture)
+        if not schedule.is_dense:
+            self.graphs.budget_of.load(schedule)
+        self.table, self.dense, self.sampling = table, schedule.is_dense, sampling
+        self.scratch = engine._cache.num_pages - 1
+        self.seq_len = torch.ones(batch, dtype=torch.int64, device=engine.device)
+        self.tokens = torch.randint(3, engine.shape.vocab_size, (batch,), device=engine.device)
+        self.uniforms = torch.zeros(batch, dtype=torch.float64)
+
+    @property
+    def captured(self) -> bool:
+        return bool(self.graphs._graphs)
+
+    def run(self, n: int) -> None:
+        for _ in range(n):
+            self.seq_len += 1
+            out = self.graphs.run(
+                self.table,
+                self.tokens,
+                self.seq_len,
+                self.uniforms,
+                self.dense,
+                self.sampling,
+                20,
+                self.scratch,
+            )
+            self.tokens = out.tokens
+
+
+class StepClock:
+    """Milliseconds per decode step of a :class:`FixedSteps` at given cached lengths."""
+
+    def __init__(self, dec: FixedSteps, steps: int, now: Callable[[], float] = time.perf_counter) -> None:
         self.dec, self.steps, self.now = dec, steps, now  # now: host clock (seconds) off CUDA
         self.cuda = dec.seq_len.device.type == "cuda"
 
@@ -140,7 +180,6 @@ class StepClock:
         ``start`` first: it also leaves the previous window's state behind)."""
         dec = self.dec
         dec.seq_len.fill_(start - 1)
-        dec.step_idx.fill_(1)
         dec.run(1)
         if self.cuda:
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -178,28 +217,10 @@ def decode_ms(
 ) -> tuple[float, list[tuple[float, float]], float, bool, float]:
     """(total decode ms over the regions, measured points, ms per step at the last cached length,
     whether the steps were replayed from a CUDA graph, seconds of the first step + graph capture)."""
-    batch = block_table.shape[0]
-    dec = StaticDecoder(
-        engine.decode_step,
-        engine.backend,
-        engine._cache,
-        block_table,
-        torch.full((batch,), region_list[0].lo, dtype=torch.int64),
-        2 * steps_per_window + 2,  # record rows: the longest window (2n steps) + its warm-up step
-        sampling,
-        schedule,
-        check_every=2 * steps_per_window + 2,
-    )
-    dec.tokens.random_(3, engine.shape.vocab_size)
+    dec = FixedSteps(engine, block_table, schedule, sampling)
+    dec.seq_len.fill_(region_list[0].lo - 1)
     t0 = time.perf_counter()
-    if engine.device.type == "cuda":
-        try:
-            dec.capture()  # one eager step (compiles the kernels), then the CUDA graph
-        except RuntimeError:  # measure eagerly rather than lose the configuration; the row says so
-            traceback.print_exc()
-            dec.graph = None
-    else:
-        dec.run(1)  # compiles the kernels
+    dec.run(1)  # compiles the kernels and, on CUDA, captures the bucket's graph
     warm_s = time.perf_counter() - t0
     clock = StepClock(dec, steps_per_window)
     total, points = 0.0, []
@@ -208,7 +229,7 @@ def decode_ms(
         total += ms
         points += pts
     last = clock.window(region_list[-1].hi - 1, 1)
-    return total, points, last, dec.graph is not None, warm_s
+    return total, points, last, dec.captured, warm_s
 
 
 def stage_ms(
@@ -354,7 +375,7 @@ def e2e_check(
     schedule: BudgetSchedule,
     sampling: SamplingParams,
 ) -> dict[str, float]:
-    """``engine.generate`` (the fast path: prefill, then static CUDA-graph decode) for ``gen`` tokens from
+    """``engine.generate`` (the fast path: prefill, then bucketed CUDA-graph decode) for ``gen`` tokens from
     random prompts; its decode time covers steps 1 .. gen-1 (cached lengths prompt + 1 .. prompt + gen - 1)."""
     gen_ids = torch.Generator().manual_seed(1)
     prompts = [
@@ -390,9 +411,10 @@ def run_config(
     engine._cache = None
     if engine.device.type == "cuda":
         torch.cuda.empty_cache()
-    cache = engine._ensure_cache(batch * pages_per_seq)
+    cache = engine._pool(batch * pages_per_seq)
+    blocks = BlockManager(cache.num_pages - 1, ps)
     block_table = torch.full((batch, pages_per_seq), -1, dtype=torch.int32, device=engine.device)
-    cache.reserve(block_table, torch.full((batch,), prompt + gen, dtype=torch.int64))
+    fill_block_table(blocks, block_table, torch.full((batch,), prompt + gen, dtype=torch.int64))
     fill_random_cache(engine, args.seed)
     first, last = prompt, prompt + gen - 1
     region_list = regions(first, last, schedule)
@@ -401,7 +423,7 @@ def run_config(
                  "prompt_len": prompt, "gen_len": gen, "schedule": schedule.name, "method": METHOD,
                  "dtype": str(engine.model.dtype).removeprefix("torch."), "dense_layers": engine.dense_layers,
                  "temperature": sampling.temperature, "regions": len(region_list),
-                 "engine_cuda_graph": engine.cuda_graph}  # fmt: skip
+                 "engine_cuda_graph": engine.runner.graphs is not None}  # fmt: skip
     steps_ms, e2e_model, decode_s = {}, {}, {}
     e2e_regions = regions(prompt + 1, prompt + args.e2e_tokens - 1, schedule) if args.e2e_tokens > 1 else []
     for arm, sched in (("dense", dense), ("sparse", schedule)):
@@ -448,7 +470,7 @@ def run_config(
     for arm in ("dense", "sparse"):
         row[f"{arm}_step_breakdown"] = step_breakdown(stages, steps_ms[arm], shape, engine.dense_layers, arm)
     row["minmax"] = minmax_stages(stages, steps_ms["sparse"], shape, engine.dense_layers)
-    cache.release(block_table)
+    engine._cache = None  # the random cache is no one's: generate() sizes its own
     for arm, sched in (("dense", dense), ("sparse", schedule)) if e2e_regions else ():
         try:
             check = e2e_check(engine, batch, prompt, args.e2e_tokens, sched, sampling)
@@ -551,7 +573,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
             random_decoder(shape, dtype, device, args.seed),
             dense_layers=args.dense_layers,
             attention_backend="triton",
-            decode_loop="static",
         )
         per_token = cache_bytes_per_token(shape, torch.finfo(dtype).bits // 8, engine.page_size)
         for gen in args.gen_lens:

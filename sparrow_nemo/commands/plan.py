@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from sparrow_nemo.commands._common import add_config_arguments, config_from_args
+from sparrow_nemo.commands._forecast import GPU_MEMORY_GIB
 
 NAME = "plan"
 HELP = "show the tensor/pipeline/data-parallel layout and per-GPU memory plan of a recipe"
@@ -36,7 +37,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=int, default=1, help="nodes in the job (default 1)")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
     parser.add_argument(
-        "--gpu-memory-gb", type=float, default=80.0, help="memory of one GPU, GiB (default 80: H100)"
+        "--gpu",
+        default="h100",
+        choices=sorted(GPU_MEMORY_GIB),
+        help="the GPU kind: its memory and the cost-model constants of the rollout forecast (default h100)",
+    )
+    parser.add_argument(
+        "--gpu-memory-gb", type=float, default=None, help="memory of one GPU, GiB (default: the --gpu kind's)"
+    )
+    parser.add_argument(
+        "--lengths-from",
+        type=Path,
+        default=None,
+        help="a finished run's metrics.jsonl: forecast with its response lengths (default: a Qwen3-like mix)",
     )
     parser.add_argument(
         "--table",
@@ -48,9 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def plan_config(config, nodes: int, gpus_per_node: int, gpu_memory_gb: float):
     """:class:`~sparrow_nemo.policy.plan.PlanReport` of a resolved recipe (LayoutError when it cannot run)."""
+    from sparrow_nemo.policy.engine_memory import RolloutSpec
     from sparrow_nemo.policy.lora import LoraConfig
     from sparrow_nemo.policy.memory import MemorySettings
-    from sparrow_nemo.policy.plan import DistillSpec, RolloutSpec, plan
+    from sparrow_nemo.policy.plan import DistillSpec, plan
 
     policy, d = config.policy, config.distill
     distill = None
@@ -84,6 +98,9 @@ def plan_config(config, nodes: int, gpus_per_node: int, gpu_memory_gb: float):
             config.sparsity.page_size,
             config.sparsity.dense_layers,
             config.sparsity.page_score,
+            config.rollout.tensor_parallel_size,
+            config.rollout.kv_cache_fraction,
+            config.rollout.max_cache_tokens,
         ),
     )
 
@@ -116,16 +133,30 @@ def recipes_table() -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from sparrow_nemo.commands._forecast import rollout_forecast
     from sparrow_nemo.policy.parallel import LayoutError
     from sparrow_nemo.policy.plan import format_plan
+    from sparrow_nemo.rollout.torch.dry_run import lengths_like_run
+    from sparrow_nemo.sparse.cost_model import HARDWARE
 
     try:
         if args.table:
             print(recipes_table())
             return 0
-        report = plan_config(config_from_args(args), args.nodes, args.gpus_per_node, args.gpu_memory_gb)
+        config = config_from_args(args)
+        memory = args.gpu_memory_gb or GPU_MEMORY_GIB[args.gpu]
+        report = plan_config(config, args.nodes, args.gpus_per_node, memory)
     except LayoutError as exc:
         print(f"sparrow plan: {exc}", file=sys.stderr)
         return 2
     print(format_plan(report))
+    if report.rollout is not None:
+        gpus = args.nodes * args.gpus_per_node
+        lengths = None
+        if args.lengths_from is not None:
+            engines = gpus // config.rollout.tensor_parallel_size
+            count = -(-config.grpo.prompts_per_step // engines) * engines * config.grpo.samples_per_prompt
+            lengths = lengths_like_run(args.lengths_from, count, config.rollout.max_new_tokens)
+        forecast = rollout_forecast(config, report.rollout.pool_tokens, gpus, HARDWARE[args.gpu], lengths)
+        print("\n".join(forecast.lines()))
     return 0

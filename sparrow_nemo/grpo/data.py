@@ -1,46 +1,69 @@
-"""Prompt datasets for GRPO: rows from JSONL (optionally gzipped) or Parquet files, validated and tokenized.
+"""Prompt datasets for GRPO: rows of data files (:mod:`sparrow_nemo.data.readers`), validated and tokenized.
 
-Each row must hold a prompt (non-empty string) and an answer under configurable field names. What an answer
-may be is the reward's business: ``parse_answer`` checks and converts it (default :func:`text_answer`: a
-string, or an integer turned into one; the code reward passes its test-spec parser, which takes dicts,
-lists and JSON strings). The prompt goes through the tokenizer's chat template when it has one
-(``tokenizer.apply_chat_template``, as a single user turn, with the generation prompt); otherwise the raw
-text is used and the tokenizer adds its own special tokens (e.g. bos).
+Each row holds a prompt and an answer under configurable keys; a dotted key reads a nested field
+(``reward_model.ground_truth``, verl's and DAPO-Math-17k's layout) unless the row has that literal key. The
+prompt is a string or a list of chat messages (``{"role", "content"}``: verl, TRL's conversational format).
+``data.prompt_template`` (a string holding ``{problem}``, or a file holding one) wraps a string prompt, or the
+last user message. The prompt goes through the tokenizer's chat template when it has one
+(``tokenizer.apply_chat_template`` with ``data.chat_template_kwargs``, e.g. Qwen3's ``enable_thinking``, a
+string prompt as a single user turn, ``data.system_prompt`` first when the messages have no system turn, and
+the generation prompt); otherwise the raw text is used and the tokenizer adds its own special tokens (bos).
+``data.data_source_key`` (verl's ``data_source``) is carried with each example: the reward can be routed by it
+(``reward.by_data_source``).
 
-A bad row (invalid JSON or UTF-8, a line over :data:`MAX_ROW_BYTES`, nesting deeper than :data:`MAX_ROW_DEPTH`,
-not an object, missing field, an answer ``parse_answer`` refuses, a prompt the tokenizer rejects or one
-longer than ``max_prompt_tokens``) is skipped and counted; the first
-``report_first`` are logged with file and line. Loading fails with a one-line :class:`PromptDataError`
-naming the file when more than ``max_bad_fraction`` of the rows are bad, when no row is usable, when the
-file has no rows, is unreadable (corrupt gzip / Parquet), or is a Parquet file without the prompt or answer
-column.
+What an answer may be is the reward's business: ``parse_answer`` checks and converts it (default
+:func:`text_answer`: a string, or an integer turned into one; the code reward passes its test-spec parser).
+
+A bad row (what the reader refuses: invalid JSON or UTF-8, a line over the size bound, nesting too deep; not an
+object, a missing field, an answer ``parse_answer`` refuses, a prompt with a lone surrogate, one the tokenizer
+rejects or one longer than ``max_prompt_tokens``) is skipped and counted; the first ``report_first`` are
+logged with file and line. Loading fails with a one-line :class:`PromptDataError` naming the file when more
+than ``max_bad_fraction`` of the rows are bad, when no row is usable, when there are no rows, or when a file
+is unreadable or over a bound (:mod:`sparrow_nemo.data.readers`).
 """
 
 from __future__ import annotations
 
-import gzip
-import json
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from sparrow_nemo.config.schema import AT_LEAST_ONE, NON_NEGATIVE, UNIT, Section, knob
+from sparrow_nemo.data.readers import (
+    MAX_ROW_BYTES,
+    MAX_ROW_DEPTH,
+    SUFFIXES,
+    DataFileError,
+    RowProblem,
+    dataset_files,
+    read_rows,
+)
+
+__all__ = [
+    "MAX_ROW_BYTES",
+    "MAX_ROW_DEPTH",
+    "BadRow",
+    "PromptDataConfig",
+    "PromptDataError",
+    "PromptDataset",
+    "PromptExample",
+    "load_prompts",
+    "read_prompts",
+    "text_answer",
+]
 
 logger = logging.getLogger(__name__)
 
-SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
-#: a longer JSON line is a bad row, skipped without being parsed
-MAX_ROW_BYTES = 32 << 20
-#: rows nested deeper (lists / objects in each other) are bad rows
-MAX_ROW_DEPTH = 64
+#: the placeholder of ``data.prompt_template``
+PROBLEM = "{problem}"
 #: prompts with more characters than this many per allowed token are refused before tokenizing (tokenizing
 #: a huge text costs memory in proportion to it; no real prompt averages this many characters per token)
 MAX_CHARS_PER_TOKEN = 32
 
 
-class PromptDataError(ValueError):
+class PromptDataError(DataFileError):
     """A prompt file that cannot be used (missing, empty, unreadable, unknown format, or too many bad rows)."""
 
 
@@ -50,6 +73,8 @@ class PromptTokenizer(Protocol):
     chat_template: Any
 
     def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+    def apply_chat_template(self, messages: list[dict], **kwargs: Any) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -61,15 +86,33 @@ class PromptDataConfig(Section):
     """
 
     train_path: str | None = knob(
-        None, "JSONL (.jsonl, .jsonl.gz) or Parquet prompts; null = the synthetic task"
+        None,
+        "prompts: a JSONL (.jsonl, .jsonl.gz), Parquet or Arrow file, a folder of such shards (a local HF "
+        "dataset), or a datasets save_to_disk folder; null = the synthetic task",
     )
     val_path: str | None = knob(
         None,
         "held-out prompts (same format) for the evaluation before/after training and the calibration pass; "
         "null = no held-out evaluation for file data (the synthetic task has its own held-out problems)",
     )
-    prompt_key: str = knob("problem", "field holding the prompt text")
-    answer_key: str = knob("answer", "field holding the reference answer")
+    prompt_key: str = knob(
+        "problem", "field holding the prompt: text or a list of chat messages; a.b = field b of field a"
+    )
+    answer_key: str = knob(
+        "answer", "field holding the reference answer; dotted = nested (verl: reward_model.ground_truth)"
+    )
+    data_source_key: str = knob(
+        "data_source", "field naming each row's source (verl), for reward.by_data_source; absent = none"
+    )
+    prompt_template: str | None = knob(
+        None,
+        "wraps each prompt: a string holding {problem}, or the path of a file holding one (a message-list "
+        "prompt: its last user message); null = the prompt as it is",
+    )
+    chat_template_kwargs: dict[str, Any] = knob(
+        doc="keyword arguments of tokenizer.apply_chat_template (Qwen3: enable_thinking: false skips thinking)",
+        factory=dict,
+    )
     max_prompt_tokens: int = knob(
         2048, "longer prompts (after the chat template) are skipped as bad rows", check=AT_LEAST_ONE
     )
@@ -88,20 +131,45 @@ class PromptDataConfig(Section):
     def check(self) -> None:
         for key in ("train_path", "val_path"):
             path = getattr(self, key)
-            if path is not None and not path.lower().endswith(SUFFIXES):
-                raise self.invalid(key, f"a file ending in {', '.join(SUFFIXES)}")
+            suffix_known = path is None or not Path(path).suffix or path.lower().endswith(SUFFIXES)
+            if not suffix_known and not Path(path).is_dir():
+                raise self.invalid(key, f"a file ending in {', '.join(SUFFIXES)}, or a folder of them")
+        if self.prompt_template is not None:
+            try:
+                self.template_text()
+            except ValueError as exc:
+                raise self.invalid("prompt_template", str(exc)) from None
+
+    def template_text(self) -> str | None:
+        """The prompt template's text (``prompt_template`` itself, or its file's); a ValueError when it has no
+        ``{problem}``."""
+        value = self.prompt_template
+        if value is None:
+            return None
+        if PROBLEM in value:
+            return value
+        path = Path(value)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"a string holding {PROBLEM} or a readable template file ({exc})") from None
+        if PROBLEM not in text:
+            raise ValueError(f"a template holding {PROBLEM}; the file {path} has none")
+        return text
 
 
 @dataclass(frozen=True)
 class PromptExample:
     """One usable row: ``prompt`` is the text fed to the model (after the chat template), ``prompt_ids`` its
     token ids (list of int), ``answer`` the reward's ground truth (as ``parse_answer`` returned it: a string
-    for math, a test-spec dict for code), ``source`` = "file:line"."""
+    for math, a test-spec dict for code), ``source`` = "file:line", ``data_source`` the row's source name
+    (``data.data_source_key``; None when the row has none)."""
 
     prompt: str
     prompt_ids: list[int]
     answer: Any
     source: str
+    data_source: str | None = None
 
 
 @dataclass(frozen=True)
@@ -134,100 +202,84 @@ class _BadRowError(ValueError):
     """Raised inside the loader for one row; becomes a BadRow."""
 
 
-def _parquet_rows(path: Path, columns: tuple[str, ...]) -> list[dict]:
-    """The rows of a Parquet file that has ``columns``; PromptDataError when unreadable or a column is missing."""
-    import pyarrow as pa  # imported here: only Parquet inputs need it
-    import pyarrow.parquet as pq
-
-    try:
-        table = pq.read_table(path)
-    except (OSError, pa.ArrowException) as exc:
-        raise PromptDataError(f"{path}: not a readable Parquet file ({exc})") from None
-    for column in columns:
-        if column not in table.column_names:
-            raise PromptDataError(
-                f"{path}: no column '{column}' (columns: {', '.join(table.column_names) or 'none'})"
-            )
-    return table.to_pylist()
-
-
-def _read_rows(path: Path, columns: tuple[str, ...]) -> Iterator[tuple[int, Any]]:
-    """(1-based line or row number, parsed row or a _BadRowError) for each non-blank row of ``path``.
-
-    ``columns`` must exist in a Parquet file (JSON lines are checked row by row).
-    """
-    name = path.name.lower()
-    if name.endswith(".parquet"):
-        yield from enumerate(_parquet_rows(path, columns), start=1)
-        return
-    opener = gzip.open if name.endswith(".gz") else open
-    with opener(path, "rb") as fh:
-        for i, raw in enumerate(_lines(fh), start=1):
-            if raw is None:
-                yield i, _BadRowError(f"line longer than {MAX_ROW_BYTES} bytes")
-                continue
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                yield i, _BadRowError(f"invalid UTF-8 at byte {exc.start}")
-                continue
-            if not line.strip():
-                continue
-            try:
-                yield i, json.loads(line)
-            except json.JSONDecodeError as exc:
-                yield i, _BadRowError(f"invalid JSON ({exc.msg} at column {exc.colno})")
-            except RecursionError:
-                yield (
-                    i,
-                    _BadRowError(
-                        f"JSON nested deeper than the parser allows (rows may nest {MAX_ROW_DEPTH} levels)"
-                    ),
-                )
-
-
-def _lines(fh: Any) -> Iterator[bytes | None]:
-    """The lines of a binary file, each read with a cap: a longer one is skipped to its end and is None."""
-    while raw := fh.readline(MAX_ROW_BYTES + 1):
-        if len(raw) > MAX_ROW_BYTES and not raw.endswith(b"\n"):
-            while (rest := fh.readline(1 << 20)) and not rest.endswith(b"\n"):
-                pass
-            yield None
-        else:
-            yield raw
-
-
-def _depth(value: Any) -> int:
-    """Nesting depth of lists/dicts in ``value`` (a scalar is 0), without recursion."""
-    deepest, todo = 0, [(value, 0)]
-    while todo:
-        item, depth = todo.pop()
-        if isinstance(item, dict | list):
-            deepest = max(deepest, depth + 1)
-            if deepest > MAX_ROW_DEPTH:
-                return deepest
-            todo += [(v, depth + 1) for v in (item.values() if isinstance(item, dict) else item)]
-    return deepest
+#: parse_answer for each data source (None: rows without one)
+AnswerRoute = Callable[[str | None], Callable[[Any], Any]]
 
 
 def _field(row: Any, key: str) -> Any:
-    if isinstance(row, _BadRowError):
-        raise row
+    """``row[key]``; a dotted key walks nested objects unless the row has the literal key."""
+    if isinstance(row, RowProblem):
+        raise _BadRowError(str(row))
     if not isinstance(row, dict):
         raise _BadRowError(f"row is a JSON {type(row).__name__}, expected an object")
-    if key not in row:
-        raise _BadRowError(f"missing field '{key}' (fields: {', '.join(map(str, row)) or 'none'})")
-    return row[key]
+    if key in row:
+        return row[key]
+    value: Any = row
+    parts = key.split(".")
+    for depth, part in enumerate(parts):
+        if not isinstance(value, dict) or part not in value:
+            where = ".".join(parts[:depth]) or "the row"
+            fields = ", ".join(map(str, value)) if isinstance(value, dict) else type(value).__name__
+            raise _BadRowError(f"missing field '{key}' ({where} has: {fields or 'none'})")
+        value = value[part]
+    return value
 
 
-def _prompt_text(prompt: str, tokenizer: PromptTokenizer, config: PromptDataConfig) -> tuple[str, bool]:
+def _messages(prompt: Any, key: str) -> list[dict[str, str]]:
+    """A prompt as chat messages: a string is one user turn; a list must hold {role, content} strings."""
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise _BadRowError(
+                f"field '{key}' must be a non-empty string or chat messages, got an empty string"
+            )
+        return [{"role": "user", "content": prompt}]
+    if not isinstance(prompt, list) or not prompt:
+        raise _BadRowError(
+            f"field '{key}' must be a non-empty string or chat messages, got {type(prompt).__name__}"
+        )
+    messages = []
+    for i, m in enumerate(prompt):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise _BadRowError(
+                f"field '{key}' message {i}: expected {{role: str, content: str}}, got {m!r:.80}"
+            )
+        messages.append({"role": m["role"], "content": m["content"]})
+    if not any(m["role"] == "user" and m["content"].strip() for m in messages):
+        raise _BadRowError(f"field '{key}': no non-empty user message")
+    return messages
+
+
+def _templated(messages: list[dict[str, str]], template: str | None) -> list[dict[str, str]]:
+    """The last user message wrapped in ``template`` (``{problem}`` replaced; other braces kept)."""
+    if template is None:
+        return messages
+    last = max(i for i, m in enumerate(messages) if m["role"] == "user")
+    wrapped = template.replace(PROBLEM, messages[last]["content"])
+    return [*messages[:last], {**messages[last], "content": wrapped}, *messages[last + 1 :]]
+
+
+def _prompt_text(
+    messages: list[dict[str, str]], tokenizer: PromptTokenizer, config: PromptDataConfig
+) -> tuple[str, bool]:
     """(model input text, whether the tokenizer should add its special tokens)."""
     if config.apply_chat_template and getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "user", "content": prompt}]
-        if config.system_prompt:
-            messages.insert(0, {"role": "system", "content": config.system_prompt})
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), False
-    return prompt, True
+        if config.system_prompt and not any(m["role"] == "system" for m in messages):
+            messages = [{"role": "system", "content": config.system_prompt}, *messages]
+        text = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **config.chat_template_kwargs
+        )
+        return text, False
+    return "\n\n".join(m["content"] for m in messages), True
+
+
+def _check_text(text: str, what: str) -> None:
+    """A bad row when ``text`` cannot be UTF-8 (a lone surrogate from a JSON ``\\ud800`` escape)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise _BadRowError(
+            f"{what} holds a lone surrogate U+{ord(text[exc.start]):04X} at character {exc.start} (not UTF-8)"
+        ) from None
 
 
 def text_answer(value: Any) -> str:
@@ -244,33 +296,69 @@ def _example(
     source: str,
     tokenizer: PromptTokenizer,
     config: PromptDataConfig,
-    parse_answer: Callable[[Any], Any],
+    route: AnswerRoute,
+    template: str | None,
 ) -> PromptExample:
-    if not isinstance(row, _BadRowError) and _depth(row) > MAX_ROW_DEPTH:
-        raise _BadRowError(f"row nested deeper than {MAX_ROW_DEPTH} levels")
-    prompt = _field(row, config.prompt_key)
-    if not isinstance(prompt, str) or not prompt.strip():
+    messages = _messages(_field(row, config.prompt_key), config.prompt_key)
+    chars = sum(len(m["content"]) for m in messages)
+    if chars > MAX_CHARS_PER_TOKEN * config.max_prompt_tokens:
         raise _BadRowError(
-            f"field '{config.prompt_key}' must be a non-empty string, got {type(prompt).__name__}"
-        )
-    if len(prompt) > MAX_CHARS_PER_TOKEN * config.max_prompt_tokens:
-        raise _BadRowError(
-            f"prompt has {len(prompt)} characters, more than {MAX_CHARS_PER_TOKEN} per allowed token "
+            f"prompt has {chars} characters, more than {MAX_CHARS_PER_TOKEN} per allowed token "
             f"(max_prompt_tokens={config.max_prompt_tokens}); refused before tokenizing"
+        )
+    data_source = row.get(config.data_source_key) if config.data_source_key in row else None
+    if data_source is not None and not isinstance(data_source, str):
+        raise _BadRowError(
+            f"field '{config.data_source_key}' must be a string, got {type(data_source).__name__}"
         )
     raw_answer = _field(row, config.answer_key)
     try:
-        answer = parse_answer(raw_answer)
+        answer = route(data_source)(raw_answer)
     except ValueError as exc:
         raise _BadRowError(f"field '{config.answer_key}': {exc}") from None
-    text, add_special = _prompt_text(prompt, tokenizer, config)
+    text, add_special = _prompt_text(_templated(messages, template), tokenizer, config)
+    _check_text(text, "the prompt")
     try:
         ids = list(tokenizer.encode(text, add_special_tokens=add_special))
-    except ValueError as exc:
+    except (ValueError, TypeError) as exc:
         raise _BadRowError(f"tokenizer rejected the prompt: {exc}") from exc
     if len(ids) > config.max_prompt_tokens:
         raise _BadRowError(f"prompt has {len(ids)} tokens > max_prompt_tokens={config.max_prompt_tokens}")
-    return PromptExample(prompt=text, prompt_ids=ids, answer=answer, source=source)
+    return PromptExample(prompt=text, prompt_ids=ids, answer=answer, source=source, data_source=data_source)
+
+
+def read_prompts(
+    path: str | Path,
+    tokenizer: PromptTokenizer,
+    config: PromptDataConfig | None = None,
+    parse_answer: Callable[[Any], Any] = text_answer,
+    route: AnswerRoute | None = None,
+) -> PromptDataset:
+    """Every row of ``path`` (a file or folder, :func:`~sparrow_nemo.data.readers.dataset_files`) as an
+    example or a bad row, without the ``max_bad_fraction`` check (``sparrow data check`` lists them all).
+
+    ``route(data_source)`` picks the answer parser of a row's source (default: ``parse_answer`` for all).
+    """
+    config = config or PromptDataConfig()
+    route = route or (lambda _source: parse_answer)
+    template = config.template_text()
+    top = tuple(dict.fromkeys(k.split(".")[0] for k in (config.prompt_key, config.answer_key)))
+    dataset = PromptDataset(examples=[])
+    try:
+        for file in dataset_files(path):
+            for line, row in read_rows(file, top, optional=(config.data_source_key,)):
+                source = f"{file}:{line}"
+                try:
+                    dataset.examples.append(_example(row, source, tokenizer, config, route, template))
+                except _BadRowError as exc:
+                    dataset.bad_rows.append(BadRow(source, str(exc)))
+                    if len(dataset.bad_rows) <= config.report_first:
+                        logger.warning("skipping bad prompt row %s: %s", source, exc)
+    except PromptDataError:
+        raise
+    except DataFileError as exc:
+        raise PromptDataError(str(exc)) from None
+    return dataset
 
 
 def load_prompts(
@@ -278,29 +366,14 @@ def load_prompts(
     tokenizer: PromptTokenizer,
     config: PromptDataConfig | None = None,
     parse_answer: Callable[[Any], Any] = text_answer,
+    route: AnswerRoute | None = None,
 ) -> PromptDataset:
-    """Load, validate and tokenize the prompts of ``path`` (.jsonl, .jsonl.gz or .parquet).
+    """:func:`read_prompts`, then the checks: rows exist, one is usable, at most ``max_bad_fraction`` are bad.
 
     ``parse_answer`` checks and converts each row's answer (a ValueError makes the row bad).
     """
     config = config or PromptDataConfig()
-    path = Path(path)
-    if not path.name.lower().endswith(SUFFIXES):
-        raise PromptDataError(f"{path}: unsupported prompt file type; expected one of {', '.join(SUFFIXES)}")
-    if not path.is_file():
-        raise PromptDataError(f"{path}: prompt file not found")
-    dataset = PromptDataset(examples=[])
-    try:
-        for line, row in _read_rows(path, (config.prompt_key, config.answer_key)):
-            source = f"{path}:{line}"
-            try:
-                dataset.examples.append(_example(row, source, tokenizer, config, parse_answer))
-            except _BadRowError as exc:
-                dataset.bad_rows.append(BadRow(source, str(exc)))
-                if len(dataset.bad_rows) <= config.report_first:
-                    logger.warning("skipping bad prompt row %s: %s", source, exc)
-    except (OSError, EOFError) as exc:  # a corrupt or truncated gzip stream
-        raise PromptDataError(f"{path}: cannot read the file ({exc})") from None
+    dataset = read_prompts(path, tokenizer, config, parse_answer, route)
     if dataset.total_rows == 0:
         raise PromptDataError(f"{path}: the file has no rows")
     n_bad = len(dataset.bad_rows)

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from sparrow_nemo.config.schema import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Section, choices, knob, suggest
 from sparrow_nemo.grpo.process_model import distributed, object_group, replica_mean
+from sparrow_nemo.grpo.refit import refit
 from sparrow_nemo.grpo.rollout_step import RolloutTensors, collate, concat_outputs, micro_batches
 from sparrow_nemo.hf_qwen3 import LINEARS, LoraAdapter
 from sparrow_nemo.policy.batch import PolicyBatch
@@ -280,7 +281,8 @@ class DistillSparse:
         """One RL step's adapter updates on ``data``; with a ``probe`` (rank 0) the tail before and after,
         on the steps ``distill.probe_every`` picks.
 
-        The engine must hold the step's policy weights (after the refit); it sleeps while the adapter trains.
+        The engine must hold the step's policy weights (after the refit); it sleeps while the adapter trains and
+        is refitted from the (frozen) policy after.
         Returns the ``distill/*`` metrics (the probe's only where it ran). Collective.
         """
         every = self.config.probe_every
@@ -288,10 +290,11 @@ class DistillSparse:
             probe = None
         before = probe.measure(engine, schedule) if probe is not None else None
         if engine is not None:
-            engine.sleep()
+            engine.sleep()  # releases its weights: the refit below fills them again
         results = self.train_adapter(policy, None, data)
         if engine is not None:
             engine.wake()
+        refit(policy, engine.update_weights if engine is not None else None)  # collective
         self._export(policy, engine)
         metrics = {
             "distill/loss": results[-1].loss,

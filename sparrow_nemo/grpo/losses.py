@@ -5,10 +5,12 @@ Three small registries:
 - policy losses (``@register_policy_loss``): ``"clipped_pg"``, the PPO/GRPO clipped surrogate with separate
   ``clip_low`` / ``clip_high`` (DAPO's clip-higher; the paper uses 0.2 / 0.28). A policy loss returns
   per-token terms (:class:`LossTerms`); the aggregation turns them into the scalar;
-- rollout corrections (``@register_correction``), which turn the train/rollout log-ratio of the *sampled*
-  tokens into a per-token weight: ``"none"``, ``"tis"`` (truncated importance sampling),
-  ``"icepop"`` (token masking outside [low, high]) and ``"seq_mask"`` (mask whole sequences whose
-  geometric-mean ratio is outside [low, high]);
+- rollout corrections (``@register_correction``), which turn the train/rollout ratio ``rho = exp(old -
+  rollout)`` of the *sampled* tokens into a per-token weight (each function's docstring cites its source):
+  ``"none"``; ``"tis"`` truncated IS, ``min(rho, tis_cap)``; ``"mis"`` masked IS, ``rho`` where
+  ``rho <= mis_cap`` else 0; ``"icepop"``, ``rho`` inside ``[icepop_low, icepop_high]`` else 0;
+  ``"seq_mask"``, weight 1 for sequences whose geometric-mean ratio is inside ``[seq_mask_low,
+  seq_mask_high]``, else 0; ``"seq_mask_tis"``, that sequence mask times the token TIS weight;
 - aggregations (``@register_aggregation``, :data:`AGGREGATIONS`), per-token loss -> scalar:
   ``"token_mean"`` (the paper's token-level loss), ``"seq_mean_token_mean"``, ``"seq_mean_token_sum"``.
 
@@ -76,21 +78,39 @@ class PolicyLossConfig(Section):
     )
     correction: str = knob(
         "tis",
-        "registered rollout/train mismatch correction (register_correction): none, tis, icepop, seq_mask",
+        "registered rollout/train mismatch correction (register_correction): none, tis, mis, icepop, seq_mask, "
+        "seq_mask_tis (grpo/losses.py cites each one's source)",
         check=one_of_names(lambda: correction_names()),
     )
-    tis_cap: float = knob(2.0, "truncated importance sampling: weight = min(ratio, tis_cap)", check=POSITIVE)
+    tis_cap: float = knob(
+        2.0,
+        "tis / seq_mask_tis: token weight = min(ratio, tis_cap) (verl's rollout_is_threshold)",
+        check=POSITIVE,
+    )
+    mis_cap: float = knob(
+        2.0,
+        "mis: tokens whose train/rollout ratio is above this get weight 0, the others the ratio",
+        check=POSITIVE,
+    )
     icepop_low: float = knob(
-        0.5, "icepop: tokens whose train/rollout ratio is below this are masked", check=NON_NEGATIVE
+        0.5,
+        "icepop: tokens whose train/rollout ratio is below this are masked (IcePop's alpha)",
+        check=NON_NEGATIVE,
     )
     icepop_high: float = knob(
-        5.0, "icepop: tokens whose train/rollout ratio is above this are masked", check=POSITIVE
+        5.0,
+        "icepop: tokens whose train/rollout ratio is above this are masked (IcePop's beta)",
+        check=POSITIVE,
     )
     seq_mask_low: float = knob(
-        0.95, "seq_mask: sequences whose geometric-mean ratio is below this are masked", check=NON_NEGATIVE
+        0.95,
+        "seq_mask / seq_mask_tis: sequences whose geometric-mean ratio is below this are masked",
+        check=NON_NEGATIVE,
     )
     seq_mask_high: float = knob(
-        1.05, "seq_mask: sequences whose geometric-mean ratio is above this are masked", check=POSITIVE
+        1.05,
+        "seq_mask / seq_mask_tis: sequences whose geometric-mean ratio is above this are masked",
+        check=POSITIVE,
     )
 
     def check(self) -> None:
@@ -276,33 +296,76 @@ def no_correction(
 def truncated_is(
     log_ratio: Tensor, mask: Tensor, config: PolicyLossConfig
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Truncated importance sampling: weight = min(exp(log_ratio), tis_cap)."""
+    """Truncated importance sampling, token level: weight = min(rho, tis_cap).
+
+    Source: Yao et al., "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training" (2025), TIS;
+    verl ``algorithm.rollout_correction.rollout_is: token`` with ``rollout_is_threshold``."""
     ratio = torch.exp(log_ratio)
     weight = ratio.clamp(max=config.tis_cap)
     return weight, {"tis_clipped_fraction": (ratio > config.tis_cap).to(mask.dtype)}
+
+
+@register_correction("mis")
+def masked_is(log_ratio: Tensor, mask: Tensor, config: PolicyLossConfig) -> tuple[Tensor, dict[str, Tensor]]:
+    """Masked importance sampling, token level: weight = rho where rho <= mis_cap, else 0 (the token is dropped
+    instead of truncated).
+
+    Source: the same authors' MIS (Yao et al. 2025, follow-up "When speed kills stability"); verl's token-level
+    rejection sampling (``rollout_rs: token`` with ``rollout_is: token``)."""
+    ratio = torch.exp(log_ratio)
+    keep = ratio <= config.mis_cap
+    return torch.where(keep, ratio, 0.0), {"masked_fraction": (~keep).to(mask.dtype)}
 
 
 @register_correction("icepop")
 def icepop_mask(
     log_ratio: Tensor, mask: Tensor, config: PolicyLossConfig
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """IcePop: weight 1 where icepop_low <= exp(log_ratio) <= icepop_high, else 0 (token masked)."""
+    """IcePop: weight = rho where icepop_low <= rho <= icepop_high, else 0 (the token's gradient is masked).
+
+    Source: IcePop, Ling Team, "Every Step Evolves: Scaling Reinforcement Learning for Trillion-Scale Thinking
+    Model" (Ring-1T, 2025), the masking function M(k) = k on [alpha, beta], 0 outside; alpha 0.5, beta 5."""
     ratio = torch.exp(log_ratio)
-    weight = ((ratio >= config.icepop_low) & (ratio <= config.icepop_high)).to(mask.dtype)
-    return weight, {"masked_fraction": 1.0 - weight}
+    keep = (ratio >= config.icepop_low) & (ratio <= config.icepop_high)
+    return torch.where(keep, ratio, 0.0), {"masked_fraction": (~keep).to(mask.dtype)}
+
+
+def _sequence_keep(log_ratio: Tensor, mask: Tensor, config: PolicyLossConfig) -> Tensor:
+    """[B, T] 0/1: 1 on every token of a sequence whose geometric-mean ratio exp(mean_t log_ratio) over its
+    valid tokens is inside [seq_mask_low, seq_mask_high]."""
+    mean_log = (log_ratio * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
+    geo = torch.exp(mean_log)
+    keep = (geo >= config.seq_mask_low) & (geo <= config.seq_mask_high)
+    return keep.to(mask.dtype).unsqueeze(1).expand_as(log_ratio)
 
 
 @register_correction("seq_mask")
 def sequence_mask(
     log_ratio: Tensor, mask: Tensor, config: PolicyLossConfig
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Mask every token of a sequence whose geometric-mean ratio exp(mean_t log_ratio) over its valid tokens
-    is outside [seq_mask_low, seq_mask_high]."""
-    mean_log = (log_ratio * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
-    geo = torch.exp(mean_log)
-    keep = (geo >= config.seq_mask_low) & (geo <= config.seq_mask_high)
-    weight = keep.to(mask.dtype).unsqueeze(1).expand_as(log_ratio)
+    """Mask every token of a sequence whose geometric-mean ratio is outside [seq_mask_low, seq_mask_high]
+    (weight 1 otherwise).
+
+    Source: verl's geometric sequence rejection sampling (``rollout_rs: geometric``); DeepSeek-V3.2's
+    off-policy sequence masking is the same idea on the sequence's KL."""
+    weight = _sequence_keep(log_ratio, mask, config)
     return weight, {"masked_fraction": 1.0 - weight}
+
+
+@register_correction("seq_mask_tis")
+def sequence_mask_tis(
+    log_ratio: Tensor, mask: Tensor, config: PolicyLossConfig
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The sequence mask of ``seq_mask`` times the token TIS weight min(rho, tis_cap).
+
+    Source: NeMo-RL's ``seq-mask-tis`` token-level loss correction (a geometric-mean sequence mask with
+    truncated token importance weights)."""
+    keep = _sequence_keep(log_ratio, mask, config)
+    ratio = torch.exp(log_ratio)
+    return keep * ratio.clamp(max=config.tis_cap), {
+        "masked_fraction": 1.0 - keep,
+        "tis_clipped_fraction": (ratio > config.tis_cap).to(mask.dtype),
+    }
 
 
 @register_policy_loss("clipped_pg")

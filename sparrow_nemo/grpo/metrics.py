@@ -14,10 +14,11 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from sparrow_nemo.atomic_io import atomic_write
 from sparrow_nemo.config.schema import Section, knob
+from sparrow_nemo.grpo.metric_names import with_aliases
 from sparrow_nemo.grpo.wandb_logger import WandbConfig, WandbSink
 
 logger = logging.getLogger(__name__)
@@ -57,6 +58,12 @@ class LoggingConfig(Section):
     wandb: WandbConfig = knob(doc="Weights & Biases, the same metric names (optional)", factory=WandbConfig)
     progress_bar: bool = knob(True, "progress bars (rate and ETA) on the terminal", hashed=False)
     plots: bool = knob(True, "PNG plots in <run_dir>/plots at the end", hashed=False)
+    metric_aliases: Literal["nemo_rl", "verl"] | None = knob(
+        None,
+        "also write each metric under NeMo-RL's (nemo_rl) or verl's (verl) name, beside ours "
+        "(sparrow_nemo/grpo/metric_names.py); null = ours only",
+        hashed=False,
+    )
 
 
 class MetricsWriter:
@@ -66,13 +73,20 @@ class MetricsWriter:
         run_dir: the run folder. jsonl: write the JSON lines. tensorboard: also write TensorBoard scalars
             under ``<run_dir>/tensorboard`` (skipped with a warning when no TensorBoard writer is installed).
         wandb: also log every row to this W&B run (:mod:`sparrow_nemo.grpo.wandb_logger`), same names.
+        aliases: ``logging.metric_aliases`` (:mod:`sparrow_nemo.grpo.metric_names`): their names beside ours.
     """
 
     def __init__(
-        self, run_dir: Path, jsonl: bool = True, tensorboard: bool = False, wandb: WandbSink | None = None
+        self,
+        run_dir: Path,
+        jsonl: bool = True,
+        tensorboard: bool = False,
+        wandb: WandbSink | None = None,
+        aliases: str | None = None,
     ) -> None:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.jsonl = jsonl
+        self.aliases = aliases
         self._wandb = wandb
         self._tb = None
         if tensorboard:
@@ -85,7 +99,8 @@ class MetricsWriter:
         self.history: list[dict[str, Any]] = []
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
-        """Record one step; non-finite values are written as null."""
+        """Record one step (with the aliases' names too); non-finite values are written as null."""
+        metrics = with_aliases(metrics, self.aliases)
         row = {"step": step, "time": time.time()}
         row.update({k: (float(v) if math.isfinite(float(v)) else None) for k, v in sorted(metrics.items())})
         self.history.append(row)

@@ -49,6 +49,8 @@ class PromptSource:
         seed: shuffles the order of each epoch of a finite set (when ``shuffle``).
         warm_start_pairs: ``start -> iterator of (prompt, solution)`` texts, when the task has them.
         held_out: the held-out prompts (:meth:`eval_batch`); None = this source has none.
+        length_penalty: ``response tokens -> reward added`` in :meth:`train_reward` (DAPO's overlong shaping,
+            :mod:`sparrow_nemo.grpo.shaping`); None = none.
     """
 
     def __init__(
@@ -61,6 +63,7 @@ class PromptSource:
         shuffle: bool = True,
         warm_start_pairs: Callable[[int], Iterator[tuple[str, str]]] | None = None,
         held_out: HeldOut | None = None,
+        length_penalty: Callable[[int], float] | None = None,
     ) -> None:
         if size is not None and size <= 0:
             raise ValueError(f"PromptSource: the prompt set is empty (size={size})")
@@ -72,6 +75,7 @@ class PromptSource:
         self.shuffle = shuffle
         self.warm_start_pairs = warm_start_pairs
         self.held_out = held_out
+        self.length_penalty = length_penalty
         self.cursor = 0
 
     def _index(self, position: int) -> int:
@@ -127,6 +131,11 @@ class PromptSource:
     def reward(self, response_ids: list[int], answer: Any) -> float:
         """Reward of a response (token ids, decoded without special tokens)."""
         return float(self.reward_fn(self.tokenizer.decode(response_ids), answer))
+
+    def train_reward(self, response_ids: list[int], answer: Any) -> float:
+        """:meth:`reward` plus the length penalty, if any: what the policy is trained on."""
+        shaped = self.length_penalty(len(response_ids)) if self.length_penalty is not None else 0.0
+        return self.reward(response_ids, answer) + shaped
 
 
 def check_vocab(tokenizer: Any, vocab_size: int, what: str) -> None:

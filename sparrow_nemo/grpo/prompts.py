@@ -12,6 +12,9 @@
   code answers are test specs (:func:`sparrow_nemo.rewards.code.parse_test_spec`), checked when the file
   is read so that a bad spec is a bad row, not a crash mid-run.
 
+``reward.by_data_source`` routes rows by their ``data_source`` (verl's): each answer is parsed for, and scored
+by, its source's reward (:class:`RoutedAnswer`).
+
 Either way the tokenizer must fit the model: a tokenizer with more ids than ``model``'s vocabulary is
 refused up front (:func:`~sparrow_nemo.grpo.prompt_source.check_vocab`), naming both sizes.
 """
@@ -19,7 +22,9 @@ refused up front (:func:`~sparrow_nemo.grpo.prompt_source.check_vocab`), naming 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 from sparrow_nemo.grpo.prompt_source import (
     EVAL_OFFSET,
@@ -30,9 +35,74 @@ from sparrow_nemo.grpo.prompt_source import (
     check_vocab,
 )
 from sparrow_nemo.grpo.recipe import SYNTHETIC_REWARD, SparrowConfig
+from sparrow_nemo.grpo.shaping import overlong_penalty
 from sparrow_nemo.rewards.registry import bind_reward
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RoutedAnswer:
+    """A row's ground truth and the reward that scores it (``reward.by_data_source``)."""
+
+    reward: str
+    value: Any
+
+
+def _answer_parser(reward: str) -> Callable[[Any], Any]:
+    """What a reward's ground truth must be: code test specs, else text (math and registered rewards)."""
+    if reward == "code":
+        from sparrow_nemo.rewards.code import parse_test_spec
+
+        return parse_test_spec
+    from sparrow_nemo.grpo.data import text_answer
+
+    return text_answer
+
+
+def answer_route(config: SparrowConfig) -> Callable[[str | None], Callable[[Any], Any]]:
+    """``data_source -> answer parser`` of the recipe: the parser of the row's reward; with
+    ``reward.by_data_source`` it wraps each answer in a :class:`RoutedAnswer`."""
+    r = config.reward
+    if not r.by_data_source:
+        return lambda _source: _answer_parser(r.type)
+
+    def route(source: str | None) -> Callable[[Any], RoutedAnswer]:
+        name = r.by_data_source.get(source, r.type) if source is not None else r.type
+        parse = _answer_parser(name)
+        return lambda value: RoutedAnswer(name, parse(value))
+
+    return route
+
+
+def _reward_fn(config: SparrowConfig) -> Callable[[str, Any], float]:
+    """The recipe's reward, bound to its options; with ``reward.by_data_source`` each :class:`RoutedAnswer`'s."""
+    r = config.reward
+    if not r.by_data_source:
+        return bind_reward(r.type, r.options)
+    bound = {
+        name: bind_reward(name, r.options if name == r.type else {})
+        for name in {r.type, *r.by_data_source.values()}
+    }
+
+    def reward_fn(completion: str, answer: RoutedAnswer) -> float:
+        return bound[answer.reward](completion, answer.value)
+
+    return reward_fn
+
+
+def file_tokenizer(config: SparrowConfig) -> Any:
+    """The tokenizer of ``model.hf_checkpoint`` (file data needs one), checked against the model's vocabulary."""
+    if config.model.hf_checkpoint is None:
+        raise ValueError(
+            f"reward.type={config.reward.type} reads data.train_path, whose prompts need the tokenizer of "
+            "model.hf_checkpoint; set model.hf_checkpoint"
+        )
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(config.model.hf_checkpoint)
+    check_vocab(tokenizer, config.model.shape().vocab_size, config.model.hf_checkpoint)
+    return tokenizer
 
 
 def _synthetic_source(config: SparrowConfig) -> PromptSource:
@@ -74,26 +144,15 @@ def _synthetic_source(config: SparrowConfig) -> PromptSource:
 
 
 def _file_source(config: SparrowConfig) -> PromptSource:
-    from sparrow_nemo.grpo.data import load_prompts, text_answer
+    from sparrow_nemo.grpo.data import load_prompts
 
-    if config.model.hf_checkpoint is None:
-        raise ValueError(
-            f"reward.type={config.reward.type} reads data.train_path, whose prompts need the tokenizer of "
-            "model.hf_checkpoint; set model.hf_checkpoint"
-        )
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(config.model.hf_checkpoint)
-    check_vocab(tokenizer, config.model.shape().vocab_size, config.model.hf_checkpoint)
-    if config.reward.type == "code":
-        from sparrow_nemo.rewards.code import parse_test_spec as parse_answer
-    else:
-        parse_answer = text_answer
+    tokenizer = file_tokenizer(config)
+    reward_fn, route = _reward_fn(config), answer_route(config)
     data = config.data
-    train = load_prompts(data.train_path, tokenizer, data, parse_answer)
+    train = load_prompts(data.train_path, tokenizer, data, route=route)
     held_out = None
     if data.val_path is not None:
-        val = load_prompts(data.val_path, tokenizer, data, parse_answer)
+        val = load_prompts(data.val_path, tokenizer, data, route=route)
         held_out = HeldOut(
             lambda i: PromptItem(val[i].prompt_ids, val[i].answer), len(val), f"data.val_path={data.val_path}"
         )
@@ -107,18 +166,23 @@ def _file_source(config: SparrowConfig) -> PromptSource:
         example = train[index]
         return PromptItem(example.prompt_ids, example.answer)
 
-    reward_fn = bind_reward(config.reward.type, config.reward.options)
     return PromptSource(
         item, len(train), reward_fn, tokenizer, config.trainer.seed, data.shuffle, held_out=held_out
     )
 
 
 def build_prompt_source(config: SparrowConfig) -> PromptSource:
-    """The :class:`PromptSource` the recipe names (see the module docstring)."""
+    """The :class:`PromptSource` the recipe names (see the module docstring), with ``grpo.overlong``'s length
+    penalty on its training reward."""
     if config.reward.type == SYNTHETIC_REWARD:
         if config.reward.options:
             raise ValueError(
                 f"reward.options {sorted(config.reward.options)}: the synthetic task's reward takes no options"
             )
-        return _synthetic_source(config)
-    return _file_source(config)
+        source = _synthetic_source(config)
+    else:
+        source = _file_source(config)
+    overlong, cap = config.grpo.overlong, config.rollout.max_new_tokens
+    if overlong.enabled:
+        source.length_penalty = lambda length: overlong_penalty(length, cap, overlong)
+    return source

@@ -13,7 +13,8 @@ rules that span sections. Defaults are each component's own (mostly the paper's 
 - ``sparsity``: :class:`~sparrow_nemo.sparse.config.SparsityConfig` (``sparse/config.py``; the pattern keys from
   ``sparse/pattern.py``, ``calibration`` from ``sparse/calibration.py``)
 - ``tail_scheduler``: :class:`~sparrow_nemo.callbacks.tail_scheduler.TailSchedulerConfig`
-- ``grpo``: :class:`GrpoConfig` (here); its ``loss``: :class:`~sparrow_nemo.grpo.losses.PolicyLossConfig`
+- ``grpo``: :class:`GrpoConfig` (here); its ``loss``: :class:`~sparrow_nemo.grpo.losses.PolicyLossConfig`; its
+  ``overlong``: :class:`~sparrow_nemo.grpo.shaping.OverlongConfig`
 - ``distill``: :class:`~sparrow_nemo.grpo.distill.DistillConfig` (``grpo/distill.py``, the DistillSparse phase)
 - ``data``: :class:`~sparrow_nemo.grpo.data.PromptDataConfig`
 - ``reward``: :class:`~sparrow_nemo.rewards.registry.RewardConfig`
@@ -58,6 +59,7 @@ from sparrow_nemo.grpo.distill import DistillConfig
 from sparrow_nemo.grpo.evaluation import EvaluationConfig
 from sparrow_nemo.grpo.losses import PolicyLossConfig
 from sparrow_nemo.grpo.metrics import LoggingConfig
+from sparrow_nemo.grpo.shaping import OverlongConfig
 from sparrow_nemo.model_shapes import ModelConfig
 from sparrow_nemo.policy.parallel import LayoutError, ParallelLayout
 from sparrow_nemo.policy.policy import PolicyConfig
@@ -100,6 +102,9 @@ class GrpoConfig(Section):
         check=AT_LEAST_ONE,
     )
     loss: PolicyLossConfig = knob(doc="the policy loss", factory=PolicyLossConfig)
+    overlong: OverlongConfig = knob(
+        doc="DAPO's overlong reward shaping of the training reward (grpo/shaping.py)", factory=OverlongConfig
+    )
 
 
 @dataclass(frozen=True)

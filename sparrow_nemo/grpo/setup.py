@@ -97,6 +97,8 @@ def build_engine(config: SparrowConfig, weights: Mapping[str, torch.Tensor], tok
         attention_backend=r.attention_impl,
         tokenizer=tokenizer,
         max_batch_size=r.max_batch_size,
+        max_cache_tokens=r.max_cache_tokens,
+        kv_cache_fraction=r.kv_cache_fraction,
         prefill_chunk_tokens=r.prefill_chunk_tokens,
     )
 

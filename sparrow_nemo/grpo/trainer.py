@@ -6,8 +6,8 @@ Boundaries (NeMo-RL): the algorithm lives here; generation goes through a
 every rank holds a policy shard and a rollout engine on the same device and generates its share of the step.
 Per step (:meth:`GrpoTrainer.step`), each phase timed as ``timing/<phase>``:
 
-1. ``rollout``: this rank's engine samples its prompts' groups (halved and retried on out-of-memory,
-   :mod:`sparrow_nemo.rollout.oom_retry`), then sleeps; ``reward``: rewards and group advantages there;
+1. ``rollout``: this rank's engine samples its prompts' groups (continuous batching within its KV pool),
+   then sleeps (weights and KV pool released); ``reward``: rewards and group advantages there;
 2. ``exchange``: the replica's samples on every rank of its model-parallel group -> the :class:`StepBatch`;
 3. ``logprobs`` / ``reference``: dense logprobs, entropy and top-K (and the KL reference's) of the replica's
    rows only; ``stats``: acceptance rate of each rank's own tokens, then the step's statistics and the tail per
@@ -16,7 +16,7 @@ Per step (:meth:`GrpoTrainer.step`), each phase timed as ``timing/<phase>``:
    replica's rows (:mod:`sparrow_nemo.grpo.update`); a mini-batch whose loss or gradient is
    not finite changes nothing, is logged and counted (``train/skipped_nonfinite``), and
    ``trainer.max_consecutive_nonfinite`` of them in a row abort the run;
-5. ``refit``: the engine wakes and takes the new weights (:mod:`sparrow_nemo.grpo.refit`); ``distill``:
+5. ``refit``: the engine wakes and takes the policy's weights (:mod:`sparrow_nemo.grpo.refit`); ``distill``:
    the DistillSparse phase when ``distill.enabled`` (:mod:`sparrow_nemo.grpo.distill`);
 6. the tail scheduler (built from ``sparsity.*`` and ``tail_scheduler.*``) picks the next schedule; user callbacks' hooks;
 7. ``checkpoint`` every ``checkpoint.every_n_steps`` steps or ``checkpoint.every_n_minutes`` minutes;
@@ -60,7 +60,6 @@ from sparrow_nemo.grpo.timing import PhaseTimer
 from sparrow_nemo.grpo.update import UpdateBatch, UpdateResult, mini_batch_order, update_policy
 from sparrow_nemo.grpo.wandb_logger import open_wandb
 from sparrow_nemo.grpo.warmstart import ensure_warm_start
-from sparrow_nemo.rollout.oom_retry import OomRetryEngine
 from sparrow_nemo.rollout.sampling import sample_seed
 from sparrow_nemo.rollout.spec_rollout import with_rollout_mode
 from sparrow_nemo.rollout.tools.cost_fit import COST_HARDWARE_FILE, rollout_cost_model
@@ -134,7 +133,7 @@ class GrpoTrainer:
             rollout_cost_model(config, engine, saved) if self.is_main else None
         )
         self.rollout_engine = (
-            OomRetryEngine(with_rollout_mode(config, engine, self.cost_model)) if engine is not None else None
+            with_rollout_mode(config, engine, self.cost_model) if engine is not None else None
         )
         self.sampling = setup.sampling_params(config)
         schedule = config.sparsity.build_schedule()
@@ -152,6 +151,7 @@ class GrpoTrainer:
             config.logging.jsonl,
             config.logging.tensorboard and self.is_main,
             open_wandb(config.logging.wandb, self.run_dir, config.to_dict()) if self.is_main else None,
+            config.logging.metric_aliases,
         )
         self.loss_config = config.grpo.loss
         self._logged: dict[str, float] = {}
@@ -164,8 +164,7 @@ class GrpoTrainer:
     def _check_batch_split(self) -> None:
         """Whole prompts per data-parallel rank and per mini-batch, and (without a token budget per
         micro-batch) whole micro-batches of each mini-batch's samples (one-line errors)."""
-        g, p = self.config.grpo, self.config.policy
-        mbs = p.micro_batch_size
+        g, p, mbs = self.config.grpo, self.config.policy, self.config.policy.micro_batch_size
         rows = len(self.plan.replica_prompts(g.prompts_per_step)) * g.samples_per_prompt
         mini_batch_order(rows, g.samples_per_prompt, g.mini_batches_per_step)
         if p.max_tokens_per_micro_batch is None and (rows // g.mini_batches_per_step) % mbs:
@@ -322,8 +321,7 @@ class GrpoTrainer:
             self._stop_between_phases()
         except _StopRequested:
             self.prompts.cursor = cursor  # the abandoned step's prompts come again after the resume
-            if self.rollout_engine is not None:
-                self.rollout_engine.wake()
+            self._refit()  # the engine slept (weights released): the unchanged policy fills it again
             self._stop_now()
         self.state.prompt_cursor = self.prompts.cursor
         report = self._report(batch)
@@ -332,7 +330,7 @@ class GrpoTrainer:
             update = self._update(batch)
         train = update.metrics
         with timer.phase("refit"):
-            self._refit(updated=update.updated)
+            self._refit()
         distilled: dict[str, float] = {}
         if self.distill is not None:
             with timer.phase("distill"):
@@ -390,7 +388,7 @@ class GrpoTrainer:
         score(
             local,
             [items[j].answer for j in mine],
-            self.prompts.reward,
+            self.prompts.train_reward,
             lambda rewards: compute_advantages(
                 g.adv_estimator, rewards, g.samples_per_prompt, **self._adv_options()
             ),
@@ -476,14 +474,12 @@ class GrpoTrainer:
                 logger.warning("step %d: update skipped, %s", self.state.step, result.skip_detail)
         return result
 
-    def _refit(self, updated: bool) -> None:
-        """Wake the engine; when the weights changed, stream them into it (every rank takes part)."""
+    def _refit(self) -> None:
+        """Wake the engine and stream the policy's weights into it (every rank takes part): the engine's sleep
+        released its weights, so the refit runs after every rollout, whether or not the update changed them."""
         if self.rollout_engine is not None:
             self.rollout_engine.wake()
-        if updated:
-            refit(
-                self.policy, self.rollout_engine.update_weights if self.rollout_engine is not None else None
-            )
+        refit(self.policy, self.rollout_engine.update_weights if self.rollout_engine is not None else None)
 
     def _distill_data(self, batch: StepBatch) -> DistillData:
         return DistillData(batch.data, batch.prompt_lens, batch.kv_budgets, batch.dense.logprobs)

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from sparrow_nemo.grpo.losses import LossNormalizer, PolicyLossConfig
 from sparrow_nemo.grpo.objective import grpo_loss_fn
+from sparrow_nemo.grpo.rollout_corr import mismatch_metrics
 from sparrow_nemo.grpo.rollout_step import micro_batches
 from sparrow_nemo.policy.train_step import StepResult
 
@@ -90,7 +91,7 @@ class UpdateResult:
         metrics: ``train/*``: loss and grad_norm (means over the mini-batches), the loss's token means
             (clip_fraction, ratio_mean, entropy, kl, ...; over all the step's response tokens), ratio_max /
             ratio_min, optimizer_steps (mini-batches applied) and skipped_nonfinite (1.0 when any was not).
-        updated: at least one mini-batch changed the weights (the rollout engine needs a refit).
+        updated: at least one mini-batch changed the weights.
         skipped: None when every mini-batch was applied; else the first skip's reason (``StepResult.skipped``).
         skip_detail: where the first skip came from, with its mini-batch.
     """
@@ -166,6 +167,9 @@ def update_policy(
     if loss.kl_coef > 0 and batch.ref_logprobs is None:
         raise ValueError("grpo.loss.kl_coef > 0 needs UpdateBatch.ref_logprobs; got None")
     normalizers = step_normalizers(batch, mini_batches)
+    mismatch = mismatch_metrics(
+        batch.old_logprobs, batch.rollout_logprobs, batch.response_mask, loss, _data_parallel_group()
+    )
     per = n // mini_batches
     results = []
     for m, normalizer in enumerate(normalizers):
@@ -184,7 +188,16 @@ def update_policy(
             piece.tokens, piece.lengths, extras, micro_batch_size, max_tokens_per_micro_batch
         )
         results.append(policy.train_step(batches, grpo_loss_fn(loss, normalizer), reduction="sum"))
-    return _combine(results, [nz.tokens for nz in normalizers])
+    result = _combine(results, [nz.tokens for nz in normalizers])
+    result.metrics.update(mismatch)
+    return result
+
+
+def _data_parallel_group():
+    """Megatron's data-parallel group when it spans several ranks, else None."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_group() if ps.get_data_parallel_world_size() > 1 else None
 
 
 def _combine(results: list[StepResult], tokens: list[float]) -> UpdateResult:

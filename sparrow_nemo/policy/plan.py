@@ -27,12 +27,9 @@ training dtype, ``T`` the tokens of a micro-batch (``max_tokens_per_micro_batch`
 - DistillSparse (when enabled): the adapter's parameters, gradients and AdamW moments, and in its
   sparse forward the fp32 keys/values and page landmarks each sparse layer keeps plus one query block's
   scores;
-- rollout (the colocated engine, :class:`RolloutSpec`): its weights (the whole model: engine TP is 1)
-  and KV cache (keys, values, page landmarks: one centroid, or two key bounds under minmax), and how
-  many full-length sequences fit. TensorRT-LLM runs one engine per GPU, asleep while the policy trains,
-  whose pool takes :data:`~sparrow_nemo.rollout.trtllm.engine.KV_CACHE_FREE_FRACTION` of the memory the policy's
-  weights, grads and optimizer leave; the torch engine runs on rank 0 and stays awake through the training step, so its
-  KV cache gets what the training peak leaves.
+- rollout (the colocated engine, :class:`~sparrow_nemo.policy.engine_memory.RolloutSpec`): its weights shard
+  and KV pool next to the policy's weights, gradients and optimizer (it sleeps while the policy trains), and
+  how many full-length sequences the pool holds (:mod:`sparrow_nemo.policy.engine_memory`).
 
 ``tests/policy/test_plan_measured.py`` measures a CPU training step's peak at several sizes against
 these formulas.
@@ -43,6 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from sparrow_nemo.model_shapes import Qwen3Shape
+from sparrow_nemo.policy.engine_memory import DTYPE_BYTES, RolloutMemory, RolloutSpec, rollout_memory
 from sparrow_nemo.policy.logprobs import TOP_K, VOCAB_BLOCKS
 from sparrow_nemo.policy.memory import DEFAULT_MEMORY, MemorySettings
 from sparrow_nemo.policy.model import padded_vocab_size
@@ -50,7 +48,7 @@ from sparrow_nemo.policy.parallel import LayoutError, ParallelLayout, stage_laye
 from sparrow_nemo.policy.sparse_forward import QUERY_BLOCK
 
 GIB = 1024**3
-_DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
+_DTYPE_BYTES = DTYPE_BYTES
 OPTIMIZERS = ("adam", "distributed_adam")
 #: bytes of one KV-cache element of the rollout engine (bf16)
 KV_BYTES = 2
@@ -113,51 +111,6 @@ class MemoryEstimate:
         or a sparse query block) runs, so only the larger of the two is live at once."""
         transient = max(self.logits, self.recompute + self.sparse_attention)
         return self.weights + self.gradients + self.optimizer + self.activations + transient + self.lora
-
-
-@dataclass(frozen=True)
-class RolloutSpec:
-    """The colocated rollout engine the plan sizes (recipe ``rollout`` and ``model.dtype``).
-
-    Attributes:
-        backend: ``"trtllm"`` (one engine per GPU, asleep while the policy trains, KV pool a fraction of the
-            free memory) or ``"torch"`` (one engine on rank 0, KV cache for the sequences it decodes together;
-            the trainer does not put it to sleep, so it stays during training).
-        max_batch_size: ``rollout.max_batch_size``.
-        dtype: the engine's weight and KV dtype (``model.dtype``).
-        page_size: KV page tokens (``landmarks_per_page`` landmarks per page, layer and KV head: the
-            torch engine's in the KV dtype in every layer, TensorRT-LLM's in fp32 in the sparse layers).
-        dense_layers: leading layers without page selection (``sparsity.dense_layers``).
-        page_score: ``sparsity.page_score`` (``"minmax"``: two landmarks per page).
-    """
-
-    backend: str
-    max_batch_size: int
-    dtype: str
-    page_size: int
-    dense_layers: int = 0
-    page_score: str = "centroid"
-
-
-@dataclass(frozen=True)
-class RolloutMemory:
-    """The colocated rollout engine on the GPU that holds it.
-
-    Attributes:
-        backend: as :class:`RolloutSpec`.
-        engine_weights: bytes of the engine's weights on that GPU (the whole model: engine TP is 1).
-        kv_per_sequence: KV-cache bytes (keys, values, page landmarks) of one ``seq_len``-token sequence.
-        kv_pool: the KV cache the engine holds (trtllm: its pool; torch: ``sequences`` sequences).
-        sequences: full-length sequences the KV cache holds at once.
-        max_batch_size: sequences the engine is configured to decode together.
-    """
-
-    backend: str
-    engine_weights: int
-    kv_per_sequence: int
-    kv_pool: int
-    sequences: int
-    max_batch_size: int
 
 
 @dataclass(frozen=True)
@@ -382,36 +335,6 @@ def estimate_memory(
     return MemoryEstimate(params * nbytes, params * 4, opt, activations, logits, running, lora, block)
 
 
-def rollout_memory(
-    shape: Qwen3Shape, seq_len: int, spec: RolloutSpec, resident: int, gpu_bytes: int
-) -> RolloutMemory:
-    """The engine's footprint next to the policy's ``resident`` bytes (trtllm: weights, grads, optimizer;
-    torch: the whole training peak, since its engine stays awake on rank 0)."""
-    from sparrow_nemo.rollout.trtllm.engine import KV_CACHE_FREE_FRACTION
-    from sparrow_nemo.rollout.trtllm.kv_cache import centroid_bytes_per_token, landmarks_per_page
-
-    nbytes = _DTYPE_BYTES[spec.dtype]
-    engine_weights = shape.num_parameters() * nbytes
-    kv = shape.num_layers * shape.num_key_value_heads * shape.head_dim
-    if spec.backend == "trtllm":  # fp32 landmarks of the sparse layers (the KV-cache manager's pool)
-        sparse_layers = shape.num_layers - spec.dense_layers
-        landmarks = centroid_bytes_per_token(
-            sparse_layers, shape.num_key_value_heads, shape.head_dim, spec.page_size, spec.page_score
-        )
-    else:  # the torch engine's paged cache: landmarks per page and layer in the KV dtype
-        landmarks = landmarks_per_page(spec.page_score) * kv * nbytes / spec.page_size
-    per_token = 2 * kv * nbytes + landmarks
-    kv_per_sequence = int(per_token * seq_len)
-    free = max(gpu_bytes - resident - engine_weights, 0)
-    if spec.backend == "trtllm":
-        pool = int(KV_CACHE_FREE_FRACTION * free)
-        sequences = pool // kv_per_sequence
-    else:
-        sequences = min(free // kv_per_sequence, spec.max_batch_size)
-        pool = sequences * kv_per_sequence
-    return RolloutMemory(spec.backend, engine_weights, kv_per_sequence, pool, sequences, spec.max_batch_size)
-
-
 def plan(
     shape: Qwen3Shape,
     nodes: int,
@@ -494,23 +417,16 @@ def plan(
                 "distributed_adam, recompute, or lower micro_batch/seq_len"
             )
     engine = None
-    if rollout is not None:
+    if (
+        rollout is not None
+    ):  # during rollout the policy keeps its weights, gradient buffers and optimizer shard
         resident = train.weights + train.gradients + train.optimizer
-        if rollout.backend == "torch":  # awake on rank 0 through the training step
-            resident = max(train.total, distilled.total if distilled is not None else 0)
         engine = rollout_memory(shape, seq_len, rollout, resident, gpu_bytes)
-        where = "each GPU's engine" if rollout.backend == "trtllm" else "the torch engine on rank 0"
         if engine.sequences < 1:
             raise LayoutError(
-                f"{where} has {engine.kv_pool / GIB:.1f} GiB of KV cache next to {resident / GIB:.1f} GiB of "
-                f"policy memory and {engine.engine_weights / GIB:.1f} GiB of engine weights: no room for one "
-                f"{seq_len}-token sequence ({engine.kv_per_sequence / GIB:.2f} GiB); raise tp or pp"
-            )
-        if engine.sequences < rollout.max_batch_size:
-            retry = " (the OOM retry halves the batch until it fits)" if rollout.backend == "torch" else ""
-            notes.append(
-                f"{where} holds {engine.sequences} full-length sequences at once, fewer than "
-                f"rollout.max_batch_size={rollout.max_batch_size}{retry}"
+                f"the rollout engine has {engine.kv_pool / GIB:.1f} GiB of KV cache per GPU next to "
+                f"{resident / GIB:.1f} GiB of policy memory and {engine.engine_weights / GIB:.1f} GiB of engine "
+                f"weights: no room for one {seq_len}-token sequence; raise tp, pp or rollout.tensor_parallel_size"
             )
     placements = []
     for rank in range(world):
@@ -605,13 +521,10 @@ def format_plan(report: PlanReport) -> str:
     lines.append(f"  total        {report.peak.total / GIB:8.2f} GiB of {report.gpu_memory_gb:g} GiB")
     if report.rollout is not None:
         r = report.rollout
-        where = (
-            "one engine per GPU, asleep while training" if r.backend == "trtllm" else "torch engine on rank 0"
-        )
         lines.append(
-            f"rollout ({where}): engine weights {r.engine_weights / GIB:.2f} GiB, KV cache "
-            f"{r.kv_pool / GIB:.2f} GiB = {r.sequences} sequences of {report.seq_len} tokens "
-            f"({r.kv_per_sequence / GIB:.2f} GiB each; rollout.max_batch_size {r.max_batch_size})"
+            f"rollout ({r.backend} engine on {r.tensor_parallel} GPU(s), asleep while training): weights "
+            f"{r.engine_weights / GIB:.2f} GiB and KV cache {r.kv_pool / GIB:.2f} GiB per GPU = {r.pool_tokens:,} "
+            f"tokens, {r.sequences} sequences of {report.seq_len} tokens at once"
         )
     lines += ["ranks:", "  rank  node  gpu  tp  pp  dp  layers"]
     for p in report.placements:

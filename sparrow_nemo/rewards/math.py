@@ -1,94 +1,98 @@
-"""Math answer reward: extract the final answer of a completion and check it against the gold answer.
+"""Math answer reward: find the completion's final answer and check it against the gold answer.
 
-Extraction: the last ``\\boxed{...}`` (or ``\\fbox{...}``, nested braces allowed, also ``\\boxed 5``); if
-there is none, the last "final answer: X" / "the final answer is X" line. Equivalence: ``math_verify``
-(``parse`` + ``verify``: symbolic and numeric, sets, intervals, matrices, LaTeX), plus one rule it lacks:
-base-n numerals such as ``52_8`` must match digits and base exactly (math_verify drops the base).
+Extraction (:mod:`sparrow_nemo.rewards.answer_text`): the part after ``</think>`` (the thinking is not scored
+unless ``score_thinking``), then the last ``\\boxed{}``, the recipe's ``answer_pattern``, DAPO's ``Answer:``
+line, or a "final answer" phrase.
 
-Timeouts: ``math_verify`` bounds parsing and verification with SIGALRM, which only works in the main
-thread; elsewhere (a thread pool) it runs without a time limit. A timeout or any error scores 0.
+Equivalence: ``math_verify`` (``parse`` + ``verify``: symbolic and numeric, sets, intervals, matrices,
+LaTeX) on a single value, with the rules it lacks:
+
+- an answer is read as one value: an equation, inequality or other relation (``6 = 5``, ``3 \\mid 5``,
+  ``x \\le 2``), a logical form (``\\neg 5``, ``3 \\lor 5``) or a percent (``5\\%``) is not a number, so it
+  is wrong unless the gold answer has the same kind of operator. One exception, the usual answer form: a
+  variable named on the left of a single ``=`` (``x = 5``, ``a_1 = 5``) is read as its right side;
+- a gold percent (``5\\%``) takes the number with or without the sign; a predicted percent needs a gold one;
+- Unicode is NFKC-normalised (``5․5`` with U+2024 is ``5.5``), the usual math symbols are mapped to LaTeX
+  (``−``, ``×``, ``÷``, ``·``, ``π``, ``∞``, ``√``, ``≤``, ``≥``, ``≠``, ``¬``, ``∨``, ``∧``), and an answer still
+  holding a non-ASCII character that the gold answer does not is refused (zero-width and other invisibles too);
+- base-n numerals such as ``52_8`` must match digits and base exactly (math_verify drops the base).
+
+Time limit: one deadline of ``timeout_s`` per answer covers extraction, parsing and verification. In the
+main thread it is a ``SIGALRM`` timer (math_verify's own alarms are off, so they cannot cancel it); in any
+other thread the answer is checked in a spawned worker process that is killed at the deadline. A timeout,
+an answer over :data:`~sparrow_nemo.rewards.answer_text.MAX_ANSWER_CHARS` or any error scores 0.
 """
 
 from __future__ import annotations
 
-import re
+import contextlib
+import signal
 import threading
+from collections.abc import Iterator
 
-import math_verify
+from sparrow_nemo.rewards.answer_text import check_pattern, extract_boxed, extract_final_answer
+from sparrow_nemo.rewards.math_check import judge
 
-_BOX_COMMANDS = ("\\boxed", "\\fbox")
-_FINAL_ANSWER_RE = re.compile(r"final answer\s*(?:is|:)?\s*:?\s*(.+)", re.IGNORECASE)
-_BASE_NUMERAL_RE = re.compile(r"^\s*(?:\\text\{)?([0-9A-Za-z]+)\}?_\{?\s*(\d+)\s*\}?\s*$")
-
-
-def extract_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` / ``\\fbox{...}`` in ``text`` (braces balanced), or of
-    ``\\boxed X`` (up to the next space or ``$``); None when there is none or its braces never close."""
-    start = max(text.rfind(cmd) for cmd in _BOX_COMMANDS)
-    if start < 0:
-        return None
-    cmd = next(c for c in _BOX_COMMANDS if text.startswith(c, start))
-    i = start + len(cmd)
-    if i < len(text) and text[i] == " ":
-        rest = text[i + 1 :]
-        return re.split(r"[\s$]", rest, maxsplit=1)[0] or None
-    if i >= len(text) or text[i] != "{":
-        return None
-    depth = 0
-    for j in range(i, len(text)):
-        if text[j] == "{":
-            depth += 1
-        elif text[j] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[i + 1 : j]
-    return None
+__all__ = ["extract_boxed", "extract_final_answer", "math_equal", "math_reward"]
 
 
-def extract_final_answer(text: str) -> str | None:
-    """The boxed answer if any, else the text after the last "final answer" phrase (stripped of ``$``,
-    spaces and a trailing period); None when neither is present."""
-    boxed = extract_boxed(text)
-    if boxed is not None:
-        return boxed
-    found = _FINAL_ANSWER_RE.findall(text)
-    if not found:
-        return None
-    answer = found[-1].strip().rstrip(".").strip().strip("$").strip()
-    return answer or None
+class _Deadline(BaseException):
+    """The answer's time limit passed (a BaseException: math_verify's and sympy's ``except Exception`` must not
+    swallow it and go on without a limit)."""
 
 
-def _timeout(timeout_s: int | None) -> int | None:
-    """math_verify's SIGALRM timeouts only work in the main thread."""
-    return timeout_s if threading.current_thread() is threading.main_thread() else None
+@contextlib.contextmanager
+def _alarm(timeout_s: float | None) -> Iterator[None]:
+    """Raise :class:`_Deadline` in the main thread after ``timeout_s`` seconds (None: no limit)."""
+    if not timeout_s:
+        yield
+        return
 
+    def expire(_signum, _frame):
+        raise _Deadline
 
-def _base_numeral(answer: str) -> tuple[str, int] | None:
-    """(digits upper-cased, base) for answers like ``52_8`` / ``4210_{5}`` / ``\\text{AB}_{12}``; else None."""
-    m = _BASE_NUMERAL_RE.match(answer)
-    return (m.group(1).upper(), int(m.group(2))) if m else None
-
-
-def math_equal(pred: str, gold: str, timeout_s: int | None = 5) -> bool:
-    """True when the answer string ``pred`` is mathematically equivalent to the gold answer string ``gold``
-    (both LaTeX without the surrounding ``$``); False on any parse failure or timeout (seconds)."""
-    gold_base = _base_numeral(gold)
-    if gold_base is not None:
-        return _base_numeral(pred) == gold_base
-    t = _timeout(timeout_s)
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, float(timeout_s))
     try:
-        gold_parsed = math_verify.parse(f"${gold}$", parsing_timeout=t)
-        pred_parsed = math_verify.parse(f"\\boxed{{{pred}}}", parsing_timeout=t)
-        if not gold_parsed or not pred_parsed:
-            return False
-        return bool(math_verify.verify(gold_parsed, pred_parsed, timeout_seconds=t))
-    except Exception:  # math_verify raises on pathological input (recursion, sympy errors, timeouts)
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _judged(task: str, args: tuple, timeout_s: float | None) -> bool:
+    """:func:`~sparrow_nemo.rewards.math_check.judge` within ``timeout_s`` (module docstring); False on a timeout or any error."""
+    if threading.current_thread() is not threading.main_thread():
+        from sparrow_nemo.rewards.math_worker import judge_in_worker
+
+        return judge_in_worker(task, args, timeout_s)
+    try:
+        with _alarm(timeout_s):
+            return judge(task, args)
+    except (_Deadline, Exception):  # or math_verify / sympy on pathological input (recursion, sympy errors)
         return False
 
 
-def math_reward(completion: str, gold: str, timeout_s: int | None = 5) -> float:
-    """1.0 when the completion's final answer (see :func:`extract_final_answer`) equals ``gold``, else 0.0."""
+def math_equal(pred: str, gold: str, timeout_s: float | None = 5) -> bool:
+    """True when the answer string ``pred`` is mathematically equivalent to the gold answer string ``gold``
+    (both LaTeX without the surrounding ``$``; module docstring); False on any parse failure or timeout."""
+    return _judged("equal", (pred, gold), timeout_s)
+
+
+def math_reward(
+    completion: str,
+    gold: str,
+    timeout_s: float | None = 5,
+    answer_pattern: str | None = None,
+    score_thinking: bool = False,
+) -> float:
+    """1.0 when the completion's final answer equals ``gold``, else 0.0 (module docstring).
+
+    Options (``reward.options``): ``timeout_s`` per answer (seconds; null = no limit), ``answer_pattern`` (the
+    recipe's own answer regex, first group = the answer), ``score_thinking`` (also look inside ``<think>``).
+    """
     if not isinstance(gold, str) or not gold.strip():
         raise ValueError(f"math_reward: gold answer must be a non-empty string, got {gold!r}")
-    pred = extract_final_answer(completion)
-    return 1.0 if pred is not None and math_equal(pred, gold, timeout_s) else 0.0
+    if answer_pattern is not None:
+        check_pattern(answer_pattern)
+    return 1.0 if _judged("reward", (completion, gold, answer_pattern, score_thinking), timeout_s) else 0.0

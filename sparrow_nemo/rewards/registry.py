@@ -104,3 +104,17 @@ class RewardConfig(Section):
         doc="keyword options bound to the reward function (free-form; add keys with ++reward.options.key=value)",
         factory=dict,
     )
+    by_data_source: dict[str, str] = knob(
+        doc="data_source value (data.data_source_key, verl's) -> registered reward name for its rows; rows of "
+        "other sources use reward.type. reward.options go to reward.type's function only",
+        factory=dict,
+    )
+
+    def check(self) -> None:
+        known = reward_names()
+        for source, name in self.by_data_source.items():
+            if name not in known or name == "chain":
+                raise self.invalid(
+                    f"by_data_source.{source}",
+                    f"a file-data reward name ({', '.join(n for n in known if n != 'chain')})",
+                )

@@ -121,7 +121,22 @@ class RolloutConfig(SamplingParams):
         factory=SpeculativeRolloutConfig,
     )
     max_batch_size: int = knob(
-        64, "sequences decoded together (the KV page pool is sized for it)", check=AT_LEAST_ONE
+        64,
+        "the most sequences decoding at once (vLLM's max_num_seqs); admission is limited by free KV pages, "
+        "and on CUDA the largest CUDA-graph batch bucket",
+        check=AT_LEAST_ONE,
+    )
+    kv_cache_fraction: float = knob(
+        0.9,
+        "share of the device memory free when the engine sizes its KV pool after a wake (what the policy's "
+        "resident state and the engine's weights leave; vLLM's gpu_memory_utilization); CUDA only",
+        check=interval(0, 1, lo_open=True),
+    )
+    max_cache_tokens: int | None = knob(
+        None,
+        "the engine's KV pool in tokens (whole pages), instead of kv_cache_fraction; null = the fraction on CUDA, "
+        "and on the CPU whatever a call could need (no preemption)",
+        check=AT_LEAST_ONE,
     )
     prefill_chunk_tokens: int = knob(
         512, "prompt tokens per prefill chunk (a multiple of sparsity.page_size)", check=AT_LEAST_ONE
@@ -193,12 +208,24 @@ class RolloutSample:
 
 @dataclass
 class RolloutBatch:
-    """Samples in prompt order, plus timing of the call (seconds, wall clock)."""
+    """Samples in prompt order, plus timing of the call (seconds, wall clock) and what its scheduler did.
+
+    Attributes:
+        samples: one per prompt, in prompt order. schedule_name: the schedule (or speculative plan) used.
+        prefill_s, decode_s: seconds of prefill (admissions: prefill, recompute, first tokens) and of decoding.
+        decode_steps: batched decode steps (speculative rounds) the engine ran; 0 where the backend does not say.
+        preemptions: sequences that lost their KV pages to make room and were recomputed later.
+        peak_pages: the most KV pages held at once; capacity_pages: the pages the KV pool holds.
+    """
 
     samples: list[RolloutSample]
     schedule_name: str
     prefill_s: float
     decode_s: float
+    decode_steps: int = 0
+    preemptions: int = 0
+    peak_pages: int = 0
+    capacity_pages: int = 0
 
     @property
     def num_response_tokens(self) -> int:

@@ -1,21 +1,33 @@
-"""Batched next-token sampling with one random stream per sample, and logprob bookkeeping.
+"""Next-token sampling with position-indexed random draws, and logprob bookkeeping.
 
-Every sample owns a CPU ``torch.Generator`` seeded from (base seed, sample index), and each step
-draws exactly one uniform number from it; the token is then picked by inverse-CDF over the sorted,
-filtered distribution. A sample's tokens therefore depend only on its own prompt and seed, not on
-its batch mates, the batch size or the device.
+Every random number a sample uses is a pure function of (its seed, the response position it is for, a stream):
+:func:`position_uniforms` hashes the three (splitmix64) into a uniform in [0, 1). No generator carries state
+from one step to the next, so a sample's tokens depend only on its prompt, its seed and the model: not on which
+rows share a decode step, on the batch size, on admission order, on preemption and recompute, or on the device.
+Streams: :data:`TOKEN` draws the token emitted at a position (plain decoding, and the token a speculative round
+emits after its accepted drafts), :data:`DRAFT` a speculative draft token, :data:`ACCEPT` its acceptance test.
+
+The draw (:func:`sample_from`) is an inverse CDF over the kept probabilities in vocabulary order, in two levels
+(fp64 sums of 1,024-token blocks, then a cumulative sum inside the chosen block): no sort of the vocabulary and
+no [B, V] fp64 tensor. Only top-p needs the probabilities ranked (a sort), and top-k alone a ``topk``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
-import sparrow_nemo.rollout.torch.cpu_attention as cpu_attention
 from sparrow_nemo.rollout.engine import SamplingParams
 
 _MASK64 = (1 << 64) - 1
+
+#: random streams of a position (:func:`position_uniforms`)
+TOKEN, DRAFT, ACCEPT = 0, 1, 2
+
+#: tokens per block of the two-level inverse CDF (:func:`sample_from`)
+CDF_BLOCK = 1024
 
 
 def sample_seed(seed: int, index: int) -> int:
@@ -36,62 +48,93 @@ def batch_seeds(seed: int, count: int, sample_seeds: Sequence[int] | None = None
     return [int(s) for s in sample_seeds]
 
 
-def make_generators(seeds: Sequence[int]) -> list[torch.Generator]:
-    """One CPU generator per sample."""
-    return [torch.Generator().manual_seed(int(s)) for s in seeds]
+def position_uniforms(
+    seeds: Sequence[int] | np.ndarray, positions: Sequence[int] | np.ndarray, stream: int
+) -> torch.Tensor:
+    """U[0, 1) draws, one per row: a splitmix64 hash of (seed, response position, stream) -> [B] float64 (CPU).
+
+    ``seeds`` [B] non-negative ints (:func:`sample_seed`), ``positions`` [B] response indices (0 = the first
+    response token), ``stream`` one of :data:`TOKEN`, :data:`DRAFT`, :data:`ACCEPT`. Equal inputs give equal
+    draws on any machine; the 53 high bits of the hash make the float (every value k / 2**53 is reachable).
+    """
+    s = np.asarray(seeds, dtype=np.uint64)
+    p = np.asarray(positions, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        z = s * np.uint64(0x9E3779B97F4A7C15) + (p + np.uint64(1)) * np.uint64(0xD1B54A32D192ED03)
+        z = z + np.uint64(stream + 1) * np.uint64(0x8CB92BA72F3D8DD7)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    return torch.from_numpy((z >> np.uint64(11)).astype(np.float64) * 2.0**-53)
 
 
-def draw_uniforms(generators: Sequence[torch.Generator]) -> torch.Tensor:
-    """One U[0, 1) draw per generator: [B] float64 on CPU."""
-    if not generators:
-        return torch.empty(0, dtype=torch.float64)
-    return torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators])
+def sample_from(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One draw per row from ``weights [B, V]`` (non-negative float, any positive total) with ``uniforms [B]`` in
+    [0, 1) -> [B] int64: the first id whose cumulative weight (vocabulary order) exceeds ``u * total``, never a
+    zero-weight id.
+
+    Two levels, both in fp64: block sums of :data:`CDF_BLOCK` ids and their cumulative sum pick the block, a
+    cumulative sum inside that block picks the id. Memory: [B, V / CDF_BLOCK + CDF_BLOCK] fp64, no sort.
+    """
+    batch, vocab = weights.shape
+    blocks = -(-vocab // CDF_BLOCK)
+    padded = torch.nn.functional.pad(weights, (0, blocks * CDF_BLOCK - vocab)).view(batch, blocks, CDF_BLOCK)
+    block_sums = padded.sum(dim=-1, dtype=torch.float64)  # [B, blocks]
+    block_cdf = torch.cumsum(block_sums, dim=-1)
+    target = uniforms.to(device=weights.device, dtype=torch.float64)[:, None] * block_cdf[:, -1:]  # [B, 1]
+    # u * total may round up to total: clamp to the last block (and below, id) of positive weight
+    block = torch.minimum(torch.searchsorted(block_cdf, target, right=True), _last_positive(block_sums))
+    before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), 0.0)
+    inner = padded.gather(1, block[:, :, None].expand(-1, -1, CDF_BLOCK))[:, 0].to(torch.float64)
+    pick = torch.searchsorted(torch.cumsum(inner, dim=-1), target - before, right=True)
+    last = _last_positive(inner)
+    return (block * CDF_BLOCK + torch.minimum(pick, last)).squeeze(-1)
 
 
-def _sort_descending(probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``torch.sort(probs, dim=-1, descending=True, stable=True)`` of fp32 ``[B, V]`` probabilities: on the
-    CPU the decode kernels' radix sort (same values and order, a fraction of the time), else torch's. Sorting
-    the fp32 values orders exactly as sorting their fp64 casts would (the cast is exact and monotonic)."""
-    if probs.device.type == "cpu" and probs.dim() == 2 and cpu_attention.available():
-        return cpu_attention.sort_rows_descending(probs)
-    return torch.sort(probs, dim=-1, descending=True, stable=True)
+def _last_positive(x: torch.Tensor) -> torch.Tensor:
+    """Index of the last positive entry of each row of ``x [B, N]`` -> [B, 1] int64 (0 for an all-zero row)."""
+    return x.shape[-1] - 1 - torch.argmax((x.flip(-1) > 0).to(torch.int8), dim=-1, keepdim=True)
+
+
+def kept_probs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    """What a token is sampled from, before renormalisation: ``logits [..., V]`` -> fp32 ``[..., V]``.
+
+    Temperature 0: one-hot at the argmax (lowest id on ties). Otherwise softmax(logits / temperature) on the
+    top_k most likely tokens and then the shortest prefix of the descending list (ties in id order) whose mass
+    reaches top_p, 0 elsewhere. Without top-k and top-p nothing is ranked.
+    """
+    if sampling.temperature == 0:
+        return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).to(torch.float32)
+    probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
+    if sampling.top_p >= 1.0:
+        if sampling.top_k == 0 or sampling.top_k >= probs.shape[-1]:
+            return probs
+        kth = torch.topk(probs, sampling.top_k, dim=-1).values.min(dim=-1, keepdim=True).values
+        above, tied = probs > kth, probs == kth  # ties at the k-th value: the lowest ids among them stay
+        room = sampling.top_k - above.sum(dim=-1, keepdim=True)
+        keep = above | (tied & (torch.cumsum(tied.to(torch.int64), dim=-1) <= room))
+        return torch.where(keep, probs, torch.zeros_like(probs))
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    keep = torch.ones_like(sorted_p, dtype=torch.bool)
+    if sampling.top_k > 0:
+        keep &= torch.arange(sorted_p.shape[-1], device=logits.device) < sampling.top_k
+    keep &= torch.cumsum(sorted_p.double(), dim=-1) - sorted_p.double() < sampling.top_p
+    kept = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
+    return torch.zeros_like(probs).scatter_(-1, order, kept)
+
+
+def sampling_probs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    """The sampling distribution itself: :func:`kept_probs` renormalised to sum 1 (float64 ``[..., V]``)."""
+    kept = kept_probs(logits, sampling).double()
+    return kept / kept.sum(dim=-1, keepdim=True)
 
 
 def sample_tokens(logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor) -> torch.Tensor:
-    """Pick one token per row.
-
-    Args:
-        logits: [B, V] float32 next-token logits.
-        params: temperature (0 = greedy), top_k, top_p.
-        uniforms: [B] float64 in [0, 1), one per row (ignored when greedy).
-
-    Returns:
-        [B] int64 token ids. Filtering: keep the top_k most likely, then the smallest prefix of the
-        descending-probability list whose mass reaches top_p; sample within the kept set.
-    """
+    """Pick one token per row: ``logits [B, V]`` fp32, ``uniforms [B]`` float64 in [0, 1) (ignored when greedy)
+    -> [B] int64, ``sample_from(kept_probs(logits, params), uniforms)``; greedy (temperature 0) is the argmax."""
     if params.temperature == 0:
         return logits.argmax(dim=-1)
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
-    sorted_p, order = _sort_descending(probs)
-    sorted_p = sorted_p.double()
-    vocab = sorted_p.shape[-1]
-    if params.top_k > 0 or params.top_p < 1.0:
-        rank = torch.arange(vocab, device=logits.device)
-        keep = torch.ones_like(sorted_p, dtype=torch.bool)
-        if params.top_k > 0:
-            keep &= rank < params.top_k
-        if params.top_p < 1.0:
-            mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
-            keep &= mass_before < params.top_p
-        sorted_p = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
-        last = keep.sum(dim=-1) - 1
-    else:  # nothing filtered: every token is kept, no mask to build
-        last = torch.full((sorted_p.shape[0],), vocab - 1, device=logits.device)
-    cdf = torch.cumsum(sorted_p, dim=-1)
-    target = uniforms.to(device=logits.device, dtype=torch.float64) * cdf[:, -1]
-    pick = torch.searchsorted(cdf, target[:, None], right=True).squeeze(-1)
-    pick = torch.minimum(pick, last)
-    return order.gather(-1, pick[:, None]).squeeze(-1)
+    return sample_from(kept_probs(logits, params), uniforms)
 
 
 def token_logprobs(

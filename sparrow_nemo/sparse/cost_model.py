@@ -261,6 +261,21 @@ class DecodeCostModel:
         weights = stepping * float(s.non_embedding_parameters()) * self.weight_bytes
         return weights + (per_seq_order * live).sum(-1), (selected * sparse_kv * live).sum(-1)
 
+    def prefill_seconds(self, tokens: int, cached_before: int = 0) -> float:
+        """Seconds of one dense forward of ``tokens`` new tokens after ``cached_before`` cached ones (a prefill,
+        or the recompute of a preempted sequence): 2 x non-embedding parameters FLOPs per token plus causal
+        attention (4 * Hq * D per query-key pair and layer) at the peak FLOP/s, plus the weights and the
+        keys/values written and read once at the memory bandwidth, plus one step overhead."""
+        s, hw = self.shape, self.hardware
+        pairs = tokens * cached_before + tokens * (tokens + 1) / 2
+        flops = (
+            2 * s.non_embedding_parameters() * tokens
+            + 4 * s.num_attention_heads * s.head_dim * s.num_layers * pairs
+        )
+        kv = 2 * s.num_key_value_heads * s.head_dim * self.kv_bytes * s.num_layers * (cached_before + tokens)
+        weights = s.non_embedding_parameters() * self.weight_bytes
+        return flops / hw.peak_flops + (weights + kv) / hw.mem_bandwidth + hw.step_overhead_s
+
     def sparse_reads(
         self, cached_len: torch.Tensor, schedule: BudgetSchedule
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -46,8 +46,10 @@ def test_commands_are_discovered_from_their_modules() -> None:
         "bench",
         "calibrate",
         "config",
+        "data",
         "eval",
         "experiment",
+        "export",
         "plan",
         "train",
     ]

@@ -134,7 +134,7 @@ def test_registry_names_come_from_the_grpo_registries() -> None:
         "config error: grpo.adv_estimator=grpoo (from command line) - expected a registered name (grpo, rloo)"
         " - did you mean 'grpo'?"
     )
-    assert "icepop, none, seq_mask, tis" in error_of("grpo.loss.correction=is")
+    assert "icepop, mis, none, seq_mask, seq_mask_tis, tis" in error_of("grpo.loss.correction=is")
     assert "did you mean 'token_mean'?" in error_of("grpo.loss.aggregation=token-mean")
     assert "clipped_pg" in error_of("grpo.loss.name=ppo")
     assert (

@@ -78,7 +78,7 @@ def test_bad_rows_are_skipped_counted_and_reported(tmp_path: Path, caplog: pytes
     reasons = [b.reason for b in ds.bad_rows]
     assert "missing field 'solution'" in reasons[0]
     assert "field 'solution': must be a non-empty string or an integer, got list" in reasons[1]
-    assert "'question' must be a non-empty string, got int" in reasons[2]
+    assert "'question' must be a non-empty string or chat messages, got int" in reasons[2]
     assert reasons[3].startswith("invalid JSON")
     assert "JSON list" in reasons[4]
     assert "51 tokens > max_prompt_tokens=40" in reasons[5]

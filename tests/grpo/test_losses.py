@@ -80,9 +80,43 @@ def test_icepop_masks_tokens_outside_band() -> None:
         torch.ones(1, 4),
         rollout_logprobs=rollout,
     )
-    # masked tokens still count in the denominator: (-2 - 3) / 4
-    assert loss.item() == pytest.approx(-5.0 / 4)
+    # IcePop's M(rho) = rho inside [0.5, 5]: weights 0, 0.5, 5, 0; masked tokens still count in the denominator
+    assert loss.item() == pytest.approx(-(0.5 * 2 + 5.0 * 3) / 4)
     assert m["masked_fraction"] == pytest.approx(0.5)
+
+
+def test_mis_keeps_the_ratio_below_the_cap_and_drops_the_rest() -> None:
+    # ratios 3.0 (above the cap 2: weight 0, not 2 as TIS), 0.5, 2.0 (at the cap: kept); A = 1, 2, 3
+    old = torch.zeros(1, 3, dtype=D)
+    rollout = -torch.log(_t([[3.0, 0.5, 2.0]]))
+    loss, m = compute_policy_loss(
+        PolicyLossConfig(correction="mis", mis_cap=2.0),
+        old.clone(),
+        old,
+        _t([[1.0, 2.0, 3.0]]),
+        torch.ones(1, 3),
+        rollout_logprobs=rollout,
+    )
+    assert loss.item() == pytest.approx(-(0.0 * 1 + 0.5 * 2 + 2.0 * 3) / 3)
+    assert m["masked_fraction"] == pytest.approx(1 / 3)
+
+
+def test_seq_mask_tis_masks_sequences_and_truncates_token_weights() -> None:
+    # seq 0: log ratios ln 3, -ln 3 -> geo mean 1 (kept), token weights min(3, 2) = 2 and 1/3;
+    # seq 1: ln 1.5 twice -> geo 1.5 (masked). A = 1 everywhere, 4 valid tokens.
+    old = torch.zeros(2, 2, dtype=D)
+    rollout = -torch.log(_t([[3.0, 1 / 3], [1.5, 1.5]]))
+    loss, m = compute_policy_loss(
+        PolicyLossConfig(correction="seq_mask_tis", seq_mask_low=0.9, seq_mask_high=1.1, tis_cap=2.0),
+        old.clone(),
+        old,
+        torch.ones(2, dtype=D),
+        torch.ones(2, 2),
+        rollout_logprobs=rollout,
+    )
+    assert loss.item() == pytest.approx(-(2.0 + 1 / 3) / 4)
+    assert m["masked_fraction"] == pytest.approx(0.5)
+    assert m["tis_clipped_fraction"] == pytest.approx(1 / 4)
 
 
 def test_seq_mask_uses_geometric_mean_over_valid_tokens() -> None:
@@ -145,8 +179,31 @@ def test_bad_shapes_and_names() -> None:
         compute_policy_loss(PolicyLossConfig(kl_coef=0.1), lp, lp, torch.zeros(2), torch.ones(2, 3))
     # unknown registry names are refused when the config is built (the registries' names() are the choices)
     with pytest.raises(
-        ValueError, match=r"correction='magic' - expected a registered name \(icepop, none, seq_mask, tis\)"
+        ValueError,
+        match=r"correction='magic' - expected a registered name \(icepop, mis, none, seq_mask, seq_mask_tis, tis\)",
     ):
         PolicyLossConfig(correction="magic")
     with pytest.raises(ValueError, match=r"name='dpo' - expected a registered name \(clipped_pg\)"):
         PolicyLossConfig(name="dpo")
+
+
+def test_rollout_corr_metrics_hand_computed() -> None:
+    """k3 KL, ratio quantiles, masked fraction and mean weight of the sampled tokens (one process)."""
+    from sparrow_nemo.grpo.rollout_corr import mismatch_metrics
+
+    ratios = [[3.0, 0.5, 1.0], [2.0, 1.0, 9.0]]  # the last token is padding (masked out)
+    old = torch.zeros(2, 3, dtype=D)
+    rollout = -torch.log(_t(ratios))
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    m = mismatch_metrics(old, rollout, mask, PolicyLossConfig(correction="mis", mis_cap=2.0))
+    rho = [3.0, 0.5, 1.0, 2.0, 1.0]
+    assert m["rollout_corr/k3_kl"] == pytest.approx(sum(r - 1 - math.log(r) for r in rho) / 5)
+    assert m["rollout_corr/masked_fraction"] == pytest.approx(1 / 5)  # only 3.0 > the cap
+    assert m["rollout_corr/weight_mean"] == pytest.approx((0.5 + 1.0 + 2.0 + 1.0) / 5)
+    assert m["rollout_corr/ratio_max"] == pytest.approx(3.0)
+    # sorted 0.5, 1, 1, 2, 3: p50 = 1; p01 at position 0.04 -> 0.5 + 0.04 * 0.5; p99 at 3.96 -> 2 + 0.96
+    assert m["rollout_corr/ratio_p50"] == pytest.approx(1.0)
+    assert m["rollout_corr/ratio_p01"] == pytest.approx(0.52)
+    assert m["rollout_corr/ratio_p99"] == pytest.approx(2.96)
+    tis = mismatch_metrics(old, rollout, mask, PolicyLossConfig(correction="tis"))
+    assert tis["rollout_corr/masked_fraction"] == 0.0

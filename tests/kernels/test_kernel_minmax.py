@@ -17,8 +17,9 @@ from kernel_cases import DecodeCase, empty_paged_cache, key_bound_pools, paged_f
 from kernel_cases import check_selection as check_selection_of
 from sparrow_kernels import KeyBounds, append_kv, page_selection, sparse_decode_attention_paged
 
+from sparrow_nemo.rollout.torch.block_manager import BlockManager
 from sparrow_nemo.rollout.torch.paged_attention import KernelDecode, TorchDecode
-from sparrow_nemo.rollout.torch.paged_cache import PagedKVCache
+from sparrow_nemo.rollout.torch.paged_cache import PagedKVCache, fill_block_table
 from sparrow_nemo.sparse.attention import page_key_bounds, sparse_decode_attention
 
 SEQ_LENS = [77, 160, 5, 123]  # a partial last page, exact pages, one page, and a longer one
@@ -166,8 +167,7 @@ def test_engine_kernel_path_equals_its_torch_path(device: torch.device) -> None:
         PagedKVCache(1, 16, num_kv_heads, head_dim, page_score="minmax", device=device) for _ in range(2)
     ]
     block_table = torch.full((batch, 5), -1, dtype=torch.int32, device=device)
-    for cache in caches:
-        cache.reserve(block_table, torch.tensor(lens, device=device))
+    fill_block_table(BlockManager(16, 16), block_table, torch.tensor(lens, device=device))  # both caches
     fused, plain = KernelDecode(), TorchDecode()
     lengths = torch.tensor(lens, device=device)
     steps = 0

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 
 from sparrow_nemo.model_shapes import PRESETS
+from sparrow_nemo.policy.engine_memory import RolloutSpec
 from sparrow_nemo.policy.memory import MemorySettings
 from sparrow_nemo.policy.model import padded_vocab_size
 from sparrow_nemo.policy.parallel import LayoutError, ParallelLayout, stage_layer_range
 from sparrow_nemo.policy.plan import (
     GIB,
     DistillSpec,
-    RolloutSpec,
     estimate_memory,
     format_plan,
     head_bytes,
@@ -154,22 +154,39 @@ def test_distill_and_rollout_terms():
     # layers x KV heads x head_dim x bf16 K and V, + one fp32 centroid per page in the 26 sparse layers
     kv_token = 28 * 8 * 128 * 2 * 2 + 26 * 8 * 128 * 4 / 16
     assert r.rollout.kv_per_sequence == int(kv_token * 39_936)
-    assert r.rollout.engine_weights == shape.num_parameters() * 2  # one whole engine per GPU
+    assert r.rollout.engine_weights == shape.num_parameters() * 2  # engine TP 1: the whole model per GPU
     assert r.rollout.sequences == r.rollout.kv_pool // r.rollout.kv_per_sequence > 0
     text = format_plan(r)
     assert "distill" in text and "KV cache" in text and "sequences of 39936 tokens" in text
-    # the torch engine stays awake on rank 0: its KV cache gets what the training peak leaves
+    # the torch engine sleeps while the policy trains: during rollout its pool is kv_cache_fraction of what the
+    # policy's weights, gradient buffers and optimizer shard and the engine's weights leave
     torch_engine = plan(shape, memory=memory, rollout=RolloutSpec("torch", 256, "bf16", 16), **common).rollout
-    free = 80 * GIB - r.memory.total - torch_engine.engine_weights
-    assert torch_engine.sequences == free // torch_engine.kv_per_sequence > 0
-    small = plan(shape, memory=memory, rollout=RolloutSpec("torch", 4, "bf16", 16), **common).rollout
-    assert small.sequences == 4 and small.kv_pool == 4 * small.kv_per_sequence
+    resident = r.memory.weights + r.memory.gradients + r.memory.optimizer
+    free = 80 * GIB - resident - torch_engine.engine_weights
+    assert (
+        torch_engine.kv_pool == int(0.9 * free)
+        and torch_engine.sequences == torch_engine.kv_pool // torch_engine.kv_per_sequence > 0
+    )
+    assert torch_engine.pool_tokens == int(torch_engine.kv_pool / torch_engine.kv_per_token)
+    fixed = plan(
+        shape, memory=memory, rollout=RolloutSpec("torch", 4, "bf16", 16, max_cache_tokens=100_000), **common
+    )
+    assert fixed.rollout.pool_tokens == 100_000 and fixed.rollout.sequences == 2
+    # an engine over 2 GPUs holds half the weights and half of every token's KV heads on each
+    two = plan(
+        shape, memory=memory, rollout=RolloutSpec("torch", 4, "bf16", 16, tensor_parallel=2), **common
+    ).rollout
+    assert (
+        two.engine_weights == torch_engine.engine_weights // 2
+        and two.kv_per_token == torch_engine.kv_per_token / 2
+    )
+    assert two.pool_tokens > 2 * torch_engine.pool_tokens
     with pytest.raises(LayoutError, match="no room for one 39936-token sequence"):
         plan(
             shape,
             memory=memory,
-            rollout=RolloutSpec("torch", 4, "bf16", 16),
-            **{**common, "gpu_memory_gb": 20},
+            rollout=RolloutSpec("torch", 4, "bf16", 16, max_cache_tokens=30_000),
+            **common,
         )
     assert plan(shape, memory=memory, **common).distill is None
     with pytest.raises(LayoutError, match="below the longest sequence"):

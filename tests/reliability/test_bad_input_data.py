@@ -204,3 +204,91 @@ class _CountingTokenizer(CharTokenizer):
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         self.lengths.append(len(text))
         return super().encode(text, add_special_tokens=add_special_tokens)
+
+
+# ----- issue 40: hostile files end in one line naming the file / row, readers are bounded -----------------
+def test_a_5000_digit_integer_answer_is_a_bad_row_with_its_line(tmp_path: Path) -> None:
+    path = tmp_path / "p.jsonl"
+    path.write_text(GOOD + "\n" + '{"problem": "x", "answer": ' + "7" * 5_000 + "}\n" + GOOD + "\n")
+    ds = load_prompts(path, CharTokenizer(), PromptDataConfig(max_bad_fraction=0.5))
+    assert len(ds) == 2
+    assert [b.source for b in ds.bad_rows] == [f"{path}:2"]
+    assert ds.bad_rows[0].reason.startswith("invalid JSON value (Exceeds the limit (4300 digits)")
+
+
+def test_a_gzip_of_blank_lines_stops_at_the_line_bound(tmp_path: Path, monkeypatch) -> None:
+    """2 MB of gzip holding ~2 GB of newlines: refused at readers.MAX_LINES (lowered here: the real bound,
+    20 million lines, takes seconds, not the hours that 2 billion blank lines took)."""
+    from sparrow_nemo.data import readers
+
+    path = tmp_path / "blank.jsonl.gz"
+    with gzip.open(path, "wb", compresslevel=9) as fh:
+        block = b"\n" * (1 << 24)
+        for _ in range(128):
+            fh.write(block)
+    assert path.stat().st_size < 3 << 20
+    monkeypatch.setattr(readers, "MAX_LINES", 100_000)
+    with pytest.raises(PromptDataError, match=rf"^{path}: more than 100,000 lines \(blank ones included\)$"):
+        load_prompts(path, CharTokenizer(), CFG)
+
+
+@pytest.mark.parametrize("target", ["/proc/self/pagemap", "/dev/zero", "/proc/self/fd/0"])
+def test_a_symlink_to_a_pseudo_file_is_refused(tmp_path: Path, target: str) -> None:
+    link = tmp_path / "p.jsonl"
+    link.symlink_to(target)
+    with pytest.raises(PromptDataError, match=rf"^{link}: (resolves to .*a kernel pseudo-file|cannot open)"):
+        load_prompts(link, CharTokenizer(), CFG)
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    (folder / "a.jsonl").symlink_to(target)
+    with pytest.raises(PromptDataError, match=rf"^{folder / 'a.jsonl'}: (resolves to|cannot open)"):
+        load_prompts(folder, CharTokenizer(), CFG)
+
+
+def test_a_symlink_loop_and_a_fifo_are_refused(tmp_path: Path) -> None:
+    import os
+
+    loop = tmp_path / "loop.jsonl"
+    loop.symlink_to(loop)
+    with pytest.raises(PromptDataError, match=rf"^{loop}: cannot open the data file"):
+        load_prompts(loop, CharTokenizer(), CFG)
+    fifo = tmp_path / "fifo.jsonl"
+    os.mkfifo(fifo)
+    with pytest.raises(PromptDataError, match=rf"^{fifo}: not a regular file"):
+        load_prompts(fifo, CharTokenizer(), CFG)
+
+
+def test_a_dictionary_parquet_that_decodes_to_20_gb_is_refused_before_any_row(tmp_path: Path) -> None:
+    """A ~2 MB Parquet whose dictionary column repeats one 10 KB string 2 million times (~20 GB decoded;
+    to_pylist of the table asked for all of it at once)."""
+    n = 2_000_000
+    prompt = pa.DictionaryArray.from_arrays(pa.array([0] * n, pa.int32()), pa.array(["x" * 10_000]))
+    answer = pa.DictionaryArray.from_arrays(pa.array([0] * n, pa.int32()), pa.array(["1"]))
+    path = tmp_path / "bomb.parquet"
+    pq.write_table(pa.table({"problem": prompt, "answer": answer}), path)
+    assert path.stat().st_size < 3 << 20
+    tokenizer = _CountingTokenizer()
+    with pytest.raises(PromptDataError, match=rf"^{path}: rows 1-[\d,]+ decode to [\d,]+ bytes \(at most"):
+        load_prompts(path, tokenizer, CFG)
+    assert tokenizer.lengths == []  # refused in the sizing pass: no row reached the tokenizer
+
+
+def test_parquet_reads_only_the_columns_used_in_row_batches(tmp_path: Path) -> None:
+    rows = [{"problem": f"{i}+{i}", "answer": str(2 * i), "huge": "z" * 100_000} for i in range(600)]
+    path = tmp_path / "p.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=1_000)
+    ds = load_prompts(path, CharTokenizer(), CFG)
+    assert len(ds) == 600 and ds[599].source == f"{path}:600" and ds[599].answer == "1198"
+
+
+def test_a_lone_surrogate_is_a_bad_row_not_a_tokenizer_crash(tmp_path: Path) -> None:
+    path = tmp_path / "p.jsonl"
+    path.write_text(GOOD + '\n{"problem": "a \\ud800 b", "answer": "1"}\n' + GOOD + "\n")
+    ckpt = save_char_tokenizer(tmp_path / "tok")
+    from transformers import AutoTokenizer
+
+    ds = load_prompts(path, AutoTokenizer.from_pretrained(ckpt), PromptDataConfig(max_bad_fraction=0.5))
+    assert len(ds) == 2
+    assert [(b.source, b.reason) for b in ds.bad_rows] == [
+        (f"{path}:2", "the prompt holds a lone surrogate U+D800 at character 2 (not UTF-8)")
+    ]

@@ -124,3 +124,94 @@ def test_bad_gold_is_a_clear_error() -> None:
 @given(st.text(alphabet=st.sampled_from(list("\\boxed{}()^_0123456789x+-final answer:$ ")), max_size=40))
 def test_garbage_never_raises(text: str) -> None:
     assert math_reward(text, "12", timeout_s=2) in (0.0, 1.0)
+
+
+# ----- issue 37: DAPO's Answer: line, the thinking, the recipe's own pattern -----------------------------
+@pytest.mark.parametrize(
+    ("completion", "gold", "reward"),
+    [
+        ("Let me think...\nAnswer: 34", "34", 1.0),  # DAPO-Math-17k's instruction format
+        ("**Answer:** $\\frac{1}{2}$", "0.5", 1.0),
+        ("Answer: 33", "34", 0.0),
+        ("<think>so \\boxed{34}</think>\nThe sum is 34.", "34", 0.0),  # the thinking's box does not count
+        ("<think>so \\boxed{34} and then it ran out of toke", "34", 0.0),  # unclosed thinking: no answer
+        ("<think>maybe 3</think>\nAnswer: 34", "34", 1.0),
+        ("<think>\n\n</think>\n\n\\boxed{34}", "34", 1.0),  # Qwen3 with enable_thinking=false
+    ],
+)
+def test_answer_lines_and_thinking(completion: str, gold: str, reward: float) -> None:
+    assert math_reward(completion, gold) == reward
+
+
+def test_score_thinking_knob_and_recipe_pattern() -> None:
+    assert math_reward("<think>\\boxed{34}", "34", score_thinking=True) == 1.0
+    text = "work...\nRESULT => 34 <="
+    assert math_reward(text, "34") == 0.0
+    assert math_reward(text, "34", answer_pattern=r"RESULT => (.+) <=") == 1.0
+    with pytest.raises(ValueError, match="at most one group"):
+        math_reward(text, "34", answer_pattern=r"(R)(E)")
+    with pytest.raises(ValueError, match="is not a regular expression"):
+        math_reward(text, "34", answer_pattern=r"(unclosed")
+
+
+def test_a_catastrophic_recipe_pattern_times_out_per_line() -> None:
+    t0 = time.perf_counter()
+    assert math_reward("a" * 1_000 + "!", "1", answer_pattern=r"(a+)+$") == 0.0
+    assert time.perf_counter() - t0 < 10.0  # unbounded, (a+)+$ on 1,000 a's takes longer than the universe
+
+
+# ----- issue 40: wrong answers scored right, ReDoS --------------------------------------------------------
+@pytest.mark.parametrize(
+    ("pred", "gold", "reward"),
+    [
+        ("6 = 5", "5", 0.0),  # an equation is not the number on its right
+        ("3 \\mid 5", "5", 0.0),
+        ("\\neg 5", "5", 0.0),
+        ("3 \\lor 5", "5", 0.0),
+        ("3 \\vee 5", "5", 0.0),
+        ("5 \\le 6", "5", 0.0),
+        ("5\\%", "5", 0.0),  # a percent is not the number
+        ("5\\%", "0.05", 0.0),
+        ("5%", "0.05", 0.0),
+        ("5․5", "5", 0.0),  # U+2024 ONE DOT LEADER: NFKC makes it 5.5
+        ("5․5", "5.5", 1.0),
+        ("5\u200b", "5", 0.0),  # a zero-width space the gold does not have
+        ("５", "5", 1.0),  # fullwidth digit: NFKC
+        ("x = 5", "5", 1.0),  # a variable named on the left: its value
+        ("a_1 = 5", "5", 1.0),
+        ("x = 6 = 5", "5", 0.0),
+        ("5", "5\\%", 1.0),  # a gold percent takes the number with or without the sign
+        ("5\\%", "5\\%", 1.0),
+        ("x \\le 3", "x \\le 3", 1.0),  # the gold is a relation: relations compare
+        ("\\left| -3 \\right|", "3", 1.0),  # |x| is a value, not a relation
+    ],
+)
+def test_one_value_rules(pred: str, gold: str, reward: float) -> None:
+    assert math_reward(f"\\boxed{{{pred}}}", gold) == reward
+
+
+def test_hostile_whitespace_runs_are_linear() -> None:
+    """2,400 newlines took 16.7 s in the old final-answer regex (cubic), 60,000 spaces 8.4 s in the base-numeral
+    one; these inputs are 10-20x larger: a super-linear scan would not end within the bound."""
+    t0 = time.perf_counter()
+    assert math_reward("final answer" + "\n" * 50_000 + "x", "5") == 0.0
+    assert math_reward("The final answer:" + " \n" * 50_000, "5") == 0.0
+    assert math_reward("Answer:" + "\t" * 200_000 + "y", "5") == 0.0
+    assert math_equal("5_8" + " " * 600_000 + "x", "5_8") is False
+    assert math_equal("5_{" + " " * 600_000 + "8}", "5_8") is False
+    assert math_reward("\\boxed{" + "{" * 200_000, "5") == 0.0
+    assert time.perf_counter() - t0 < 20.0
+
+
+def test_thread_timeout_kills_the_worker_and_the_next_answer_scores() -> None:
+    """Outside the main thread the answer is checked in a worker process that the deadline kills."""
+    out: list[float] = []
+
+    def work() -> None:
+        out.append(math_reward("\\boxed{9^{9^{9^{9^{9}}}}}", "9^{9^{9^{9^{8}}}}", timeout_s=1))
+        out.append(math_reward("\\boxed{\\frac{2}{4}}", "\\frac{1}{2}", timeout_s=60))
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    worker.join(timeout=300)
+    assert out == [0.0, 1.0]

@@ -16,9 +16,10 @@ import torch
 
 from sparrow_nemo.rollout.engine import SamplingParams
 from sparrow_nemo.rollout.torch import cpu_attention
+from sparrow_nemo.rollout.torch.block_manager import BlockManager
 from sparrow_nemo.rollout.torch.engine import TorchRolloutEngine
 from sparrow_nemo.rollout.torch.paged_attention import all_pages, decode_attention_torch
-from sparrow_nemo.rollout.torch.paged_cache import PagedKVCache
+from sparrow_nemo.rollout.torch.paged_cache import PagedKVCache, fill_block_table
 from sparrow_nemo.sparse.attention import decode_attention, select_pages_from_centroids
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
@@ -43,10 +44,12 @@ def filled_cache(
     gen = torch.Generator().manual_seed(seed)
     pages = sum(-(-n // page_size) for n in seq_len) + 3
     cache = PagedKVCache(1, pages, hkv, head_dim, page_size)
-    cache._free = torch.randperm(pages, generator=gen).tolist()  # scattered pages, not row order
+    blocks = BlockManager(pages, page_size)
+    blocks._free = torch.randperm(pages, generator=gen).tolist()  # scattered pages, not row order
     table = torch.full((len(seq_len), -(-max(seq_len) // page_size)), -1, dtype=torch.int32)
     lengths = torch.tensor(seq_len)
-    cache.reserve(table, lengths)
+    fill_block_table(blocks, table, lengths)
+    cache.blocks = blocks  # the test's own: further pages come from the same allocator
     for t in range(max(seq_len)):
         rows = (lengths > t).nonzero().flatten()
         k = torch.randn(rows.numel(), hkv, head_dim, generator=gen)
@@ -163,7 +166,7 @@ def test_append_equals_the_cache_method() -> None:
     big = torch.full((3, table.shape[1] + 2), -1, dtype=torch.int32)
     big[:, : table.shape[1]] = table
     for cache in (ref, mine):
-        cache.reserve(big, positions + 2)
+        fill_block_table(cache.blocks, big, positions + 2)
     for step in range(2):
         k, v = torch.randn(3, 2, 24, generator=gen), torch.randn(3, 2, 24, generator=gen)
         ref.append(0, big, positions + step, k, v)

@@ -25,9 +25,13 @@ from sparrow_nemo import cli
 from sparrow_nemo.grpo.recipe import load_config
 from sparrow_nemo.rollout.engine import SamplingParams
 from sparrow_nemo.rollout.torch import cpu_attention
+from sparrow_nemo.rollout.torch.block_manager import BlockManager
 from sparrow_nemo.rollout.torch.engine import TorchRolloutEngine
-from sparrow_nemo.rollout.torch.paged_cache import PagedKVCache
+from sparrow_nemo.rollout.torch.model_runner import SlotTable
+from sparrow_nemo.rollout.torch.paged_cache import PagedKVCache, fill_block_table
 from sparrow_nemo.rollout.torch.qwen3 import Qwen3Decoder
+from sparrow_nemo.rollout.torch.scheduler import Scheduler
+from sparrow_nemo.rollout.torch.sequence import Sequence as Seq
 from sparrow_nemo.sparse.attention import (
     decode_attention,
     group_mean_query,
@@ -52,10 +56,12 @@ def bounds_cache(
     gen = torch.Generator().manual_seed(seed)
     pages = sum(-(-n // page_size) for n in seq_len) + 3
     cache = PagedKVCache(1, pages, hkv, head_dim, page_size, page_score="minmax")
-    cache._free = torch.randperm(pages, generator=gen).tolist()
+    blocks = BlockManager(pages, page_size)
+    blocks._free = torch.randperm(pages, generator=gen).tolist()  # scattered pages, not row order
     table = torch.full((len(seq_len), -(-max(seq_len) // page_size)), -1, dtype=torch.int32)
     lengths = torch.tensor(seq_len)
-    cache.reserve(table, lengths)
+    fill_block_table(blocks, table, lengths)
+    cache.blocks = blocks  # the test's own: further pages come from the same allocator
     for t in range(max(seq_len)):
         rows = (lengths > t).nonzero().flatten()
         shape = (rows.numel(), hkv, head_dim)
@@ -96,27 +102,37 @@ def test_the_cache_keeps_only_its_page_scores_landmarks() -> None:
 
 
 @torch.no_grad()
-def test_bounds_follow_prefill_shared_copies_and_appends() -> None:
-    """Chunked prefill (16-token chunks, prompts ending mid-page) of a batch that repeats two prompts, then
-    decode steps across page boundaries: the bounds of every row equal page_key_bounds of its stored keys."""
+def test_bounds_follow_prefill_shared_prefixes_and_appends() -> None:
+    """Chunked prefill (16-token chunks, prompts ending mid-page) of a batch that repeats two prompts, shared
+    through their prefixes (whole pages shared, the last partial page copied), then decode steps across page
+    boundaries: the bounds of every row equal page_key_bounds of its stored keys."""
     engine = TorchRolloutEngine.from_shape(
         SHAPE, seed=3, dense_layers=0, page_size=4, page_score="minmax", prefill_chunk_tokens=16
     )
     gen = torch.Generator().manual_seed(0)
     a, b = (torch.randint(3, SHAPE.vocab_size, (n,), generator=gen) for n in (37, 10))
-    prompt_ids = [a, b, a, a, b]
-    cache = engine._ensure_cache(5 * 16)
-    table = torch.full((5, 16), -1, dtype=torch.int32)
-    ids, seq_len = engine._pad(prompt_ids)
-    cache.reserve(table, seq_len)
-    logits = engine._prefill_shared(cache, table, prompt_ids, ids, seq_len)
-    assert len(set(table[:, 0].tolist())) == 5  # every row owns its pages: the repeats were copied
+    prompts = [a, b, a, a, b]
+    cache = engine._pool(5 * 16)
+    scheduler = Scheduler(BlockManager(cache.num_pages - 1, 4), 8)
+    seqs = [Seq(i, 0 if p is a else 1, p.numel(), 40) for i, p in enumerate(prompts)]
+    scheduler.add(seqs)
+    admitted = scheduler.admit()
+    slots = SlotTable(8, 16, cache.num_pages - 1, engine.device)
+    engine.runner.prefill(cache, [x.prefix for x in admitted[:2]], [a, b])
+    engine.runner.fill(cache, slots, [(x.seq, x.prefix) for x in admitted], BudgetSchedule.dense(16, 4))
+    seq_len = torch.tensor([s.cached for s in seqs])
+    table = slots.rows(seqs, 16)
+    rows_a = table[[0, 2, 3]]
+    assert bool((rows_a[:, :9] == rows_a[0, :9]).all()) and len(set(rows_a[:, 9].tolist())) == 3
     assert_bounds_match_keys(cache, table, seq_len)
-    tokens = logits.argmax(dim=-1)
+    tokens = engine.runner.first_logits([s.prompt_id for s in seqs]).argmax(dim=-1)
     budgets = torch.full((5,), 12)
     for _ in range(7):  # rows 1 and 4 go 10 -> 17 tokens: pages 3 and 4 start and fill
+        scheduler.reserve(lambda s: s.cached + 1)
+        for s in seqs:
+            s.cached += 1
         seq_len = seq_len + 1
-        cache.reserve(table, seq_len)
+        table = slots.rows(seqs, 16)
         tokens = engine.decode_step(cache, table, tokens, seq_len, budgets).argmax(dim=-1)
     assert_bounds_match_keys(cache, table, seq_len)
 
@@ -130,7 +146,7 @@ def test_kernel_append_equals_the_cache_method_bit_for_bit() -> None:
     big = torch.full((3, table.shape[1] + 2), -1, dtype=torch.int32)
     big[:, : table.shape[1]] = table
     for cache in (ref, mine):
-        cache.reserve(big, positions + 4)
+        fill_block_table(cache.blocks, big, positions + 4)
         for pool in cache.key_min + cache.key_max:  # stale bounds of a recycled page: slot 0 must reset them
             pool[big[0, 6]] = 99.0
     for step in range(4):  # row 0 fills page 5 and starts page 6
@@ -238,5 +254,5 @@ def test_the_recipe_builds_a_minmax_engine_for_train_calibrate_and_eval() -> Non
     config = load_config("tiny_cpu_short_smoke", ["sparsity.page_score=minmax"])
     weights = Qwen3Decoder.random(config.model.shape(), seed=0).params
     engine = build_engine(config, weights)
-    assert engine.page_score == "minmax" and engine._ensure_cache(4).key_max
+    assert engine.page_score == "minmax" and engine._pool(4).key_max
     assert build_engine(load_config("tiny_cpu_short_smoke"), weights).page_score == "centroid"

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sparrow_nemo.rollout.torch.block_manager import BlockManager, OutOfPages
 from sparrow_nemo.rollout.torch.paged_attention import all_pages, causal_attention, decode_attention_torch
-from sparrow_nemo.rollout.torch.paged_cache import PagedKVCache
+from sparrow_nemo.rollout.torch.paged_cache import PagedKVCache, fill_block_table, free_block_table
 from sparrow_nemo.sparse.attention import (
     page_centroids,
     select_pages,
@@ -28,11 +29,12 @@ def fill(cache: PagedKVCache, prompt_lens: list[int], steps: int, gen: torch.Gen
     keys = torch.randn(b, total, HKV, D, generator=gen)
     vals = torch.randn(b, total, HKV, D, generator=gen)
     lengths = torch.tensor(prompt_lens)
-    cache.reserve(table, lengths)
+    blocks = BlockManager(cache.num_pages, cache.page_size)
+    fill_block_table(blocks, table, lengths)
     t = max(prompt_lens)
     cache.write_prefill(0, table, keys[:, :t], vals[:, :t], lengths)
     for _ in range(steps):
-        cache.reserve(table, lengths + 1)
+        fill_block_table(blocks, table, lengths + 1)
         cache.append(0, table, lengths, keys[torch.arange(b), lengths], vals[torch.arange(b), lengths])
         lengths = lengths + 1
     return table, lengths, keys, vals
@@ -64,19 +66,20 @@ def test_prefill_and_append_store_tokens_and_page_means() -> None:
 
 def test_release_recycles_pages_and_exhaustion_is_an_error() -> None:
     cache = PagedKVCache(1, 4, HKV, D, page_size=PS)
+    blocks = BlockManager(cache.num_pages, cache.page_size)
     table = torch.full((2, 3), -1, dtype=torch.int32)
-    cache.reserve(table, torch.tensor([9, 4]))
-    assert cache.num_free == 0
-    with pytest.raises(RuntimeError, match="out of pages"):
-        cache.reserve(table, torch.tensor([9, 5]))
-    cache.release(table[:1])
-    assert cache.num_free == 3
+    fill_block_table(blocks, table, torch.tensor([9, 4]))
+    assert blocks.num_free == 0 and blocks.peak_used == 4
+    with pytest.raises(OutOfPages, match="1 KV pages needed, 0 free of 4"):
+        fill_block_table(blocks, table, torch.tensor([9, 5]))
+    free_block_table(blocks, table[:1])
+    assert blocks.num_free == 3 and bool((table[0] == -1).all())
     with pytest.raises(ValueError, match="start=2 must be a multiple of page_size=4"):
         cache.write_prefill(
             0, table, torch.zeros(2, 3, HKV, D), torch.zeros(2, 3, HKV, D), torch.tensor([5, 5]), start=2
         )
     with pytest.raises(ValueError, match="block table has 3 columns"):
-        cache.reserve(table[:1], torch.tensor([17]))
+        fill_block_table(blocks, table[:1], torch.tensor([17]))
 
 
 @pytest.mark.parametrize("group", [1, 2, 4])

@@ -7,8 +7,13 @@ import torch
 
 from sparrow_nemo.rollout.engine import SamplingParams
 from sparrow_nemo.rollout.sampling import (
-    draw_uniforms,
-    make_generators,
+    ACCEPT,
+    CDF_BLOCK,
+    DRAFT,
+    TOKEN,
+    kept_probs,
+    position_uniforms,
+    sample_from,
     sample_seed,
     sample_tokens,
     token_logprobs,
@@ -59,15 +64,24 @@ def test_greedy_and_logprobs() -> None:
     assert token_logprobs(logits[:, :7], tokens.clamp(max=6), 20)[1].shape == (3, 7)
 
 
-def test_per_sample_streams_are_independent_of_the_batch() -> None:
+def test_position_uniforms_depend_only_on_seed_position_and_stream() -> None:
     seeds = [sample_seed(7, i) for i in range(4)]
     assert len(set(seeds)) == 4 and seeds == [sample_seed(7, i) for i in range(4)]
     assert sample_seed(8, 0) not in seeds
-    batch_gens, alone_gens = make_generators(seeds), make_generators(seeds[2:3])
-    together = torch.stack([draw_uniforms(batch_gens) for _ in range(3)])
-    alone = torch.stack([draw_uniforms(alone_gens) for _ in range(3)])
-    assert torch.equal(together[:, 2:3], alone)
-    assert len(set(together[:, 2].tolist())) == 3  # a stream advances at every draw
+    together = position_uniforms(seeds, [0, 5, 9, 2], TOKEN)
+    alone = position_uniforms(seeds[2:3], [9], TOKEN)
+    assert together.dtype == torch.float64 and torch.equal(together[2:3], alone)  # no batch mate matters
+    draws = {
+        float(position_uniforms([seeds[0]], [t], stream)[0])
+        for t in range(50)
+        for stream in (TOKEN, DRAFT, ACCEPT)
+    }
+    assert len(draws) == 150  # every (position, stream) has its own draw
+    many = position_uniforms([seeds[1]] * 200_000, range(200_000), TOKEN)
+    assert float(many.min()) >= 0.0 and float(many.max()) < 1.0
+    counts = torch.histc(many, bins=20, min=0.0, max=1.0)  # 10,000 expected per bin, sd 97
+    assert (counts - 10_000).abs().max() < 600
+    assert abs(float(many[:-1].mul(many[1:]).mean()) - 0.25) < 0.005  # successive positions uncorrelated
 
 
 def test_bad_sampling_params_name_the_field() -> None:
@@ -82,51 +96,56 @@ def test_bad_sampling_params_name_the_field() -> None:
             SamplingParams(**kwargs)
 
 
-def torch_draw(logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor) -> torch.Tensor:
-    """The draw written with torch.sort (fp64, stable) and the full filter mask: the definition the fast
-    path must reproduce token for token."""
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1).double()
-    sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-    rank = torch.arange(sorted_p.shape[-1])
-    keep = torch.ones_like(sorted_p, dtype=torch.bool)
-    if params.top_k > 0:
-        keep &= rank < params.top_k
-    if params.top_p < 1.0:
-        keep &= torch.cumsum(sorted_p, dim=-1) - sorted_p < params.top_p
-    cdf = torch.cumsum(torch.where(keep, sorted_p, torch.zeros_like(sorted_p)), dim=-1)
-    pick = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True).squeeze(-1)
-    return order.gather(-1, torch.minimum(pick, keep.sum(dim=-1) - 1)[:, None]).squeeze(-1)
+def flat_draw(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """The definition: the first id whose fp64 cumulative weight, in vocabulary order, exceeds u * total."""
+    cdf = torch.cumsum(weights.double(), dim=-1)
+    return torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True).squeeze(-1)
 
 
 @pytest.mark.parametrize(
     ("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.9), (1.0, 50, 0.5)]
 )
-def test_draws_equal_the_torch_sort_definition(temperature: float, top_k: int, top_p: float) -> None:
-    """Same tokens as the torch.sort definition for the same uniforms, with tied and zero probabilities
-    (masked and repeated logits) and uniforms at both ends."""
+def test_draws_equal_the_flat_inverse_cdf_over_the_kept_set(
+    temperature: float, top_k: int, top_p: float
+) -> None:
+    """Same tokens as one fp64 cumulative sum over the whole vocabulary, for vocabularies of less than one
+    block, several blocks and a ragged last block, with tied and zero probabilities and uniforms at both ends;
+    the kept set is the brute-force one."""
     gen = torch.Generator().manual_seed(3)
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-    for vocab in (128, 1000):
+    for vocab in (128, 3 * CDF_BLOCK, 5000):
         logits = 3 * torch.randn(64, vocab, generator=gen)
         logits[:, ::7] = -float("inf")
         logits[:, 1] = logits[:, 2]
         uniforms = torch.rand(64, generator=gen, dtype=torch.float64)
         uniforms[0], uniforms[1] = 0.0, 1.0 - 2**-53
-        assert torch.equal(sample_tokens(logits, params, uniforms), torch_draw(logits, params, uniforms))
+        kept = kept_probs(logits, params)
+        assert torch.equal(sample_tokens(logits, params, uniforms), flat_draw(kept, uniforms))
+        for row in (0, 5):
+            want = kept_distribution(logits[row], temperature, top_k, top_p)
+            assert torch.equal(kept[row] > 0, want > 0)
 
 
-def test_the_kernel_sort_is_torch_stable_descending_sort() -> None:
-    """sort_rows_descending gives torch.sort(descending=True, stable=True)'s values and indices: ties in
-    index order, zeros, negatives, infinities, a width that is not a power of two."""
-    cpu_attention = pytest.importorskip("sparrow_nemo.rollout.torch.cpu_attention")
-    if not cpu_attention.available():
-        pytest.skip("no C compiler for the CPU kernel")
-    gen = torch.Generator().manual_seed(4)
-    x = torch.randn(33, 301, generator=gen)
-    x[:, ::5] = 0.0
-    x[:, 1::9] = x[:, 2::9][:, : x[:, 1::9].shape[1]]
-    x[0, :4] = torch.tensor([float("inf"), -float("inf"), -0.5, 1e-30])
-    x[1] = 0.25  # one value: every pass skipped
-    values, order = cpu_attention.sort_rows_descending(x)
-    expect = torch.sort(x, dim=-1, descending=True, stable=True)
-    assert torch.equal(values, expect.values) and torch.equal(order, expect.indices)
+def test_a_draw_never_lands_on_a_zero_weight_id() -> None:
+    """Weight only in the last id of the first block and the first of the last: u close to 1 lands on the
+    latter even when u * total rounds up to the total."""
+    w = torch.zeros(4, 4 * CDF_BLOCK, dtype=torch.float64)
+    w[:, CDF_BLOCK - 1] = 1e-300
+    w[:, -CDF_BLOCK] = 1.0
+    u = torch.tensor([0.0, 0.5, 1.0 - 2**-53, 1.0 - 2**-52], dtype=torch.float64)
+    assert sample_from(w, u).tolist() == [CDF_BLOCK - 1] + [3 * CDF_BLOCK] * 3
+
+
+def test_no_sort_without_top_p(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plain sampling and top-k never sort the vocabulary (top-p alone ranks it)."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the sampler sorted the vocabulary")
+
+    logits = torch.randn(8, 3000)
+    u = torch.rand(8, dtype=torch.float64)
+    monkeypatch.setattr(torch, "sort", refuse)
+    sample_tokens(logits, SamplingParams(), u)
+    sample_tokens(logits, SamplingParams(top_k=50), u)
+    with pytest.raises(AssertionError, match="sorted"):
+        sample_tokens(logits, SamplingParams(top_p=0.9), u)

@@ -24,21 +24,29 @@ import torch
 from sparrow_nemo.hf_qwen3 import LoraAdapter, linear_in_out
 from sparrow_nemo.model_shapes import PRESETS
 from sparrow_nemo.rollout.engine import SamplingParams
-from sparrow_nemo.rollout.sampling import sample_seed, sample_tokens
+from sparrow_nemo.rollout.sampling import (
+    ACCEPT,
+    TOKEN,
+    kept_probs,
+    position_uniforms,
+    sample_from,
+    sample_seed,
+    sample_tokens,
+    sampling_probs,
+)
+from sparrow_nemo.rollout.sampling import (
+    DRAFT as DRAFT_STREAM,
+)
+from sparrow_nemo.rollout.torch.block_manager import BlockManager
 from sparrow_nemo.rollout.torch.decode_step import DecodeStep
 from sparrow_nemo.rollout.torch.engine import TorchRolloutEngine
+from sparrow_nemo.rollout.torch.extend import TorchVerify, forward_tokens, rebuild_landmarks
 from sparrow_nemo.rollout.torch.paged_attention import TorchDecode
-from sparrow_nemo.rollout.torch.paged_cache import PagedKVCache
-from sparrow_nemo.rollout.torch.spec_decode import SpeculativeSample
-from sparrow_nemo.rollout.torch.spec_verify import TorchVerify, rebuild_landmarks, verify_forward
-from sparrow_nemo.rollout.torch.speculative import (
-    SpeculativeConfig,
-    draw_round_uniforms,
-    kept_probs,
-    sample_from,
-    sampling_probs,
-    verify_drafts,
-)
+from sparrow_nemo.rollout.torch.paged_cache import PagedKVCache, fill_block_table
+from sparrow_nemo.rollout.torch.sequence import Sequence as Seq
+from sparrow_nemo.rollout.torch.spec_decode import SpeculativeRounds, SpeculativeSample
+from sparrow_nemo.rollout.torch.speculative import SpeculativeConfig, verify_drafts
+from sparrow_nemo.rollout.torch.stopping import StopRule
 from sparrow_nemo.sparse.attention import page_key_bounds
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET, BudgetSchedule
 
@@ -106,7 +114,7 @@ def _enumerated_first_token(p_logits, q_logits, sampling, grid: int) -> torch.Te
         torch.ones(n, dtype=torch.int64),
         sampling,
         ua[:, None],
-        uf,
+        uf[:, None].expand(-1, 2),
     )
     first = torch.where(verdict.accepted > 0, drafts, verdict.next_token)
     weight = q[drafts] / grid**2
@@ -135,23 +143,29 @@ def test_greedy_rule_accepts_while_the_draft_is_the_dense_argmax() -> None:
     draft_logits = torch.nn.functional.one_hot(drafts, vocab).float() * 5
     greedy = SamplingParams(temperature=0.0)
     zeros = torch.zeros(3, 3, dtype=torch.float64)
-    v = verify_drafts(dense, draft_logits, drafts, torch.tensor([3, 3, 2]), greedy, zeros, torch.zeros(3))
+    v = verify_drafts(dense, draft_logits, drafts, torch.tensor([3, 3, 2]), greedy, zeros, torch.zeros(3, 4))
     assert v.accepted.tolist() == [2, 3, 0]
     assert v.next_token.tolist() == [0, 2, 4]  # the dense argmax at the first mismatch, or the bonus
     assert v.tested.tolist() == [[True, True, True], [True, True, True], [True, False, False]]
 
 
-def test_a_round_draws_what_single_draws_in_order_give() -> None:
-    """Per row: its k draft draws, then k acceptance draws, then the emitted token's, from its own generator."""
-    ks = [3, 0, 5]
-    got = draw_round_uniforms([torch.Generator().manual_seed(s) for s in (1, 2, 3)], ks, 5, greedy=False)
-    for b, (k, seed) in enumerate(zip(ks, (1, 2, 3))):
-        g = torch.Generator().manual_seed(seed)
-        singles = [float(torch.rand(1, generator=g, dtype=torch.float64)) for _ in range(2 * k + 1)]
-        assert got[0][b, :k].tolist() == singles[:k] and got[1][b, :k].tolist() == singles[k : 2 * k]
-        assert float(got[2][b]) == singles[2 * k]
-        assert not got[0][b, k:].any() and not got[1][b, k:].any()
-    assert all(not t.any() for t in draw_round_uniforms([torch.Generator()], [4], 4, greedy=True))
+def test_a_round_draws_by_position(engine: TorchRolloutEngine) -> None:
+    """A row's draft, acceptance and emitted-token draws are those of its seed at its response positions (the
+    emitted token's stream is plain decoding's), zero past its k, and all zero when greedy."""
+    rounds = SpeculativeRounds(
+        engine.model, None, None, SamplingParams(), DRAFT, SpeculativeConfig(), StopRule(frozenset()), False
+    )
+    seqs = [Seq(0, 0, 5, 100, seed=11, response=[1] * 4), Seq(1, 0, 5, 100, seed=12, response=[1] * 9)]
+    ks = [3, 0]
+    draft, accept, final = rounds._uniforms(seqs, ks, 3)
+    for b, (seq, k) in enumerate(zip(seqs, ks)):
+        pos = [seq.num_generated + j for j in range(4)]
+        assert draft[b, :k].tolist() == position_uniforms([seq.seed] * k, pos[:k], DRAFT_STREAM).tolist()
+        assert accept[b, :k].tolist() == position_uniforms([seq.seed] * k, pos[:k], ACCEPT).tolist()
+        assert final[b].tolist() == position_uniforms([seq.seed] * 4, pos, TOKEN).tolist()
+        assert not draft[b, k:].any() and not accept[b, k:].any()
+    rounds.sampling = SamplingParams(temperature=0.0)
+    assert all(not t.any() for t in rounds._uniforms(seqs, ks, 3))
 
 
 def test_config_k_per_bin_and_round_trip() -> None:
@@ -266,9 +280,7 @@ def test_greedy_speculative_equals_dense_with_stops_inside_accepted_runs(engine:
                     inside += int((s.draft.accepted & (s.draft.cached_len > last)).any())
     finally:
         engine.tokenizer = None
-    assert inside >= 2
-    free = engine._cache._free  # every page came back exactly once
-    assert sorted(free) == list(range(engine._cache.num_pages))
+    assert inside >= 2  # (the loop checks that every page came back exactly once)
 
 
 def test_greedy_speculative_uses_the_adapter_for_drafts_only(engine: TorchRolloutEngine) -> None:
@@ -332,7 +344,7 @@ def test_greedy_speculative_with_minmax_drafts_equals_dense() -> None:
     """The draft selects pages by key bounds (its cache keeps them, rebuilt after every round): still exactly
     dense greedy, and the drafts are not all accepted (the budget really bites)."""
     minmax = make_engine(page_score="minmax")
-    assert minmax._ensure_cache(1).key_min and not minmax._ensure_cache(1).centroids
+    assert minmax._pool(1).key_min and not minmax._pool(1).centroids
     logs = _greedy_equality(minmax, random_prompts([37, 5, 60]), 160, DRAFT, (1, 4, 7, 3))
     accepted = torch.cat([d.accepted for d in logs])
     assert 0.1 < float(accepted.float().mean()) < 0.99 and int((~accepted).sum()) > 5
@@ -367,8 +379,8 @@ def test_rollback_leaves_the_cache_of_a_run_that_never_saw_the_rejected_tokens(
         )
         table = torch.full((1, 16), -1, dtype=torch.int32)
         length = torch.tensor([len(prompt)])
-        cache.reserve(table, length + 8)
-        engine._prefill(cache, table, torch.tensor([prompt]), length, lambda start, h: None)
+        fill_block_table(BlockManager(32, PAGE), table, length + 8)
+        engine.runner.dense_prefill(cache, table, torch.tensor([prompt]), length, lambda start, h: None)
         return cache, table, length
 
     never, table_n, start = fresh()
@@ -377,7 +389,7 @@ def test_rollback_leaves_the_cache_of_a_run_that_never_saw_the_rejected_tokens(
     spec, table_s, _ = fresh()
     for j in range(6):  # the draft writes 6 positions with sparse attention
         step(spec, table_s, torch.tensor([stream[j]]), start + j + 1, torch.tensor([20]))
-    verify_forward(
+    forward_tokens(
         model, TorchVerify(), spec, table_s, torch.tensor([stream]), start, torch.ones(1, 7, dtype=torch.bool)
     )
     rebuild_landmarks(spec, table_s, start, start + kept)

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from sparrow_nemo.rollout.torch import cpu_attention
+from sparrow_nemo.rollout.torch.extend import TorchVerify, verify_attention_torch
 from sparrow_nemo.rollout.torch.paged_cache import PagedKVCache
-from sparrow_nemo.rollout.torch.spec_verify import TorchVerify, verify_attention_torch
 
 pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="no C compiler for the CPU kernel")
 

@@ -22,8 +22,8 @@ sparrow_kernels = pytest.importorskip("sparrow_kernels")
 pytest.importorskip("triton")
 
 from sparrow_nemo.rollout import SamplingParams, TorchRolloutEngine  # noqa: E402
+from sparrow_nemo.rollout.torch.extend import KernelVerify, verify_attention_torch  # noqa: E402
 from sparrow_nemo.rollout.torch.paged_cache import PagedKVCache  # noqa: E402
-from sparrow_nemo.rollout.torch.spec_verify import KernelVerify, verify_attention_torch  # noqa: E402
 from sparrow_nemo.rollout.torch.speculative import SpeculativeConfig  # noqa: E402
 from sparrow_nemo.sparse.schedule import BudgetSchedule  # noqa: E402
 
@@ -73,4 +73,3 @@ def test_triton_backend_speculates_as_the_torch_backend(hf_dir: Path) -> None:
         assert torch.equal(f.response_ids, p.response_ids) and torch.equal(f.response_ids, d.response_ids)
         assert (f.logprobs - p.logprobs).abs().max() < 1e-4
         assert f.draft.verifies == p.draft.verifies
-    assert sorted(fused._cache._free) == list(range(fused._cache.num_pages))

@@ -92,7 +92,11 @@ def test_two_ranks_speculate_like_one(tmp_path: Path) -> None:
         assert b["spec/accept_rate"] is not None  # rank 0's share
     p0, p1, ref = _planner(tmp_path / "two", 0), _planner(tmp_path / "two", 1), _planner(tmp_path / "one", 0)
     assert p0 == p1  # one table, one plan on every rank
-    assert p0["plan"] is not None and p0["plan"] == ref["plan"]
+    assert p0["plan"] is not None  # the same plan; its predicted gains from float32 alphas of other batches
+    assert {k: v for k, v in p0["plan"].items() if k != "predicted"} == {
+        k: v for k, v in ref["plan"].items() if k != "predicted"
+    }
+    assert p0["plan"]["predicted"] == pytest.approx(ref["plan"]["predicted"], rel=1e-6)
     cells = {(b, budget): (s, n) for b, budget, s, n in p0["table"]["cells"]}
     ref_cells = {(b, budget): (s, n) for b, budget, s, n in ref["table"]["cells"]}
     assert cells.keys() == ref_cells.keys()

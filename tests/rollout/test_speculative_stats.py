@@ -21,15 +21,10 @@ import pytest
 import torch
 
 from sparrow_nemo.rollout.engine import SamplingParams
+from sparrow_nemo.rollout.sampling import kept_probs, sample_from
 from sparrow_nemo.rollout.torch import spec_decode
 from sparrow_nemo.rollout.torch.engine import TorchRolloutEngine
-from sparrow_nemo.rollout.torch.speculative import (
-    SpeculativeConfig,
-    Verdict,
-    kept_probs,
-    sample_from,
-    verify_drafts,
-)
+from sparrow_nemo.rollout.torch.speculative import SpeculativeConfig, Verdict, verify_drafts
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 from ._helpers import SHAPE
@@ -103,7 +98,7 @@ def accept_every_draft(
     """Wrong: keep all k drafts and add the bonus token (the samples follow the sparse draft)."""
     v = verify_drafts(dense_logits, draft_logits, drafts, num_drafts, sampling, accept_u, final_u)
     rows = torch.arange(drafts.shape[0])
-    bonus = sample_from(kept_probs(dense_logits[rows, num_drafts], sampling), final_u)
+    bonus = sample_from(kept_probs(dense_logits[rows, num_drafts], sampling), final_u[rows, num_drafts])
     return Verdict(accepted=num_drafts.clone(), next_token=bonus, alpha=v.alpha, tested=v.tested)
 
 
@@ -111,7 +106,7 @@ def resample_from_p(dense_logits, draft_logits, drafts, num_drafts, sampling, ac
     """Wrong: after a rejection draw from the dense p itself instead of normalise(max(0, p - q))."""
     v = verify_drafts(dense_logits, draft_logits, drafts, num_drafts, sampling, accept_u, final_u)
     rows = torch.arange(drafts.shape[0])
-    from_p = sample_from(kept_probs(dense_logits[rows, v.accepted], sampling), final_u)
+    from_p = sample_from(kept_probs(dense_logits[rows, v.accepted], sampling), final_u[rows, v.accepted])
     rejected = v.accepted < num_drafts
     return Verdict(v.accepted, torch.where(rejected, from_p, v.next_token), v.alpha, v.tested)
 

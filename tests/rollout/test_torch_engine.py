@@ -140,28 +140,29 @@ def test_mixed_length_batch_equals_each_prompt_alone(engine: TorchRolloutEngine)
             assert s.finish_reason == "length" and s.response_ids.numel() == 40
 
 
-@pytest.mark.parametrize("loop", ["compact", "static"])
+@pytest.mark.parametrize("running", [None, 4])
 def test_repeated_prompts_are_prefilled_once_with_the_same_samples(
-    engine: TorchRolloutEngine, loop: str, monkeypatch: pytest.MonkeyPatch
+    engine: TorchRolloutEngine, running: int | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A GRPO-like batch (each prompt 3 times, interleaved): one prefill row per distinct prompt, and every
-    sample equals the one generated from a batch of distinct prompts with the same per-sample seeds."""
+    """A GRPO-like batch (each prompt 3 times, interleaved): one prefill row per distinct prompt, also when the
+    samples are admitted over several steps (4 running at most), and every sample equals the one generated
+    alone with the same per-sample seed."""
     distinct = prompts([21, 40, 9], seed=4)
     batch = [distinct[i % 3] for i in range(9)]
     seeds = [sample_seed(1, i) for i in range(9)]
     params = SamplingParams(max_new_tokens=14, temperature=1.0, seed=1, stop_token_ids=(3, 4))
     sched = BudgetSchedule(bin_tokens=32, budgets=(32, 48), name="t")
-    eng = TorchRolloutEngine(engine.model, decode_loop=loop, stop_check_every=4)
+    eng = TorchRolloutEngine(engine.model, max_batch_size=running)
     rows: list[int] = []
-    original = eng._prefill
+    original = eng.runner.dense_prefill
 
     def counting(cache, table, ids, lengths, emit):
         rows.append(ids.shape[0])
         return original(cache, table, ids, lengths, emit)
 
-    monkeypatch.setattr(eng, "_prefill", counting)
+    monkeypatch.setattr(eng.runner, "dense_prefill", counting)
     shared = eng.generate(batch, params, sched, sample_seeds=seeds)
-    assert rows == [3]
+    assert sum(rows) == 3
     for i, s in enumerate(shared.samples):
         alone = engine.generate([batch[i]], params, sched, sample_seeds=[seeds[i]]).samples[0]
         assert torch.equal(alone.response_ids, s.response_ids) and torch.equal(alone.cached_len, s.cached_len)
@@ -183,13 +184,13 @@ def test_finished_sequences_leave_the_batch(
     engine: TorchRolloutEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     rows: list[int] = []
-    original = engine.decode_step
+    original = engine.runner.step
 
     def counting(cache, block_table, tokens, seq_len, budgets):
         rows.append(tokens.shape[0])
         return original(cache, block_table, tokens, seq_len, budgets)
 
-    monkeypatch.setattr(engine, "decode_step", counting)
+    monkeypatch.setattr(engine.runner, "step", counting)
     params = SamplingParams(max_new_tokens=30, seed=11, stop_token_ids=tuple(range(3, 10)))
     batch = engine.generate(prompts([8, 8, 8, 8], seed=9), params, DENSE)
     lengths = [s.response_ids.numel() for s in batch.samples]
@@ -305,21 +306,29 @@ def test_lora_validation_names_module_and_shapes(engine: TorchRolloutEngine) -> 
         engine.set_lora(LoraAdapter({"model.layers.0.self_attn.k_proj": (a, torch.zeros(64, 2))}, 1.0))
 
 
-def test_sleep_releases_cache_and_wake_restores_generation(hf_dir: Path) -> None:
+def test_sleep_releases_weights_and_cache_and_a_refit_restores_generation(hf_dir: Path) -> None:
     engine = TorchRolloutEngine.from_hf_dir(hf_dir)
+    saved = {name: t.clone() for name, t in engine.model.params.items()}
     p, params, sched = (
         prompts([20, 7]),
         SamplingParams(max_new_tokens=10, seed=1),
         BudgetSchedule.from_preset("fixed:16"),
     )
     before = engine.generate(p, params, sched)
-    assert engine.cache_bytes > 0
+    weights = engine.model.weight_bytes
+    assert engine.cache_bytes > 0 and weights >= sum(t.numel() * 4 for t in saved.values())
     engine.sleep()
-    assert engine.cache_bytes == 0
+    assert engine.cache_bytes == 0 and engine.model.weight_bytes == 0  # nothing kept, not even on the host
     with pytest.raises(RuntimeError, match="wake"):
         engine.generate(p, params, sched)
     engine.wake()
-    assert engine.cache_bytes > 0
+    assert engine.model.weight_bytes == weights
+    with pytest.raises(RuntimeError, match="not refitted since wake"):
+        engine.generate(p, params, sched)
+    engine.update_weights({k: v for k, v in saved.items() if "layers.0." in k})
+    with pytest.raises(RuntimeError, match="update_weights"):  # a partial refit is not enough
+        engine.score([p[0]])
+    engine.update_weights(saved)
     after = engine.generate(p, params, sched)
     for a, b in zip(before.samples, after.samples):
         assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.logprobs, b.logprobs)
@@ -348,7 +357,7 @@ def test_bf16_engine_tracks_fp32(hf_dir: Path) -> None:
     sched = BudgetSchedule(bin_tokens=48, budgets=(32, 48), name="t")
     fp32 = TorchRolloutEngine.from_hf_dir(hf_dir, dense_layers=1)
     bf16 = TorchRolloutEngine.from_hf_dir(hf_dir, dtype=torch.bfloat16, dense_layers=1)
-    assert bf16._ensure_cache(1).centroids[0].dtype == torch.bfloat16  # centroids follow the K dtype
+    assert bf16._pool(1).centroids[0].dtype == torch.bfloat16  # centroids follow the K dtype
     dense = bf16.generate(p, params, DENSE)
     scored = fp32.score([torch.cat([s.prompt_ids, s.response_ids]).tolist() for s in dense.samples])
     for s, d in zip(dense.samples, scored):

@@ -95,7 +95,7 @@ def test_llm_kwargs_are_torch_llm_args_fields() -> None:
     assert "enable_sleep_mode" not in kw and kw["enable_sleep"] is True
     assert kw["sampler_type"] in src.SAMPLER_TYPES and kw["sampler_type"] == "TorchSampler"
     assert kw["orchestrator_type"] in src.ORCHESTRATOR_TYPES and kw["orchestrator_type"] == "ray"
-    assert kw["ray_worker_extension_cls"].endswith("trtllm_plugin.SparrowWorkerExtension")
+    assert kw["ray_worker_extension_cls"].endswith("trtllm.plugin.SparrowWorkerExtension")
     assert kw["attn_backend"] == "TRTLLM"  # the backend whose TrtllmAttention the plugin subclasses
     assert kw["model"] == "/ckpt" and kw["tensor_parallel_size"] == 1  # one engine per GPU
     assert kw["kv_cache_config"]["tokens_per_block"] == spec.page_size == config.sparsity.page_size

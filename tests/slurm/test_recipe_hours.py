@@ -1,4 +1,4 @@
-"""scripts/recipe_hours.py: the README's predicted hours per recipe behave as the cost model says they should."""
+"""scripts/recipe_hours.py: the README's predicted hours per recipe behave as the forecast says they should."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import pytest
 
 from sparrow_nemo.grpo.recipe import load_config
 from sparrow_nemo.sparse.cost_model import HARDWARE
-from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 from .conftest import load_script
 
@@ -16,42 +15,26 @@ recipe_hours = load_script("recipe_hours")
 H100 = HARDWARE["h100"]
 
 
-def _dense(config) -> BudgetSchedule:
-    schedule = config.sparsity.build_schedule()
-    return BudgetSchedule.dense(schedule.bin_tokens, schedule.page_size)
-
-
 @pytest.mark.parametrize("recipe", ["qwen3_1p7b_math", "qwen3_14b_math"])
 def test_sparse_rollout_is_faster_than_dense_and_training_is_unchanged(recipe: str) -> None:
-    config = load_config(recipe)
-    sparse = recipe_hours.step_estimate(config, 8, H100, 0.4, config.sparsity.build_schedule())
-    dense = recipe_hours.step_estimate(config, 8, H100, 0.4, _dense(config))
-    assert sparse.rollout_s < dense.rollout_s
-    assert sparse.train_s == dense.train_s
+    step = recipe_hours.step_estimate(load_config(recipe), 4 if "14b" in recipe else 1, 8, "h100", 0.4)
+    assert step.rollout_s < step.dense_rollout_s
+    assert math.isclose(step.total_s - step.rollout_s, step.train_s) and math.isclose(
+        step.dense_total_s - step.dense_rollout_s, step.train_s
+    )
+    assert step.rollout_s == step.forecast.continuous.seconds
 
 
 def test_training_time_by_hand_for_two_sequences() -> None:
     # two responses of 1,024 tokens after a 512-token prompt (max_prompt_tokens / 4): S = 1,536 each
-    config = load_config(
-        "qwen3_1p7b_math",
-        ["grpo.prompts_per_step=1", "grpo.samples_per_prompt=2", "rollout.max_new_tokens=1024"],
-    )
+    config = load_config("qwen3_1p7b_math")
     shape = config.model.shape()
-    estimate = recipe_hours.step_estimate(config, 8, H100, 0.5, _dense(config))
+    train_s = recipe_hours.train_seconds(config, 8, H100.peak_flops, 0.5, [1024, 1024])
     s = 1536
     flops = 2 * shape.non_embedding_parameters() * s
     flops += 2 * shape.num_layers * shape.num_attention_heads * shape.head_dim * s**2
     flops *= 2  # sequences
-    assert math.isclose(estimate.train_s, 5 * flops / (8 * H100.peak_flops * 0.5), rel_tol=1e-9)
-
-
-def test_more_gpus_shorten_training_in_proportion() -> None:
-    config = load_config("qwen3_8b_math")
-    schedule = config.sparsity.build_schedule()
-    one = recipe_hours.step_estimate(config, 16, H100, 0.4, schedule)
-    two = recipe_hours.step_estimate(config, 32, H100, 0.4, schedule)
-    assert math.isclose(two.train_s, one.train_s / 2, rel_tol=1e-9)
-    assert two.rollout_s < one.rollout_s  # twice the engines, half the batch each
+    assert math.isclose(train_s, 5 * flops / (8 * H100.peak_flops * 0.5), rel_tol=1e-9)
 
 
 def test_table_has_a_row_per_recipe(capsys: pytest.CaptureFixture[str]) -> None:

@@ -25,8 +25,11 @@ import torch
 from sparrow_nemo.model_shapes import Qwen3Shape, get_shape
 from sparrow_nemo.rollout.engine import SamplingParams
 from sparrow_nemo.rollout.scoring import measure_mismatch
+from sparrow_nemo.rollout.torch.block_manager import BlockManager
+from sparrow_nemo.rollout.torch.cuda_graphs import DecodeGraphs
 from sparrow_nemo.rollout.torch.engine import TorchRolloutEngine
-from sparrow_nemo.rollout.torch.static_decode import StaticDecoder
+from sparrow_nemo.rollout.torch.generation import now_fn
+from sparrow_nemo.rollout.torch.paged_cache import fill_block_table
 from sparrow_nemo.sparse.mismatch import summarize
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
@@ -210,22 +213,22 @@ def dense_step_bytes(engine: TorchRolloutEngine, batch: int, cached: float) -> f
 
 
 def fill_random_cache(engine: TorchRolloutEngine, batch: int, context: int, extra: int, seed: int):
-    """A cache whose ``batch`` rows hold ``context`` random tokens in every layer, with pages reserved for
-    ``extra`` more -> (cache, block_table [B, P] int32, seq_len [B] int64)."""
+    """The engine's KV pool with ``batch`` rows holding ``context`` random tokens in every layer and pages for
+    ``extra`` more -> (cache, block_table [B, P] int32, seq_len [B] int64, the scratch page: the pool's last,
+    which no row holds)."""
     ps, s = engine.page_size, engine.shape
     pages = math.ceil((context + extra) / ps)
-    cache = engine._ensure_cache(batch * pages)
+    cache = engine._pool(batch * pages)
+    blocks = BlockManager(cache.num_pages - 1, ps)
     table = torch.full((batch, pages), -1, dtype=torch.int32, device=engine.device)
     seq_len = torch.full((batch,), context, dtype=torch.int64, device=engine.device)
-    cache.reserve(table, seq_len + extra)
+    fill_block_table(blocks, table, seq_len + extra)
     gen = torch.Generator(device=engine.device).manual_seed(seed)
     shape = (batch, context, s.num_key_value_heads, s.head_dim)
     for layer in range(s.num_layers):
-        k, v = (
-            torch.randn(shape, generator=gen, device=engine.device, dtype=engine.model.dtype) for _ in "kv"
-        )
+        k, v = (torch.randn(shape, generator=gen, device=engine.device, dtype=engine.dtype) for _ in "kv")
         cache.write_prefill(layer, table, k, v, seq_len)
-    return cache, table, seq_len
+    return cache, table, seq_len, cache.num_pages - 1
 
 
 @torch.no_grad()  # as generate() decodes (the CPU layer kernels run only without autograd)
@@ -242,39 +245,44 @@ def time_decode_steps(
     """Seconds of ``steps`` decode steps of ``batch`` rows at ``context`` cached tokens, per configuration.
 
     Every configuration decodes from the same cache of random keys and values (:func:`fill_random_cache`),
-    one untimed step first, with the engine's own decode step and sampling (static loop, no stop checks);
-    the configurations take turns ``repeats`` times (``between_turns`` runs after each turn) and each keeps
-    its best time, so a burst of load on a shared machine hits all of them alike and rarely the kept number.
-    The timed steps run at cached lengths ``context + 2 .. context + steps + 1``.
+    one untimed step first, with the engine's own decode-and-sample step over the static buffers its step loop
+    uses (:class:`~sparrow_nemo.rollout.torch.cuda_graphs.DecodeGraphs`: replayed from a CUDA graph on the
+    triton backend, eager elsewhere; no stop checks); the configurations take turns ``repeats`` times
+    (``between_turns`` runs after each turn) and each keeps its best time, so a burst of load on a shared machine
+    hits all of them alike and rarely the kept number. The timed steps run at cached lengths
+    ``context + 2 .. context + steps + 1``.
 
     Returns (kept KV fraction per configuration: mean budget / cached length capped at 1, best seconds).
     """
     sampling = SamplingParams(max_new_tokens=steps + 1, temperature=1.0, stop_token_ids=(), logprobs_topk=20)
-    cache, table, seq_len = fill_random_cache(engine, batch, context, steps + 2, seed)
-    decoders = [
-        StaticDecoder(
-            engine.decode_step, engine.backend, cache, table, seq_len, steps + 2, sampling, s, steps + 2
-        )
-        for s in configs
-    ]
-    best = [math.inf] * len(configs)
+    _, table, seq_len, scratch = fill_random_cache(engine, batch, context, steps + 2, seed)
+    capture = engine.device.type == "cuda" and engine.backend == "triton"
+    graphs = DecodeGraphs(engine._step_fn, engine.device, batch, table.shape[1], capture=capture)
+    gen = torch.Generator().manual_seed(seed)
+    now = now_fn(engine.device)
+    best, kept = [math.inf] * len(configs), [1.0] * len(configs)
     for _ in range(repeats):
-        for i, dec in enumerate(decoders):
-            dec.seq_len.copy_(seq_len)  # back to the filled cache: the same steps every time
-            dec.step_idx.fill_(1)
-            dec.tokens.random_(3, engine.shape.vocab_size)
-            dec.run(1)
-            t0 = engine._now()
-            dec.run(steps)
-            best[i] = min(best[i], engine._now() - t0)
+        for i, schedule in enumerate(configs):
+            if not schedule.is_dense:
+                graphs.budget_of.load(schedule)
+            lengths = seq_len.clone()
+            tokens = torch.randint(3, engine.shape.vocab_size, (batch,), generator=gen).to(engine.device)
+            fractions = []
+            t0 = 0.0
+            for step in range(steps + 1):  # step 0 is the untimed one
+                if step == 1:
+                    t0 = now()
+                lengths += 1
+                uniforms = torch.rand(batch, generator=gen, dtype=torch.float64)
+                out = graphs.run(table, tokens, lengths, uniforms, schedule.is_dense, sampling, 20, scratch)
+                tokens = out.tokens
+                if step:
+                    fractions.append((out.budgets.double() / lengths.double()).clamp(max=1.0).mean())
+            best[i] = min(best[i], now() - t0)
+            kept[i] = float(torch.stack(fractions).mean())
         if between_turns is not None:
             between_turns()
-    kept = [
-        float((d.rec_budget[2 : steps + 2] / d.rec_cached[2 : steps + 2]).clamp(max=1.0).mean())
-        for d in decoders
-    ]
-    del decoders
-    cache.release(table)
+    engine._cache = None  # the random cache is no one's
     return kept, best
 
 

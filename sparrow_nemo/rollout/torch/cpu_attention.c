@@ -9,7 +9,7 @@
  *   <q[b, h * G + g], K_t>) * V_t over the slots t of its pages: sparrow_paged_attention (every page, dense, read
  *   in order; or a given page list, the pages of a later sequence touched first), sparrow_sparse_attention (the
  *   page choice in the same pass)
- *   the page choice alone: sparrow_select_pages; the sampler's sort: sparrow_sort_rows_desc
+ *   the page choice alone: sparrow_select_pages
  * The page choice scores each page on its landmarks: the centroid (the paper's mean key) or, with the minmax
  * page score, the per-channel key bounds (key_min, key_max: sum_d max(q_d * min_d, q_d * max_d)).
  *
@@ -122,52 +122,6 @@ static void softmax_row(float *w, int64_t width) {
     const v16 inv = (v16){0} + 1.0f / total;
     for (int64_t t = 0; t < full; t += LANES) store16(w + t, load16(w + t) * inv);
     for (int64_t t = full; t < width; ++t) w[t] *= inv[0];
-}
-
-/* The sampler's sort (sparrow_nemo/rollout/sampling.py): each row of x [rows, width] fp32 (no NaN; -0 sorts
- * below +0) in descending order, equal values in index order, i.e. torch.sort(x, descending=True, stable=True):
- * values [rows, width] fp32 and order [rows, width] int64. An LSD radix sort (stable by construction) on an
- * order-reversing integer key of each float, four passes of 8 bits, a pass skipped when every key of the
- * row has the same digit there. keys, tmp_keys: width uint32; tmp_order: width int64 work space. */
-void sparrow_sort_rows_desc(const float *x, int64_t rows, int64_t width, float *values, int64_t *order,
-                            uint32_t *keys, uint32_t *tmp_keys, int64_t *tmp_order) {
-    for (int64_t r = 0; r < rows; ++r) {
-        const float *row = x + r * width;
-        uint32_t *k = keys, *kt = tmp_keys;
-        int64_t *o = order + r * width, *ot = tmp_order;
-        for (int64_t i = 0; i < width; ++i) {
-            uint32_t bits;
-            memcpy(&bits, row + i, sizeof bits);
-            const uint32_t up = bits & 0x80000000u ? ~bits : bits | 0x80000000u; /* ascending with the float */
-            k[i] = ~up;                                                            /* descending */
-            o[i] = i;
-        }
-        for (int shift = 0; shift < 32; shift += 8) {
-            int64_t count[256] = {0};
-            for (int64_t i = 0; i < width; ++i) ++count[(k[i] >> shift) & 255u];
-            if (width && count[(k[0] >> shift) & 255u] == width) continue; /* one digit: the pass moves nothing */
-            int64_t at = 0;
-            for (int d = 0; d < 256; ++d) {
-                const int64_t c = count[d];
-                count[d] = at;
-                at += c;
-            }
-            for (int64_t i = 0; i < width; ++i) {
-                const int64_t dst = count[(k[i] >> shift) & 255u]++;
-                kt[dst] = k[i];
-                ot[dst] = o[i];
-            }
-            uint32_t *ks = k;
-            k = kt;
-            kt = ks;
-            int64_t *os = o;
-            o = ot;
-            ot = os;
-        }
-        int64_t *dst = order + r * width;
-        if (o != dst) memcpy(dst, o, sizeof(int64_t) * width);
-        for (int64_t i = 0; i < width; ++i) values[r * width + i] = row[dst[i]];
-    }
 }
 
 /* Scores of one page: out[s] = scale * <q, key_s> for s < valid, -inf after; keys at k (slot stride ks). */

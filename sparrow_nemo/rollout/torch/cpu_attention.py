@@ -9,7 +9,6 @@ row) touches the pages of a later row before it computes the current one. ``spar
 sparse step: the page choice (:func:`select_pages`' rule) and that attention in one pass over the batch, the
 choice a few rows ahead so the chosen pages are touched before they are read. All use the same arithmetic per
 page and slot, so a budget that covers the sequence gives the dense result bit for bit.
-``sort_rows_descending`` is the sampler's sort (``sampling.sample_tokens``) in the same library.
 
 The kernel is compiled on first use with the system C compiler (``$CC``, default ``cc``; ``-O3
 -march=native``) into ``$SPARROW_CACHE/cpu_kernels/`` (default ``~/.cache/sparrow_nemo/cpu_kernels/``),
@@ -176,9 +175,7 @@ def _library() -> ctypes.CDLL | None:
         _F32,
         *[_P] * 7,
     ]
-    lib.sparrow_sort_rows_desc.argtypes = [_P, _I64, _I64, *[_P] * 5]
     for fn in (
-        lib.sparrow_sort_rows_desc,
         lib.sparrow_sparse_attention,
         lib.sparrow_paged_attention,
         lib.sparrow_paged_append,
@@ -351,32 +348,6 @@ def sparse_decode_attention(
         keep.data_ptr(),
     )
     return out, page_idx
-
-
-def sort_rows_descending(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``torch.sort(x, dim=-1, descending=True, stable=True)`` of a CPU fp32 ``[rows, width]`` tensor
-    without NaNs (the sampler's sort), as one kernel call: (values, int64 indices), equal values in index
-    order. Raises when the kernel is not available."""
-    lib = _library()
-    if lib is None:
-        raise RuntimeError("sort_rows_descending: the CPU kernel is not available (see available())")
-    x = x.contiguous()
-    rows, width = x.shape
-    values = torch.empty_like(x)
-    order = torch.empty(rows, width, dtype=torch.int64)
-    keys = torch.empty(2, width, dtype=torch.int32)  # two uint32 key buffers
-    tmp_order = torch.empty(width, dtype=torch.int64)
-    lib.sparrow_sort_rows_desc(
-        x.data_ptr(),
-        rows,
-        width,
-        values.data_ptr(),
-        order.data_ptr(),
-        keys[0].data_ptr(),
-        keys[1].data_ptr(),
-        tmp_order.data_ptr(),
-    )
-    return values, order
 
 
 def paged_append(

@@ -1,7 +1,7 @@
 """One decode step of the torch rollout engine: the new token of every row through all layers.
 
-Both decode loops call it: the engine's compact loop (``TorchRolloutEngine._generate_wave``) and the
-static-shape loop (``static_decode.StaticDecoder.step``, replayable from a CUDA graph). Per layer:
+The engine's model runner calls it for every decode step, eagerly or inside a CUDA graph captured at the step's
+bucket size (``cuda_graphs.DecodeGraphs``); speculative drafts call it too. Per layer:
 q/k/v of the new token, its key/value appended to the paged cache (its page's landmarks updated), attention
 over the cache (dense for the first ``dense_layers`` layers, else the Sparrow rule within the row's
 budget), then the output projection and MLP; finally the LM head.

@@ -10,7 +10,9 @@ Only the pools of the cache's own page score are allocated (the other list is em
 cover its stored tokens only; the first append into a page (slot 0) resets them to that key.
 A sequence owns a row of a block table ``[B, max_pages_per_seq]`` int32 (logical page -> physical
 page, -1 where nothing is allocated yet); token t lives in page ``block_table[b, t // page_size]`` at
-slot ``t % page_size``. Keys are stored after q/k RMSNorm and rotary embedding.
+slot ``t % page_size``. Keys are stored after q/k RMSNorm and rotary embedding. Which sequence owns which
+page is :class:`~sparrow_nemo.rollout.torch.block_manager.BlockManager`'s business; :func:`fill_block_table`
+and :func:`free_block_table` give a fixed batch its pages (benchmarks, kernel tests).
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ import math
 
 import torch
 
+from sparrow_nemo.rollout.torch.block_manager import BlockManager
 from sparrow_nemo.sparse.pattern import PAGE_SCORES, PAGE_SIZE
 
 
 class PagedKVCache:
-    """Page pools for every layer plus a free list of physical pages (shared by all layers)."""
+    """Page pools for every layer (a physical page holds the same tokens in every layer)."""
 
     def __init__(
         self,
@@ -61,7 +64,6 @@ class PagedKVCache:
         self.centroids = pools("centroid")
         self.key_min = pools("minmax")
         self.key_max = pools("minmax")
-        self._free = list(range(num_pages - 1, -1, -1))  # stack: pops 0, 1, 2, ... first
 
     def landmarks(self, layer: int) -> list[torch.Tensor]:
         """The landmark pools of ``layer`` in the page score's order: [centroids] or [key_min, key_max]."""
@@ -75,38 +77,17 @@ class PagedKVCache:
         return self.centroids + self.key_min + self.key_max
 
     @property
-    def num_free(self) -> int:
-        """Physical pages not owned by any sequence."""
-        return len(self._free)
+    def nbytes(self) -> int:
+        """Bytes of every pool (keys, values, landmarks)."""
+        return sum(t.numel() * t.element_size() for t in self.k_pages + self.v_pages + self.landmark_pools)
 
-    # ----------------------------------------------------------------- page ownership
-    def reserve(self, block_table: torch.Tensor, lengths: torch.Tensor) -> None:
-        """Give every row of ``block_table`` enough pages for ``lengths [B]`` tokens (in place).
-
-        Rows keep the pages they have; new pages are taken from the free list in row order.
-        Raises RuntimeError when the pool runs out.
-        """
-        have = (block_table >= 0).sum(dim=1)
-        need = (lengths.to(have.device) + self.page_size - 1) // self.page_size
-        if need.numel() and int(need.max()) > block_table.shape[1]:
-            raise ValueError(
-                f"PagedKVCache.reserve: {int(need.max())} pages needed but the block table has "
-                f"{block_table.shape[1]} columns"
-            )
-        cols = torch.arange(block_table.shape[1], device=block_table.device)[None, :]
-        new = (cols >= have[:, None]) & (cols < need[:, None])
-        count = int(new.sum())
-        if count == 0:
-            return
-        if count > len(self._free):
-            raise RuntimeError(f"PagedKVCache: out of pages ({count} needed, {len(self._free)} free)")
-        pages = [self._free.pop() for _ in range(count)]
-        block_table[new] = torch.tensor(pages, dtype=block_table.dtype, device=block_table.device)
-
-    def release(self, block_table: torch.Tensor) -> None:
-        """Return every page owned by the rows of ``block_table`` to the free list."""
-        pages = block_table[block_table >= 0].tolist()
-        self._free.extend(reversed(pages))
+    def copy_pages(self, src: list[int], dst: list[int]) -> None:
+        """Copy the keys, values and landmarks of physical pages ``src`` into ``dst`` (every layer)."""
+        if src:
+            s = torch.tensor(src, device=self.k_pages[0].device)
+            d = torch.tensor(dst, device=self.k_pages[0].device)
+            for pool in (*self.k_pages, *self.v_pages, *self.landmark_pools):
+                pool[d] = pool[s]
 
     # ----------------------------------------------------------------- writes
     def write_prefill(
@@ -263,3 +244,27 @@ class PagedKVCache:
         k, v, _ = self.gather(layer, block_table, every)
         length = int(seq_len.max())
         return k[:, :, :length], v[:, :, :length]
+
+
+def fill_block_table(blocks: BlockManager, block_table: torch.Tensor, lengths: torch.Tensor) -> None:
+    """Give every row of ``block_table [B, P]`` (in place) pages from ``blocks`` for ``lengths [B]`` tokens:
+    rows keep the pages they have, new ones are taken in row order. Raises
+    :class:`~sparrow_nemo.rollout.torch.block_manager.OutOfPages` when the pool runs out."""
+    have = (block_table >= 0).sum(dim=1)
+    need = (lengths.to(have.device) + blocks.page_size - 1) // blocks.page_size
+    if need.numel() and int(need.max()) > block_table.shape[1]:
+        raise ValueError(
+            f"fill_block_table: {int(need.max())} pages needed but the block table has {block_table.shape[1]} columns"
+        )
+    cols = torch.arange(block_table.shape[1], device=block_table.device)[None, :]
+    new = (cols >= have[:, None]) & (cols < need[:, None])
+    count = int(new.sum())
+    if count:
+        pages = blocks.allocate(count)
+        block_table[new] = torch.tensor(pages, dtype=block_table.dtype, device=block_table.device)
+
+
+def free_block_table(blocks: BlockManager, block_table: torch.Tensor) -> None:
+    """Return every page of the rows of ``block_table`` to ``blocks`` (entries set to -1)."""
+    blocks.release(block_table[block_table >= 0].tolist())
+    block_table.fill_(-1)

@@ -166,13 +166,38 @@ class Qwen3Decoder:
                     start += rows
                 self.fused[f"model.layers.{i}.{group}"] = stacked
 
-    def to(self, device: str | torch.device) -> None:
-        """Move all weights (and the LoRA adapter) to ``device``."""
-        self.params = {k: v.to(device) for k, v in self.params.items()}
-        self._fuse()
-        self.inv_freq = self.inv_freq.to(device)
-        if self.lora is not None:
-            self.lora = self.lora.to(device=device)
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes the weights hold (0 after :meth:`release`)."""
+        stacked = {id(t) for t in self.fused.values()}
+        loose = [t for t in self.params.values() if t._base is None or id(t._base) not in stacked]
+        return sum(t.numel() * t.element_size() for t in [*self.fused.values(), *loose])
+
+    def release(self) -> None:
+        """Free every weight (no copy is kept): the rollout engine's sleep. :meth:`allocate` and a refit restore."""
+        self.params, self.fused = {}, {}
+
+    def allocate(self, device: str | torch.device, dtype: torch.dtype) -> None:
+        """Storage for every weight, uninitialised (the refit fills it): each fused group as one stacked matrix,
+        its modules' entries views of it, as :meth:`_fuse` lays them out."""
+        shapes = expected_weight_shapes(self.shape)
+        grouped = {
+            f"model.layers.{i}.{m}.weight"
+            for i in range(self.shape.num_layers)
+            for _, ms in FUSED_GROUPS
+            for m in ms
+        }
+        self.params = {
+            n: torch.empty(shp, dtype=dtype, device=device) for n, shp in shapes.items() if n not in grouped
+        }
+        for i in range(self.shape.num_layers):
+            for group, modules in FUSED_GROUPS:
+                names = [f"model.layers.{i}.{m}.weight" for m in modules]
+                rows = [shapes[n][0] for n in names]
+                stacked = torch.empty(sum(rows), shapes[names[0]][1], dtype=dtype, device=device)
+                self.fused[f"model.layers.{i}.{group}"] = stacked
+                for n, part in zip(names, stacked.split(rows)):
+                    self.params[n] = part
 
     # ----------------------------------------------------------------- forward pieces
     def linear(self, module: str, x: torch.Tensor) -> torch.Tensor:

@@ -1,49 +1,59 @@
-"""The speculative decode loop of the torch rollout engine (after the prefill of one wave).
+"""Speculative rounds of the torch rollout engine: sparse drafts, dense verify, inside the continuous-batching loop.
 
-One round for every live row (rows are at different lengths and advance by different amounts):
+The engine's step loop (:mod:`sparrow_nemo.rollout.torch.generation`) admits and retires sequences between
+rounds as it does between plain decode steps; a round, for every running sequence (rows sit at different
+lengths and advance by different amounts):
 
-1. k per row from :class:`~sparrow_nemo.rollout.torch.speculative.SpeculativeConfig` for its cached length, capped
-   so that the round cannot pass the row's token cap;
-2. draft: k sparse decode steps (the engine's :class:`~sparrow_nemo.rollout.torch.decode_step.DecodeStep` with the
-   draft schedule's budgets, the LoRA adapter on when set), batched over the rows still drafting, each draft
-   token drawn from the row's own generator; their keys/values enter the cache as usual;
-3. verify: one dense forward of the pending token and the k drafts (:func:`~sparrow_nemo.rollout.torch.spec_verify.verify_forward`,
-   no adapter), which overwrites the drafted keys/values with the dense ones;
+1. k per row from :class:`~sparrow_nemo.rollout.torch.speculative.SpeculativeConfig` for its cached length,
+   capped so that the round cannot pass the row's token cap (:meth:`SpeculativeRounds.plan`, before the
+   scheduler reserves the round's pages: ``k + 1`` per row, or the widest k + 1 with the kernel verify);
+2. draft: k sparse decode steps (the engine's decode step with the draft schedule's budgets, the LoRA adapter on
+   when set), batched over the rows still drafting; their keys/values enter the cache as usual;
+3. verify: one dense forward of the pending token and the k drafts
+   (:func:`~sparrow_nemo.rollout.torch.extend.forward_tokens`, no adapter), which overwrites the drafted
+   keys/values with the dense ones;
 4. accept (:func:`~sparrow_nemo.rollout.torch.speculative.verify_drafts`): the kept prefix plus one token; the
    tokens go to the response one by one with the stop check after each, exactly as in dense decoding, so a stop
    token or string inside an accepted run ends the response there and drops the rest;
-5. rollback: the row's length becomes old length + accepted + 1 and the landmarks (centroids or key bounds)
-   of the pages the round wrote are rebuilt from the keys below it (:func:`~sparrow_nemo.rollout.torch.spec_verify.rebuild_landmarks`).
-   Finished rows leave the batch and free their pages.
+5. rollback: the row's cache keeps old length + accepted + 1 tokens and the landmarks of the pages the round
+   wrote are rebuilt from the keys below that (:func:`~sparrow_nemo.rollout.torch.extend.rebuild_landmarks`).
 
-Returned logprobs and top-K are the dense distribution's (the verify logits, temperature 1), the recorded
-``kv_budget`` is ``DENSE_BUDGET`` (every token is dense-distributed), and each sample carries a
-:class:`DraftLog` of its acceptance tests. Per-sample draws: k for the drafts, then k acceptance uniforms and
-one for the emitted token per round (none when greedy), all from the sample's generator, so a sample's tokens
-do not depend on its batch mates. With k = 0 everywhere a round is one dense step drawing one uniform, and the
-tokens equal dense decoding's for the same seeds (up to float rounding).
+The cache of a speculative sequence is the dense policy's (the verify's keys and values), so a preempted one is
+recomputed densely. Draws are position-indexed (:func:`~sparrow_nemo.rollout.sampling.position_uniforms`): the
+draft token at response position t uses stream DRAFT at t, its acceptance test ACCEPT at t, and the token a
+round emits after its accepted drafts TOKEN at its position, the stream plain decoding uses; so with k = 0 a
+round is a dense decode step drawing what dense decoding draws, and a sample's tokens do not depend on its batch
+mates. Returned logprobs and top-K are the dense distribution's (the verify logits, temperature 1), the recorded
+``kv_budget`` is ``DENSE_BUDGET``, and each sample carries a :class:`DraftLog` of its acceptance tests.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from sparrow_nemo.rollout.engine import FinishReason, RolloutSample, SamplingParams, TokenTally
-from sparrow_nemo.rollout.sampling import draw_uniforms, sample_tokens, token_logprobs
+from sparrow_nemo.rollout.engine import FinishReason, RolloutSample, SamplingParams
+from sparrow_nemo.rollout.sampling import (
+    ACCEPT,
+    DRAFT,
+    TOKEN,
+    position_uniforms,
+    sample_tokens,
+    token_logprobs,
+)
 from sparrow_nemo.rollout.torch.decode_step import DecodeStep
+from sparrow_nemo.rollout.torch.extend import TokensAttention, forward_tokens, rebuild_landmarks
+from sparrow_nemo.rollout.torch.model_runner import SlotTable
 from sparrow_nemo.rollout.torch.paged_cache import PagedKVCache
 from sparrow_nemo.rollout.torch.qwen3 import Qwen3Decoder
-from sparrow_nemo.rollout.torch.spec_verify import VerifyAttention, rebuild_landmarks, verify_forward
-from sparrow_nemo.rollout.torch.speculative import (
-    SpeculativeConfig,
-    draw_round_uniforms,
-    verify_drafts,
-)
+from sparrow_nemo.rollout.torch.sequence import Sequence as Seq
+from sparrow_nemo.rollout.torch.speculative import SpeculativeConfig, verify_drafts
 from sparrow_nemo.rollout.torch.stopping import StopRule
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET, BudgetSchedule
+
+Finish = tuple[FinishReason, int | str | None]
 
 
 @dataclass
@@ -88,17 +98,17 @@ class SpeculativeSample(RolloutSample):
     draft: DraftLog | None = None
 
 
-class _Sample:
-    """Host-side bookkeeping of one sample while it decodes."""
+@dataclass
+class _Log:
+    """What one sample's rounds recorded, in order."""
 
-    def __init__(self) -> None:
-        self.tokens: list[int] = []
-        self.records: list[tuple[torch.Tensor, ...]] = []  # (lp, top ids, top lp, cached_len) per chunk
-        self.tests: list[tuple[torch.Tensor, ...]] = []  # (cached_len, alpha, accepted, budget) per round
-        self.rounds: list[tuple[int, int, int]] = []  # (cached length, k, tokens emitted) per round
-        self.finish: tuple[FinishReason, int | str | None] | None = None
+    records: list[tuple[torch.Tensor, ...]] = field(default_factory=list)  # (lp, top ids, top lp, cached_len)
+    tests: list[tuple[torch.Tensor, ...]] = field(
+        default_factory=list
+    )  # (cached_len, alpha, accepted, budget)
+    rounds: list[tuple[int, int, int]] = field(default_factory=list)  # (cached length, k, tokens emitted)
 
-    def fields(self) -> dict[str, torch.Tensor]:
+    def fields(self, response: list[int]) -> dict:
         lp, top_ids, top_lp, cached = (torch.cat(c).cpu() for c in zip(*self.records))
         if self.tests:
             tests = [torch.cat(c).cpu() for c in zip(*self.tests)]
@@ -106,7 +116,7 @@ class _Sample:
             tests = [torch.empty(0, dtype=dt) for dt in (torch.int64, torch.float32, torch.bool, torch.int64)]
         rounds = torch.tensor(self.rounds, dtype=torch.int64).reshape(-1, 3)
         return {
-            "response_ids": torch.tensor(self.tokens, dtype=torch.int64),
+            "response_ids": torch.tensor(response, dtype=torch.int64),
             "logprobs": lp,
             "top_ids": top_ids,
             "top_logprobs": top_lp,
@@ -118,140 +128,150 @@ class _Sample:
         }
 
 
-@dataclass
-class SpeculativeDecoder:
-    """Runs the rounds of one wave (see the module docstring).
+class SpeculativeRounds:
+    """The speculative decoder of one generate call (see the module docstring).
 
-    Attributes:
-        model: the decoder; step: the engine's decode step (the draft); verify: the verify attention backend.
-        cache: the engine's paged KV cache; sampling, stop: the request's; schedule: the draft's budgets.
-        spec: k per bin; pad_queries: reserve pages up to the widest row's k + 1 for every row (the kernel
-            verify reads ``start + T`` tokens of each row).
+    Args:
+        model: the decoder; step: the engine's decode step (the draft); verify: the dense verify attention.
+        sampling, stop: the request's; schedule: the draft's budgets; spec: k per bin.
+        pad_queries: every row's pages reach the widest row's k + 1 (the kernel verify reads ``start + T``).
     """
 
-    model: Qwen3Decoder
-    step: DecodeStep
-    verify: VerifyAttention
-    cache: PagedKVCache
-    sampling: SamplingParams
-    schedule: BudgetSchedule
-    spec: SpeculativeConfig
-    stop: StopRule
-    pad_queries: bool
-
-    def run(
+    def __init__(
         self,
-        block_table: torch.Tensor,
-        cached: torch.Tensor,
-        logits: torch.Tensor,
-        generators: Sequence[torch.Generator],
-        max_new: Sequence[int],
-        tally: TokenTally,
-    ) -> list[dict]:
-        """Decode every row to its end.
+        model: Qwen3Decoder,
+        step: DecodeStep,
+        verify: TokensAttention,
+        sampling: SamplingParams,
+        schedule: BudgetSchedule,
+        spec: SpeculativeConfig,
+        stop: StopRule,
+        pad_queries: bool,
+    ) -> None:
+        self.model, self.step, self.verify = model, step, verify
+        self.sampling, self.schedule, self.spec, self.stop = sampling, schedule, spec, stop
+        self.pad_queries = pad_queries
+        self.topk = min(sampling.logprobs_topk, model.shape.vocab_size)
+        self.logs: dict[int, _Log] = {}
+        self._k: dict[int, int] = {}
+        self._width = 0
 
-        Pages: rows free theirs when they finish (and the live ones on an error), so the caller's
-        ``block_table`` must not be released again.
-
-        Args:
-            block_table: [B, P] with the prompts' pages (P covers prompt + max_new + the widest k tokens).
-            cached: [B] int64 prompt lengths (all cached). logits: [B, V] the prefill's last-position logits.
-            generators: one per row. max_new: token cap per row. tally: progress.
-
-        Returns:
-            Per row the ``RolloutSample`` fields (``draft`` included) plus ``finish_reason`` and ``stop``.
-        """
-        batch = cached.shape[0]
-        samples = [_Sample() for _ in range(batch)]
+    # ----------------------------------------------------------------- the loop's interface
+    def first(self, seqs: Sequence[Seq], logits: torch.Tensor) -> list[Finish | None]:
+        """The first tokens of fresh ``seqs`` from their prompts' dense ``logits [B, V]``."""
         greedy = self.sampling.temperature == 0
-        rows = list(range(batch))
-        gens = list(generators)
-        try:
-            u = torch.zeros(batch, dtype=torch.float64) if greedy else draw_uniforms(gens)
-            pending = sample_tokens(logits, self.sampling, u)
-            self._emit(samples, rows, pending[:, None].tolist(), [1] * batch, max_new)
-            self._record(
-                samples, rows, logits[:, None], pending[:, None], torch.ones_like(cached), cached - 1
-            )
-            tally.add(batch)
-            while rows:
-                keep = [b for b, s in enumerate(rows) if samples[s].finish is None]
-                rows, block_table, cached, pending, gens = self._compact(
-                    keep, rows, block_table, cached, pending, gens
-                )
-                if rows:
-                    emitted, cached, pending = self._round(
-                        samples, rows, block_table, cached, pending, gens, max_new
-                    )
-                    tally.add(emitted)
-        finally:  # finished rows freed their pages as they left; on an error the live ones do here
-            self.cache.release(block_table)
+        u = (
+            torch.zeros(len(seqs), dtype=torch.float64)
+            if greedy
+            else position_uniforms([s.seed for s in seqs], [0] * len(seqs), TOKEN)
+        )
+        tokens = sample_tokens(logits, self.sampling, u)
+        cached = torch.tensor([s.prompt_len for s in seqs], device=logits.device)
+        for s in seqs:
+            self.logs[s.index] = _Log()
+        self._record(seqs, logits[:, None], tokens[:, None], torch.ones_like(cached), cached - 1)
+        return self._emit(seqs, tokens[:, None].tolist(), [1] * len(seqs))
+
+    def plan(self, seqs: Sequence[Seq]) -> None:
+        """k of every running sequence for the coming round (its bin, capped by its remaining tokens)."""
+        cached = torch.tensor([s.cached + 1 for s in seqs], dtype=torch.int64)
+        ks = self.spec.k_for(cached, self.schedule.bin_tokens).tolist()
+        self._k = {s.index: max(0, min(k, s.remaining - 1)) for s, k in zip(seqs, ks)}
+        self._width = max(self._k.values(), default=0)
+
+    def tokens_after(self, seq: Seq) -> int:
+        """Cache positions the round writes for ``seq``: the pending token and its drafts (the widest row's with
+        the kernel verify)."""
+        return seq.cached + 1 + (self._width if self.pad_queries else self._k[seq.index])
+
+    def samples(
+        self, seqs: Sequence[Seq], prompts: Sequence[torch.Tensor], finished: dict[int, Finish]
+    ) -> list[SpeculativeSample]:
+        """The results, in ``seqs`` order (every one finished; ``prompts[i]`` is sequence i's prompt)."""
         out = []
-        for s in samples:
-            reason, matched = s.finish
-            out.append({**s.fields(), "finish_reason": reason, "stop": matched})
+        for s, prompt in zip(seqs, prompts):
+            reason, matched = finished[s.index]
+            fields = self.logs[s.index].fields(s.response)
+            out.append(
+                SpeculativeSample(prompt_ids=prompt.cpu(), **fields, finish_reason=reason, stop=matched)
+            )
         return out
 
     # ----------------------------------------------------------------- one round
-    def _round(
-        self,
-        samples: list[_Sample],
-        rows: list[int],
-        block_table: torch.Tensor,
-        cached: torch.Tensor,
-        pending: torch.Tensor,
-        gens: list[torch.Generator],
-        max_new: Sequence[int],
-    ) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """One draft / verify / accept round of the live ``rows`` -> (tokens emitted, new cached, new pending)."""
-        remaining = torch.tensor([max_new[s] - len(samples[s].tokens) for s in rows], device=cached.device)
-        k = torch.minimum(self.spec.k_for(cached + 1, self.schedule.bin_tokens), remaining - 1)
-        k_list = k.tolist()
+    @torch.no_grad()
+    def round(self, cache: PagedKVCache, slots: SlotTable, seqs: Sequence[Seq]) -> list[Finish | None]:
+        """One draft / verify / accept round of the running ``seqs`` (pages held for :meth:`tokens_after`);
+        their responses and cached lengths advance. Returns each row's finish (None: it goes on)."""
+        device = self.model.device
+        k_list = [self._k[s.index] for s in seqs]
         width = max(k_list)
-        self.cache.reserve(block_table, cached + (width + 1 if self.pad_queries else k + 1))
-        greedy = self.sampling.temperature == 0
-        u_draft, u_accept, u_final = draw_round_uniforms(gens, k_list, width, greedy)
-        drafts, draft_logits, budgets = self._draft(block_table, cached, pending, k, width, u_draft)
+        k = torch.tensor(k_list, dtype=torch.int64, device=device)
+        cached = torch.tensor([s.cached for s in seqs], dtype=torch.int64, device=device)
+        pending = torch.tensor([s.response[-1] for s in seqs], dtype=torch.int64, device=device)
+        table = slots.rows(seqs, -(-max(self.tokens_after(s) for s in seqs) // cache.page_size))
+        u_draft, u_accept, u_final = self._uniforms(seqs, k_list, width)
+        drafts, draft_logits, budgets = self._draft(cache, table, cached, pending, k, width, u_draft)
         tokens = torch.cat([pending[:, None], drafts], dim=1)  # [b, width + 1]
-        valid = torch.arange(width + 1, device=k.device)[None, :] <= k[:, None]
-        dense = verify_forward(self.model, self.verify, self.cache, block_table, tokens, cached, valid)
+        valid = torch.arange(width + 1, device=device)[None, :] <= k[:, None]
+        adapter, self.model.lora = self.model.lora, None  # the verify is the dense policy's
+        try:
+            dense = forward_tokens(self.model, self.verify, cache, table, tokens, cached, valid)
+        finally:
+            self.model.lora = adapter
         verdict = verify_drafts(dense, draft_logits, drafts, k, self.sampling, u_accept, u_final)
 
         accepted = verdict.accepted.tolist()
         run = torch.cat([drafts, verdict.next_token[:, None]], dim=1)  # accepted drafts, then the new token
-        run[torch.arange(len(rows)), verdict.accepted] = verdict.next_token
-        emitted = self._emit(samples, rows, run.tolist(), [a + 1 for a in accepted], max_new)
-        self._record(samples, rows, dense, run, torch.tensor(emitted, device=cached.device), cached)
-        tested = verdict.tested
-        positions = cached[:, None] + 1 + torch.arange(width, device=cached.device)[None, :]
-        is_accepted = torch.arange(width, device=k.device)[None, :] < verdict.accepted[:, None]
-        counts = tested.sum(dim=1).tolist()  # each row's tests, split out of one masked selection per field
-        fields = (positions, verdict.alpha.float(), is_accepted, budgets)
-        parts = [f[tested].split(counts) for f in fields]
-        starts = (cached + 1).tolist()
-        for b, s in enumerate(rows):
-            samples[s].tests.append(tuple(part[b] for part in parts))
-            samples[s].rounds.append((starts[b], k_list[b], emitted[b]))
+        run[torch.arange(len(seqs)), verdict.accepted] = verdict.next_token
+        starts = [s.num_generated for s in seqs]
+        finishes = self._emit(seqs, run.tolist(), [a + 1 for a in accepted])
+        emitted = [s.num_generated - n for s, n in zip(seqs, starts)]
+        self._record(seqs, dense, run, torch.tensor(emitted, device=device), cached)
+        positions = cached[:, None] + 1 + torch.arange(width, device=device)[None, :]
+        is_accepted = torch.arange(width, device=device)[None, :] < verdict.accepted[:, None]
+        counts = verdict.tested.sum(dim=1).tolist()  # each row's tests, split out of one masked selection
+        parts = [
+            f[verdict.tested].split(counts) for f in (positions, verdict.alpha.float(), is_accepted, budgets)
+        ]
+        for b, s in enumerate(seqs):
+            log = self.logs[s.index]
+            log.tests.append(tuple(part[b] for part in parts))
+            log.rounds.append((int(cached[b]) + 1, k_list[b], emitted[b]))
         new_cached = cached + verdict.accepted + 1
-        going = torch.tensor([samples[s].finish is None for s in rows], device=cached.device)
+        going = torch.tensor([f is None for f in finishes], device=device)
         if bool(going.any()):
-            rebuild_landmarks(self.cache, block_table[going], cached[going], new_cached[going])
-        return sum(emitted), new_cached, verdict.next_token
+            rebuild_landmarks(cache, table[going], cached[going], new_cached[going])
+        for s, c in zip(seqs, new_cached.tolist()):
+            s.cached = c
+        return finishes
+
+    def _uniforms(self, seqs: Sequence[Seq], k: list[int], width: int) -> tuple[torch.Tensor, ...]:
+        """A round's draws by position (zeros when greedy): draft and accept ``[b, width]`` (zeros past a row's k),
+        and the emitted token's ``[b, width + 1]`` (column j: after j accepted drafts)."""
+        b = len(seqs)
+        if self.sampling.temperature == 0:
+            zeros = torch.zeros(b, width + 1, dtype=torch.float64)
+            return zeros[:, :width], zeros[:, :width], zeros
+        seeds = [s.seed for s in seqs for _ in range(width + 1)]
+        pos = [s.num_generated + j for s in seqs for j in range(width + 1)]
+        grid = [position_uniforms(seeds, pos, stream).view(b, width + 1) for stream in (DRAFT, ACCEPT, TOKEN)]
+        live = torch.arange(width)[None, :] < torch.tensor(k)[:, None]
+        return grid[0][:, :width] * live, grid[1][:, :width] * live, grid[2]
 
     def _draft(
         self,
-        block_table: torch.Tensor,
+        cache: PagedKVCache,
+        table: torch.Tensor,
         cached: torch.Tensor,
         pending: torch.Tensor,
         k: torch.Tensor,
         width: int,
         uniforms: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``width`` sparse steps over the rows still drafting, draft token j of row b drawn with
-        ``uniforms [b, width]`` -> (drafts [b, width] int64, their logits [b, width, V] fp32, the draft budgets
-        [b, width] int64); entries past a row's k are 0."""
-        b = cached.shape[0]
-        device = cached.device
+        """``width`` sparse steps over the rows still drafting, draft token j of row b drawn with ``uniforms
+        [b, width]`` -> (drafts [b, width] int64, their logits [b, width, V] fp32, the draft budgets [b, width]
+        int64); entries past a row's k are 0."""
+        b, device = cached.shape[0], cached.device
         drafts = torch.zeros(b, width, dtype=torch.int64, device=device)
         logits = torch.zeros(b, width, self.model.shape.vocab_size, dtype=torch.float32, device=device)
         budgets = torch.zeros(b, width, dtype=torch.int64, device=device)
@@ -261,7 +281,7 @@ class SpeculativeDecoder:
             sub = slice(None) if j < every else torch.nonzero(k > j)[:, 0]
             seq = cached[sub] + j + 1
             budget = None if self.schedule.is_dense else self.schedule.budgets_for(seq)
-            lg = self.step(self.cache, block_table[sub], feed[sub], seq, budget)
+            lg = self.step(cache, table[sub], feed[sub], seq, budget)
             drafts[sub, j] = sample_tokens(lg, self.sampling, uniforms[sub, j])
             logits[sub, j] = lg
             budgets[sub, j] = torch.full_like(seq, DENSE_BUDGET) if budget is None else budget
@@ -269,73 +289,36 @@ class SpeculativeDecoder:
         return drafts, logits, budgets
 
     # ----------------------------------------------------------------- bookkeeping
-    def _emit(
-        self,
-        samples: list[_Sample],
-        rows: list[int],
-        runs: list[list[int]],
-        lengths: list[int],
-        max_new: Sequence[int],
-    ) -> list[int]:
-        """Append each row's run (its first ``lengths[b]`` tokens) one token at a time with the stop check after
-        each; a stop ends the sample there. Returns the tokens taken per row."""
-        taken = []
-        for s, run, n in zip(rows, runs, lengths):
-            sample = samples[s]
-            count = 0
+    def _emit(self, seqs: Sequence[Seq], runs: list[list[int]], lengths: list[int]) -> list[Finish | None]:
+        """Append each row's run (its first ``lengths[b]`` tokens) to its response one token at a time with the
+        stop check after each; a stop ends the response there."""
+        finishes: list[Finish | None] = []
+        for s, run, n in zip(seqs, runs, lengths):
+            done = None
             for token in run[:n]:
-                sample.tokens.append(token)
-                count += 1
-                done = self.stop.check(sample.tokens, max_new[s])
+                s.response.append(token)
+                done = self.stop.check(s.response, s.max_new)
                 if done is not None:
-                    sample.finish = done
                     break
-            taken.append(count)
-        return taken
+            finishes.append(done)
+        return finishes
 
     def _record(
         self,
-        samples: list[_Sample],
-        rows: list[int],
+        seqs: Sequence[Seq],
         logits: torch.Tensor,
         tokens: torch.Tensor,
         counts: torch.Tensor,
         cached: torch.Tensor,
     ) -> None:
-        """Logprobs and top-K of the first ``counts[b]`` tokens of ``tokens [b, T]`` under the dense
-        ``logits [b, T, V]``; token i of row b was sampled with ``cached[b] + 1 + i`` tokens in the cache."""
+        """Logprobs and top-K of the first ``counts[b]`` tokens of ``tokens [b, T]`` under the dense ``logits
+        [b, T, V]``; token i of row b was sampled with ``cached[b] + 1 + i`` tokens in the cache."""
         width = tokens.shape[1]
         take = torch.arange(width, device=tokens.device)[None, :] < counts[:, None]
         b_idx, i_idx = torch.nonzero(take, as_tuple=True)
-        lp, top_ids, top_lp = token_logprobs(
-            logits[b_idx, i_idx], tokens[b_idx, i_idx], self.sampling.logprobs_topk
-        )
+        lp, top_ids, top_lp = token_logprobs(logits[b_idx, i_idx], tokens[b_idx, i_idx], self.topk)
         parts = counts.tolist()  # b_idx is sorted: row b's tokens are the next parts[b] entries
         cached_len = cached[b_idx] + 1 + i_idx
-        for s, chunk in zip(rows, zip(*(t.split(parts) for t in (lp, top_ids, top_lp, cached_len)))):
+        for s, chunk in zip(seqs, zip(*(t.split(parts) for t in (lp, top_ids, top_lp, cached_len)))):
             if chunk[0].numel():
-                samples[s].records.append(chunk)
-
-    def _compact(
-        self,
-        keep: list[int],
-        rows: list[int],
-        block_table: torch.Tensor,
-        cached: torch.Tensor,
-        pending: torch.Tensor,
-        gens: list[torch.Generator],
-    ) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Generator]]:
-        """Drop the finished rows (their pages freed); ``keep`` are the positions of the live ones."""
-        if len(keep) == len(rows):
-            return rows, block_table, cached, pending, gens
-        index = torch.tensor(keep, dtype=torch.int64, device=cached.device)
-        gone = torch.ones(len(rows), dtype=torch.bool, device=cached.device)
-        gone[index] = False
-        self.cache.release(block_table[gone])
-        return (
-            [rows[b] for b in keep],
-            block_table.index_select(0, index),
-            cached[index],
-            pending[index],
-            [gens[b] for b in keep],
-        )
+                self.logs[s.index].records.append(chunk)

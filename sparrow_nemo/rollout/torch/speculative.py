@@ -15,28 +15,20 @@ the rule reduces to "accept while the draft equals the dense argmax, then emit t
 
 This module holds the rule as pure functions on tensors and :class:`SpeculativeConfig`, what
 ``TorchRolloutEngine.generate(..., speculative=...)`` takes; the decode loop is
-:mod:`sparrow_nemo.rollout.torch.spec_decode`, the dense verify forward :mod:`sparrow_nemo.rollout.torch.spec_verify`.
+:mod:`sparrow_nemo.rollout.torch.spec_decode`, the dense verify forward :mod:`sparrow_nemo.rollout.torch.extend`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from sparrow_nemo.rollout.engine import SamplingParams
+from sparrow_nemo.rollout.sampling import kept_probs, sample_from, sampling_probs
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
-__all__ = [
-    "SpeculativeConfig",
-    "Verdict",
-    "draw_round_uniforms",
-    "kept_probs",
-    "sample_from",
-    "sampling_probs",
-    "verify_drafts",
-]
+__all__ = ["SpeculativeConfig", "Verdict", "verify_drafts"]
 
 
 @dataclass(frozen=True)
@@ -92,48 +84,6 @@ class SpeculativeConfig:
         )
 
 
-def kept_probs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
-    """What a token is sampled from, before renormalisation: ``logits [..., V]`` -> float64 ``[..., V]``.
-
-    Temperature 0: one-hot at the argmax. Otherwise softmax(logits / temperature) on the top_k most likely
-    tokens and then the shortest descending prefix reaching top_p (exactly ``sample_tokens``' set), 0 elsewhere.
-    """
-    if sampling.temperature == 0:
-        return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).to(torch.float64)
-    probs = torch.softmax(logits.float() / sampling.temperature, dim=-1).double()
-    if sampling.top_k == 0 and sampling.top_p >= 1.0:
-        return probs
-    sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-    keep = torch.ones_like(sorted_p, dtype=torch.bool)
-    if sampling.top_k > 0:
-        keep &= torch.arange(sorted_p.shape[-1], device=logits.device) < sampling.top_k
-    if sampling.top_p < 1.0:
-        keep &= torch.cumsum(sorted_p, dim=-1) - sorted_p < sampling.top_p
-    kept = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
-    return torch.zeros_like(probs).scatter_(-1, order, kept)
-
-
-def sampling_probs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
-    """The sampling distribution itself: :func:`kept_probs` renormalised to sum 1 (float64 ``[..., V]``)."""
-    kept = kept_probs(logits, sampling)
-    return kept / kept.sum(dim=-1, keepdim=True)
-
-
-def sample_from(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """One draw per row from ``weights [B, V]`` (non-negative, any positive total) with ``uniforms [B]`` in
-    [0, 1) -> [B] int64, never a zero-weight id.
-
-    Inverse CDF over the weights sorted in descending order (stable), as ``sample_tokens`` draws: so
-    ``sample_from(kept_probs(logits, s), u)`` is the token ``sample_tokens(logits, s, u)`` picks.
-    """
-    sorted_w, order = torch.sort(weights, dim=-1, descending=True, stable=True)
-    cdf = torch.cumsum(sorted_w, dim=-1)
-    target = uniforms.to(device=weights.device, dtype=cdf.dtype) * cdf[:, -1]
-    pick = torch.searchsorted(cdf, target[:, None], right=True).squeeze(-1)
-    pick = torch.minimum(pick, (sorted_w > 0).sum(dim=-1) - 1)
-    return order.gather(-1, pick[:, None]).squeeze(-1)
-
-
 #: float64 elements of p (and as many of q) that :func:`verify_drafts` forms at once: at batch 64 and a
 #: 151,936-token vocabulary that is one draft position at a time (78 MB each), at the tiny CPU shapes all of them
 PROBS_ELEMENTS = 1 << 24
@@ -174,7 +124,8 @@ def verify_drafts(
         drafts: [B, K] int64 draft tokens; num_drafts: [B] int64 k per row (0 <= k <= K).
         sampling: temperature / top-k / top-p (applied to p and q alike, :func:`sampling_probs`).
         accept_uniforms: [B, K] U[0, 1) per draft position (zeros when greedy);
-        final_uniforms: [B] U[0, 1) for the resampled or bonus token (zeros when greedy).
+        final_uniforms: [B, K + 1] U[0, 1) for the token emitted after j accepted drafts, j = 0 .. K (the
+            resampled rejection at j, or the bonus at j = k); zeros when greedy.
 
     Returns:
         :class:`Verdict`. Draft j is accepted iff every earlier one was and ``u_j * q_j(d_j) < p_j(d_j)``.
@@ -198,7 +149,7 @@ def verify_drafts(
     rows = torch.arange(batch, device=device)
     rejected = accepted < num_drafts  # the first rejection is at position `accepted`
     at = torch.clamp(accepted, max=max(width - 1, 0))
-    u_final = final_uniforms.to(device)
+    u_final = final_uniforms.to(device).gather(1, accepted[:, None])[:, 0]  # the emitted token's position
     next_token = torch.zeros(batch, dtype=torch.int64, device=device)
     if bool(rejected.any()):
         r = rows[rejected]
@@ -210,21 +161,3 @@ def verify_drafts(
         r = rows[bonus]
         next_token[r] = sample_from(kept_probs(dense_logits[r, num_drafts[r]], sampling), u_final[r])
     return Verdict(accepted=accepted, next_token=next_token, alpha=alpha, tested=tested)
-
-
-def draw_round_uniforms(
-    generators: Sequence[torch.Generator], num_drafts: Sequence[int], width: int, greedy: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A round's draws, per row from its own generator in one call (so a sample's draws depend only on its own
-    state): ``k_b`` for the draft tokens, then ``k_b`` for the acceptance tests, then one for the emitted token,
-    in this order, as ``2 k_b + 1`` single draws would give them. -> (draft [B, width], accept [B, width],
-    final [B]) float64 on CPU, zeros past a row's k and everywhere when ``greedy`` (no draws at all)."""
-    draft = torch.zeros(len(generators), width, dtype=torch.float64)
-    accept = torch.zeros(len(generators), width, dtype=torch.float64)
-    final = torch.zeros(len(generators), dtype=torch.float64)
-    if greedy:
-        return draft, accept, final
-    for b, (g, k) in enumerate(zip(generators, num_drafts)):
-        u = torch.rand(2 * k + 1, generator=g, dtype=torch.float64)
-        draft[b, :k], accept[b, :k], final[b] = u[:k], u[k : 2 * k], u[2 * k]
-    return draft, accept, final
