@@ -2,14 +2,17 @@
 
 Subcommands live in :mod:`sparrow_nemo.commands` (one module each). A :class:`ConfigError`, a
 missing optional package, or bad input (``ValueError`` / ``FileNotFoundError`` naming the file, tensor or
-key) is reported as one line on stderr with exit status 2, no traceback; ``SPARROW_DEBUG=1`` shows the
-traceback of bad-input errors.
+key) is reported as one line on stderr with exit status 2, no traceback; so is a file system that cannot
+take a write (full, over quota, read-only), naming the path. ``SPARROW_DEBUG=1`` shows the traceback of
+bad-input and file-system errors.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import os
+import shutil
 import sys
 from collections.abc import Sequence
 
@@ -44,11 +47,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, MissingOptionalDependency) as exc:
         print(str(exc) if isinstance(exc, ConfigError) else f"sparrow {args.command}: {exc}", file=sys.stderr)
         return 2
-    except (ValueError, FileNotFoundError) as exc:
-        if os.environ.get("SPARROW_DEBUG"):
+    except (ValueError, FileNotFoundError, OSError) as exc:
+        line = str(exc) if isinstance(exc, ValueError | FileNotFoundError) else disk_failure(exc)
+        if line is None or os.environ.get("SPARROW_DEBUG"):
             raise
-        print(f"sparrow {args.command}: {exc} (SPARROW_DEBUG=1 shows the traceback)", file=sys.stderr)
+        print(f"sparrow {args.command}: {line} (SPARROW_DEBUG=1 shows the traceback)", file=sys.stderr)
         return 2
+
+
+#: the errors of a file system that cannot take a write
+_DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+
+
+def disk_failure(exc: OSError) -> str | None:
+    """One line for a write a full, over-quota or read-only file system refused, naming the path; None for
+    any other OSError. ``shutil.copytree`` reports its files' errors together (``shutil.Error``): the first
+    such one is named."""
+    if isinstance(exc, shutil.Error) and exc.args and isinstance(exc.args[0], list):
+        for entry in exc.args[0]:
+            if len(entry) == 3 and any(f"[Errno {code}]" in str(entry[2]) for code in _DISK_ERRORS):
+                reason = str(entry[2]).split("] ", 1)[-1].split(": '", 1)[0]  # "[Errno 28] No space...: 'a'"
+                return f"cannot write {entry[1]}: {reason}"
+        return None
+    if exc.errno not in _DISK_ERRORS:
+        return None
+    return f"cannot write {exc.filename or 'a file'}: {exc.strerror}"
 
 
 if __name__ == "__main__":

@@ -2,13 +2,16 @@
 
 The warm-start is the smoke recipe's (same cache key; trained once into the shared cache when missing).
 
-- With the policy held fixed, 40 adapter rounds on training rollouts under the recipe's 20-token schedule
+- With the policy held fixed, 40 adapter rounds on training rollouts under a schedule with a failing bin
   (all layers sparse), measured on held-out prompts the adapter never saw (same prompts, seeds and schedule
   with and without it): the sparse-vs-dense KL falls by more than 30 % (measured 0.44 -> 0.055) and the bin
-  that fails worst without the adapter is lifted far (measured: bin 2 p5 0.004 -> 0.96). What it does not do
-  on this warm-start, and the test does not assert: bring every bin to the threshold (bin 1 0.88 -> 0.82) or
-  calibrate a tighter schedule (the adapter's bin 1 stays below 0.86 at every candidate budget), see
-  docs/distill.md.
+  that fails worst without the adapter closes at least a third of its gap to the threshold (measured: bin 2
+  p5 0.004 -> 0.96 at 20 tokens; bin 1 0.145 -> 0.49 at 16). The schedule is constructed, not assumed: the warm-start is trained on this machine and its
+  numerics differ between CPUs (on an AMD EPYC the recipe's 20-token schedule failed no bin: 0.904), so the
+  test measures the largest uniform budget (20, 16, 12 tokens) at which some decided bin fails without the
+  adapter, and distills under it. What the adapter does not do on this warm-start, and the test does not
+  assert: bring every bin to the threshold (bin 1 0.88 -> 0.82) or calibrate a tighter schedule (the
+  adapter's bin 1 stays below 0.86 at every candidate budget), see docs/distill.md.
 - A real trainer step hands the adapter the step's rollouts and advantages: the sparse PG term is logged.
 - Two tensor-parallel ranks (torchrun, gloo) run DistillSparse as one rank does: the same distill metrics
   every step, also across a checkpoint and resume, and the same adapter in the checkpoint, with each rank's
@@ -26,13 +29,14 @@ import torch
 from policy._helpers import free_port, single_rank_env
 
 from sparrow_nemo.checkpoint.run_state import read_run_state
-from sparrow_nemo.grpo.distill_report import distill_rounds, measure_adapter
+from sparrow_nemo.grpo.distill_report import distill_rounds, measure_adapter, sparse_tail
 from sparrow_nemo.grpo.metrics import read_metrics
 from sparrow_nemo.grpo.prompts import build_prompt_source
 from sparrow_nemo.grpo.recipe import load_config
 from sparrow_nemo.grpo.trainer import GrpoTrainer, train
 from sparrow_nemo.grpo.warmstart import ensure_warm_start
 from sparrow_nemo.grpo.world import env_without_launcher
+from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 pytestmark = pytest.mark.slow
 
@@ -52,6 +56,30 @@ def warm_cache() -> None:
         ensure_warm_start(config, build_prompt_source(config), show_progress=False)
 
 
+#: uniform budgets tried for a failing bin, widest first: the recipe's 20 tokens, then down to the sink and
+#: local pages alone (1 + 2 pages of 4 tokens)
+BUDGETS = (20, 16, 12)
+SEED = 12_345
+
+
+def _failing_schedule(trainer: GrpoTrainer, held_out: list[list[int]]) -> BudgetSchedule:
+    """The recipe's schedule at the widest of :data:`BUDGETS` where some bin with enough tokens fails the
+    threshold on this warm-start without an adapter (measured on ``held_out``, as the test measures later)."""
+    s, recipe = trainer.config.sparsity, trainer.schedule
+    tails = {}
+    for budget in BUDGETS:
+        schedule = BudgetSchedule(
+            recipe.bin_tokens, (budget,) * len(recipe.budgets), recipe.page_size, "uniform"
+        )
+        tail = sparse_tail(
+            trainer.rollout_engine, held_out, trainer.sampling, schedule, SEED, s.quantile, s.min_bin_tokens
+        )
+        tails[budget] = tail.tail
+        if min(tail.tail.values(), default=1.0) < s.threshold:
+            return schedule
+    raise AssertionError(f"no bin fails at any of {BUDGETS} tokens on this warm-start: {tails}")
+
+
 def test_adapter_brings_the_failing_bin_to_the_threshold_and_a_tighter_schedule(
     warm_cache, tmp_path: Path
 ) -> None:
@@ -60,22 +88,24 @@ def test_adapter_brings_the_failing_bin_to_the_threshold_and_a_tighter_schedule(
     with single_rank_env():
         trainer = GrpoTrainer(config, tmp_path)
         try:
+            held_out = [i.prompt_ids for i in trainer.prompts.eval_batch(32) for _ in range(2)]
+            schedule = _failing_schedule(trainer, held_out)
             phase = trainer.distill  # the recipe's DistillSparse phase (distill.enabled)
             phase.start(trainer.policy, trainer.rollout_engine)
-            schedule = trainer.schedule
             distill_rounds(trainer, phase, schedule, rounds=40)
             adapter = trainer.policy.lora.export_adapter()
-            held_out = [i.prompt_ids for i in trainer.prompts.eval_batch(32) for _ in range(2)]
             effect, calibrated = measure_adapter(
-                trainer, adapter, held_out, schedule, seed=12_345, min_tokens=s.min_bin_tokens
+                trainer, adapter, held_out, schedule, seed=SEED, min_tokens=s.min_bin_tokens
             )
             undistilled = effect["without"]
         finally:
             trainer.policy.close()
     without, with_ = undistilled.tail, effect["with"].tail
-    # The schedule has a gap to distill on this warm-start: some decided bin fails without the adapter.
-    worst = min(without, key=without.get)
-    assert without[worst] < s.threshold, without
+    # The schedule has a gap to distill (constructed above): some bin decided with and without the adapter
+    # fails without it (a bin may hold too few tokens with the adapter: its responses differ in length).
+    failing = {b: v for b, v in without.items() if v < s.threshold and b in with_}
+    assert failing, (schedule.budgets, without, with_)
+    worst = min(failing, key=failing.get)
     # The adapter learned its objective on prompts it never saw: the sparse-vs-dense KL of the held-out
     # rollouts falls by far more than run-to-run noise (measured: 0.44 -> 0.055, -88 %).
     assert effect["with"].mean_k3 < 0.7 * undistilled.mean_k3, (undistilled.mean_k3, effect["with"].mean_k3)
@@ -83,8 +113,10 @@ def test_adapter_brings_the_failing_bin_to_the_threshold_and_a_tighter_schedule(
         undistilled.mean_alpha,
         effect["with"].mean_alpha,
     )
-    # The worst bin is lifted far (measured: bin 2, 0.004 -> 0.96; 0.41-0.65 under other KL weights).
-    assert with_.get(worst, 0.0) > without[worst] + 0.3, (worst, without, with_)
+    # The worst bin closes at least a third of its gap to the threshold (measured at 20 tokens: bin 2,
+    # 0.004 -> 0.96, 0.41-0.65 under other KL weights; at 16 tokens: bin 1, 0.145 -> 0.49).
+    gap = s.threshold - without[worst]
+    assert with_[worst] - without[worst] >= gap / 3, (schedule.budgets, worst, without, with_)
     # Both calibrations ran and were priced (with the adapter the schedule is not tighter here: docs/distill.md).
     for setting in ("with", "without"):
         assert calibrated[setting].speedup > 0, calibrated[setting]

@@ -9,7 +9,10 @@ Protocol (any number of ranks, shared filesystem):
 
 A crash at any point leaves either the previous complete checkpoint or a ``.partial`` directory
 that :func:`verify_checkpoint` refuses (no manifest) and :func:`latest_checkpoint` ignores. A file
-altered after the save fails its hash.
+altered after the save fails its hash. Reading trusts nothing in the folder: a manifest or listed file
+must be a regular file (not a symbolic link, a FIFO or ``/proc/self/pagemap``), a manifest is read up to
+:data:`MAX_MANIFEST_BYTES`, and its ``step`` must be an integer >= 0; anything else is a
+:class:`CheckpointError` naming the folder, and :func:`complete_checkpoints` passes over it with a warning.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +35,8 @@ logger = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 PARTIAL_SUFFIX = ".partial"
+#: the largest manifest read (a real one lists a few files: < 10 KB)
+MAX_MANIFEST_BYTES = 1 << 20
 
 
 class CheckpointError(RuntimeError):
@@ -80,10 +86,37 @@ def atomic_torch_save(obj: Any, path: str | Path) -> None:
     atomic_write(path, lambda f: torch.save(obj, f), lambda exc: _disk_full(path, exc))
 
 
+def open_regular(path: str | Path) -> int:
+    """A read-only fd of ``path`` if it is a regular file reached without following a final symbolic link.
+
+    Raises:
+        CheckpointError: a symbolic link, a FIFO, a device, a folder (naming ``path``); OSError otherwise.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise CheckpointError(f"{path} is a symbolic link, not a file a checkpoint writes") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointError(f"{path} is not a regular file")
+    return fd
+
+
+def read_bounded(path: str | Path, cap: int) -> bytes:
+    """The bytes of the regular file ``path`` (:func:`open_regular`), refused past ``cap`` bytes."""
+    with os.fdopen(open_regular(path), "rb") as f:
+        data = f.read(cap + 1)
+    if len(data) > cap:
+        raise CheckpointError(f"{path} is over {cap:,} bytes")
+    return data
+
+
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
-    """Hex sha256 of a file's bytes."""
+    """Hex sha256 of a regular file's bytes (:func:`open_regular`)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with os.fdopen(open_regular(path), "rb") as f:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
@@ -122,20 +155,35 @@ def finalize(root: str | Path, name: str, meta: dict[str, Any]) -> Path:
 
 
 def read_manifest(path: str | Path) -> dict[str, Any]:
-    """The manifest of a checkpoint folder whose save completed (its files are not checked)."""
+    """The manifest of a checkpoint folder whose save completed (its files are not checked).
+
+    Raises:
+        CheckpointError: no manifest, one that is not a regular file, too long, not JSON, not a mapping
+            with a ``files`` mapping of names to hex digests, or a ``step`` that is not an integer >= 0.
+    """
     path = Path(path)
     if path.name.endswith(PARTIAL_SUFFIX):
         raise CheckpointError(f"{path} is an unfinished save (no rename happened)")
     manifest_path = path / MANIFEST
-    if not manifest_path.is_file():
+    if not os.path.lexists(manifest_path):
         raise CheckpointError(f"{path} has no {MANIFEST}: the save did not complete")
     try:
-        manifest = json.loads(manifest_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        manifest = json.loads(read_bounded(manifest_path, MAX_MANIFEST_BYTES).decode("utf-8"))
+    except (OSError, ValueError) as exc:  # JSONDecodeError, UnicodeDecodeError, an int too long
         raise CheckpointError(f"{path}: {MANIFEST} is not valid JSON ({exc})") from None
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
-        raise CheckpointError(f"{path}: {MANIFEST} is not a mapping with a 'files' mapping")
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+        raise CheckpointError(f"{path}: {MANIFEST} is not a mapping with a 'files' mapping of sha256 digests")
+    if "step" in manifest and not is_count(manifest["step"]):
+        raise CheckpointError(
+            f"{path}: {MANIFEST} 'step' must be an integer >= 0, got {manifest['step']!r:.40}"
+        )
     return manifest
+
+
+def is_count(value: Any) -> bool:
+    """An int >= 0 (not a bool, a float or a string)."""
+    return type(value) is int and value >= 0
 
 
 def verify_checkpoint(path: str | Path, check_hashes: bool = True) -> dict[str, Any]:
@@ -144,8 +192,8 @@ def verify_checkpoint(path: str | Path, check_hashes: bool = True) -> dict[str, 
     manifest = read_manifest(path)
     for name, digest in manifest.get("files", {}).items():
         file = path / name
-        if not file.is_file():
-            raise CheckpointError(f"{path}: file '{name}' listed in the manifest is missing")
+        if os.sep in name or name in ("", ".", "..") or not os.path.lexists(file):
+            raise CheckpointError(f"{path}: file '{name[:80]}' listed in the manifest is missing")
         if check_hashes and sha256_file(file) != digest:
             raise CheckpointError(f"{path}: file '{name}' does not match its sha256 in the manifest")
     return manifest
@@ -167,8 +215,8 @@ def complete_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
         if not child.is_dir() or child.name.endswith(PARTIAL_SUFFIX):
             continue
         try:
-            step = int(read_manifest(child).get("step", -1))
-        except (CheckpointError, TypeError, ValueError) as exc:
+            step = read_manifest(child).get("step", -1)
+        except CheckpointError as exc:
             logger.warning("ignoring checkpoint folder %s: %s", child, exc)
             continue
         found.append((step, child.name.endswith(".old"), child))

@@ -9,13 +9,16 @@ the policy's per-rank files (:mod:`sparrow_nemo.policy.checkpoint`):
   optimizer state), ``{name: {key: value}}``; absent when there are none.
 
 What the trainer's state contains is :class:`sparrow_nemo.grpo.checkpoint.TrainerState`'s business; this module
-stores and verifies it as plain data.
+stores and verifies it as plain data: both files hash-checked against the manifest, ``trainer_state.json``
+a JSON object whose ``trainer`` is an object and whose ``callbacks`` map names to objects,
+``callback_tensors.pt`` loadable with ``weights_only`` (no pickled code) and of the same shape.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import pickle
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -30,6 +33,7 @@ from sparrow_nemo.checkpoint.atomic import (
     atomic_torch_save,
     atomic_write_bytes,
     complete_checkpoints,
+    read_bounded,
     sha256_file,
     verify_checkpoint,
 )
@@ -38,6 +42,8 @@ logger = logging.getLogger(__name__)
 
 TRAINER_STATE = "trainer_state.json"
 CALLBACK_TENSORS = "callback_tensors.pt"
+#: the largest ``trainer_state.json`` read (real ones: a few KB to a few MB of callback state)
+MAX_STATE_BYTES = 256 << 20
 
 
 def _has_tensor(value: Any) -> bool:
@@ -75,7 +81,8 @@ def read_run_state(folder: Path) -> tuple[dict[str, Any], dict[str, dict[str, An
     """``(trainer state, callback states)`` of a complete checkpoint, after checking their sha256.
 
     Raises:
-        CheckpointError: no manifest, a missing file, a hash mismatch or unreadable content (names which).
+        CheckpointError: no manifest, a missing file, a hash mismatch or content of another shape than
+            :func:`write_run_state` writes (names the folder, file and key).
     """
     manifest = verify_checkpoint(folder, check_hashes=False)
     files = manifest["files"]
@@ -85,13 +92,34 @@ def read_run_state(folder: Path) -> tuple[dict[str, Any], dict[str, dict[str, An
     for name in names:
         if sha256_file(folder / name) != files[name]:
             raise CheckpointError(f"{folder}: '{name}' does not match its sha256 in the manifest")
-    payload = json.loads((folder / TRAINER_STATE).read_text())
-    callbacks: dict[str, dict[str, Any]] = {k: dict(v) for k, v in payload["callbacks"].items()}
+    try:
+        payload = json.loads(read_bounded(folder / TRAINER_STATE, MAX_STATE_BYTES).decode("utf-8"))
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an int too long
+        raise CheckpointError(f"{folder / TRAINER_STATE}: not readable JSON ({exc})") from None
+    where = folder / TRAINER_STATE
+    if not isinstance(payload, dict) or not isinstance(payload.get("trainer"), dict):
+        raise CheckpointError(f"{where}: expected an object with a 'trainer' object")
+    callbacks = _states(payload.get("callbacks"), f"{where} 'callbacks'")
     if CALLBACK_TENSORS in names:
-        loaded = torch.load(folder / CALLBACK_TENSORS, map_location="cpu", weights_only=True)
-        for name, entries in loaded.items():
+        try:
+            loaded = torch.load(folder / CALLBACK_TENSORS, map_location="cpu", weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError) as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            raise CheckpointError(
+                f"{folder / CALLBACK_TENSORS}: refused, not tensors and plain data ({first})"
+            ) from None
+        for name, entries in _states(loaded, str(folder / CALLBACK_TENSORS)).items():
             callbacks.setdefault(name, {}).update(entries)
     return payload["trainer"], callbacks
+
+
+def _states(value: Any, where: str) -> dict[str, dict[str, Any]]:
+    """``value`` checked to be ``{callback name: {key: state}}``."""
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and isinstance(v, dict) for k, v in value.items()
+    ):
+        raise CheckpointError(f"{where}: expected a mapping of callback names to mappings")
+    return {k: dict(v) for k, v in value.items()}
 
 
 def prune_checkpoints(root: Path, written: Path, keep_last: int) -> list[Path]:

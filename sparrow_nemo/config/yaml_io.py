@@ -9,7 +9,8 @@ the file (or the command line), the line and what was expected:
 - more than :data:`MAX_NODES` values once aliases are expanded (an 11 KB "billion laughs" alias bomb
   expands to ~10^9 values; counting is linear in the distinct nodes) and recursive aliases;
 - the same key twice in one mapping (YAML itself keeps the last one silently); ``<<`` merge keys
-  may still be overridden, as YAML defines.
+  may still be overridden, as YAML defines;
+- an integer longer than Python converts (``sys.get_int_max_str_digits()``, 4,300 digits).
 
 Booleans are YAML 1.2's: only ``true`` / ``false`` (any case as YAML writes them). PyYAML follows YAML 1.1,
 where ``off``, ``on``, ``yes``, ``no`` are booleans too, so ``tail_scheduler.adapt=off`` (a mode name) would
@@ -20,6 +21,7 @@ boolean knob refuses with its one line.
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +97,23 @@ class _LimitedLoader(yaml.SafeLoader):
                 )
             seen[key] = key_node.start_mark
         return super().construct_mapping(node, deep)
+
+    def construct_yaml_int(self, node: Node) -> int:
+        """An int that Python can also print: at most ``sys.get_int_max_str_digits()`` decimal digits (a
+        longer one, decimal or hex, would fail later, in the config hash, naming no key)."""
+        try:
+            value = super().construct_yaml_int(node)
+            str(value)
+        except ValueError:  # over the limit (checked before any quadratic conversion)
+            raise YamlProblem(
+                f"an integer of {len(str(node.value)):,} characters, over the "
+                f"{sys.get_int_max_str_digits():,} digits Python converts",
+                node.start_mark,
+            ) from None
+        return value
+
+
+_LimitedLoader.add_constructor("tag:yaml.org,2002:int", _LimitedLoader.construct_yaml_int)
 
 
 _BOOL = "tag:yaml.org,2002:bool"

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from sparrow_nemo.evaluation.passk import default_ks, pass_at_k
+from sparrow_nemo.rewards.registry import guarded_reward
 from sparrow_nemo.rollout.engine import RolloutBatch, RolloutEngine, SamplingParams
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
@@ -129,7 +130,7 @@ def score_samples(
     for i, answer in enumerate(answers):
         samples = batch.samples[i * n : (i + 1) * n]
         ids = [s.response_ids.tolist() for s in samples]
-        rewards = [float(reward(r, answer)) for r in ids]
+        rewards = [guarded_reward(reward, r, answer) or 0.0 for r in ids]  # a raising reward: that sample's 0
         correct = sum(r >= 1.0 for r in rewards)
         results.append(
             PromptResult(

@@ -98,11 +98,18 @@ class MetricsWriter:
                 logger.warning("logging.tensorboard=true but tensorboard is not installed: JSONL only")
         self.history: list[dict[str, Any]] = []
 
-    def write(self, step: int, metrics: Mapping[str, float]) -> None:
-        """Record one step (with the aliases' names too); non-finite values are written as null."""
+    def row(self, step: int, metrics: Mapping[str, float]) -> dict[str, Any]:
+        """The JSON row of one step: ``step``, ``time``, then the metrics by name with the aliases' names too
+        (non-finite ones null)."""
         metrics = with_aliases(metrics, self.aliases)
-        row = {"step": step, "time": time.time()}
+        row: dict[str, Any] = {"step": step, "time": time.time()}
         row.update({k: (float(v) if math.isfinite(float(v)) else None) for k, v in sorted(metrics.items())})
+        return row
+
+    def write(self, step: int, metrics: Mapping[str, float]) -> None:
+        """Record one step (:meth:`row`; TensorBoard and W&B get the aliases' names too)."""
+        row = self.row(step, metrics)
+        metrics = with_aliases(metrics, self.aliases)
         self.history.append(row)
         if self.jsonl:
             with self.path.open("a") as f:
@@ -115,28 +122,30 @@ class MetricsWriter:
         if self._wandb is not None:
             self._wandb.log(step, metrics)
 
-    def keep_rows(self, count: int) -> int:
+    def keep_rows(self, count: int, pending: dict[str, Any] | None = None) -> int:
         """Continue the file of an earlier attempt of this run: keep its first ``count`` rows (also as
         ``history``) and drop the rest, which the resumed run computes again. Returns the rows dropped.
 
-        A last line cut short by a kill is dropped too. Without the JSONL file the history starts empty.
+        ``pending``: the checkpoint's copy of its last row (written after the checkpoint): appended when the
+        file holds exactly the ``count - 1`` rows before it (a kill between the two). A last line cut short
+        by a kill is dropped too. Without the JSONL file the history starts empty (or with ``pending``).
         """
-        rows: list[dict[str, Any]] = []
-        lines = self.path.read_text().splitlines() if self.path.is_file() else []
-        for number, line in enumerate(lines, 1):
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                if number < len(lines):
-                    raise ValueError(f"{self.path}:{number}: not a JSON line") from None
-        if len(rows) < count:
+        if count < 0:
+            raise ValueError(f"{self.path}: cannot keep {count} rows")
+        rows, lines = _file_rows(self.path)
+        rebuilt = pending is not None and len(rows) == count - 1
+        if rebuilt:
+            rows.append(pending)
+            logger.info("%s: row %d (step %s) rebuilt from the checkpoint", self.path, count, pending["step"])
+        elif len(rows) < count:
             logger.warning("%s has %d rows, the checkpoint counted %d", self.path, len(rows), count)
         self.history = rows[:count]
-        if len(lines) > len(self.history):
+        if lines > len(self.history) or (rebuilt and (self.jsonl or self.path.is_file())):
             text = "".join(json.dumps(row) + "\n" for row in self.history)
             atomic_write(self.path, lambda f: f.write(text.encode()))
-            logger.info("%s: dropped %d rows after the checkpoint", self.path, len(lines) - len(self.history))
-        return len(lines) - len(self.history)
+            if lines > len(self.history):
+                logger.info("%s: dropped %d rows after the checkpoint", self.path, lines - len(self.history))
+        return max(0, lines - len(self.history))
 
     def close(self) -> None:
         if self._tb is not None:
@@ -144,6 +153,50 @@ class MetricsWriter:
         if self._wandb is not None:
             self._wandb.close()
             self._wandb = None
+
+
+def _file_rows(path: Path) -> tuple[list[dict[str, Any]], int]:
+    """(the complete rows of a metrics file, its lines): a last line cut short by a kill is not a row.
+
+    Raises:
+        ValueError: a line before the last that is not a JSON object (naming the file and line).
+    """
+    lines = path.read_text().splitlines() if path.is_file() else []
+    rows: list[dict[str, Any]] = []
+    for number, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            row = None
+        if not isinstance(row, dict):
+            if number < len(lines):
+                raise ValueError(f"{path}:{number}: not a JSON row")
+            continue
+        rows.append(row)
+    return rows, len(lines)
+
+
+def check_resume_rows(path: Path, count: int, step: int, pending: dict[str, Any] | None) -> None:
+    """Whether the metrics file ``path`` can continue from a checkpoint of ``step`` that counted ``count``
+    rows (``pending``: its copy of the last one): it holds at least ``count`` rows (or ``count - 1`` and
+    the pending one), and for ``step > 0`` the last counted row is step ``step - 1``'s. Without the file
+    there is nothing to keep or cut: any count passes.
+
+    Raises:
+        ValueError: what does not match, naming the file.
+    """
+    if not path.is_file():
+        return
+    rows, _ = _file_rows(path)
+    if len(rows) >= count:
+        last = rows[count - 1] if count else None
+    elif pending is not None and len(rows) == count - 1:
+        last = pending
+    else:
+        raise ValueError(f"{path} has {len(rows)} rows, the checkpoint counts {count}")
+    if step > 0 and (last is None or last.get("step") != step - 1):
+        found = "no row" if last is None else f"row {count} is step {last.get('step')!r:.20}"
+        raise ValueError(f"{path}: {found}, the checkpoint's last step is {step - 1}")
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

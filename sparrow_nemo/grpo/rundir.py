@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
+import stat
 import time
 from pathlib import Path
 
@@ -28,12 +31,40 @@ def make_run_dir(config: SparrowConfig, run_dir: str | Path | None = None) -> Pa
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
         run_dir = Path(config.logging.run_dir or "runs") / f"{config.name}-{stamp}"
     path = Path(run_dir)
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.yaml").write_text(
-        f"# sparrow config '{config.name}', hash {config.hash()}\n{config.to_yaml()}"
-    )
-    (path / HASH_FILE).write_text(config.hash() + "\n")
+    check_folder(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "config.yaml").write_text(
+            f"# sparrow config '{config.name}', hash {config.hash()}\n{config.to_yaml()}"
+        )
+        (path / HASH_FILE).write_text(config.hash() + "\n")
+    except OSError as exc:  # read-only or full file system, no permission
+        raise ValueError(f"run folder {path}: cannot write {exc.filename or path}: {exc.strerror}") from None
     return path
+
+
+def check_folder(run_dir: str | Path) -> None:
+    """Refuse a run folder path that names an existing non-folder (a file, a dangling link) or that cannot
+    be looked up (a symlink loop, a file as a parent folder, no permission); a missing one is fine.
+
+    Raises:
+        ValueError: one line naming the path and what it is.
+    """
+    path = Path(run_dir)
+    for part in (path, *path.parents):  # the path, else its nearest existing parent
+        what = "the run folder" if part == path else f"its parent {part}"
+        try:
+            mode = os.stat(part).st_mode
+        except FileNotFoundError:
+            if os.path.lexists(part):
+                raise ValueError(f"run folder {path}: {what} is a symbolic link to nothing") from None
+            continue
+        except OSError as exc:
+            why = "a symbolic link loop" if exc.errno == errno.ELOOP else exc.strerror
+            raise ValueError(f"run folder {path} cannot be used: {why}") from None
+        if not stat.S_ISDIR(mode):
+            raise ValueError(f"run folder {path}: {what} exists and is not a folder")
+        return
 
 
 def _key_differences(run_dir: Path, config: SparrowConfig) -> list[str]:
@@ -54,7 +85,9 @@ def check_run_dir(config: SparrowConfig, run_dir: str | Path) -> None:
 
     Raises:
         ConfigError: naming the folder, both hashes, the differing keys (up to a few) and the way out.
+        ValueError: ``run_dir`` is not a usable folder path (:func:`check_folder`).
     """
+    check_folder(run_dir)
     path = Path(run_dir) / HASH_FILE
     if not path.is_file() or config.checkpoint.resume == "never":
         return

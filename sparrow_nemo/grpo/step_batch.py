@@ -34,6 +34,7 @@ from sparrow_nemo.grpo.process_model import (
 )
 from sparrow_nemo.grpo.rollout_step import RolloutTensors, collate_share, token_mismatch
 from sparrow_nemo.policy.logprobs import LogprobOutput
+from sparrow_nemo.rewards.registry import guarded_reward
 from sparrow_nemo.rollout.engine import RolloutSample, SamplingParams, TokenProgress
 from sparrow_nemo.rollout.sampling import sample_seed
 from sparrow_nemo.rollout.scoring import TokenMismatch
@@ -51,6 +52,7 @@ class LocalRollout:
         rows: their rows in the replica's :class:`StepBatch` (contiguous).
         seconds: wall time of the generation.
         rewards, advantages: [n] float32, filled by :func:`score`.
+        reward_errors: samples whose reward raised or was not finite (scored 0 by :func:`score`).
     """
 
     samples: list[RolloutSample]
@@ -58,6 +60,7 @@ class LocalRollout:
     seconds: float
     rewards: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
     advantages: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    reward_errors: int = 0
 
     @property
     def tokens(self) -> int:
@@ -101,14 +104,16 @@ def score(
     """Rewards (``reward(response ids, answer)``) and group advantages of ``local``'s samples, in place.
 
     ``answers`` are this rank's prompts' answers (one per prompt); ``advantages`` maps [n] rewards grouped by
-    prompt to [n] advantages (whole groups: a rank always holds all samples of its prompts).
+    prompt to [n] advantages (whole groups: a rank always holds all samples of its prompts). A sample whose
+    reward raises (a completion no reward function foresaw) or is not finite scores 0, is logged and counted
+    in ``local.reward_errors`` (the ``reward/errors`` metric): one bad completion never ends the run.
     """
     expanded = [a for a in answers for _ in range(group_size)]
     if len(expanded) != len(local.samples):
         raise ValueError(f"score: {len(answers)} answers for {len(local.samples)} samples of {group_size}")
-    local.rewards = torch.tensor(
-        [reward(s.response_ids.tolist(), a) for s, a in zip(local.samples, expanded)], dtype=torch.float32
-    )
+    values = [guarded_reward(reward, s.response_ids.tolist(), a) for s, a in zip(local.samples, expanded)]
+    local.reward_errors = sum(v is None for v in values)
+    local.rewards = torch.tensor([0.0 if v is None else v for v in values], dtype=torch.float32)
     local.advantages = (
         advantages(local.rewards).float() if local.samples else torch.zeros(0, dtype=torch.float32)
     )
@@ -187,6 +192,7 @@ class StepStats:
     Attributes:
         samples, tokens: samples and generated response tokens of the step.
         reward_mean, reward_std, accuracy: over samples (accuracy = reward >= 1).
+        reward_errors: samples whose reward raised or was not finite (scored 0).
         advantage_nonzero: fraction of samples with a non-zero advantage (a group whose rewards are all equal
             gives its samples none: a step where every group is so has no policy gradient).
         length_mean, length_median, length_max, length_min, truncation_rate: response lengths (tokens; the
@@ -208,6 +214,7 @@ class StepStats:
     reward_mean: float
     reward_std: float
     accuracy: float
+    reward_errors: float
     advantage_nonzero: float
     length_mean: float
     length_median: float
@@ -239,6 +246,7 @@ class StepStats:
             "reward/mean": self.reward_mean,
             "reward/std": self.reward_std,
             "reward/accuracy": self.accuracy,
+            "reward/errors": self.reward_errors,
             "advantage/nonzero_fraction": self.advantage_nonzero,
             "response_length/mean": self.length_mean,
             "response_length/median": self.length_median,
@@ -309,21 +317,24 @@ def measure_tokens(
         dense = BudgetSchedule.dense(schedule.bin_tokens, schedule.page_size)
         dense_s = cost_model.rollout_cost(dense, lengths, prompt_lens).total_s
         sparse_s = cost_model.rollout_cost(schedule, lengths, prompt_lens).total_s
-    n, r_sum, r_sq, correct, signal, tokens, n_trunc, a_sum, a_count, tmpe, d_sum, rollout_s = reduce_sums(
-        [
-            len(local.samples),
-            float(rewards.sum()),
-            float((rewards**2).sum()),
-            float((rewards >= 1.0).sum()),
-            float((local.advantages != 0).sum()),
-            float(lengths.sum()),
-            truncated,
-            float(mm.alpha.double().sum()),
-            mm.alpha.numel(),
-            float(torch.exp(diff.abs()).sum()),
-            float(diff.sum()),
-            local.seconds if rank0 else 0.0,
-        ]
+    n, r_sum, r_sq, correct, errors, signal, tokens, n_trunc, a_sum, a_count, tmpe, d_sum, rollout_s = (
+        reduce_sums(
+            [
+                len(local.samples),
+                float(rewards.sum()),
+                float((rewards**2).sum()),
+                float((rewards >= 1.0).sum()),
+                local.reward_errors,
+                float((local.advantages != 0).sum()),
+                float(lengths.sum()),
+                truncated,
+                float(mm.alpha.double().sum()),
+                mm.alpha.numel(),
+                float(torch.exp(diff.abs()).sum()),
+                float(diff.sum()),
+                local.seconds if rank0 else 0.0,
+            ]
+        )
     )
     length_max, neg_length_min, rollout_max, dense_max, sparse_max = reduce_max(
         [
@@ -374,6 +385,7 @@ def measure_tokens(
         reward_mean=mean,
         reward_std=math.sqrt(max(r_sq - n * mean * mean, 0.0) / (n - 1)) if n > 1 else 0.0,
         accuracy=correct / n,
+        reward_errors=errors,
         advantage_nonzero=signal / n,
         length_mean=tokens / n,
         length_median=float(median[0, 0]),

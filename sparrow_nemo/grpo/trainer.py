@@ -343,20 +343,19 @@ class GrpoTrainer:
         if self._has_user_callbacks:  # a user callback on rank 0 may have changed the schedule
             self._sync_schedule()
         self.state.step += 1
-        with timer.phase("checkpoint"):
-            if self._checkpoint_due():
-                self.save_checkpoint(pending_rows=1)
-        metrics = merge_metrics(
+        row = merge_metrics(
             batch.stats.metrics(batch.schedule, cfg.sparsity.quantile),
             {"timing/rollout_max": batch.stats.rollout_s_max},
             speculative,
             train,
             distilled,
             self._logged,
-            timer.metrics(),
-            {"timing/step": timer.elapsed()},
         )
         self._logged = {}
+        with timer.phase("checkpoint"):  # the checkpoint holds the row too (all but its own timing)
+            if self._checkpoint_due():
+                self.save_checkpoint(pending=(step, row | timer.metrics()))
+        metrics = merge_metrics(row, timer.metrics(), {"timing/step": timer.elapsed()})
         self._flush(step, metrics)
         if self._nonfinite_streak >= cfg.trainer.max_consecutive_nonfinite:
             raise NonFiniteTrainingError(
@@ -551,14 +550,15 @@ class GrpoTrainer:
         late = self.is_main and time.monotonic() - self._last_save >= 60.0 * c.every_n_minutes
         return reduce_max([float(late)])[0] > 0
 
-    def save_checkpoint(self, pending_rows: int = 0) -> Path:
+    def save_checkpoint(self, pending: tuple[int, dict[str, float]] | None = None) -> Path:
         """One atomic checkpoint ``step_<n>``: policy shards, optimizer and RNG of every rank, the trainer
         state, the built-ins' and every callback's state; then keep-last-N retention. Collective.
 
-        ``pending_rows``: metrics rows of completed steps not yet written (the current step's own).
+        ``pending``: (step, metrics) of the completed step whose row is written after the checkpoint.
         """
         self.state.prompt_stream = self.prompts.state_dict()
-        self.state.metrics_rows = len(self.metrics.history) + pending_rows
+        self.state.metrics_rows = len(self.metrics.history) + (pending is not None)
+        self.state.pending_row = None if pending is None else self.metrics.row(*pending)
         with self.preemption.saving():
             states = self.callbacks.on_save_checkpoint(self)  # every rank: collective callbacks gather
             if self.scheduler is not None:
@@ -587,7 +587,7 @@ class GrpoTrainer:
     def _resume(self) -> None:
         """Restore the checkpoint ``checkpoint.resume`` selects, if any; ``metrics.jsonl`` continues after it."""
         candidates = resume_candidates(self.config.checkpoint.resume, self.checkpoint_root)
-        loaded = load_run_checkpoint(candidates, self.policy, self.is_main)
+        loaded = load_run_checkpoint(candidates, self.policy, self.is_main, self.metrics.path)
         if loaded is None:
             if self.is_main:
                 self.metrics.keep_rows(0)  # rows of an attempt that never checkpointed are redone
@@ -608,7 +608,7 @@ class GrpoTrainer:
         self.callbacks.on_load_checkpoint(self, states)
         refit(self.policy, self.rollout_engine.update_weights if self.rollout_engine is not None else None)
         if self.is_main:
-            self.metrics.keep_rows(self.state.metrics_rows)
+            self.metrics.keep_rows(self.state.metrics_rows, self.state.pending_row)
             logger.info("resumed from %s: %d steps done", loaded.path, self.state.step)
         self._saved = (self.state.step, loaded.path)
 

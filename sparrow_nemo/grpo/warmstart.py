@@ -9,6 +9,7 @@ load it without training.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import hashlib
 import json
@@ -32,9 +33,10 @@ from sparrow_nemo.grpo.rollout_step import micro_batches, pad_pairs
 logger = logging.getLogger(__name__)
 
 #: the sources whose code decides the warm-start's weights (paths under sparrow_nemo/; a folder = every .py in
-#: it): the model, its forward/backward and optimizer, the loss, the batches and the task's data. Their text is
-#: in the cache key, so a change to any of them (a new attention path, another summation order) trains anew
-#: instead of reusing weights the code no longer produces.
+#: it but :data:`PLANNING_ONLY`): the model, its forward/backward and optimizer, the loss, the batches and the
+#: task's data. Their code (not their docstrings and comments: :func:`source_digest`) is in the cache key, so a
+#: change to any of them (a new attention path, another summation order) trains anew instead of reusing weights
+#: the code no longer produces.
 WARMSTART_SOURCES = (
     "policy",
     "tasks",
@@ -47,6 +49,8 @@ WARMSTART_SOURCES = (
     "model_shapes.py",
     "hf_qwen3.py",
 )
+#: modules in those folders that only plan memory (no training numerics): not in the key
+PLANNING_ONLY = ("policy/plan.py", "policy/engine_memory.py")
 
 
 #: warm-start checkpoints shipped with the package, one ``<key>/`` folder each (scripts/ship_warmstart.py)
@@ -56,15 +60,35 @@ MANIFEST = "manifest.json"
 
 
 def source_digest(sources: tuple[str, ...] = WARMSTART_SOURCES) -> str:
-    """sha256 over the path and bytes of every file of ``sources`` (sorted), e.g. :data:`WARMSTART_SOURCES`."""
+    """sha256 over the path and code of every file of ``sources`` (sorted, :data:`PLANNING_ONLY` left out), e.g.
+    :data:`WARMSTART_SOURCES`. The code is the file's syntax tree without docstrings (comments are not in it),
+    so documentation edits keep the key."""
     root = Path(__file__).resolve().parent.parent
     files = sorted(
         f for s in sources for f in ((root / s).rglob("*.py") if (root / s).is_dir() else [root / s])
     )
     digest = hashlib.sha256()
     for f in files:
-        digest.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+        name = f.relative_to(root).as_posix()
+        if name not in PLANNING_ONLY:
+            digest.update(name.encode() + b"\0" + _code(f.read_text()).encode() + b"\0")
     return digest.hexdigest()
+
+
+def _code(text: str) -> str:
+    """The syntax tree of a module's source without its docstrings, as text (``ast.dump``)."""
+    tree = ast.parse(text)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (
+            isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+            and body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)
+        ):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree)
 
 
 def cache_root(config: SparrowConfig) -> Path:

@@ -10,7 +10,8 @@ Per case this process says ``{"case": i}`` and the trainer answers ``{"ready": t
 has loaded the model's program (``{"ready": false, "error": ...}`` if it could not). The case's test code
 then runs here: the names it takes from the program (not defined by the trusted prompt or setup, not
 builtins, not standard-library modules, which are imported here) are asked for (``{"resolve": [...]}``)
-and arrive as plain values or as :class:`Remote` handles; calling a handle (``{"call": ...}``) or reading an
+and arrive as plain values or as :class:`Remote` handles (only those names are bound, never one bound
+already, but for a HumanEval entry point, which replaces the prompt's stub of it); calling a handle (``{"call": ...}``) or reading an
 attribute of it (``{"getattr": ...}``) is answered by the program's sandbox, through the trainer, as plain
 values again. Comparisons, asserts, helper functions of the prompt: all run here, on those plain values.
 The verdict goes to the trainer as ``{"verdict": i, "passed": bool, "error": str}``, then ``{"done": true}``.
@@ -35,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import sandbox_wire as wire
 
 _MUTABLE = (list, dict, set)
+_UNBOUND = object()
 
 
 class ProgramLost(BaseException):
@@ -134,29 +136,43 @@ def _loaded_names(source: str) -> set[str]:
     }
 
 
-def _bind(channel: _Channel, namespace: dict[str, Any], source: str, force: tuple[str, ...] = ()) -> None:
-    """Give ``namespace`` the names ``source`` needs that only the program (or the standard library) has."""
+def _bind(channel: _Channel, namespace: dict[str, Any], source: str, extra: tuple[str, ...] = ()) -> dict:
+    """Give ``namespace`` the names ``source`` reads that nothing here binds (not the prompt or setup, not the
+    test itself, not a builtin): standard-library modules are imported here, the rest is asked of the
+    program. Only names that were asked for are bound, and never one already bound, whatever the reply
+    holds. ``extra``: names also asked for but not bound; returns every asked name the program has."""
     stdlib = getattr(sys, "stdlib_module_names", frozenset())
     wanted = [n for n in _loaded_names(source) if n not in namespace and not hasattr(builtins, n)]
     for name in [n for n in wanted if n in stdlib]:
         namespace[name] = importlib.import_module(name)
-    ask = sorted({*force, *(n for n in wanted if n not in stdlib)})
-    if ask:
-        values = channel.ask({"resolve": ask})["values"]
-        namespace.update({name: _decode(value) for name, value in values.items()})
+    unbound = sorted(n for n in wanted if n not in stdlib)
+    asked = sorted({*unbound, *extra})
+    if not asked:
+        return {}
+    values = channel.ask({"resolve": asked})["values"]
+    found = {name: _decode(values[name]) for name in asked if name in values}
+    namespace.update({name: found[name] for name in unbound if name in found})
+    return found
 
 
 def _run_case(channel: _Channel, job: dict, index: int) -> None:
     """Run test case ``index``; returns when it passes, raises when it fails."""
     namespace: dict[str, Any] = {"__name__": "__checker__", "__builtins__": builtins}
     if job["kind"] == "humaneval":
-        exec(compile(job["prompt"], "prompt.py", "exec"), namespace)  # trusted: helpers the tests may use
-        exec(compile(job["test"], "test.py", "exec"), namespace)
         entry = job["entry_point"]
-        _bind(channel, namespace, job["test"], force=(entry,))
-        if not isinstance(namespace.get(entry), Remote):
+        exec(compile(job["prompt"], "prompt.py", "exec"), namespace)  # trusted: helpers the tests may use
+        stub = namespace.get(entry, _UNBOUND)  # the prompt's stub of the entry point (or nothing)
+        exec(compile(job["test"], "test.py", "exec"), namespace)
+        check = namespace.get("check")
+        if not callable(check):
+            raise NameError("the test defines no 'check'")
+        candidate = _bind(channel, namespace, job["test"], extra=(entry,)).get(entry)
+        if not isinstance(candidate, Remote):
             raise NameError(f"the program defines no '{entry}'")
-        namespace["check"](namespace[entry])
+        # tests may also call it by name: the name of the prompt's stub (never one the test defines) is rebound
+        if namespace.get(entry, _UNBOUND) is stub:
+            namespace[entry] = candidate
+        check(candidate)
     else:
         exec(compile(job["setup"], "setup.py", "exec"), namespace)
         test = job["tests"][index]

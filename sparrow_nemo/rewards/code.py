@@ -22,8 +22,8 @@ the dict, checking it, so a prompt loader can refuse a bad row up front.
 
 Optional keys in every spec: ``"mode"`` ("fraction": passed cases / cases, the default; "all": 1.0 only if
 every case passes, stopping at the first failure) and ``"limits"`` (a dict of
-:class:`~sparrow_nemo.rewards.code_sandbox.SandboxLimits` fields, each a finite positive integer, ``wall_s``
-a finite positive number).
+:class:`~sparrow_nemo.rewards.code_sandbox.SandboxLimits` fields, each a positive integer, ``wall_s`` a
+positive number, none above its :data:`~sparrow_nemo.rewards.code_sandbox.LIMIT_MAXIMA` entry).
 
 The reward runs model code only in the OS sandbox (:mod:`sparrow_nemo.rewards.sandbox_os`); where that
 cannot be had it raises :class:`~sparrow_nemo.rewards.sandbox_os.SandboxUnavailable`, naming what is
@@ -79,7 +79,8 @@ def _strings(spec: dict, key: str) -> list[str]:
 def _humaneval_program(code: str, spec: dict) -> str:
     """The prompt with the completion: a whole function replaces the prompt's stub, a body completes it."""
     prompt, entry = _require(spec, "prompt", str), _require(spec, "entry_point", str)
-    if re.search(rf"^\s*def\s+{re.escape(entry)}\s*\(", code, re.MULTILINE):
+    # [ \t], not \s: a \s* at each line start would rescan every following blank line (quadratic)
+    if re.search(rf"^[ \t]*def[ \t]+{re.escape(entry)}[ \t]*\(", code, re.MULTILINE):
         return f"{prompt}\n\n{code}\n"
     return prompt + code + "\n"
 

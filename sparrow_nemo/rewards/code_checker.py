@@ -12,11 +12,14 @@ program's sandbox can make a wrong answer pass.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from typing import Any
 
 from sparrow_nemo.rewards import sandbox_wire as wire
 from sparrow_nemo.rewards.code_sandbox import SandboxLimits, SandboxProcess, limits_json
+
+logger = logging.getLogger(__name__)
 
 #: what a request of the checker may hold
 _REQUEST_KEYS = ("resolve", "call", "args", "kwargs", "getattr", "name")
@@ -83,7 +86,12 @@ _request_ids = itertools.count(1)  # next() is atomic under the GIL: safe across
 
 
 def _forward(box: SandboxProcess | None, request: dict, deadline: float, limits: SandboxLimits) -> dict:
-    """Ask the program ``request`` and return its answer checked and re-encoded, or ``{"lost": why}``."""
+    """Ask the program ``request`` and return its answer checked and re-encoded, or ``{"lost": why}``.
+
+    A reply that is not exactly an answer to ``request`` (another id, a missing or ill-typed key, a name that
+    was not asked for, a value outside the format) stops the program's sandbox: the case fails, and the
+    reason is logged. Decoding is linear in the reply's size and counts against the case's wall clock.
+    """
     if box is None or box.failure is not None:
         return {"lost": box.failure if box is not None else "no program"}
     rid = next(_request_ids)
@@ -92,30 +100,56 @@ def _forward(box: SandboxProcess | None, request: dict, deadline: float, limits:
     if reply is None:
         return {"lost": box.failure}
     try:
-        if reply.get("id") != rid:
-            raise wire.WireError("a reply to another request")
-        return _clean(reply, "resolve" in request)
-    except (wire.WireError, AttributeError, TypeError, ValueError) as exc:
-        box.stop(f"bad reply: {exc}")
+        answer = _clean(reply, rid, request)
+    except Exception as exc:  # hostile bytes: whatever reading them raises is the program's failure
+        box.stop(f"bad reply: {type(exc).__name__}: {str(exc)[:200]}")
+        logger.warning("code reward: the program's sandbox sent a %s; the case fails", box.failure)
         return {"lost": box.failure}
+    if time.monotonic() > deadline:
+        box.stop("timed out")
+        return {"lost": box.failure}
+    return answer
 
 
-def _clean(reply: dict, resolve: bool) -> dict:
-    """Rebuild a program's reply from its checked parts only (values decoded and re-encoded)."""
+def _clean(reply: dict, rid: int, request: dict) -> dict:
+    """Rebuild a program's reply to ``request`` (request id ``rid``) from its checked parts only (values
+    decoded and re-encoded).
+
+    Raises:
+        WireError: anything but the answer the harness gives (see :mod:`_sandbox_program`).
+    """
+    if reply.get("id") != rid:
+        raise wire.WireError("a reply to another request")
     if "raised" in reply:
         return {"raised": _text(reply["raised"]), "message": _text(reply.get("message", ""))}
-    if resolve:
-        values = reply["values"]
-        if type(values) is not dict:
-            raise wire.WireError("'values' must be an object")
-        return {"values": {_text(name): _reencode(v) for name, v in values.items()}}
-    mutated = reply.get("mutated", {})
-    if type(mutated) is not dict:
-        raise wire.WireError("'mutated' must be an object")
+    if "resolve" in request:
+        values = _field(reply, "values", dict)
+        stray = [name for name in values if name not in request["resolve"]]
+        if stray:
+            raise wire.WireError(f"names that were not asked for: {[_text(n)[:40] for n in stray[:5]]}")
+        return {"values": {name: _reencode(v) for name, v in values.items()}}
+    mutated = _field(reply, "mutated", dict, {})
+    args = len(request.get("args", []))
+    for index in mutated:
+        if type(index) is not str or not index.isdecimal() or int(index) >= args:
+            raise wire.WireError(f"'mutated' names no argument: {_text(index)[:40]!r}")
     return {
-        "value": _reencode(reply["value"]),
-        "mutated": {str(int(index)): _reencode(v) for index, v in mutated.items()},
+        "value": _reencode(_field(reply, "value", object)),
+        "mutated": {index: _reencode(v) for index, v in mutated.items()},
     }
+
+
+_MISSING = object()
+
+
+def _field(reply: dict, key: str, kind: type, default: Any = _MISSING) -> Any:
+    """``reply[key]``, checked to be a ``kind`` (``object``: anything)."""
+    value = reply.get(key, default)
+    if value is _MISSING:
+        raise wire.WireError(f"no '{key}' in the reply")
+    if kind is not object and type(value) is not kind:
+        raise wire.WireError(f"'{key}' must be a {kind.__name__}, got {type(value).__name__}")
+    return value
 
 
 def _reencode(obj: Any) -> Any:

@@ -5,9 +5,11 @@ A :class:`SandboxProcess` is one bubblewrap sandbox running a harness of this pa
 for tests) under :class:`SandboxLimits`. Its caps, and who enforces them:
 
 - wall clock (``wall_s``): the trainer kills the sandbox at its deadline;
-- memory of the whole program (``memory_mb``): the trainer sums the resident memory (anonymous + shared) of
-  every process of the sandbox every few milliseconds and kills it past the cap; each process is also
-  capped by ``RLIMIT_AS``; the work folder's tmpfs is capped separately (``disk_mb``);
+- memory of the whole program (``memory_mb``): a thread of the trainer sums the resident memory (anonymous +
+  shared) of every process of every live sandbox every few milliseconds and kills a sandbox past its cap
+  (:mod:`~sparrow_nemo.rewards.sandbox_memory`); the kernel caps each process (``RLIMIT_AS``) and the seccomp
+  filter denies the memory no resident size shows; the work folder's tmpfs is capped separately
+  (``disk_mb``);
 - processes (``max_processes``): ``RLIMIT_NPROC``, which the kernel counts per user namespace, so it caps
   this sandbox's processes only; CPU seconds (``cpu_s``): ``RLIMIT_CPU`` per process;
 - output (``output_bytes``): stdout, every reply line and the total written to stderr (where a served
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import math
 import os
 import select
@@ -39,20 +42,40 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from sparrow_nemo.rewards import sandbox_wire as wire
-from sparrow_nemo.rewards.sandbox_os import SANDBOX_DIR, bwrap_command, popen_user_args, require
+from sparrow_nemo.rewards.sandbox_memory import WATCH
+from sparrow_nemo.rewards.sandbox_os import (
+    SANDBOX_DIR,
+    bwrap_command,
+    memory_file,
+    popen_user_args,
+    require,
+    seccomp_file,
+)
 
 _HERE = Path(__file__).parent
-#: how often the trainer sums the sandbox's memory
-_MEMORY_POLL_S = 0.01
+#: longest wait for a pipe before the loops look at the clock and at a failure set by the memory watch
+_WAKE_S = 0.05
 #: stderr kept for diagnostics (the rest is read and dropped)
 _STDERR_KEEP = 64 * 1024
 #: how long a killed sandbox may take to vanish before that is an error
 _REAP_S = 30.0
 
 
+#: the largest value a test spec may give each limit: a data row cannot lift the caps (``wall_s: 1e12``)
+LIMIT_MAXIMA = {
+    "wall_s": 600.0,
+    "cpu_s": 600,
+    "memory_mb": 16384,
+    "disk_mb": 4096,
+    "output_bytes": 64 << 20,
+    "max_processes": 1024,
+}
+
+
 @dataclass(frozen=True)
 class SandboxLimits:
-    """Limits of one sandboxed program (all must be finite and positive; all but ``wall_s`` integers).
+    """Limits of one sandboxed program (all positive and at most their :data:`LIMIT_MAXIMA`; all but
+    ``wall_s`` integers).
 
     Attributes:
         wall_s: wall-clock seconds (per test case) before the sandbox is killed.
@@ -74,9 +97,10 @@ class SandboxLimits:
         for name, value in asdict(self).items():
             integer = name != "wall_s"
             ok_type = type(value) is int or (not integer and type(value) is float)
-            if not ok_type or not math.isfinite(value) or value <= 0:
-                kind = "a positive integer" if integer else "a finite positive number of seconds"
-                raise ValueError(f"code sandbox limit '{name}' must be {kind}, got {value!r}")
+            top = LIMIT_MAXIMA[name]
+            if not ok_type or not math.isfinite(value) or not 0 < value <= top:
+                kind = "a positive integer" if integer else "a positive number of seconds"
+                raise ValueError(f"code sandbox limit '{name}' must be {kind} up to {top}, got {value!r}")
 
 
 class SandboxProcess:
@@ -111,9 +135,9 @@ class SandboxProcess:
         self._pending = b""
         self._tmp: Path | None = None
         self._init_pidfd: int | None = None
-        self._next_memory_check = 0.0
+        self._watch_key = next(_watch_keys)
         contents = _harness_files() | files
-        stdin_fd = _memfd("stdin", stdin) if stdin is not None else subprocess.PIPE
+        stdin_fd = memory_file("stdin", stdin) if stdin is not None else subprocess.PIPE
         keep: list[int] = []
         try:
             if unsafe:
@@ -125,13 +149,14 @@ class SandboxProcess:
                 popen = {"cwd": self._tmp / "work", "env": {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}}
             else:
                 iso = require()
-                fds = {name: _memfd(name, data) for name, data in contents.items()}
+                fds = {name: memory_file(name, data) for name, data in contents.items()}
                 keep += fds.values()
+                seccomp = seccomp_file()
                 info_r, info_w = os.pipe()
-                keep.append(info_w)
+                keep += [seccomp, info_w]
                 argv = [iso.python, "-I", "-S", f"{SANDBOX_DIR}/{harness}", *args]
                 disk = limits.disk_mb << 20
-                cmd = bwrap_command(iso, argv, disk, fds, info_fd=info_w)
+                cmd = bwrap_command(iso, argv, disk, fds, seccomp, info_fd=info_w)
                 # bwrap's own environment is the PID-namespace init's, which the program can read in /proc/1:
                 # it gets none of the trainer's (tokens, paths)
                 popen = {"cwd": "/", "env": {"PATH": "/usr/bin:/bin"}, **popen_user_args(iso.run_as)}
@@ -150,6 +175,7 @@ class SandboxProcess:
         if not unsafe:
             self._init_pidfd = _init_pidfd(info_r, self.proc.pid)
         self._exit_fd = os.pidfd_open(self.proc.pid)
+        WATCH.watch(self._watch_key, self.proc.pid, limits.memory_mb << 20, self._over_memory)
         for pipe in (self.proc.stdout, self.proc.stderr, self.proc.stdin):
             if pipe is not None:
                 os.set_blocking(pipe.fileno(), False)
@@ -190,7 +216,7 @@ class SandboxProcess:
         while self.failure is None:
             if max(len(self.stdout), self._stderr_total) > self.limits.output_bytes:
                 self.stop("output limit")
-            elif self.proc.poll() is not None and self.proc.stdout.closed and self.proc.stderr.closed:
+            elif self.proc.returncode is not None and self.proc.stdout.closed and self.proc.stderr.closed:
                 break
             elif time.monotonic() >= deadline:
                 self.stop("timed out")
@@ -208,16 +234,16 @@ class SandboxProcess:
         return self.proc.returncode
 
     def _pump(self, deadline: float) -> None:
-        """Wait (until ``deadline``, at most one memory-poll interval) and move what is ready between the
-        pipes; then check the memory of the whole sandbox."""
+        """Wait (until ``deadline``, at most ``_WAKE_S``) and move what is ready between the pipes."""
         readers: list = [p for p in (self.proc.stdout, self.proc.stderr) if not p.closed]
         if self.proc.returncode is None:
             readers.append(self._exit_fd)  # wakes up when the sandbox exits
         writers = [self.proc.stdin] if self._pending else []
-        timeout = min(max(0.0, deadline - time.monotonic()), _MEMORY_POLL_S)
+        timeout = min(max(0.0, deadline - time.monotonic()), _WAKE_S)
         ready_r, ready_w, _ = select.select(readers, writers, [], timeout)
         for pipe in ready_r:
-            if pipe is self._exit_fd:
+            if pipe is self._exit_fd:  # exited: reaped once the memory watch lets go of its pid
+                WATCH.unwatch(self._watch_key)
                 self.proc.poll()
                 continue
             chunk = os.read(pipe.fileno(), 1 << 16)
@@ -235,11 +261,19 @@ class SandboxProcess:
                 self._pending = self._pending[written:]
             except BrokenPipeError:
                 self._pending = b""
-        now = time.monotonic()
-        if now >= self._next_memory_check:
-            self._next_memory_check = now + _MEMORY_POLL_S
-            if _tree_memory(self.proc.pid) > self.limits.memory_mb << 20:
-                self.stop("memory limit")
+
+    def _over_memory(self) -> None:
+        """The memory watch's thread: record the limit and kill the sandbox (:meth:`close` reaps it). The
+        pid is not reaped while watched, and the pidfd is closed only after :meth:`close` unwatches."""
+        if self.failure is None:
+            self.failure = "memory limit"
+        with contextlib.suppress(ProcessLookupError):
+            if self._tmp is not None:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            else:
+                for fd in (self._exit_fd, self._init_pidfd):  # bwrap, and its init at once
+                    if fd is not None:
+                        signal.pidfd_send_signal(fd, signal.SIGKILL)
 
     # ---- ending it -----------------------------------------------------------------------------------
     def stop(self, why: str) -> None:
@@ -254,6 +288,7 @@ class SandboxProcess:
         Raises:
             RuntimeError: a sandbox process survived ``_REAP_S`` seconds after the kill (never expected).
         """
+        WATCH.unwatch(self._watch_key)
         if self.proc.returncode is None:
             try:
                 if self._tmp is not None:
@@ -289,20 +324,14 @@ class SandboxProcess:
         self.close()
 
 
+_watch_keys = itertools.count()  # next() is atomic under the GIL: safe across reward threads
+
+
 @functools.cache
 def _harness_files() -> dict[str, bytes]:
     """The files of this package every harness needs next to it (read once)."""
     names = ("sandbox_wire.py", "_sandbox_program.py", "_sandbox_checker.py")
     return {name: (_HERE / name).read_bytes() for name in names}
-
-
-def _memfd(name: str, data: bytes) -> int:
-    """An anonymous in-memory file holding ``data``, positioned at its start."""
-    fd = os.memfd_create(name, os.MFD_CLOEXEC)
-    os.write(fd, data)  # memfds take the whole write
-    os.lseek(fd, 0, os.SEEK_SET)
-    os.set_inheritable(fd, True)
-    return fd
 
 
 def _init_pidfd(info_r: int, bwrap_pid: int) -> int | None:
@@ -341,24 +370,6 @@ def _wait_readable(fd: int, deadline: float) -> bool:
     """Whether ``fd`` becomes readable (a pidfd: its process exited) before ``deadline``."""
     ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
     return bool(ready)
-
-
-def _tree_memory(root: int) -> int:
-    """Bytes of anonymous + shared resident memory of ``root`` and all its descendants (0 once gone)."""
-    total, todo = 0, [root]
-    while todo:
-        pid = todo.pop()
-        try:
-            with open(f"/proc/{pid}/status", "rb") as fh:
-                for line in fh:
-                    if line.startswith((b"RssAnon:", b"RssShmem:")):
-                        total += int(line.split()[1]) << 10
-            for tid in os.listdir(f"/proc/{pid}/task"):
-                with open(f"/proc/{pid}/task/{tid}/children", "rb") as fh:
-                    todo += [int(c) for c in fh.read().split()]
-        except (FileNotFoundError, ProcessLookupError):
-            continue  # exited meanwhile
-    return total
 
 
 @dataclass(frozen=True)

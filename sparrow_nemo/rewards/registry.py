@@ -13,6 +13,8 @@ for); other packages register theirs when imported (``register_reward``), so thi
   prompts come from the task, not from ``data.train_path``.
 
 The recipe's ``reward`` section is :class:`RewardConfig`; ``reward.type`` is any of :func:`reward_names`.
+The trainer and the evaluation call a reward through :func:`guarded_reward`: a completion that makes it raise
+is that sample's 0, never the end of the run.
 """
 
 from __future__ import annotations
@@ -20,11 +22,15 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from sparrow_nemo.config.schema import Section, knob, one_of_names
+
+logger = logging.getLogger(__name__)
 
 RewardFn = Callable[[str, Any], float]
 
@@ -64,6 +70,20 @@ def get_reward(name: str) -> RewardFn:
         raise KeyError(f"unknown reward '{name}'; known: {', '.join(reward_names())}")
     module, attr = _BUILTIN[name].split(":")
     return getattr(importlib.import_module(module), attr)
+
+
+def guarded_reward(reward: Callable[[Any, Any], float], response: Any, answer: Any) -> float | None:
+    """``reward(response, answer)`` as a float; None (logged) when it raised or is not finite. Any completion
+    reaches a reward: its failure on one is that sample's alone."""
+    try:
+        value = float(reward(response, answer))
+    except Exception as exc:
+        logger.warning("reward raised %s: %s; the sample scores 0", type(exc).__name__, str(exc)[:300])
+        return None
+    if not math.isfinite(value):
+        logger.warning("reward returned %s; the sample scores 0", value)
+        return None
+    return value
 
 
 def bind_reward(name: str, options: dict[str, Any]) -> RewardFn:

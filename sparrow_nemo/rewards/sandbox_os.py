@@ -14,7 +14,8 @@ Nothing else of the host exists there: no ``/tmp``, ``/etc``, ``/run``, ``/dev/s
 socket (abstract Unix sockets belong to the network namespace), no training data. bwrap drops every
 capability, forbids new user namespaces inside (``--disable-userns``), starts the program in a new
 session, and kills it when its parent dies (``--die-with-parent``); the PID namespace's init takes every
-descendant with it.
+descendant with it. A seccomp filter (:mod:`sparrow_nemo.rewards.sandbox_seccomp`) denies the keyrings,
+System V IPC, non-Unix sockets, memfds, io_uring, userfaultfd and ptrace.
 
 :func:`probe` checks once per trainer uid that this actually works, by starting a sandbox; when it does
 not, :attr:`Isolation.missing` says what is missing and the code reward refuses to run (unless the recipe
@@ -30,6 +31,8 @@ import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
+
+from sparrow_nemo.rewards.sandbox_seccomp import seccomp_program
 
 #: where the harness files and the program appear inside the sandbox
 SANDBOX_DIR = "/sandbox"
@@ -93,8 +96,22 @@ def _host_layout() -> list[str]:
     return args
 
 
+def memory_file(name: str, data: bytes) -> int:
+    """An anonymous in-memory file holding ``data``, positioned at its start, inheritable (for bwrap)."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    os.write(fd, data)  # memfds take the whole write
+    os.lseek(fd, 0, os.SEEK_SET)
+    os.set_inheritable(fd, True)
+    return fd
+
+
 def bwrap_command(
-    iso: Isolation, argv: list[str], disk_bytes: int, files: dict[str, int], info_fd: int | None = None
+    iso: Isolation,
+    argv: list[str],
+    disk_bytes: int,
+    files: dict[str, int],
+    seccomp_fd: int,
+    info_fd: int | None = None,
 ) -> list[str]:
     """The bwrap command line running ``argv`` in the sandbox.
 
@@ -103,6 +120,7 @@ def bwrap_command(
         disk_bytes: size of the ``/work`` tmpfs.
         files: ``{name: fd}``: each fd's content (read to EOF by bwrap) appears read-only as
             ``/sandbox/<name>``.
+        seccomp_fd: a :func:`memory_file` of :func:`~sparrow_nemo.rewards.sandbox_seccomp.seccomp_program`.
         info_fd: bwrap writes ``{"child-pid": <host pid of the namespace's init>, ...}`` there.
     """
     if not iso.available:
@@ -119,9 +137,18 @@ def bwrap_command(
     env = {"PATH": "/usr/bin:/bin", "HOME": WORK_DIR, "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8"}
     for key, value in env.items():
         cmd += ["--setenv", key, value]
+    cmd += ["--seccomp", str(seccomp_fd)]
     if info_fd is not None:
         cmd += ["--info-fd", str(info_fd)]
     return [*cmd, "--", *argv]
+
+
+def seccomp_file() -> int:
+    """A :func:`memory_file` holding this machine's seccomp filter (the caller closes it)."""
+    program = seccomp_program()
+    if program is None:  # probe() refuses such a machine first
+        raise SandboxUnavailable(f"no seccomp filter for this machine ({os.uname().machine})")
+    return memory_file("seccomp", program)
 
 
 def _python_prefix(exe: str) -> str | None:
@@ -167,13 +194,22 @@ def _try(bwrap: str, run_as: int | None, exe: str, binds: tuple[str, ...]) -> st
     """None when a sandbox running ``exe`` starts and works; else bwrap's (or python's) last error line."""
     iso = Isolation(bwrap, run_as, exe, binds, None)
     probe = "import os; os.listdir('/work'); print('ok')"
-    cmd = bwrap_command(iso, [exe, "-I", "-S", "-c", probe], 1 << 20, {})
+    seccomp = seccomp_file()
+    cmd = bwrap_command(iso, [exe, "-I", "-S", "-c", probe], 1 << 20, {}, seccomp)
     try:
         out = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=60, check=False, **popen_user_args(run_as)
+            cmd,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+            pass_fds=[seccomp],
+            **popen_user_args(run_as),
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"{type(exc).__name__}: {exc}"
+    finally:
+        os.close(seccomp)
     if out.returncode == 0 and out.stdout.strip() == "ok":
         return None
     lines = (out.stderr or out.stdout).strip().splitlines()
@@ -191,6 +227,10 @@ def _probe(euid: int) -> Isolation:
             None,
             (),
             "bubblewrap is not installed (no 'bwrap' on PATH; apt-get install bubblewrap)",
+        )
+    if seccomp_program() is None:
+        return Isolation(
+            bwrap, run_as, None, (), f"no seccomp filter for this machine ({os.uname().machine})"
         )
     errors = []
     for exe in _candidates():

@@ -13,7 +13,9 @@ A value is encoded as:
   the process that made it (only a call or an attribute read can be asked of it, never a comparison).
 
 :func:`decode` builds only those plain types (and :class:`Handle` for ``{"h": id}``), so nothing a
-sandboxed program sends can carry its own ``__eq__``, ``__hash__`` or any other code.
+sandboxed program sends can carry its own ``__eq__``, ``__hash__`` or any other code. Its time is linear in
+the message's size: a set or dict with more than :data:`MAX_SAME_HASH` elements sharing one hash value (ints
+``k * (2**61 - 1) + c`` all hash alike, and a set of n of them costs n^2 / 2 comparisons) is refused.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from typing import Any
 
 #: nesting deeper than this is refused (by both sides) instead of recursing
 MAX_DEPTH = 100
+#: elements of one set (keys of one dict) that may share a hash value; honest values rarely have two
+MAX_SAME_HASH = 8
 
 
 class WireError(ValueError):
@@ -104,11 +108,15 @@ def decode(obj: Any, from_handle: Callable[[int], Any] = Handle, depth: int = 0)
         if tag == "t":
             return tuple(decode(v, from_handle, d) for v in _list(body))
         if tag == "s":
-            return {decode(v, from_handle, d) for v in _list(body)}
+            return set(_few_per_hash([decode(v, from_handle, d) for v in _list(body)]))
         if tag == "fs":
-            return frozenset(decode(v, from_handle, d) for v in _list(body))
+            return frozenset(_few_per_hash([decode(v, from_handle, d) for v in _list(body)]))
         if tag == "d":
-            return {decode(k, from_handle, d): decode(v, from_handle, d) for k, v in map(_pair, _list(body))}
+            pairs = [
+                (decode(k, from_handle, d), decode(v, from_handle, d)) for k, v in map(_pair, _list(body))
+            ]
+            _few_per_hash([k for k, _ in pairs])
+            return dict(pairs)
         if tag == "b" and type(body) is str:
             return bytes.fromhex(body)
         if tag == "c":
@@ -121,6 +129,18 @@ def decode(obj: Any, from_handle: Callable[[int], Any] = Handle, depth: int = 0)
     except (TypeError, ValueError) as exc:  # an unhashable set element or dict key, bad hex
         raise WireError(f"bad '{tag}' value: {exc}") from None
     raise WireError(f"not a wire value: tag {tag!r}")
+
+
+def _few_per_hash(items: list) -> list:
+    """``items`` once checked that at most :data:`MAX_SAME_HASH` of them share a hash value (linear: the
+    hash values, ints below 2**61, are themselves keys of distinct hashes)."""
+    count: dict[int, int] = {}
+    for item in items:
+        h = hash(item)  # TypeError for an unhashable element: the caller's WireError
+        count[h] = count.get(h, 0) + 1
+        if count[h] > MAX_SAME_HASH:
+            raise WireError(f"more than {MAX_SAME_HASH} elements share one hash value (hash flooding)")
+    return items
 
 
 def _list(body: Any) -> list:

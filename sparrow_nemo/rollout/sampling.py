@@ -73,27 +73,33 @@ def sample_from(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     [0, 1) -> [B] int64: the first id whose cumulative weight (vocabulary order) exceeds ``u * total``, never a
     zero-weight id.
 
-    Two levels, both in fp64: block sums of :data:`CDF_BLOCK` ids and their cumulative sum pick the block, a
-    cumulative sum inside that block picks the id. Memory: [B, V / CDF_BLOCK + CDF_BLOCK] fp64, no sort.
+    In fp64; a vocabulary of more than :data:`CDF_BLOCK` ids in two levels: the cumulative sum of its blocks'
+    sums picks the block, a cumulative sum inside that block picks the id (memory [B, V / CDF_BLOCK + CDF_BLOCK]
+    fp64, no sort, no [B, V] fp64 tensor).
     """
+    target = uniforms.to(device=weights.device, dtype=torch.float64)[:, None]
     batch, vocab = weights.shape
+    if vocab <= CDF_BLOCK:
+        return _inverse_cdf(torch.cumsum(weights, dim=-1, dtype=torch.float64), target).squeeze(-1)
     blocks = -(-vocab // CDF_BLOCK)
     padded = torch.nn.functional.pad(weights, (0, blocks * CDF_BLOCK - vocab)).view(batch, blocks, CDF_BLOCK)
-    block_sums = padded.sum(dim=-1, dtype=torch.float64)  # [B, blocks]
-    block_cdf = torch.cumsum(block_sums, dim=-1)
-    target = uniforms.to(device=weights.device, dtype=torch.float64)[:, None] * block_cdf[:, -1:]  # [B, 1]
-    # u * total may round up to total: clamp to the last block (and below, id) of positive weight
-    block = torch.minimum(torch.searchsorted(block_cdf, target, right=True), _last_positive(block_sums))
+    block_cdf = torch.cumsum(padded.sum(dim=-1, dtype=torch.float64), dim=-1)  # [B, blocks]
+    target = target * block_cdf[:, -1:]
+    block = _inverse_cdf(block_cdf, target, scaled=True)  # [B, 1]
     before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), 0.0)
-    inner = padded.gather(1, block[:, :, None].expand(-1, -1, CDF_BLOCK))[:, 0].to(torch.float64)
-    pick = torch.searchsorted(torch.cumsum(inner, dim=-1), target - before, right=True)
-    last = _last_positive(inner)
-    return (block * CDF_BLOCK + torch.minimum(pick, last)).squeeze(-1)
+    inner = padded.gather(1, block[:, :, None].expand(-1, -1, CDF_BLOCK))[:, 0]
+    pick = _inverse_cdf(torch.cumsum(inner, dim=-1, dtype=torch.float64), target - before, scaled=True)
+    return (block * CDF_BLOCK + pick).squeeze(-1)
 
 
-def _last_positive(x: torch.Tensor) -> torch.Tensor:
-    """Index of the last positive entry of each row of ``x [B, N]`` -> [B, 1] int64 (0 for an all-zero row)."""
-    return x.shape[-1] - 1 - torch.argmax((x.flip(-1) > 0).to(torch.int8), dim=-1, keepdim=True)
+def _inverse_cdf(cdf: torch.Tensor, target: torch.Tensor, scaled: bool = False) -> torch.Tensor:
+    """The first index of each row of ``cdf [B, N]`` (a cumulative sum) above ``target [B, 1]`` (``u`` in [0, 1)
+    times the row's total unless ``scaled``), at most the index where the sum reached its total (the last
+    positive entry: ``u * total`` may round up to the total) -> [B, 1] int64."""
+    total = cdf[:, -1:]
+    value = target if scaled else target * total
+    last = (cdf < total).sum(dim=-1, keepdim=True)
+    return torch.minimum(torch.searchsorted(cdf, value, right=True), last)
 
 
 def kept_probs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:

@@ -128,3 +128,29 @@ def test_bad_input_is_one_line_without_traceback(
     monkeypatch.setenv("SPARROW_DEBUG", "1")
     with pytest.raises(ValueError, match="takes no options"):
         cli.main(argv)
+
+
+@pytest.mark.parametrize(
+    ("make", "said"),
+    [
+        (lambda p: p.write_text("x"), "exists and is not a folder"),
+        (lambda p: (p.symlink_to(p.with_name("b")), p.with_name("b").symlink_to(p)), "a symbolic link loop"),
+        (lambda p: p.symlink_to(p.with_name("nowhere")), "a symbolic link to nothing"),
+    ],
+    ids=["a file", "a symlink loop", "a dangling link"],
+)
+def test_a_run_dir_that_is_no_folder_is_one_line(
+    make, said: str, capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Refused before anything is built (no warm-start, no model): one line naming the path."""
+    monkeypatch.delenv("SPARROW_DEBUG", raising=False)
+    monkeypatch.setenv("SPARROW_CACHE", str(tmp_path / "cache"))
+    run = tmp_path / "a"
+    make(run)
+    for path in (run, run / "sub"):
+        assert cli.main(["train", "--run-dir", str(path)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+        assert err.startswith(f"sparrow train: run folder {path}"), err
+        assert said in err or (path.name == "sub" and "Not a directory" in err), err
+    assert not (tmp_path / "cache").exists()

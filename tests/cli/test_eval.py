@@ -82,6 +82,20 @@ def test_score_samples_groups_prompt_major_and_counts_reward_one_as_correct() ->
         score_samples(batch, [7, 4, 1], lambda ids, answer: 1.0, n=3, ks=[1])
 
 
+def test_a_reward_that_raises_on_one_response_scores_it_zero(caplog: pytest.LogCaptureFixture) -> None:
+    """An evaluation meets any completion a model writes: a reward that raises on one is that sample's 0."""
+    batch = RolloutBatch([_sample(r) for r in ([7], [3], [9])], "dense", prefill_s=0.5, decode_s=0.5)
+
+    def reward(ids: list[int], answer: int) -> float:
+        if ids[0] == 3:
+            raise KeyError("values")
+        return 1.0 if ids[0] == answer else 0.0
+
+    (result,) = score_samples(batch, [7], reward, n=3, ks=[1])
+    assert result.rewards == [1.0, 0.0, 0.0] and result.correct == 1
+    assert "reward raised KeyError" in caplog.text
+
+
 def test_summary_averages_over_prompts() -> None:
     def result(i: int, rewards: list[float]) -> PromptResult:
         c = sum(r >= 1 for r in rewards)

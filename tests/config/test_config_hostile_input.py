@@ -55,6 +55,17 @@ def test_alias_bomb_as_an_override_is_refused() -> None:
     assert "aliases are expanded" in message
 
 
+@pytest.mark.parametrize("digits", ["1" * 120_000, "0x" + "f" * 5_000])
+def test_an_integer_python_cannot_print_names_its_key(digits: str, write_recipe: Writer) -> None:
+    """A 120 KiB integer override once ended in Python's own ValueError, naming no key."""
+    for override in (f"trainer.max_steps={digits}", f"++reward.options.x={digits}"):
+        key = override.split("=")[0].lstrip("+")
+        message = error_of(None, override)
+        assert f"the value of {key} is refused: an integer of {len(digits):,} characters" in message
+    message = error_of(write_recipe("long_int", f"trainer:\n  max_steps: {digits}\n"))
+    assert "long_int.yaml line 2" in message and "Python converts" in message
+
+
 def test_a_few_aliases_are_fine(write_recipe: Writer) -> None:
     recipe = write_recipe("anchors", "trainer: &t {seed: 3}\nwarmstart: {steps: 7}\n")
     assert load_config(recipe).trainer.seed == 3

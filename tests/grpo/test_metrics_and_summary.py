@@ -13,7 +13,7 @@ from sparrow_nemo.grpo.evaluation import end_evaluation_order, repeat_tag
 from sparrow_nemo.grpo.metrics import MetricsWriter, merge_metrics, read_metrics, rollout_progress
 from sparrow_nemo.grpo.plots import write_plots
 from sparrow_nemo.grpo.recipe import load_config
-from sparrow_nemo.grpo.step_batch import LocalRollout, measure_tokens
+from sparrow_nemo.grpo.step_batch import LocalRollout, measure_tokens, score
 from sparrow_nemo.grpo.summary import (
     build_summary,
     format_summary,
@@ -42,6 +42,28 @@ def _sample(n: int, reason: str) -> RolloutSample:
     )
 
 
+def test_a_reward_that_raises_scores_that_sample_zero_and_is_counted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """One completion the reward function cannot take (it raises, or returns NaN) is a 0 and a count in
+    ``reward/errors``, never the end of the run; the other samples keep their rewards."""
+
+    def reward(ids: list[int], answer: int) -> float:
+        if len(ids) == 3:
+            raise KeyError("values")
+        return math.nan if len(ids) == 4 else float(answer)
+
+    local = LocalRollout([_sample(n, "stop_token") for n in (2, 3, 4, 5)], range(0, 4), seconds=1.0)
+    score(local, [1, 0], reward, lambda r: r - r.mean(), group_size=2)
+    assert local.rewards.tolist() == [1.0, 0.0, 0.0, 0.0] and local.reward_errors == 2
+    assert "KeyError" in caplog.text and "nan" in caplog.text
+    n = sum(s.response_ids.numel() for s in local.samples)
+    mm = TokenMismatch(torch.ones(n), torch.arange(n), torch.zeros(n), torch.zeros(n))
+    schedule = BudgetSchedule(bin_tokens=4, budgets=(32,), page_size=16, name="s")
+    m = measure_tokens(local, mm, schedule, 0.5, 2.0).metrics(schedule, 0.5)
+    assert m["reward/errors"] == 2.0 and m["reward/mean"] == 0.25
+
+
 def test_step_metrics_hand_computed() -> None:
     samples = [_sample(2, "stop_token"), _sample(4, "length")]
     local = LocalRollout(
@@ -62,6 +84,7 @@ def test_step_metrics_hand_computed() -> None:
     m = stats.metrics(schedule, 0.5)
     assert m["reward/mean"] == 0.5 and m["reward/std"] == pytest.approx(math.sqrt(0.5))
     assert m["reward/accuracy"] == 0.5 and m["advantage/nonzero_fraction"] == 0.5
+    assert m["reward/errors"] == 0.0
     assert (m["response_length/mean"], m["response_length/max"], m["response_length/min"]) == (3.0, 4.0, 2.0)
     assert m["response_length/truncation_rate"] == 0.5
     assert m["rollout/tokens"] == 6.0 and m["rollout/tokens_per_s"] == pytest.approx(12.5)

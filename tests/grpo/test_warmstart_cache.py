@@ -137,3 +137,17 @@ def test_a_staged_warm_start_trains_its_stage_first_and_starts_from_it(tmp_path:
     )
     with pytest.raises(ValueError, match="one stage deep only"):
         cache_key(load_config(recipe), "CharTokenizer")
+
+
+def test_the_code_digest_ignores_docstrings_and_comments_but_not_code() -> None:
+    """Documentation edits keep the warm-start key (and the shipped checkpoints valid); code edits change it."""
+    a = '"""Module doc."""\n\ndef f(x):\n    """What f does."""\n    return x + 1  # a comment\n'
+    b = '"""Another doc."""\n\ndef f(x):\n    # another comment\n    return x + 1\n'
+    c = '"""Module doc."""\n\ndef f(x):\n    """What f does."""\n    return x + 2\n'
+    assert warmstart._code(a) == warmstart._code(b) != warmstart._code(c)
+    assert warmstart._code('def g():\n    """Only a docstring."""\n') == warmstart._code(
+        "def g():\n    pass\n"
+    )
+    assert set(warmstart.PLANNING_ONLY) <= {
+        f"policy/{p.name}" for p in (Path(warmstart.__file__).parents[1] / "policy").glob("*.py")
+    }

@@ -7,12 +7,14 @@ it comes from the shared cache (``~/.cache/sparrow_nemo/warmstart`` or ``$SPARRO
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 
 from sparrow_nemo.grpo.world import env_without_launcher
@@ -64,6 +66,26 @@ def start(run_dir: Path, log: Path, *overrides: str) -> subprocess.Popen:
         )
 
 
+def run_on_small_disk(command: list[str], mount: str, size: int) -> tuple[list[str], str]:
+    """Run ``command`` with a ``size``-byte tmpfs at ``mount`` (bubblewrap, a private mount namespace; the rest
+    of the file system is the host's); returns (stdout lines: ``exit=<status>`` then the tmpfs's entries,
+    stderr). Skips the test where bubblewrap is missing or cannot make the namespace."""
+    bwrap = shutil.which("bwrap")
+    if bwrap is None:
+        pytest.skip("needs bubblewrap (apt-get install bubblewrap) to mount a tiny file system")
+    wrap = [bwrap, "--dev-bind", "/", "/", "--size", str(size), "--tmpfs", mount, "--"]
+    done = subprocess.run(
+        [*wrap, "sh", "-c", f'"$@"; echo "exit=$?"; ls -A {mount}', "sh", *command],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=env_without_launcher(),
+    )
+    if "Creating new namespace failed" in done.stderr:
+        pytest.skip(f"bubblewrap cannot make a mount namespace here: {done.stderr.strip()}")
+    return done.stdout.splitlines(), done.stderr
+
+
 def wait_for(process: subprocess.Popen, condition: Callable[[], bool], what: str, log: Path) -> None:
     """Poll until ``condition()``; fails (with the log's tail) if the process ends first or time runs out."""
     deadline = time.monotonic() + TIMEOUT
@@ -90,6 +112,17 @@ def metric_rows(run_dir: Path) -> list[dict]:
         except json.JSONDecodeError:
             break  # a line being written
     return rows
+
+
+#: metrics that measure this machine's speed, not the computation (``timing/*``: seconds per phase); the
+#: predicted speedups are the cost model's on constants each fresh run fits to the CPU (a resumed run reads its
+#: folder's: tests/rollout/test_cost_fit.py)
+WALL_CLOCK = ("time", "rollout/tokens_per_s", "sparsity/predicted_speedup")
+
+
+def computed(row: dict) -> dict:
+    """A metrics row without its wall-clock entries: what two runs of the same seed must agree on."""
+    return {k: v for k, v in row.items() if k not in WALL_CLOCK and not k.startswith("timing/")}
 
 
 def checkpoint_state(folder: Path) -> dict:

@@ -22,14 +22,6 @@ from reliability import _train_process as tp
 pytestmark = pytest.mark.slow
 
 STEPS = 6
-#: metrics that measure this machine's speed, not the computation (``timing/*``: seconds per phase); the
-#: predicted speedups are the cost model's on constants each fresh run fits to the CPU (a resumed run reads its
-#: folder's: tests/rollout/test_cost_fit.py)
-WALL_CLOCK = ("time", "rollout/tokens_per_s", "sparsity/predicted_speedup")
-
-
-def _computed(row: dict) -> dict:
-    return {k: v for k, v in row.items() if k not in WALL_CLOCK and not k.startswith("timing/")}
 
 
 def test_sigkill_at_a_random_point_then_resume_equals_the_uninterrupted_run(tmp_path: Path) -> None:
@@ -63,7 +55,7 @@ def test_sigkill_at_a_random_point_then_resume_equals_the_uninterrupted_run(tmp_
     rows, expected = tp.metric_rows(killed_dir), tp.metric_rows(reference_dir)
     assert [r["step"] for r in rows] == [r["step"] for r in expected] == list(range(STEPS)), where
     for row, ref in zip(rows, expected):
-        assert _computed(row) == _computed(ref), f"{where}: step {row['step']} differs"
+        assert tp.computed(row) == tp.computed(ref), f"{where}: step {row['step']} differs"
 
     final = f"step_{STEPS:08d}"
     got = tp.checkpoint_state(killed_dir / "checkpoints" / final)

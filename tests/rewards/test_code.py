@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -148,11 +149,20 @@ def test_extract_code_and_output_matching() -> None:
         ),
         (
             {"format": "asserts", "tests": ["assert 1"], "limits": {"wall_s": float("nan")}},
-            "'wall_s' must be a fin",
+            "'wall_s' must be a positive number of seconds up to 600",
         ),
         (
             {"format": "asserts", "tests": ["assert 1"], "limits": {"wall_s": float("inf")}},
-            "'wall_s' must be a fin",
+            "'wall_s' must be a positive number of seconds up to 600",
+        ),
+        # a data row cannot lift the caps: each limit has a maximum
+        (
+            {"format": "asserts", "tests": ["assert 1"], "limits": {"wall_s": 1e12, "memory_mb": 10**12}},
+            r"'wall_s' must be a positive number of seconds up to 600.0, got 1000000000000.0",
+        ),
+        (
+            {"format": "asserts", "tests": ["assert 1"], "limits": {"memory_mb": 10**12}},
+            r"'memory_mb' must be a positive integer up to 16384, got 1000000000000",
         ),
         ({"format": "asserts", "tests": ["assert 1"], "limits": {"swap_mb": 1}}, "unexpected keyword"),
         ({"format": "stdio", "inputs": [1], "outputs": ["1"]}, "list of strings"),
@@ -169,3 +179,19 @@ def test_registry_exposes_the_rewards() -> None:
     assert get_reward("chain")("Bc7=7 C.\n!C7", "C7") == 1.0
     with pytest.raises(KeyError, match="known: chain, code, math"):
         get_reward("bleu")
+
+
+def test_a_flood_of_blank_lines_is_read_in_linear_time(sandbox: None) -> None:
+    """HumanEval's search for the completion's own ``def`` once took 11 s for 120,000 newlines (a ``\\s*``
+    at each line start rescanned the rest); 2,000,000 would take hours. Linear, it is milliseconds: the
+    bound is for a loaded machine, not a speed claim."""
+    spec = {
+        "format": "humaneval",
+        "prompt": 'def f(x):\n    """x + 1"""\n',
+        "test": "def check(candidate):\n    assert candidate(1) == 2\n",
+        "entry_point": "f",
+        "limits": {"wall_s": 60.0, "output_bytes": 65536},
+    }
+    start = time.monotonic()
+    assert code_reward("\n" * 2_000_000 + "def f(x):\n    return x + 1\n", spec) == 1.0
+    assert time.monotonic() - start < 120

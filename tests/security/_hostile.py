@@ -3,8 +3,10 @@
 :class:`Targets` sets up what an escaped program would go for, each with a way to tell whether it was hit:
 a world-writable folder and a folder of the trainer's user (nothing new may appear), a victim process of
 the trainer's user (must stay alive), a TCP listener on 127.0.0.1 and a Unix socket (path and abstract;
-nobody may connect), a training JSONL holding the expected outputs, a secret in the trainer's environment,
-and a marker that every process an attack starts carries on its command line (none may be left).
+nobody may connect), a training JSONL holding the expected outputs, a secret in the trainer's environment
+and, as a ``user`` key, in the trainer's session keyring (it may be neither read, changed nor joined by
+another key), and a marker that every process an attack starts carries on its command line (none may be
+left).
 
 Attack programs are the files of ``attacks/`` (one attack each, its docstring says which), with ``$name``
 placeholders filled from :meth:`Targets.fields`. Each is a completion for :data:`ADD_SPECS` (a function
@@ -16,8 +18,10 @@ the same attacks with the trainer as an unprivileged user.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
+import platform
 import socket
 import string
 import subprocess
@@ -39,17 +43,30 @@ LIMITS = {
     "output_bytes": 65536,
     "max_processes": 16,
 }
-_ADD_TESTS = ["assert add(2, 3) == 5", "assert add(-1, 1) == 0", "assert add(10, 20) == 30"]
+#: the tests use a builtin, a module and (assert lists) a helper of the trusted setup: names an attack may
+#: try to rebind in the checker
+_ADD_TESTS = [
+    "assert add(2, 3) == 5",
+    "assert abs(add(-1, 1)) == 0",
+    "assert math.isclose(add(10, 20), 30) and sorted([add(1, 1), 1]) == [1, 2]",
+    "assert expect(add(4, 4), 8)",
+]
 ADD_SPECS = {
     "humaneval": {
         "format": "humaneval",
-        "prompt": 'def add(a, b):\n    """a + b"""\n',
+        "prompt": 'import math\n\n\ndef expect(got, want):\n    return got == want\n\n\ndef add(a, b):\n    """a + b"""\n',
         "test": "def check(candidate):\n"
-        + "".join(f"    {t.replace('add', 'candidate')}\n" for t in _ADD_TESTS),
+        + "".join(f"    {t.replace('add', 'candidate')}\n" for t in _ADD_TESTS)
+        + "    assert add(0, 0) == 0\n",  # by its name, as some HumanEval tests do
         "entry_point": "add",
         "limits": LIMITS,
     },
-    "asserts": {"format": "asserts", "tests": _ADD_TESTS, "limits": LIMITS},
+    "asserts": {
+        "format": "asserts",
+        "setup": "import math\n\n\ndef expect(got, want):\n    return got == want\n",
+        "tests": _ADD_TESTS,
+        "limits": LIMITS,
+    },
 }
 STDIO_SPEC = {"format": "stdio", "inputs": ["2 3\n"], "outputs": ["5"], "limits": LIMITS}
 HONEST = "def add(a, b):\n    return a + b\n"
@@ -58,6 +75,13 @@ HONEST_LIMITS = {**LIMITS, "wall_s": 60.0}
 HONEST_STDIO = "print(sum(map(int, input().split())))\n"
 #: host folders anyone may write to: an escaped program's first choice
 WORLD_WRITABLE = ("/tmp", "/var/tmp", "/dev/shm")
+#: system-call numbers the attacks call directly (no libc wrapper), per machine
+SYSCALLS = {
+    "x86_64": {"keyctl": 250, "add_key": 248, "io_uring_setup": 425, "userfaultfd": 323},
+    "aarch64": {"keyctl": 219, "add_key": 217, "io_uring_setup": 425, "userfaultfd": 282},
+}
+_KEY_SPEC_SESSION_KEYRING = -3
+_KEYCTL_JOIN_SESSION_KEYRING, _KEYCTL_READ = 1, 11
 
 
 def attack_names() -> list[str]:
@@ -96,6 +120,7 @@ class Targets:
         os.chown(self.trainer_dir, self.uid, -1)
         os.chown(self.data_path, self.uid, -1)
         self.secret = f"secret-{os.urandom(8).hex()}"
+        self.keyring = Keyring(self.marker, self.secret)
         self.victim = subprocess.Popen(["sleep", "600"], **_as(self.uid))
         self.tcp = socket.socket()
         self.tcp.bind(("127.0.0.1", 0))
@@ -126,6 +151,9 @@ class Targets:
             "abstract": self.marker,
             "secret": self.secret,
             "disk_bytes": str(LIMITS["disk_mb"] << 20),
+            "memory_mb": str(LIMITS["memory_mb"]),
+            "key_name": self.keyring.name,
+            **{f"nr_{name}": str(nr) for name, nr in SYSCALLS.get(platform.machine(), {}).items()},
         }
 
     def program(self, name: str, trainer_pid: int) -> str:
@@ -147,6 +175,7 @@ class Targets:
         found += [f"process {pid}: {cmd}" for pid, cmd in survivors(self.marker)]
         if self.victim.poll() is not None:
             found.append(f"victim killed ({self.victim.returncode})")
+        found += self.keyring.damage()
         for listener in (self.tcp, self.unix, self.abstract):
             try:
                 conn, _ = listener.accept()
@@ -168,6 +197,47 @@ class Targets:
                 if self.marker in name:
                     os.unlink(os.path.join(folder, name))
         subprocess.run(["rm", "-rf", str(self.base)], check=False)
+
+
+class Keyring:
+    """A fresh session keyring of this process (inherited by the trainer and, unless the sandbox forbids
+    it, by every program) holding one ``user`` key with the secret, as ``kinit`` / ``aklog`` leave tokens
+    under Slurm's PAM. :meth:`damage` says if the key changed or another key joined it."""
+
+    def __init__(self, marker: str, secret: str) -> None:
+        self.name, self.secret = f"{marker}-token", secret.encode()
+        numbers = SYSCALLS.get(platform.machine())
+        self._libc = ctypes.CDLL(None, use_errno=True)
+        self._libc.syscall.restype = ctypes.c_long
+        self._keyctl = None if numbers is None else numbers["keyctl"]
+        self.key = -1
+        if numbers is not None and self._call(_KEYCTL_JOIN_SESSION_KEYRING, marker.encode()) > 0:
+            payload = self.secret
+            self.key = self._libc.syscall(
+                numbers["add_key"],
+                b"user",
+                self.name.encode(),
+                payload,
+                len(payload),
+                _KEY_SPEC_SESSION_KEYRING,
+            )
+        self._members = self._read(_KEY_SPEC_SESSION_KEYRING)
+
+    def _call(self, *args: object) -> int:
+        return self._libc.syscall(self._keyctl, *args) if self._keyctl is not None else -1
+
+    def _read(self, key: int) -> bytes:
+        buf = ctypes.create_string_buffer(4096)
+        size = self._call(_KEYCTL_READ, key, buf, 4096)
+        return buf.raw[: max(size, 0)]
+
+    def damage(self) -> list[str]:
+        if self.key <= 0:
+            return []  # no keyrings here (a container's seccomp profile): nothing to steal
+        found = [] if self._read(self.key) == self.secret else ["the trainer's key was changed"]
+        if self._read(_KEY_SPEC_SESSION_KEYRING) != self._members:
+            found.append("a key was planted in the trainer's session keyring")
+        return found
 
 
 def _as(uid: int) -> dict:

@@ -34,6 +34,10 @@ VERDICT_ATTACKS = [
     "forge_replies",
     "override_builtins",
     "deep_and_huge_values",
+    "resolve_extra_names",
+    "malformed_resolve_reply",
+    "malformed_call_reply",
+    "hash_collision_set",
 ]
 CASES = [(n, "humaneval") for n in attack_names()] + [(n, "asserts") for n in VERDICT_ATTACKS]
 

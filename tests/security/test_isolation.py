@@ -3,18 +3,21 @@ red-team checks can fail (the same attacks, run without isolation, do damage the
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
 from sparrow_nemo.rewards import sandbox_os
 from sparrow_nemo.rewards.code import code_reward
-from sparrow_nemo.rewards.code_sandbox import SandboxLimits, run_python
+from sparrow_nemo.rewards.code_sandbox import SandboxLimits, SandboxProcess, limits_json, run_python
 from sparrow_nemo.rewards.sandbox_os import SandboxUnavailable
+from sparrow_nemo.rewards.sandbox_seccomp import DENIED
 
 from ._hostile import ADD_SPECS, REPO, Targets, honest
 
@@ -48,6 +51,70 @@ def test_what_the_program_sees(sandbox: None) -> None:
     assert seen["writable"] == ["/work"]
     assert "size=8192k" in seen["work"][2]
     assert seen["caps"] == "0000000000000000" and seen["new_userns"] == -1
+
+
+#: three processes of 96 MiB each: each under RLIMIT_AS (128 MiB), together over the sandbox's cap
+_THREE_HOLDERS = """
+import os, time
+for _ in range(3):
+    if os.fork() == 0:
+        block = bytearray(96 << 20)
+        for i in range(0, len(block), 4096):
+            block[i] = 1
+        time.sleep(60)
+        os._exit(0)
+time.sleep(60)
+"""
+
+
+def test_every_sandbox_is_watched_while_the_trainer_does_something_else(sandbox: None) -> None:
+    """The total memory cap holds although nothing here waits on this sandbox (the trainer waiting on the
+    checker, decoding a reply, scoring on another thread): the trainer's memory watch polls every live box."""
+    limits = SandboxLimits(wall_s=60.0, memory_mb=128, max_processes=8)
+    files = {"program.py": _THREE_HOLDERS.encode()}
+    with SandboxProcess("_sandbox_program.py", ["stdio", limits_json(limits)], limits, files, b"") as box:
+        deadline = time.monotonic() + 60
+        while box.failure is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # never receive() or wait(): nobody pumps this sandbox
+        assert box.failure == "memory limit"
+
+
+#: every denied call from inside, printing the errno it got (0: it worked)
+_DENIED_CALLS = """
+import ctypes, json, platform, socket
+libc = ctypes.CDLL(None, use_errno=True)
+column = {"x86_64": 0, "aarch64": 1}[platform.machine()]
+got = {}
+for name, numbers in json.loads(input()).items():
+    ctypes.set_errno(0)
+    libc.syscall(numbers[column], 0, 0, 0, 0, 0, 0)
+    got[name] = ctypes.get_errno()
+for family in ("AF_INET", "AF_INET6", "AF_NETLINK", "AF_PACKET"):
+    try:
+        socket.socket(getattr(socket, family), socket.SOCK_DGRAM if family == "AF_NETLINK" else socket.SOCK_STREAM)
+        got[family] = 0
+    except OSError as exc:
+        got[family] = exc.errno
+socket.socketpair()  # Unix sockets stay: asyncio's event loop needs them
+print(json.dumps(got))
+"""
+
+
+def test_the_seccomp_filter_denies_its_calls_and_leaves_the_rest(sandbox: None) -> None:
+    r = run_python(_DENIED_CALLS, json.dumps(DENIED) + "\n", SandboxLimits(wall_s=60.0))
+    assert r.ok, r.stderr
+    got = json.loads(r.stdout)
+    assert {name: got[name] for name in DENIED} == dict.fromkeys(DENIED, errno.EPERM)
+    assert {got[f] for f in ("AF_INET", "AF_INET6", "AF_NETLINK", "AF_PACKET")} == {errno.EAFNOSUPPORT}
+    inside = run_python(
+        "import os, subprocess\nprint(open('/proc/1/status').read().split('Seccomp:')[1].split()[0])\n"
+        "print(subprocess.run(['/bin/echo', 'ok'], capture_output=True, text=True).stdout.strip())\n",
+        "",
+        SandboxLimits(wall_s=60.0),
+    )
+    # the namespace's init is filtered too (a program could write into it through /proc/1/mem), and
+    # programs still start programs
+    assert inside.ok and inside.stdout.split() == ["2", "ok"], inside.stderr
 
 
 def _host_top_links() -> list[str]:
