@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_targets import PAPER_SPEEDUP, cache_bytes_per_token
 from sparse_attention import copy_bandwidth, environment, make_timer
 
 from sparrow_nemo.hf_qwen3 import expected_weight_shapes
@@ -56,8 +57,6 @@ from sparrow_nemo.sparse.cost_model import HARDWARE, DecodeCostModel, Hardware
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET, BudgetSchedule
 
 RESULTS = Path(__file__).resolve().parent / "results"
-#: The paper's rollout speedups at its 0.86 schedules (4xH200, SGLang), the targets to beat.
-PAPER_SPEEDUP = {"qwen3-1.7b": 2.21, "qwen3-4b": 2.41, "qwen3-8b": 2.06, "qwen3-14b": 1.49}
 METHOD = (
     "step-time integration: CUDA-graph decode steps timed at both ends of every constant-budget region "
     "of cached length over a random-filled KV cache, summed over all gen steps (linear within regions)"
@@ -108,12 +107,6 @@ def random_decoder(
             t.normal_(0.0, 0.02, generator=gen)
         params[name] = t
     return Qwen3Decoder(shape, params)
-
-
-def cache_bytes_per_token(shape: Qwen3Shape, dtype: torch.dtype, page_size: int) -> float:
-    """KV cache bytes per token over all layers: K and V in ``dtype`` plus the fp32 centroids."""
-    kv = 2 * shape.num_key_value_heads * shape.head_dim * torch.finfo(dtype).bits // 8
-    return shape.num_layers * (kv + shape.num_key_value_heads * shape.head_dim * 4 / page_size)
 
 
 def fit_batch(
@@ -581,7 +574,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             dense_layers=args.dense_layers,
             attention_backend="triton",
         )
-        per_token = cache_bytes_per_token(shape, dtype, engine.page_size)
+        per_token = cache_bytes_per_token(shape, torch.finfo(dtype).bits // 8, engine.page_size)
         for gen in args.gen_lens:
             done: set[int] = set()
             for want in args.batches:

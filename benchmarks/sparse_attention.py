@@ -42,6 +42,9 @@ from typing import Any
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_targets import KINDS, commit, kind_of
+
 from sparrow_nemo.model_shapes import get_shape
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -318,6 +321,8 @@ def bench_config(sk: ModuleType, cfg: Config, dtype: torch.dtype, device: torch.
     )  # centroids in the K dtype
     kv_bytes = cfg.batch * cfg.num_kv_heads * kept_pages * PAGE * cfg.head_dim * elem * 2
     floor = (centroid_bytes + kv_bytes) / bandwidth * 1e3
+    dense_kv_bytes = cfg.batch * cfg.num_kv_heads * cfg.cached_len * cfg.head_dim * elem * 2
+    limit = dense_kv_bytes / (centroid_bytes + kv_bytes)  # one layer's bytes: the same on every GPU kind
     stages = ms["select"] + ms["attention"]
     best_total = min(x for x in (ms["total"], graph_ms, stages) if x is not None)
     row = {
@@ -341,6 +346,8 @@ def bench_config(sk: ModuleType, cfg: Config, dtype: torch.dtype, device: torch.
         "selected_kv_bytes": kv_bytes,
         "copy_bandwidth_GBps": bandwidth / 1e9,
         "floor_ms": floor,
+        "memory_bound_limit": limit,
+        "limits": {kind: {"batch": cfg.batch, "memory_bound_limit": limit} for kind in KINDS},
         "speedup_vs_dense": dense / best_total,
         "stages_speedup_vs_dense": dense / stages,
         "stages_over_floor": stages / floor,
@@ -353,7 +360,7 @@ def bench_config(sk: ModuleType, cfg: Config, dtype: torch.dtype, device: torch.
 
 
 def environment(sk: ModuleType, device: torch.device) -> dict:
-    """GPU name, driver, library versions and the date (UTC) for every JSON line."""
+    """GPU name and kind, driver, library versions, the date (UTC) and the window's commit for every JSON line."""
     import triton
 
     driver = None
@@ -363,9 +370,12 @@ def environment(sk: ModuleType, device: torch.device) -> dict:
                                     capture_output=True, text=True, check=True).stdout.split("\n")[0].strip()  # fmt: skip
         except (OSError, subprocess.CalledProcessError):
             driver = None
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     return {
+        "commit": commit(),
         "device": str(device),
-        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "gpu": gpu,
+        "gpu_kind": kind_of(gpu) if device.type == "cuda" else None,
         "driver": driver,
         "cuda": torch.version.cuda,
         "torch": torch.__version__,

@@ -10,12 +10,20 @@ Every kernel launch of the package goes through :func:`launch`. Inside :func:`re
 the launches are recorded instead of run (the host-side checks, allocations and launch
 configuration still happen): ``sparrow_kernels.aot`` compiles exactly what the JIT would compile
 from those records, and tests count the launches of one decode step.
+
+Under the interpreter every scalar of a kernel is a one-element NumPy array, and a loop bound such as
+``range(start, end, CHUNK)`` is turned into a Python int by ``int(array)``. NumPy 2.4 refuses that for arrays
+of one dimension; Triton 3.7 and later squeeze the array first, Triton 3.6 does not, so there every kernel
+loop with a run-time bound fails (first at ``selection.py``'s output loop). No kernel expression avoids it
+(reductions and loads give one-element arrays too), so :func:`launch` re-applies the later interpreters'
+squeeze to an interpreter that needs it (:func:`_fix_interpreter_index`, once).
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
+import operator
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -42,6 +50,7 @@ class Launch:
 
 
 _recording: list[list[Launch]] = []
+_interpreter_checked = False
 
 
 def available(device: torch.device | str) -> bool:
@@ -64,10 +73,47 @@ def available(device: torch.device | str) -> bool:
 
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
     """Run ``kernel[grid](*args, **kwargs)``, or record it inside :func:`recorded_launches`."""
+    global _interpreter_checked
     if _recording:
         _recording[-1].append(Launch(kernel, grid, args, kwargs))
         return
+    if INTERPRETED and not _interpreter_checked:
+        _fix_interpreter_index()
+        _interpreter_checked = True
     kernel[grid](*args, **kwargs)
+
+
+def _fix_interpreter_index() -> bool:
+    """Make the interpreter's scalar ``__index__`` squeeze its one-element array (Triton 3.6 under NumPy >= 2.4;
+    see the module docstring). Probes the interpreter's own patch on a stand-in class and wraps it only when
+    that raises; returns whether it did."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    class Scalar:  # stands in for tl.tensor: the patch only sets attributes on the class
+        def __init__(self) -> None:
+            self.handle = SimpleNamespace(data=np.array([3], dtype=np.int32))
+
+    scope = interpreter._LangPatchScope()
+    original(Scalar, scope)
+    try:
+        operator.index(Scalar())
+        return False
+    except TypeError:
+        pass
+    finally:
+        scope.restore()
+
+    def patched(tensor: type, scope: interpreter._LangPatchScope) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = patched
+    return True
 
 
 @contextlib.contextmanager

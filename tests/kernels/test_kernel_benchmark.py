@@ -1,8 +1,7 @@
-"""The benchmark script and the one-shot GPU check, rehearsed in their CPU modes (TRITON_INTERPRET=1).
+"""The attention benchmark script in its CPU mode (TRITON_INTERPRET=1, tiny shapes).
 
-On a GPU machine these are skipped: there benchmarks/gpu_check.sh runs the real thing. The dry run
-goes through every stage of the GPU script with tiny shapes: the compile (warm-up) pass, the rows
-with their verify case and the launch-knob sweep, per-stage timings and the copy to $OUT.
+On a GPU machine these are skipped: there the GPU window (benchmarks/gpu_window.sh) runs the real thing. The
+tiny run goes through the compile (warm-up) pass and the rows with their verify case and the launch-knob sweep.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 cpu_only = pytest.mark.skipif(
-    torch.cuda.is_available(), reason="CPU-mode tooling; the GPU runs gpu_check.sh itself"
+    torch.cuda.is_available(), reason="CPU-mode tooling; the GPU runs gpu_window.sh itself"
 )
 
 
@@ -53,27 +52,28 @@ def test_target_points_come_first_and_targets_are_judged_per_row() -> None:
 
 
 @cpu_only
-@pytest.mark.slow  # ~30 s of interpreter work; CI runs it (the rehearsal of the GPU script)
-def test_gpu_check_dry_run(tmp_path: Path) -> None:
-    env = {**os.environ, "RESULTS_DIR": str(tmp_path / "results"), "OUT": str(tmp_path / "out"),
-           "PYTHON": sys.executable}  # fmt: skip
-    proc = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_check.sh"), "--dry"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=900)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = tmp_path / "out"
-    log = (out / "gpu_check_dry.log").read_text()
-    assert "summary: imports=0 tests=0 compile=0 benchmark=0" in log
-    assert "imports ok; INTERPRETED = True" in log
-    stages = [json.loads(line) for line in (out / "gpu_check_dry_stages.jsonl").read_text().splitlines()]
-    assert [s["stage"] for s in stages] == ["imports", "tests", "compile", "benchmark"]
-    assert all(s["rc"] == 0 and 0 <= s["seconds"] <= s["limit_s"] for s in stages)
-
+@pytest.mark.slow  # ~30 s of interpreter work
+def test_tiny_cpu_run_warms_up_then_measures_every_row(tmp_path: Path) -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{REPO / 'kernels'}:{REPO}"}
+    base = [
+        sys.executable,
+        str(REPO / "benchmarks" / "sparse_attention.py"),
+        "--tiny",
+        "--device",
+        "cpu",
+        "--sweep",
+    ]
+    for extra, name in ((["--warmup-only"], "warmup"), (["--reps", "1"], "bench")):
+        proc = subprocess.run([*base, *extra, "--out", str(tmp_path / f"{name}.jsonl")], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=900)  # fmt: skip
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = tmp_path
     bench = _load_benchmark()
     tiny = bench.tiny_configs()
-    warm = [json.loads(line) for line in (out / "gpu_check_dry_warmup.jsonl").read_text().splitlines()]
+    warm = [json.loads(line) for line in (out / "warmup.jsonl").read_text().splitlines()]
     assert [w["stage"] for w in warm] == ["warmup"] * len(tiny) + ["warmup_total"]
     assert all(w["compile_s"] > 0 for w in warm[:-1])
-    rows = [json.loads(line) for line in (out / "gpu_check_dry_bench.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (out / "bench.jsonl").read_text().splitlines()]
     assert rows[-1]["stage"] == "summary" and rows[-1]["rows"] == len(tiny)
     for row, cfg in zip(rows, tiny):
         assert (row["model"], row["batch"], row["cached_len"]) == (cfg.model, cfg.batch, cfg.cached_len)
@@ -92,7 +92,17 @@ def test_gpu_check_dry_run(tmp_path: Path) -> None:
         )
         floor = (row["centroid_bytes"] + row["selected_kv_bytes"]) / (row["copy_bandwidth_GBps"] * 1e9) * 1e3
         assert row["floor_ms"] == pytest.approx(floor)
-        assert {"gpu", "driver", "torch", "triton", "date"} <= row.keys()
+        assert {"gpu", "driver", "torch", "triton", "date", "commit", "gpu_kind"} <= row.keys()
+        # one layer's bytes dense / sparse: the same limit on either GPU kind
+        dense = cfg.batch * cfg.num_kv_heads * cfg.cached_len * cfg.head_dim * 2 * 2
+        assert row["memory_bound_limit"] == pytest.approx(
+            dense / (row["centroid_bytes"] + row["selected_kv_bytes"])
+        )
+        assert (
+            row["limits"]["h100"]
+            == row["limits"]["h200"]
+            == {"batch": 2, "memory_bound_limit": row["memory_bound_limit"]}
+        )
     sweep = rows[0]["attention_sweep"]
     assert {s["num_splits"] for s in sweep} == {1, 2} and all(s["attention_ms"] > 0 for s in sweep)
     assert rows[1]["attention_sweep"] is None

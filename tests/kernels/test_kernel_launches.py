@@ -75,7 +75,7 @@ def test_dense_layer_has_no_selection_launch(batch: int) -> None:
     assert (aten != []) == (batch == 2)  # the split merge's counters are zeroed only when it splits
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (run by gpu_check.sh)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (run by gpu_window.sh)")
 def test_decode_layer_replays_from_a_cuda_graph() -> None:
     """append + select + attention (split, so the fused merge's tickets cycle) and the verify kernel,
     captured once and replayed for several steps with the inputs updated in place, equal eager calls."""

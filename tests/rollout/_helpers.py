@@ -1,13 +1,11 @@
 """Helpers for the rollout tests: the tiny shape, a saved random transformers Qwen3, the method layer's
 greedy decode loop over a contiguous cache (the reference the engine's sparse decode is held to), a
-benchmark script as a module, and a prepared GPU check run in its --dry mode."""
+benchmark script as a module."""
 
 from __future__ import annotations
 
 import importlib.util
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -98,23 +96,6 @@ def contiguous_reference(
             h = model.attention_output(layer, h, out)
         logits = model.logits(h[0])
     return tokens, torch.tensor(logprobs)
-
-
-def run_gpu_check_dry(check: str, results: Path) -> str:
-    """``bash benchmarks/<check>.sh --dry`` writing into ``results`` with this interpreter (by default the
-    script takes python3 on PATH: the GPU image's) -> its log, after asserting that it exited 0."""
-    env = {k: v for k, v in os.environ.items() if k != "OUT"}
-    env["RESULTS_DIR"], env["PYTHON"] = str(results), sys.executable
-    proc = subprocess.run(
-        ["bash", str(REPO / "benchmarks" / f"{check}.sh"), "--dry"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    log = (results / f"{check}_dry.log").read_text()
-    assert proc.returncode == 0, log[-3000:]
-    return log
 
 
 def load_benchmark(name: str) -> ModuleType:

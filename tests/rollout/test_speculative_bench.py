@@ -14,7 +14,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from ._helpers import load_benchmark, run_gpu_check_dry
+from ._helpers import load_benchmark
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,19 @@ def test_fraction_schedule_grows_in_whole_pages(bench) -> None:
 def test_tiny_run_writes_one_consistent_line_per_arm(bench, tmp_path: Path) -> None:
     out = tmp_path / "spec.jsonl"
     args = ["--shape", "tiny-test", "--batch", "2", "--prompt-len", "40", "--gen-len", "12", "--ks", "2", "5"]
-    args += ["--draft-budgets", "8", "--bin-tokens", "16", "--page-size", "4", "--repeats", "2"]
+    args += [
+        "--draft-budgets",
+        "8",
+        "--bin-tokens",
+        "16",
+        "--page-size",
+        "4",
+        "--repeats",
+        "2",
+        "--group",
+        "2",
+    ]
+    args += ["--warmup-tokens", "3"]
     rows = bench.main([*args, "--out", str(out)])
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     arms = [
@@ -58,23 +70,17 @@ def test_tiny_run_writes_one_consistent_line_per_arm(bench, tmp_path: Path) -> N
     assert all(
         r["predicted_speedup_fitted"] > 0 and r["fitted_hardware"]["name"] == "cpu (fitted)" for r in lines
     )
+    assert lines[0]["target"] is None and lines[0]["warmup_s"] > 0 and lines[0]["group"] == 2
+    for r in lines[1:]:  # per GPU kind, the batch that fits at this context and the arm's memory-bound limit
+        assert set(r["limits"]) == {"h100", "h200", "ran"} and r["limits"]["ran"]["batch"] == 2
+        assert r["limits"]["h200"]["batch"] >= r["limits"]["h100"]["batch"] > 0
+        limit = r["limits"]["ran"]["memory_bound_limit"]
+        assert limit > 0 and r["target"]["value"] == pytest.approx(r["speedup_vs_dense"] / limit)
+        assert r["target"]["pass"] == (r["target"]["value"] >= 0.8)
     for r in lines[2:]:
         assert 0.0 <= r["alpha"] <= 1.0 + 1e-6 and 0.0 <= r["accept_rate"] <= 1.0
         assert 1.0 <= r["tokens_per_verify"] <= r["k"] + 1
         assert 1.0 <= r["predicted_tokens_per_verify"] <= r["k"] + 1
-
-
-def test_gpu_speculative_check_dry_mode(tmp_path: Path) -> None:
-    """The prepared GPU script in --dry mode: imports, the verify kernel tests collected, a tiny run of the
-    benchmark (torch path), all exit 0."""
-    log = run_gpu_check_dry("gpu_speculative_check", tmp_path)
-    assert "=== summary: imports=0 tests=0 bench_tiny=0" in log
-    assert "test_speculative_kernel.py::" in log  # the kernel tests were collected
-    rows = [
-        json.loads(x) for x in (tmp_path / "gpu_speculative_check_dry_bench.jsonl").read_text().splitlines()
-    ]
-    assert [r["arm"] for r in rows] == ["dense", "sparse", "speculative k=4", "speculative k=4 draft=32"]
-    assert all(r["speedup_vs_dense"] > 0 and r["backend"] == "torch" for r in rows)
 
 
 def test_gpu_lines_carry_the_driver_and_library_versions(bench) -> None:
