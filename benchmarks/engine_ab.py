@@ -29,7 +29,15 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "engine_ab.jsonl"
 #: the default run's final schedule (README: 192 tokens up to 768 cached, 256, 512, dense from 1,280)
 SPARSE = "[192,192,192,256,512,2147483647]"
-WARMSTART = REPO / "sparrow_nemo" / "tasks" / "warmstart" / "a31d05fc75facacd"
+
+
+def shipped_warm_start(recipe: str = "tiny_cpu") -> Path:
+    """The shipped warm-start folder of ``recipe`` (its manifest names the recipe)."""
+    for manifest in sorted((REPO / "sparrow_nemo" / "tasks" / "warmstart").glob("*/manifest.json")):
+        if json.loads(manifest.read_text()).get("recipe") == recipe:
+            return manifest.parent
+    raise FileNotFoundError(f"no shipped warm-start of {recipe}")
+
 
 #: what each arm's process runs (the same text in both trees: only public calls both engines have)
 ARM = r"""
@@ -79,12 +87,18 @@ def run_arm(tree: Path, weights: Path, budgets: str, prompts: int) -> dict:
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--baseline", required=True, help="the git revision whose engine is the baseline")
-    p.add_argument("--weights", type=Path, default=WARMSTART, help="HF checkpoint folder both arms load")
+    p.add_argument(
+        "--weights",
+        type=Path,
+        default=None,
+        help="HF checkpoint folder both arms load (default: the shipped warm-start of the default recipe)",
+    )
     p.add_argument("--prompts", type=int, default=128, help="held-out prompts per generation")
     p.add_argument("--repeats", type=int, default=2, help="ABBA pairs per schedule")
     p.add_argument("--schedules", nargs="+", default=["dense", "sparse"], choices=["dense", "sparse"])
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
+    args.weights = args.weights or shipped_warm_start()
     rev = subprocess.run(
         ["git", "rev-parse", "--short", args.baseline], cwd=REPO, capture_output=True, text=True, check=True
     ).stdout.strip()
