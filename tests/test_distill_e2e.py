@@ -176,8 +176,9 @@ def test_two_tensor_parallel_ranks_distill_as_one_rank(warm_cache, tmp_path: Pat
     weights = saved_one["adapter"]["weights"]
     assert set(saved_two["adapter"]["weights"]) == set(weights)
     # Adam divides by the gradient's RMS: an element whose gradient is ~0 moves by ~lr x its rounding noise, so
-    # the tolerance is absolute, 1% of one step (lr 1e-3)
+    # the tolerance is absolute: 1% of one step (lr 1e-3) per adapter step, two steps here (one element of 1,024
+    # measured 1.1e-5 apart on this CPU)
     for name, (a, b) in weights.items():
         a2, b2 = saved_two["adapter"]["weights"][name]
-        torch.testing.assert_close(a2, a, rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(b2, b, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(a2, a, rtol=1e-4, atol=2e-5)
+        torch.testing.assert_close(b2, b, rtol=1e-4, atol=2e-5)

@@ -306,7 +306,7 @@ class TrtllmRolloutEngine:
     ) -> None:
         trtllm = require("tensorrt_llm")
         check_runtime(probe_runtime(trtllm))
-        from sparrow_nemo.rollout.trtllm.engine import plugin as trtllm_plugin
+        from sparrow_nemo.rollout.trtllm import plugin as trtllm_plugin
 
         if kwargs.get("tensor_parallel_size", 1) != 1:
             raise ValueError(
