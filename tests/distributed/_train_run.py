@@ -3,7 +3,7 @@
 Run under torchrun (``torchrun --nproc_per_node=4 tests/distributed/_train_run.py RUN_DIR RECIPE [k=v ...]``)
 or called in-process on one rank (:func:`train_and_export`). Rank 0 writes ``RUN_DIR/final_weights.pt``; every
 rank writes ``RUN_DIR/refit_rank<r>.json``: the largest difference between its engine's weights and the
-policy's after the run (the last refit), over every HF tensor.
+policy's after the run (the last refit), over every HF tensor (its shard of each, for a tensor-parallel engine).
 """
 
 from __future__ import annotations
@@ -44,9 +44,13 @@ def train_and_export(run_dir: Path, recipe: str, overrides: list[str]) -> None:
     try:
         trainer.fit()
         weights = trainer.policy.export_hf()
-        engine = trainer.rollout_engine.model.params
+        model = trainer.rollout_engine.model
+        engine, tp = model.params, model.tensor_parallel
+        weights_held = {
+            n: w if tp is None else tp.shard(n, w) for n, w in weights.items()
+        }  # the engine's shard
         gap = max(
-            float((engine[n].float() - w.float()).abs().max()) for n, w in weights.items() if n in engine
+            float((engine[n].float() - w.float()).abs().max()) for n, w in weights_held.items() if n in engine
         )
         names = sorted(set(weights) & set(engine))
         refit = {"max_abs_diff": gap, "tensors": len(names)}

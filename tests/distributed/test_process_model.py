@@ -55,6 +55,24 @@ def test_every_prompt_is_generated_once_inside_its_replica(tp, pp, dp, engine_tp
     assert evaluated == list(range(37))
 
 
+@pytest.mark.parametrize(("tp", "pp", "dp", "engine_tp"), [(2, 1, 1, 2), (4, 1, 2, 2), (4, 2, 1, 4)])
+def test_every_rank_of_a_tensor_parallel_engine_makes_its_calls(tp, pp, dp, engine_tp) -> None:
+    """The ranks of one engine share its prompts and evaluation items (each makes every call of the engine);
+    only its leader keeps them."""
+    plans = _plans(tp, pp, dp, engine_tp)
+    for plan in plans:
+        leader = next(p for p in plans if p.engine_index == plan.engine_index and p.leads_engine)
+        assert plan.engine_share(16) == leader.engine_prompts(16)
+        assert plan.eval_share(37) == leader.eval_items(37)
+        if not plan.leads_engine:
+            assert not plan.engine_prompts(16) and not plan.eval_items(37)
+    first = [p for p in plans if p.in_first_engine]
+    assert (
+        len(first) == engine_tp
+    )  # rank 0's engine: the first engine_tp TP ranks of the first stage and replica
+    assert all(p.dp_rank == 0 and p.pp_rank == 0 and p.tp_rank < engine_tp for p in first)
+
+
 def test_a_batch_that_does_not_split_is_refused() -> None:
     with pytest.raises(
         ValueError, match=r"grpo\.prompts_per_step=6 does not split over 4 data-parallel ranks"

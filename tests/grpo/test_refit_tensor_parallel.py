@@ -19,7 +19,7 @@ import pytest
 import torch
 from policy._helpers import make_hf_checkpoint, run_distributed
 
-from sparrow_nemo.grpo.refit import engine_weights, pieces, refit
+from sparrow_nemo.grpo.refit import engine_weights, holds_megatron_shard, pieces, refit
 from sparrow_nemo.model_shapes import PRESETS
 from sparrow_nemo.policy.optim import OptimizerSettings
 from sparrow_nemo.policy.parallel import ParallelLayout
@@ -51,8 +51,10 @@ def _rank(rank: int, ckpt: str, out_dir: str) -> None:
             )
             for how in ("local", "full")
         }
-        sent = refit(policy, engines["local"].update_weights, local=True)
-        refit(policy, engines["full"].update_weights)
+        assert holds_megatron_shard(policy, engines["local"])
+        sent = refit(policy, engines["local"])
+        for piece in pieces(policy):  # the full pieces, each sliced by the engine
+            engines["full"].update_weights(piece)
         shapes = {n: tuple(t.shape) for piece in pieces(policy, local=True) for n, t in piece.items()}
         one = TorchRolloutEngine(  # TP1 over the gathered weights, in this process (no collective inside)
             _tp1_decoder(engine_weights(policy)), dense_layers=1, attention_backend="torch"
