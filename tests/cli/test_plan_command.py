@@ -30,7 +30,9 @@ def test_shipped_recipe_fits_four_nodes(recipe: str) -> None:
     for term in ("weights", "gradients", "optimizer", "activations", "recompute", "logits"):
         assert re.search(rf"^  {term} +[\d.]+ GiB", done.stdout, re.M), term
     assert re.search(r"KV cache [\d.]+ GiB per GPU = [\d,]+ tokens, \d+ sequences", done.stdout)
-    assert re.search(r"rollout per step \(predicted.*continuous [\d.]+ min.*sparse vs dense [\d.]+x", done.stdout)
+    assert re.search(
+        r"rollout per step \(predicted.*continuous [\d.]+ min.*sparse vs dense [\d.]+x", done.stdout
+    )
 
 
 def test_distill_recipe_counts_the_adapter_phase() -> None:
