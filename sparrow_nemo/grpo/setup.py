@@ -98,15 +98,11 @@ def build_engine(
         return engine
     from sparrow_nemo.hf_qwen3 import resolve_dtype
     from sparrow_nemo.rollout.torch.engine import TorchRolloutEngine
+    from sparrow_nemo.rollout.torch.qwen3 import Qwen3Decoder
 
     dtype, dev = resolve_dtype(config.model.dtype), device(config)
-    engine = TorchRolloutEngine.awaiting_weights(
-        config.model.shape(),
-        dtype=dtype,
-        device=dev,
-        tensor_parallel=tensor_parallel,
-        **_torch_engine_options(config, tokenizer),
-    )
+    model = Qwen3Decoder.empty(config.model.shape(), dtype, dev, tensor_parallel)
+    engine = TorchRolloutEngine.awaiting_weights(model, **_torch_engine_options(config, tokenizer))
     if weights is not None:
         engine.update_weights(weights)
     return engine

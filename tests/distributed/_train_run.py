@@ -9,6 +9,8 @@ policy's after the run (the last refit), over every HF tensor (its shard of each
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -33,6 +35,24 @@ class ScheduleBump(Callback):
             budgets = tuple(b + s.page_size for b in s.budgets)
             trainer.schedule = BudgetSchedule(s.bin_tokens, budgets, s.page_size, name="bumped")
             trainer.log({"bumped": 1.0})
+
+
+def torchrun_train(run_dir: Path, recipe: str, overrides: list[str], nproc: int, timeout: float) -> None:
+    """:func:`train_and_export` on ``nproc`` gloo ranks under torchrun (one torch thread each, a free port);
+    a failed run fails the calling test with the end of its stderr."""
+    from policy._helpers import free_port
+
+    from sparrow_nemo.grpo.world import env_without_launcher
+
+    env = env_without_launcher()
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
+    torchrun = Path(sys.executable).parent / "torchrun"
+    command = [str(torchrun), f"--nproc_per_node={nproc}", f"--master_port={free_port()}", __file__]
+    done = subprocess.run(
+        [*command, str(run_dir), recipe, *overrides], env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
 
 
 def train_and_export(run_dir: Path, recipe: str, overrides: list[str]) -> None:

@@ -20,18 +20,14 @@ the probe); rank 0 keeps the samples. Checked against the one-rank run:
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from policy._helpers import free_port, make_hf_checkpoint, single_rank_env
+from policy._helpers import make_hf_checkpoint, single_rank_env
 
-from distributed._train_run import train_and_export
+from distributed._train_run import torchrun_train, train_and_export
 from sparrow_nemo.grpo.metrics import read_metrics
 from sparrow_nemo.grpo.recipe import load_config
-from sparrow_nemo.grpo.world import env_without_launcher
 
 pytestmark = pytest.mark.multiproc
 
@@ -77,20 +73,7 @@ def test_tp2_engines_train_like_one_rank(mode: str, tmp_path: Path) -> None:
     overrides = [*OVERRIDES, *MODES[mode], f"model.hf_checkpoint={start}"]
     with single_rank_env():
         train_and_export(tmp_path / "one", RECIPE, overrides)
-    env = env_without_launcher()
-    env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
-    script = Path(__file__).with_name("_train_run.py")
-    torchrun = Path(sys.executable).parent / "torchrun"
-    command = [str(torchrun), "--nproc_per_node=2", f"--master_port={free_port()}", str(script)]
-    done = subprocess.run(
-        [*command, str(tmp_path / "two"), RECIPE, *overrides, *TP2],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
+    torchrun_train(tmp_path / "two", RECIPE, [*overrides, *TP2], nproc=2, timeout=TIMEOUT)
 
     one, two = _rows(tmp_path / "one"), _rows(tmp_path / "two")
     steps = [-1, 0, 1] if mode == "sparse" else [0, 1]  # the calibration's row, then the steps

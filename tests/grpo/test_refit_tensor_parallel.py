@@ -26,6 +26,7 @@ from sparrow_nemo.policy.parallel import ParallelLayout
 from sparrow_nemo.policy.policy import MegatronPolicy
 from sparrow_nemo.rollout.engine import SamplingParams
 from sparrow_nemo.rollout.torch.engine import TorchRolloutEngine
+from sparrow_nemo.rollout.torch.qwen3 import Qwen3Decoder
 from sparrow_nemo.rollout.torch.tensor_parallel import REPLICATED, TensorParallel, weight_layout
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
@@ -47,7 +48,7 @@ def _rank(rank: int, ckpt: str, out_dir: str) -> None:
         )
         engines = {
             how: TorchRolloutEngine.awaiting_weights(
-                SHAPE, tensor_parallel=tp, dense_layers=1, attention_backend="torch"
+                Qwen3Decoder.empty(SHAPE, tensor_parallel=tp), dense_layers=1, attention_backend="torch"
             )
             for how in ("local", "full")
         }
@@ -84,8 +85,6 @@ def _rank(rank: int, ckpt: str, out_dir: str) -> None:
 
 
 def _tp1_decoder(weights):
-    from sparrow_nemo.rollout.torch.qwen3 import Qwen3Decoder
-
     return Qwen3Decoder(SHAPE, {n: t.clone() for n, t in weights.items()})
 
 
