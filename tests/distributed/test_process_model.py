@@ -21,7 +21,7 @@ import torch.distributed as dist
 from policy._helpers import run_distributed
 
 from sparrow_nemo.callbacks.tail_stats import bin_tails, merged_bin_tails
-from sparrow_nemo.grpo.process_model import RankPlan, SampleShare, gather_samples, share
+from sparrow_nemo.grpo.process_model import RankPlan, SampleShare, engine_group, gather_samples, share
 from sparrow_nemo.grpo.step_batch import LocalRollout, measure_tokens
 from sparrow_nemo.rollout.engine import RolloutSample
 from sparrow_nemo.rollout.scoring import TokenMismatch
@@ -155,7 +155,28 @@ def _worker(rank: int, out: str) -> None:
         },
         Path(out) / f"stats{rank}.pt",
     )
+    torch.save(_engine_groups(), Path(out) / f"engine_groups{rank}.pt")
     dist.destroy_process_group()
+
+
+def _engine_groups() -> dict[int, list[int]]:
+    """engine_tp -> the ranks of this rank's engine group in a TP4 world (each group summing its ranks' ones)."""
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=4)
+    try:
+        out = {}
+        for engine_tp in (2, 4):
+            group = engine_group(
+                RankPlan(rank=dist.get_rank(), world=4, tp_rank=dist.get_rank(), tp=4, engine_tp=engine_tp)
+            )
+            size = torch.ones(1)
+            dist.all_reduce(size, group=group)
+            assert int(size) == len(dist.get_process_group_ranks(group))
+            out[engine_tp] = dist.get_process_group_ranks(group)
+        return out
+    finally:
+        ps.destroy_model_parallel()
 
 
 @pytest.fixture(scope="module")
@@ -163,6 +184,14 @@ def four_ranks(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("four_ranks")
     run_distributed(_worker, 4, str(out))
     return out
+
+
+@pytest.mark.multiproc
+def test_engine_groups_are_consecutive_ranks_of_the_tensor_parallel_group(four_ranks) -> None:
+    """At policy TP4: engines of 2 ranks are {0, 1} and {2, 3}; an engine of 4 is megatron's TP group."""
+    for rank in range(4):
+        groups = torch.load(four_ranks / f"engine_groups{rank}.pt")
+        assert groups == {2: [0, 1] if rank < 2 else [2, 3], 4: [0, 1, 2, 3]}, rank
 
 
 @pytest.mark.multiproc
