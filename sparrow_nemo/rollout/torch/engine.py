@@ -436,8 +436,9 @@ class TorchRolloutEngine:
             )
         if self._unfilled:
             raise RuntimeError(
-                f"the rollout engine's weights were released by sleep(): {len(self._unfilled)} tensors (e.g. "
-                f"'{min(self._unfilled)}') not refitted since wake(); update_weights() every tensor first"
+                f"the rollout engine's weights have no values (released by sleep(), or built awaiting a refit): "
+                f"{len(self._unfilled)} tensors (e.g. '{min(self._unfilled)}') not refitted since wake(); "
+                "update_weights() every tensor first"
             )
 
     def _check_request(
