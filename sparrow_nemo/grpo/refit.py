@@ -13,7 +13,7 @@ embedding, one decoder layer, the final norm and the output layer):
 So no rank ever holds a full copy besides its engine's own weights, and nothing goes through the host
 unless the engine lives there (CPU runs). Cost per rank and step: one TP all-gather of its stage's shards
 (``(tp - 1) / tp`` of the stage's weights received) and, with ``pp > 1``, the other stages' weights received
-once. :func:`engine_weights` collects the same pieces into one dict for building an engine.
+once. The trainer builds its engines empty and fills them by a first refit.
 
 With tensor-parallel engines over the policy's whole TP group (``rollout.tensor_parallel_size`` = ``tp`` > 1)
 a rank's engine shard is its megatron shard (:mod:`sparrow_nemo.rollout.torch.tensor_parallel`), so the refit
@@ -136,11 +136,3 @@ def refit(policy, engine: Any) -> int:
             engine.update_weights(piece)
         count += len(piece)
     return count
-
-
-def engine_weights(policy) -> dict[str, torch.Tensor]:
-    """All HF-named full tensors on this rank's device (to build an engine from). Collective."""
-    out: dict[str, torch.Tensor] = {}
-    for piece in pieces(policy):
-        out.update(piece)
-    return out
