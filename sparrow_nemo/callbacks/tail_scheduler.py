@@ -123,8 +123,9 @@ class TailMismatchScheduler(Callback):
             ``calibrate`` (run the calibration pass in ``on_train_start``, not on resume).
         settings: the adaptation mode, its hysteresis and the collapse guard.
         write_files: write ``<run_dir>/sparsity/``: ``schedule.yaml`` (the schedule in force), ``tail_history.jsonl``
-            (one line per step) and, at the end, ``tail_history.png``.
-        calibrate: None = ``sparsity.calibrate``; False on ranks that must not calibrate (rank 0 does).
+            (one line per step) and, at the end, ``tail_history.png``; and the calibration's files.
+        calibrate: None = ``sparsity.calibrate``; False on ranks that must not calibrate (the ranks of rank 0's
+            engine do: every rank of a tensor-parallel engine takes part in its calls).
     """
 
     built_in = (
@@ -420,7 +421,7 @@ class TailMismatchScheduler(Callback):
             threshold=self.threshold,
             quantile=self.quantile,
             page_size=schedule.page_size,
-            run_dir=self._out_dir(trainer) / "calibration",
+            run_dir=self._out_dir(trainer) / "calibration" if self.write_files else None,
         )
         trainer.schedule = result.schedule
         metrics = {f"calibration/budget/bin_{b}": float(v) for b, v in enumerate(result.schedule.budgets)}

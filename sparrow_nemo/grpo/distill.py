@@ -294,7 +294,7 @@ class DistillSparse:
         results = self.train_adapter(policy, None, data)
         if engine is not None:
             engine.wake()
-        refit(policy, engine.update_weights if engine is not None else None)  # collective
+        refit(policy, engine)  # collective
         self._export(policy, engine)
         metrics = {
             "distill/loss": results[-1].loss,

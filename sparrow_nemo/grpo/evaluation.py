@@ -2,9 +2,9 @@
 
 The n=1 case of :mod:`sparrow_nemo.evaluation.runner` (whose :func:`~sparrow_nemo.evaluation.runner.score_samples`
 scores the samples), split over every engine of the run
-(:meth:`~sparrow_nemo.grpo.process_model.RankPlan.eval_items`), which the runner (one engine) does not do: each
-rank generates its contiguous part of the prompts, prompt ``i`` seeded ``sample_seed(sampling.seed, i)`` as on
-one rank, and the counts are summed over the ranks (:meth:`EvalTally.reduce`).
+(:meth:`~sparrow_nemo.grpo.process_model.RankPlan.eval_share`), which the runner (one engine) does not do: each
+engine generates its contiguous part of the prompts, prompt ``i`` seeded ``sample_seed(sampling.seed, i)`` as on
+one rank, and the counts of the ranks that lead an engine are summed (:meth:`EvalTally.reduce`).
 """
 
 from __future__ import annotations
@@ -113,25 +113,29 @@ class EvalTally:
 
 
 def evaluate(
-    engine: RolloutEngine | None,
+    engine: RolloutEngine,
     source: PromptSource,
     items: Sequence[PromptItem],
     indices: range,
     sampling: SamplingParams,
     schedule: BudgetSchedule,
+    count: bool = True,
 ) -> EvalTally:
-    """Generate one response for each of ``items[i]``, ``i`` in ``indices`` (this rank's part), under
+    """Generate one response for each of ``items[i]``, ``i`` in ``indices`` (this rank's engine's part), under
     ``schedule`` with ``sampling``; item ``i`` is seeded ``sample_seed(sampling.seed, i)`` (fixed: paired
-    comparisons, the same samples on any layout). An empty part (or no engine) tallies nothing."""
+    comparisons, the same samples on any layout). An empty part tallies nothing, and so does a rank that only
+    takes part in a tensor-parallel engine's call (``count`` false: its leader counts)."""
     if not items:
         raise ValueError("evaluate: no prompts")
-    if engine is None or not indices:
+    if not indices:
         return EvalTally(0, 0, 0.0, 0, 0.0, 0.0, schedule.name)
     mine = [items[i] for i in indices]
     seeds = [sample_seed(sampling.seed, i) for i in indices]
     start = time.perf_counter()
     batch = engine.generate([i.prompt_ids for i in mine], sampling, schedule, sample_seeds=seeds)
     seconds = time.perf_counter() - start
+    if not count:
+        return EvalTally(0, 0, 0.0, 0, seconds, batch.decode_s, schedule.name)
     results = score_samples(batch, [i.answer for i in mine], source.reward, n=1, ks=[1])
     return EvalTally(
         prompts=len(mine),

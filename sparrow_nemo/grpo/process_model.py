@@ -4,7 +4,9 @@ The cluster process model (colocated, as NeMo-RL's and verl's colocated modes):
 
 - Every rank (one per GPU) holds a policy shard and, with engine tensor parallelism ``k = 1`` (the default), a
   rollout engine of its own on the same GPU. With ``rollout.tensor_parallel_size = k > 1`` one engine spans
-  ``k`` consecutive tensor-parallel ranks of one policy replica; the first of them (its *leader*) drives it.
+  ``k`` consecutive tensor-parallel ranks of one policy replica (:func:`engine_group`): each holds its shard and
+  every rank of the engine makes each engine call with the same arguments (:meth:`RankPlan.engine_share`); the
+  first of them (its *leader*) keeps the samples, the others drop their identical copies.
 - The step's ``P`` prompts are split over the data-parallel ranks in contiguous blocks of whole prompts
   (``P / dp`` each, with all ``G`` samples of a prompt, so GRPO groups never cross ranks), and each replica's
   block is split again over its engines (``tp * pp / k`` per replica; the split may be uneven). An engine
@@ -133,7 +135,8 @@ class RankPlan:
 
     @property
     def leads_engine(self) -> bool:
-        """This rank drives its engine (generates, scores rewards); always true with ``engine_tp = 1``."""
+        """This rank keeps its engine's samples (scores their rewards, sends them to its replica); always true with
+        ``engine_tp = 1``."""
         return self.tp_rank % self.engine_tp == 0
 
     @property
@@ -156,20 +159,57 @@ class RankPlan:
         per = num_prompts // self.dp
         return range(self.dp_rank * per, (self.dp_rank + 1) * per)
 
-    def engine_prompts(self, num_prompts: int) -> range:
-        """The step's prompts this rank generates: its engine's part of its replica's block (empty for a rank
-        that does not lead its engine)."""
+    def engine_share(self, num_prompts: int) -> range:
+        """The step's prompts this rank's engine generates: its part of its replica's block (the same on every
+        rank of a tensor-parallel engine, all of which make the call)."""
         block = self.replica_prompts(num_prompts)
-        if not self.leads_engine:
-            return range(block.start, block.start)
         part = share(len(block), self.engines_per_replica, self.slot)
         return range(block.start + part.start, block.start + part.stop)
 
-    def eval_items(self, count: int) -> range:
-        """This rank's part of ``count`` evaluation prompts: every engine of the run takes a contiguous piece."""
-        if not self.leads_engine:
-            return range(0, 0)
+    def engine_prompts(self, num_prompts: int) -> range:
+        """The step's prompts whose samples this rank keeps: its engine's share where it leads the engine, else
+        none."""
+        part = self.engine_share(num_prompts)
+        return part if self.leads_engine else range(part.start, part.start)
+
+    def eval_share(self, count: int) -> range:
+        """This rank's engine's part of ``count`` evaluation prompts: every engine of the run takes a contiguous
+        piece (the same on every rank of one engine)."""
         return share(count, self.num_engines, self.engine_index)
+
+    def eval_items(self, count: int) -> range:
+        """The evaluation prompts whose results this rank counts: its engine's share where it leads, else none."""
+        return self.eval_share(count) if self.leads_engine else range(0, 0)
+
+    @property
+    def in_first_engine(self) -> bool:
+        """This rank takes part in the run's first engine (rank 0's): the ranks that calibrate and probe with it."""
+        return self.engine_index == 0
+
+
+def engine_group(plan: RankPlan) -> Any:
+    """The process group of this rank's tensor-parallel engine: ``plan.engine_tp`` consecutive ranks of its
+    tensor-parallel group (megatron's TP group itself when they are all of it); None for ``engine_tp = 1``.
+
+    Collective over the world (megatron's parallel state initialised): every rank creates every engine's group,
+    in one order.
+    """
+    if plan.engine_tp == 1:
+        return None
+    from megatron.core import parallel_state as ps
+
+    tp_group = ps.get_tensor_model_parallel_group()
+    if plan.engine_tp == plan.tp:
+        return tp_group
+    every = {tuple(ranks) for ranks in gather_objects(dist.get_process_group_ranks(tp_group))}
+    mine = None
+    for ranks in sorted(every):
+        for start in range(0, len(ranks), plan.engine_tp):
+            members = list(ranks[start : start + plan.engine_tp])
+            group = dist.new_group(members)
+            if dist.get_rank() in members:
+                mine = group
+    return mine
 
 
 # ----------------------------------------------------------------------------------------- samples

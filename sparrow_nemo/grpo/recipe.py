@@ -291,10 +291,11 @@ class SparrowConfig(Section):
                 "rollout.prefill_chunk_tokens", f"a multiple of sparsity.page_size={self.sparsity.page_size}"
             )
         engine_tp = self.rollout.tensor_parallel_size
-        if engine_tp > 1 and self.rollout.backend != "trtllm":
+        if engine_tp > 1 and self.rollout.backend == "trtllm":
             raise self.invalid(
                 "rollout.tensor_parallel_size",
-                "1 with rollout.backend=torch (the torch engine runs on one GPU)",
+                "1 with rollout.backend=trtllm (its engines run one per GPU; tensor-parallel engines are the torch "
+                "backend's)",
             )
         if policy.tensor_model_parallel_size % engine_tp:
             raise self.invalid(

@@ -13,7 +13,7 @@ embedding, one decoder layer, the final norm and the output layer):
 So no rank ever holds a full copy besides its engine's own weights, and nothing goes through the host
 unless the engine lives there (CPU runs). Cost per rank and step: one TP all-gather of its stage's shards
 (``(tp - 1) / tp`` of the stage's weights received) and, with ``pp > 1``, the other stages' weights received
-once. :func:`engine_weights` collects the same pieces into one dict for building an engine.
+once. The trainer builds its engines empty and fills them by a first refit.
 
 With tensor-parallel engines over the policy's whole TP group (``rollout.tensor_parallel_size`` = ``tp`` > 1)
 a rank's engine shard is its megatron shard (:mod:`sparrow_nemo.rollout.torch.tensor_parallel`), so the refit
@@ -26,7 +26,8 @@ full pieces and slice them.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -108,21 +109,30 @@ def _shape(name: str, spec, local: bool) -> tuple[int, ...]:
     return local_weight_shape(name, full, spec.layout.tp, spec.padded_vocab) if local else full
 
 
-def refit(policy, update: Callable[[Piece], None] | None, local: bool = False) -> int:
-    """Stream the policy's weights into an engine: ``update(piece)`` per piece (None on a rank without an
-    engine, which still takes part in the collectives); ``local``: each rank's TP slices (:func:`pieces`), for
-    tensor-parallel engines over the policy's whole TP group. Returns the number of tensors sent. Collective."""
+def holds_megatron_shard(policy, engine: Any) -> bool:
+    """Whether ``engine`` is a tensor-parallel engine over the policy's whole TP group (its shard of every
+    weight is this rank's megatron shard: the refit sends each rank its own). A padded vocabulary other than
+    the policy's is refused (ValueError)."""
+    tp = getattr(engine, "tensor_parallel", None)
+    layout = policy.spec.layout
+    if tp is None or tp.size != layout.tp or layout.tp == 1:
+        return False
+    if tp.padded_vocab != policy.spec.padded_vocab:
+        raise ValueError(
+            f"refit: the engine pads the vocabulary to {tp.padded_vocab} rows, the policy to "
+            f"{policy.spec.padded_vocab}; a tensor-parallel engine over the policy's TP group must use the policy's"
+        )
+    return True
+
+
+def refit(policy, engine: Any) -> int:
+    """Stream the policy's weights into ``engine``: ``engine.update_weights(piece)`` per piece (``engine`` None on
+    a rank without one, which still takes part in the collectives); each rank's own TP slices for a
+    tensor-parallel engine over the policy's TP group (:func:`holds_megatron_shard`), else the full pieces.
+    Returns the number of tensors sent. Collective."""
     count = 0
-    for piece in pieces(policy, local):
-        if update is not None:
-            update(piece)
+    for piece in pieces(policy, holds_megatron_shard(policy, engine)):
+        if engine is not None:
+            engine.update_weights(piece)
         count += len(piece)
     return count
-
-
-def engine_weights(policy) -> dict[str, torch.Tensor]:
-    """All HF-named full tensors on this rank's device (to build an engine from). Collective."""
-    out: dict[str, torch.Tensor] = {}
-    for piece in pieces(policy):
-        out.update(piece)
-    return out

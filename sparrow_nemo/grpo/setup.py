@@ -1,6 +1,7 @@
 """Build the run's workers from a recipe: the megatron policy, the rollout engine, the sampling settings.
 
-Shared by ``sparrow train`` (the trainer) and ``sparrow calibrate`` so both read the recipe the same way.
+Shared by ``sparrow train`` (the trainer), ``sparrow calibrate`` and ``sparrow eval`` so they read the recipe the
+same way.
 The process world (ranks, broadcast) is :mod:`sparrow_nemo.grpo.world`.
 """
 
@@ -11,9 +12,12 @@ from pathlib import Path
 
 import torch
 
+from sparrow_nemo.grpo.process_model import RankPlan, engine_group
 from sparrow_nemo.grpo.recipe import SparrowConfig
+from sparrow_nemo.grpo.refit import refit
 from sparrow_nemo.grpo.world import world_size
 from sparrow_nemo.rollout.engine import SamplingParams
+from sparrow_nemo.rollout.torch.tensor_parallel import TensorParallel
 
 
 def device(config: SparrowConfig) -> torch.device:
@@ -70,25 +74,60 @@ def build_policy(config: SparrowConfig, hf_dir: str | Path | None, lr: float | N
     )
 
 
-def build_engine(config: SparrowConfig, weights: Mapping[str, torch.Tensor], tokenizer=None):
-    """The rollout engine of ``rollout.backend`` over HF-named ``weights`` (e.g. ``policy.export_hf()``)."""
+def build_engine(
+    config: SparrowConfig,
+    weights: Mapping[str, torch.Tensor] | None,
+    tokenizer=None,
+    tensor_parallel: TensorParallel | None = None,
+):
+    """The rollout engine of ``rollout.backend`` over HF-named ``weights`` (e.g. ``policy.export_hf()``).
+
+    ``weights`` None: a torch engine with storage for its weights that a refit must fill before it generates
+    (the trainer's), a TensorRT-LLM engine as its checkpoint loads. ``tensor_parallel``: this rank's place in a
+    tensor-parallel torch engine (the trainer's engines with ``rollout.tensor_parallel_size`` > 1; ``weights``
+    then whole or this rank's shards); None = one engine on this device, as ``sparrow eval`` / ``calibrate`` run.
+    """
     if config.rollout.backend == "trtllm":
         if config.model.hf_checkpoint is None:
             raise ValueError("rollout.backend=trtllm needs model.hf_checkpoint (the LLM starts from it)")
         from sparrow_nemo.rollout.trtllm.engine import TrtllmRolloutEngine
 
         engine = TrtllmRolloutEngine.from_recipe(config, config.model.hf_checkpoint)
-        engine.update_weights(weights)
+        if weights is not None:
+            engine.update_weights(weights)
         return engine
     from sparrow_nemo.hf_qwen3 import resolve_dtype
     from sparrow_nemo.rollout.torch.engine import TorchRolloutEngine
     from sparrow_nemo.rollout.torch.qwen3 import Qwen3Decoder
 
     dtype, dev = resolve_dtype(config.model.dtype), device(config)
-    params = {name: t.to(device=dev, dtype=dtype) for name, t in weights.items()}
+    model = Qwen3Decoder.empty(config.model.shape(), dtype, dev, tensor_parallel)
+    engine = TorchRolloutEngine.awaiting_weights(model, **_torch_engine_options(config, tokenizer))
+    if weights is not None:
+        engine.update_weights(weights)
+    return engine
+
+
+def trainer_engine(config: SparrowConfig, policy, plan: RankPlan, tokenizer=None):
+    """This rank's rollout engine in the trainer's process model (:mod:`sparrow_nemo.grpo.process_model`):
+    storage for its weights (all of them, or its shard of a tensor-parallel engine over
+    ``rollout.tensor_parallel_size`` ranks), filled by a refit from ``policy`` (each rank's own megatron shards
+    when the engine spans the policy's TP group), so no rank holds a full copy besides its engine's. Collective."""
+    group = engine_group(plan)
+    tensor_parallel = (
+        None
+        if group is None
+        else TensorParallel.over(group, config.model.shape().vocab_size, policy.spec.padded_vocab)
+    )
+    engine = build_engine(config, None, tokenizer, tensor_parallel)
+    refit(policy, engine)
+    return engine
+
+
+def _torch_engine_options(config: SparrowConfig, tokenizer) -> dict:
+    """The recipe's keyword arguments of :class:`~sparrow_nemo.rollout.torch.engine.TorchRolloutEngine`."""
     s, r = config.sparsity, config.rollout
-    return TorchRolloutEngine(
-        Qwen3Decoder(config.model.shape(), params),
+    return dict(
         dense_layers=s.dense_layers,
         page_size=s.page_size,
         sink_pages=s.sink_pages,

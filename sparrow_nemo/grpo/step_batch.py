@@ -77,21 +77,24 @@ def generate(
     schedule: BudgetSchedule,
     on_tokens: TokenProgress | None = None,
 ) -> LocalRollout:
-    """``group_size`` samples of each of this rank's prompts (``plan.engine_prompts``) with ``engine``.
+    """``group_size`` samples of each of this rank's engine's prompts (``plan.engine_share``) with ``engine``;
+    this rank keeps them where it leads the engine (``plan.engine_prompts``), the other ranks of a
+    tensor-parallel engine take part in the call and drop their copies.
 
     Sample ``g`` of step prompt ``j`` is drawn with seed ``sample_seed(sampling.seed, j * group_size + g)``,
     as a one-rank run draws it. ``prompts`` are all the step's prompts (every rank reads the same stream).
     """
+    share = plan.engine_share(len(prompts))
     mine = plan.engine_prompts(len(prompts))
     replica = plan.replica_prompts(len(prompts))
     rows = range((mine.start - replica.start) * group_size, (mine.stop - replica.start) * group_size)
-    if not mine:
+    if not share:
         return LocalRollout([], rows, 0.0)
-    requests = [list(prompts[j]) for j in mine for _ in range(group_size)]
-    seeds = [sample_seed(sampling.seed, j * group_size + g) for j in mine for g in range(group_size)]
+    requests = [list(prompts[j]) for j in share for _ in range(group_size)]
+    seeds = [sample_seed(sampling.seed, j * group_size + g) for j in share for g in range(group_size)]
     start = time.perf_counter()
     batch = engine.generate(requests, sampling, schedule, sample_seeds=seeds, on_tokens=on_tokens)
-    return LocalRollout(batch.samples, rows, time.perf_counter() - start)
+    return LocalRollout(batch.samples if mine else [], rows, time.perf_counter() - start)
 
 
 def score(

@@ -3,7 +3,8 @@
 Boundaries (NeMo-RL): the algorithm lives here; generation goes through a
 :class:`~sparrow_nemo.rollout.engine.RolloutEngine`; the policy worker is
 :class:`~sparrow_nemo.policy.policy.MegatronPolicy`. Process model (:mod:`sparrow_nemo.grpo.process_model`):
-every rank holds a policy shard and a rollout engine on the same device and generates its share of the step.
+every rank holds a policy shard and a rollout engine on the same device (its own, or its shard of a
+tensor-parallel engine whose ranks make every call together) and generates its engine's share of the step.
 Per step (:meth:`GrpoTrainer.step`), each phase timed as ``timing/<phase>``:
 
 1. ``rollout``: this rank's engine samples its prompts' groups (continuous batching within its KV pool),
@@ -52,7 +53,7 @@ from sparrow_nemo.grpo.process_model import RankPlan, broadcast_object, gather_o
 from sparrow_nemo.grpo.prompt_source import PromptItem
 from sparrow_nemo.grpo.prompts import build_prompt_source
 from sparrow_nemo.grpo.recipe import SparrowConfig
-from sparrow_nemo.grpo.refit import engine_weights, refit
+from sparrow_nemo.grpo.refit import refit
 from sparrow_nemo.grpo.rollout_step import concat_outputs, micro_batches, reference_logprobs
 from sparrow_nemo.grpo.rundir import check_run_dir, make_run_dir
 from sparrow_nemo.grpo.step_batch import LocalRollout, StepBatch, generate, measure, score
@@ -121,20 +122,16 @@ class GrpoTrainer:
         self.run_dir = Path(
             world.broadcast_from_rank0(str(make_run_dir(config, run_dir)) if self.is_main else None)
         )
-        weights = engine_weights(self.policy)  # collective: every rank takes part
-        engine = (
-            setup.build_engine(config, weights, self.prompts.tokenizer) if self.plan.leads_engine else None
-        )
-        del weights
-        # rank 0 (it leads the first engine) prices decode steps on its engine (CPU: fitted in ~1-2 s, kept in
-        # the run folder for a resume)
+        engine = setup.trainer_engine(config, self.policy, self.plan, self.prompts.tokenizer)  # collective
+        # rank 0's engine prices decode steps (CPU: fitted in ~1-2 s on its timed steps, in which every rank of a
+        # tensor-parallel engine takes part; kept in the run folder for a resume)
         saved = self.run_dir / COST_HARDWARE_FILE
         self.cost_model = world.broadcast_from_rank0(
-            rollout_cost_model(config, engine, saved) if self.is_main else None
+            rollout_cost_model(config, engine, saved, write=self.is_main)
+            if self.plan.in_first_engine
+            else None
         )
-        self.rollout_engine = (
-            with_rollout_mode(config, engine, self.cost_model) if engine is not None else None
-        )
+        self.rollout_engine = with_rollout_mode(config, engine, self.cost_model)
         self.sampling = setup.sampling_params(config)
         schedule = config.sparsity.build_schedule()
         if schedule.is_dense:  # the preset's pages and bins are nominal: use the engine's and the recipe's
@@ -184,7 +181,7 @@ class GrpoTrainer:
         if settings.adapt == "off" and not s.calibrate and self.schedule.is_dense:
             return None
         return TailMismatchScheduler(
-            s, settings, write_files=self.is_main, calibrate=s.calibrate and self.is_main
+            s, settings, write_files=self.is_main, calibrate=s.calibrate and self.plan.in_first_engine
         )
 
     def _distill(self) -> DistillSparse | None:
@@ -228,7 +225,8 @@ class GrpoTrainer:
             return self._fit()
 
     def _start(self) -> None:
-        """Built-ins and callbacks' ``on_train_start`` (rank 0 may calibrate), then one schedule for all ranks."""
+        """Built-ins and callbacks' ``on_train_start`` (rank 0's engine may calibrate), then one schedule for all
+        ranks."""
         if self.scheduler is not None:
             self.scheduler.on_train_start(self)
         if self.distill is not None:
@@ -368,10 +366,6 @@ class GrpoTrainer:
     def _generate(self, prompts: list[list[int]], step: int) -> LocalRollout:
         """This rank's share of the step's rollouts (:func:`generate`); the engine sleeps afterwards."""
         engine = self.rollout_engine
-        if engine is None:
-            return generate(
-                None, self.plan, prompts, self.config.grpo.samples_per_prompt, self.sampling, self.schedule
-            )
         g = self.config.grpo.samples_per_prompt
         sampling = setup.sampling_params(self.config, seed=sample_seed(self.config.rollout.seed, step))
         count = len(self.plan.engine_prompts(len(prompts))) * g
@@ -422,9 +416,6 @@ class GrpoTrainer:
         if self.config.rollout.mode != "speculative":
             return {}
         planner = self._speculative_planner()
-        if planner is None:  # no engine on this rank: nothing drafted here, but it takes part in the gather
-            gather_objects(({}, -1))
-            return {}
         metrics = planner.observe(batch.local.samples, batch.schedule, gather=gather_objects)
         return metrics if self.is_main else {}
 
@@ -476,16 +467,16 @@ class GrpoTrainer:
     def _refit(self) -> None:
         """Wake the engine and stream the policy's weights into it (every rank takes part): the engine's sleep
         released its weights, so the refit runs after every rollout, whether or not the update changed them."""
-        if self.rollout_engine is not None:
-            self.rollout_engine.wake()
-        refit(self.policy, self.rollout_engine.update_weights if self.rollout_engine is not None else None)
+        self.rollout_engine.wake()
+        refit(self.policy, self.rollout_engine)
 
     def _distill_data(self, batch: StepBatch) -> DistillData:
         return DistillData(batch.data, batch.prompt_lens, batch.kv_budgets, batch.dense.logprobs)
 
     def _probe(self) -> Probe | None:
-        """Rank 0's fixed DistillSparse probe (the calibration prompts, the distill seed)."""
-        if not self.is_main or self.rollout_engine is None:
+        """Rank 0's engine's fixed DistillSparse probe (the calibration prompts, the distill seed): the ranks of
+        that engine probe together, rank 0 reports."""
+        if not self.plan.in_first_engine:
             return None
         return Probe(
             self.calibration_prompts, self.sampling, self.config.distill.seed, self.config.sparsity.quantile
@@ -502,9 +493,10 @@ class GrpoTrainer:
             self.rollout_engine,
             self.prompts,
             items,
-            self.plan.eval_items(len(items)),
+            self.plan.eval_share(len(items)),
             self.sampling,
             schedule,
+            count=self.plan.leads_engine,
         )
         result = tally.reduce()
         self.state.evals[tag] = result.to_dict()
@@ -606,7 +598,7 @@ class GrpoTrainer:
             keys = set(self.callbacks.state_keys())
             states = {k: v for k, v in states.items() if k in keys}
         self.callbacks.on_load_checkpoint(self, states)
-        refit(self.policy, self.rollout_engine.update_weights if self.rollout_engine is not None else None)
+        refit(self.policy, self.rollout_engine)
         if self.is_main:
             self.metrics.keep_rows(self.state.metrics_rows, self.state.pending_row)
             logger.info("resumed from %s: %d steps done", loaded.path, self.state.step)

@@ -6,8 +6,9 @@ implement :class:`RolloutEngine`. Results come back as a :class:`RolloutBatch` o
 
 Process model (the trainer's, :mod:`sparrow_nemo.grpo.process_model`): one engine per GPU, colocated with
 that GPU's policy rank (``rollout.tensor_parallel_size = 1``), each generating its own share of the step; with
-engine tensor parallelism ``k > 1`` one engine spans ``k`` consecutive tensor-parallel ranks and its first rank
-holds the engine object. Per step the trainer calls, on every rank holding an engine:
+engine tensor parallelism ``k > 1`` (the torch backend) one engine spans ``k`` consecutive tensor-parallel ranks,
+each holding its shard and making every call with the same arguments (its first rank keeps the samples). Per
+step the trainer calls, on every rank holding an engine:
 ``generate`` (its prompts) -> ``sleep`` (before training) -> ``wake`` -> ``update_weights`` (the refit, when
 the update changed the weights) [-> ``set_lora`` with DistillSparse] -> the next ``generate``.
 
@@ -107,7 +108,7 @@ class RolloutConfig(SamplingParams):
 
     backend: str = knob(
         "torch",
-        "engine: torch (sparrow_nemo.rollout.torch.engine: paged KV cache, CPU or one GPU) or trtllm (cluster)",
+        "engine: torch (sparrow_nemo.rollout.torch.engine: paged KV cache, CPU or GPUs) or trtllm (cluster)",
         check=one_of(("torch", "trtllm"), renamed={"reference": "torch"}),
     )
     mode: Literal["sparse", "speculative", "dense"] = knob(
@@ -152,10 +153,12 @@ class RolloutConfig(SamplingParams):
     )
     tensor_parallel_size: int = knob(
         1,
-        "GPUs per rollout engine (engine tensor parallelism). 1 = one engine per GPU, colocated with that GPU's "
-        "policy rank; k > 1 (trtllm only; must divide policy.tensor_model_parallel_size) = one engine per k "
-        "consecutive tensor-parallel ranks, for a model whose weights plus a useful KV cache do not fit one GPU "
-        "(sparrow_nemo.grpo.process_model)",
+        "GPUs per rollout engine of the trainer (engine tensor parallelism). 1 = one engine per GPU, colocated "
+        "with that GPU's policy rank; k > 1 (torch backend; must divide policy.tensor_model_parallel_size and the "
+        "model's KV heads) = one engine sharded over k consecutive tensor-parallel ranks (1/k of the weights and "
+        "KV heads per GPU; at k = the policy's TP the refit hands each rank its own shard), for a model whose "
+        "weights leave a single GPU too little KV cache (sparrow_nemo.grpo.process_model). sparrow eval and "
+        "calibrate run one engine on one device",
         check=AT_LEAST_ONE,
     )
 
@@ -318,7 +321,8 @@ class RolloutEngine(Protocol):
         engine; ``state`` maps HF Qwen3 names to the *full* tensors (gathered within the policy's TP group
         and across its pipeline stages) on this rank's own device, in the policy's dtype; they are valid only
         during the call (copy what is kept). With engine tensor parallelism ``k > 1`` the engine takes its
-        own slice of each full tensor. Called while awake.
+        own slice of each full tensor, and an engine over the policy's whole TP group receives only its own
+        slices (the refit then gathers nothing). Called while awake.
         """
         ...
 

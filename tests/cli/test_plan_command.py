@@ -65,6 +65,7 @@ def test_layout_that_does_not_fit_memory_is_refused() -> None:
         "--config",
         "qwen3_14b_math",
         "policy.tensor_model_parallel_size=1",
+        "rollout.tensor_parallel_size=1",  # the recipe's engines span its TP group
     )
     assert done.returncode == 2
     assert "GiB" in done.stderr and "raise tp or pp" in done.stderr

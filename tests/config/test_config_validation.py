@@ -221,6 +221,15 @@ def test_distill_targets_are_hf_linear_names() -> None:
             "needs CUDA)",
         ),
         (
+            [
+                "rollout.backend=trtllm",
+                "policy.tensor_model_parallel_size=2",
+                "rollout.tensor_parallel_size=2",
+            ],
+            "rollout.tensor_parallel_size=2 (from command line) - expected 1 with rollout.backend=trtllm (its engines "
+            "run one per GPU; tensor-parallel engines are the torch backend's)",
+        ),
+        (
             ["distill.enabled=true", "sparsity.schedule=dense"],
             "distill.enabled=true (from command line) - expected false when the rollout schedule is dense (nothing "
             "to distill)",

@@ -3,12 +3,14 @@
 Run under torchrun (``torchrun --nproc_per_node=4 tests/distributed/_train_run.py RUN_DIR RECIPE [k=v ...]``)
 or called in-process on one rank (:func:`train_and_export`). Rank 0 writes ``RUN_DIR/final_weights.pt``; every
 rank writes ``RUN_DIR/refit_rank<r>.json``: the largest difference between its engine's weights and the
-policy's after the run (the last refit), over every HF tensor.
+policy's after the run (the last refit), over every HF tensor (its shard of each, for a tensor-parallel engine).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -35,6 +37,24 @@ class ScheduleBump(Callback):
             trainer.log({"bumped": 1.0})
 
 
+def torchrun_train(run_dir: Path, recipe: str, overrides: list[str], nproc: int, timeout: float) -> None:
+    """:func:`train_and_export` on ``nproc`` gloo ranks under torchrun (one torch thread each, a free port);
+    a failed run fails the calling test with the end of its stderr."""
+    from policy._helpers import free_port
+
+    from sparrow_nemo.grpo.world import env_without_launcher
+
+    env = env_without_launcher()
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
+    torchrun = Path(sys.executable).parent / "torchrun"
+    command = [str(torchrun), f"--nproc_per_node={nproc}", f"--master_port={free_port()}", __file__]
+    done = subprocess.run(
+        [*command, str(run_dir), recipe, *overrides], env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
 def train_and_export(run_dir: Path, recipe: str, overrides: list[str]) -> None:
     """Train ``recipe`` with ``overrides`` into ``run_dir`` and save the final weights there (rank 0)."""
     config = load_config(recipe, overrides)
@@ -44,9 +64,13 @@ def train_and_export(run_dir: Path, recipe: str, overrides: list[str]) -> None:
     try:
         trainer.fit()
         weights = trainer.policy.export_hf()
-        engine = trainer.rollout_engine.model.params
+        model = trainer.rollout_engine.model
+        engine, tp = model.params, model.tensor_parallel
+        weights_held = {
+            n: w if tp is None else tp.shard(n, w) for n, w in weights.items()
+        }  # the engine's shard
         gap = max(
-            float((engine[n].float() - w.float()).abs().max()) for n, w in weights.items() if n in engine
+            float((engine[n].float() - w.float()).abs().max()) for n, w in weights_held.items() if n in engine
         )
         names = sorted(set(weights) & set(engine))
         refit = {"max_abs_diff": gap, "tensors": len(names)}

@@ -23,20 +23,17 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from policy._helpers import free_port, single_rank_env
+from policy._helpers import single_rank_env
 
-from distributed._train_run import WEIGHTS, train_and_export
+from distributed._train_run import WEIGHTS, torchrun_train, train_and_export
 from sparrow_nemo.grpo.metrics import read_metrics
 from sparrow_nemo.grpo.prompts import build_prompt_source
 from sparrow_nemo.grpo.recipe import load_config
 from sparrow_nemo.grpo.warmstart import ensure_warm_start
-from sparrow_nemo.grpo.world import env_without_launcher
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
@@ -87,16 +84,7 @@ def one_rank(cache_overrides, tmp_path_factory) -> Path:
 
 
 def _torchrun(run_dir: Path, overrides: list[str]) -> None:
-    env = env_without_launcher()
-    env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
-    script = Path(__file__).with_name("_train_run.py")
-    torchrun = Path(sys.executable).parent / "torchrun"
-    command = [str(torchrun), "--nproc_per_node=4", f"--master_port={free_port()}", str(script)]
-    done = subprocess.run(
-        [*command, str(run_dir), RECIPE, *overrides], env=env, capture_output=True, text=True, timeout=TIMEOUT
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
+    torchrun_train(run_dir, RECIPE, overrides, nproc=4, timeout=TIMEOUT)
 
 
 def _rows(run_dir: Path) -> list[dict]:

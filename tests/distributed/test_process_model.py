@@ -21,7 +21,7 @@ import torch.distributed as dist
 from policy._helpers import run_distributed
 
 from sparrow_nemo.callbacks.tail_stats import bin_tails, merged_bin_tails
-from sparrow_nemo.grpo.process_model import RankPlan, SampleShare, gather_samples, share
+from sparrow_nemo.grpo.process_model import RankPlan, SampleShare, engine_group, gather_samples, share
 from sparrow_nemo.grpo.step_batch import LocalRollout, measure_tokens
 from sparrow_nemo.rollout.engine import RolloutSample
 from sparrow_nemo.rollout.scoring import TokenMismatch
@@ -53,6 +53,24 @@ def test_every_prompt_is_generated_once_inside_its_replica(tp, pp, dp, engine_tp
     assert sum(plan.leads_engine for plan in plans) == plans[0].num_engines == tp * pp * dp // engine_tp
     evaluated = sorted(i for plan in plans for i in plan.eval_items(37))
     assert evaluated == list(range(37))
+
+
+@pytest.mark.parametrize(("tp", "pp", "dp", "engine_tp"), [(2, 1, 1, 2), (4, 1, 2, 2), (4, 2, 1, 4)])
+def test_every_rank_of_a_tensor_parallel_engine_makes_its_calls(tp, pp, dp, engine_tp) -> None:
+    """The ranks of one engine share its prompts and evaluation items (each makes every call of the engine);
+    only its leader keeps them."""
+    plans = _plans(tp, pp, dp, engine_tp)
+    for plan in plans:
+        leader = next(p for p in plans if p.engine_index == plan.engine_index and p.leads_engine)
+        assert plan.engine_share(16) == leader.engine_prompts(16)
+        assert plan.eval_share(37) == leader.eval_items(37)
+        if not plan.leads_engine:
+            assert not plan.engine_prompts(16) and not plan.eval_items(37)
+    first = [p for p in plans if p.in_first_engine]
+    assert (
+        len(first) == engine_tp
+    )  # rank 0's engine: the first engine_tp TP ranks of the first stage and replica
+    assert all(p.dp_rank == 0 and p.pp_rank == 0 and p.tp_rank < engine_tp for p in first)
 
 
 def test_a_batch_that_does_not_split_is_refused() -> None:
@@ -137,7 +155,28 @@ def _worker(rank: int, out: str) -> None:
         },
         Path(out) / f"stats{rank}.pt",
     )
+    torch.save(_engine_groups(), Path(out) / f"engine_groups{rank}.pt")
     dist.destroy_process_group()
+
+
+def _engine_groups() -> dict[int, list[int]]:
+    """engine_tp -> the ranks of this rank's engine group in a TP4 world (each group summing its ranks' ones)."""
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=4)
+    try:
+        out = {}
+        for engine_tp in (2, 4):
+            group = engine_group(
+                RankPlan(rank=dist.get_rank(), world=4, tp_rank=dist.get_rank(), tp=4, engine_tp=engine_tp)
+            )
+            size = torch.ones(1)
+            dist.all_reduce(size, group=group)
+            assert int(size) == len(dist.get_process_group_ranks(group))
+            out[engine_tp] = dist.get_process_group_ranks(group)
+        return out
+    finally:
+        ps.destroy_model_parallel()
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +184,14 @@ def four_ranks(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("four_ranks")
     run_distributed(_worker, 4, str(out))
     return out
+
+
+@pytest.mark.multiproc
+def test_engine_groups_are_consecutive_ranks_of_the_tensor_parallel_group(four_ranks) -> None:
+    """At policy TP4: engines of 2 ranks are {0, 1} and {2, 3}; an engine of 4 is megatron's TP group."""
+    for rank in range(4):
+        groups = torch.load(four_ranks / f"engine_groups{rank}.pt")
+        assert groups == {2: [0, 1] if rank < 2 else [2, 3], 4: [0, 1, 2, 3]}, rank
 
 
 @pytest.mark.multiproc

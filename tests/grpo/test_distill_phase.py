@@ -105,7 +105,9 @@ def test_distill_steps_train_the_adapter_the_engine_uses(checkpoint):
         finally:
             run.policy.close()
     history = phase.history
-    for entry in history:  # the adapter fits its batch: k3 falls over the adapter steps (by 18 % or more here)
+    for (
+        entry
+    ) in history:  # the adapter fits its batch: k3 falls over the adapter steps (by 18 % or more here)
         assert entry["loss"] < 0.9 * entry["loss_first"], entry
     for entry in history[0], history[2]:  # probe_every=2: steps 0 and 2 probe, step 1 does not
         assert entry["p5_before"] and entry["p5_after"] and entry["kl_before"] > 0

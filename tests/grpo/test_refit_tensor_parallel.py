@@ -1,7 +1,8 @@
 """The refit of tensor-parallel engines over the policy's TP group hands each rank its own megatron shard.
 
 On 2 gloo ranks, a tiny MegatronPolicy at TP2 (vocabulary 96 padded to megatron's 256: rank 1's slice is all
-padding) fills two TP2 engines built empty (``awaiting_weights``): one by the local refit (each rank's shards
+padding), and on 4 at TP2 x PP2 (each stage broadcasts its ranks' slices to the same TP rank of the other
+stage), fills two TP2 engines built empty (``awaiting_weights``): one by the local refit (each rank's shards
 as HF-named slices, no all-gather), one by the full pieces each engine slices. Checked on every rank:
 
 - the two engines hold the same weights (every tensor equal; the vocabulary tensors on their real rows);
@@ -19,13 +20,14 @@ import pytest
 import torch
 from policy._helpers import make_hf_checkpoint, run_distributed
 
-from sparrow_nemo.grpo.refit import engine_weights, pieces, refit
+from sparrow_nemo.grpo.refit import holds_megatron_shard, pieces, refit
 from sparrow_nemo.model_shapes import PRESETS
 from sparrow_nemo.policy.optim import OptimizerSettings
 from sparrow_nemo.policy.parallel import ParallelLayout
 from sparrow_nemo.policy.policy import MegatronPolicy
 from sparrow_nemo.rollout.engine import SamplingParams
 from sparrow_nemo.rollout.torch.engine import TorchRolloutEngine
+from sparrow_nemo.rollout.torch.qwen3 import Qwen3Decoder
 from sparrow_nemo.rollout.torch.tensor_parallel import REPLICATED, TensorParallel, weight_layout
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
@@ -36,10 +38,10 @@ SHAPE = PRESETS["tiny-test"]
 TIMEOUT = 300
 
 
-def _rank(rank: int, ckpt: str, out_dir: str) -> None:
+def _rank(rank: int, pp: int, ckpt: str, out_dir: str) -> None:
     from megatron.core import parallel_state as ps
 
-    layout = ParallelLayout.for_world(int(os.environ["WORLD_SIZE"]), tp=2, pp=1)
+    layout = ParallelLayout.for_world(int(os.environ["WORLD_SIZE"]), tp=2, pp=pp)
     policy = MegatronPolicy(SHAPE, layout, OptimizerSettings(lr=1e-3), "float32", hf_dir=ckpt)
     try:
         tp = TensorParallel.over(
@@ -47,15 +49,19 @@ def _rank(rank: int, ckpt: str, out_dir: str) -> None:
         )
         engines = {
             how: TorchRolloutEngine.awaiting_weights(
-                SHAPE, tensor_parallel=tp, dense_layers=1, attention_backend="torch"
+                Qwen3Decoder.empty(SHAPE, tensor_parallel=tp), dense_layers=1, attention_backend="torch"
             )
             for how in ("local", "full")
         }
-        sent = refit(policy, engines["local"].update_weights, local=True)
-        refit(policy, engines["full"].update_weights)
+        assert holds_megatron_shard(policy, engines["local"])
+        sent = refit(policy, engines["local"])
+        for piece in pieces(policy):  # the full pieces, each sliced by the engine
+            engines["full"].update_weights(piece)
         shapes = {n: tuple(t.shape) for piece in pieces(policy, local=True) for n, t in piece.items()}
         one = TorchRolloutEngine(  # TP1 over the gathered weights, in this process (no collective inside)
-            _tp1_decoder(engine_weights(policy)), dense_layers=1, attention_backend="torch"
+            _tp1_decoder({n: t for piece in pieces(policy) for n, t in piece.items()}),
+            dense_layers=1,
+            attention_backend="torch",
         )
         prompts = [[5, 17, 33, 2, 60, 61], [7] * 20]
         greedy = SamplingParams(max_new_tokens=24, temperature=0.0)
@@ -82,20 +88,19 @@ def _rank(rank: int, ckpt: str, out_dir: str) -> None:
 
 
 def _tp1_decoder(weights):
-    from sparrow_nemo.rollout.torch.qwen3 import Qwen3Decoder
-
     return Qwen3Decoder(SHAPE, {n: t.clone() for n, t in weights.items()})
 
 
-def test_local_refit_equals_gather_then_slice(tmp_path: Path) -> None:
+@pytest.mark.parametrize("pp", [1, 2])
+def test_local_refit_equals_gather_then_slice(pp: int, tmp_path: Path) -> None:
     ckpt = make_hf_checkpoint(SHAPE, tmp_path / "hf")
-    run_distributed(_rank, 2, str(ckpt), str(tmp_path), timeout=TIMEOUT)
+    run_distributed(_rank, 2 * pp, pp, str(ckpt), str(tmp_path), timeout=TIMEOUT)
     full_elements = sum(
         t.numel()
         for n, t in TorchRolloutEngine.from_shape(SHAPE).model.params.items()
         if weight_layout(n) != REPLICATED
     )
-    for rank in range(2):
+    for rank in range(2 * pp):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         local, full = got["local"], got["full"]
         assert got["sent"] == len(local) == len(full)

@@ -160,3 +160,24 @@ def test_the_shard_of_each_weight_is_megatron_s() -> None:
     assert tp.shard("model.layers.0.input_layernorm.weight", norm) is norm
     with pytest.raises(ValueError, match="3 ranks must divide num_key_value_heads=2"):
         TensorParallel(group=None, rank=0, size=3, padded_vocab=102).check(SHAPE)
+
+
+def test_an_engine_awaiting_its_weights_generates_after_a_refit() -> None:
+    """The trainer's engine: storage only until update_weights fills every tensor; then it is the engine built
+    over those weights. A tensor of neither the whole nor the local shape is refused naming both."""
+    engine = TorchRolloutEngine.awaiting_weights(
+        Qwen3Decoder.empty(SHAPE), dense_layers=1, attention_backend="torch"
+    )
+    with pytest.raises(RuntimeError, match="built awaiting a refit"):
+        engine.generate(_prompts(), GREEDY, SPARSE)
+    engine.update_weights(Qwen3Decoder.random(SHAPE, seed=1).params)
+    got = engine.generate(_prompts(), GREEDY, SPARSE)
+    want = _engine(None).generate(_prompts(), GREEDY, SPARSE)
+    assert [s.response_ids.tolist() for s in got.samples] == [s.response_ids.tolist() for s in want.samples]
+    tp = TensorParallel(group=None, rank=0, size=2, padded_vocab=102)
+    sharded = Qwen3Decoder.empty(SHAPE, tensor_parallel=tp)
+    with pytest.raises(
+        ValueError,
+        match=r"'lm_head.weight' has shape \(7, 64\), expected \(51, 64\) \(this rank's shard\) or \(101, 64\)",
+    ):
+        sharded.load_state({"lm_head.weight": torch.zeros(7, 64)})

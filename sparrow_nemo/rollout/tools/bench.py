@@ -224,7 +224,7 @@ def fill_random_cache(engine: TorchRolloutEngine, batch: int, context: int, extr
     seq_len = torch.full((batch,), context, dtype=torch.int64, device=engine.device)
     fill_block_table(blocks, table, seq_len + extra)
     gen = torch.Generator(device=engine.device).manual_seed(seed)
-    shape = (batch, context, s.num_key_value_heads, s.head_dim)
+    shape = (batch, context, engine.model.heads[1], s.head_dim)  # this rank's KV heads
     for layer in range(s.num_layers):
         k, v = (torch.randn(shape, generator=gen, device=engine.device, dtype=engine.dtype) for _ in "kv")
         cache.write_prefill(layer, table, k, v, seq_len)

@@ -145,6 +145,7 @@ def fit_cpu_hardware(engine: Any, batch: int = 32, seed: int = 0) -> Hardware:
         engine.local_pages,
         engine.page_score,
         engine.backend,
+        engine.model.heads,
         batch,
         seed,
         torch.get_num_threads(),
@@ -214,12 +215,13 @@ def engine_cost_model(engine: Any, hardware: Hardware) -> DecodeCostModel:
     )
 
 
-def rollout_hardware(spec: str, engine: Any, saved: Path | None = None) -> Hardware:
+def rollout_hardware(spec: str, engine: Any, saved: Path | None = None, write: bool = True) -> Hardware:
     """The hardware ``rollout.cost_hardware`` = ``spec`` names for ``engine`` (module docstring).
 
     ``saved``: where a run keeps constants fitted to the CPU (a JSON file in its folder). When it exists they
     are read instead of fitted, so a resumed run prices steps, and the speculative planner decides, as before
-    the interruption; a fit writes it (atomically).
+    the interruption; a fit writes it (atomically) when ``write`` (false on the other ranks of a
+    tensor-parallel engine, which fit along with its first: they take part in its timed steps).
     """
     from sparrow_nemo.rollout.torch.engine import TorchRolloutEngine
 
@@ -234,7 +236,7 @@ def rollout_hardware(spec: str, engine: Any, saved: Path | None = None) -> Hardw
         if saved is not None and saved.is_file():
             return Hardware.from_json(saved)
         hardware = fit_cpu_hardware(engine)
-        if saved is not None:
+        if saved is not None and write:
             partial = saved.with_name(saved.name + ".partial")
             hardware.to_json(partial)
             partial.replace(saved)
@@ -248,13 +250,15 @@ def rollout_hardware(spec: str, engine: Any, saved: Path | None = None) -> Hardw
     return HARDWARE["h100" if "H100" in gpu.upper() else "h200"]
 
 
-def rollout_cost_model(config: Any, engine: Any, saved: Path | None = None) -> DecodeCostModel:
+def rollout_cost_model(
+    config: Any, engine: Any, saved: Path | None = None, write: bool = True
+) -> DecodeCostModel:
     """The decode cost model of ``engine`` on the recipe's ``rollout.cost_hardware`` (:func:`rollout_hardware`,
-    ``saved`` as there): a torch engine's model, dense layers, page score and element sizes, else (TensorRT-LLM)
-    ``model``, ``sparsity.dense_layers`` and ``sparsity.page_score`` in bf16."""
+    ``saved`` and ``write`` as there): a torch engine's model, dense layers, page score and element sizes, else
+    (TensorRT-LLM) ``model``, ``sparsity.dense_layers`` and ``sparsity.page_score`` in bf16."""
     from sparrow_nemo.rollout.torch.engine import TorchRolloutEngine
 
-    hardware = rollout_hardware(config.rollout.cost_hardware, engine, saved)
+    hardware = rollout_hardware(config.rollout.cost_hardware, engine, saved, write)
     if isinstance(engine, TorchRolloutEngine):
         return engine_cost_model(engine, hardware)
     s = config.sparsity

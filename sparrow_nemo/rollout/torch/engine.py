@@ -192,19 +192,11 @@ class TorchRolloutEngine:
         return cls(model, **kwargs)
 
     @classmethod
-    def awaiting_weights(
-        cls,
-        shape: Qwen3Shape,
-        dtype: torch.dtype = torch.float32,
-        device: str | torch.device = "cpu",
-        tensor_parallel: TensorParallel | None = None,
-        **kwargs,
-    ) -> TorchRolloutEngine:
-        """Engine whose weights have storage but no values yet (as after a wake): ``update_weights`` of every
-        tensor (a trainer's refit) must come before the first ``generate`` or ``score``."""
-        engine = cls(
-            Qwen3Decoder.empty(shape, dtype=dtype, device=device, tensor_parallel=tensor_parallel), **kwargs
-        )
+    def awaiting_weights(cls, model: Qwen3Decoder, **kwargs) -> TorchRolloutEngine:
+        """Engine over ``model`` whose weights have storage but no values yet (:meth:`Qwen3Decoder.empty`; as
+        after a wake): ``update_weights`` of every tensor (a trainer's refit) must come before the first
+        ``generate`` or ``score``."""
+        engine = cls(model, **kwargs)
         engine._unfilled = engine._weight_names()
         return engine
 
@@ -444,8 +436,9 @@ class TorchRolloutEngine:
             )
         if self._unfilled:
             raise RuntimeError(
-                f"the rollout engine's weights were released by sleep(): {len(self._unfilled)} tensors (e.g. "
-                f"'{min(self._unfilled)}') not refitted since wake(); update_weights() every tensor first"
+                f"the rollout engine's weights have no values (released by sleep(), or built awaiting a refit): "
+                f"{len(self._unfilled)} tensors (e.g. '{min(self._unfilled)}') not refitted since wake(); "
+                "update_weights() every tensor first"
             )
 
     def _check_request(
