@@ -160,7 +160,7 @@ def refit_row(policy, engine, config, cuda: bool, meta: dict) -> dict:
         return out, time.perf_counter() - t0
 
     _, wake_s = timed(engine.wake)
-    tensors, refit_s = timed(lambda: refit(policy, engine.update_weights))
+    tensors, refit_s = timed(lambda: refit(policy, engine))
     exported = policy.export_hf()[name]
     match = torch.equal(engine.model.params[name].to(exported.device, exported.dtype), exported)
     del exported
@@ -169,7 +169,7 @@ def refit_row(policy, engine, config, cuda: bool, meta: dict) -> dict:
     _, sleep_s = timed(engine.sleep)
     asleep = torch.cuda.memory_allocated() if cuda else None
     _, wake2_s = timed(engine.wake)
-    refit(policy, engine.update_weights)
+    refit(policy, engine)
     again = engine.generate([[5, 6, 7, 8] * 4], sampling, BudgetSchedule.dense()).samples[0]
     finite = bool(torch.isfinite(first.logprobs).all())
     same = torch.equal(first.response_ids, again.response_ids)
@@ -189,7 +189,6 @@ def refit_row(policy, engine, config, cuda: bool, meta: dict) -> dict:
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     from sparrow_nemo.grpo.recipe import load_config
-    from sparrow_nemo.grpo.refit import engine_weights
     from sparrow_nemo.grpo.setup import build_engine, build_policy
 
     cuda = torch.cuda.is_available() and not args.tiny
@@ -202,7 +201,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             "model": config.model.preset, "tp": 1, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
     t0 = time.perf_counter()
     policy = build_policy(config, None)
-    engine = build_engine(config, engine_weights(policy))
+    engine = build_engine(config, None)  # empty, as the trainer's: the refit fills it
     print(f"policy and engine built in {time.perf_counter() - t0:.1f} s ({meta['model']}, megatron-core "
           f"{meta['megatron_core']}, {gpu})", flush=True)  # fmt: skip
     engine.sleep()  # the policy trains alone on the GPU
