@@ -136,7 +136,9 @@ def init_distributed(backend: str | None = None, timeout: datetime.timedelta | N
 def initialize_parallel(layout: ParallelLayout, shape: Qwen3Shape, seed: int = 1234) -> None:
     """Validate ``layout`` against the model and the running world, then set up megatron's parallel_state.
 
-    Also applies the CPU shims (when there is no GPU) and seeds the model-parallel RNG.
+    Also applies the CPU shims (when there is no GPU) and seeds the model-parallel RNG. Every group megatron
+    makes (tensor, pipeline, data parallel, their gloo twins, ...) bounds its collectives by the default
+    group's timeout (:func:`default_timeout_minutes`).
     """
     from megatron.core import parallel_state
 
@@ -147,10 +149,26 @@ def initialize_parallel(layout: ParallelLayout, shape: Qwen3Shape, seed: int = 1
     apply_cpu_shims()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    minutes = default_timeout_minutes()
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        distributed_timeout_minutes=minutes,
     )
+    # megatron-core 0.16.1 makes some groups without its timeout (EXPERT_DATA_PARALLEL_GROUP_GLOO): set it on
+    # every group this rank belongs to (a local setting, no collective)
+    for group in parallel_state._global_process_group_list or []:
+        if group is not None:
+            dist.distributed_c10d._set_pg_timeout(datetime.timedelta(minutes=minutes), group)
     seed_model_parallel(seed)
+
+
+def default_timeout_minutes() -> float:
+    """The default process group's collective timeout, minutes (``trainer.dist_timeout_minutes`` when
+    :func:`init_distributed` started it): megatron's groups get the same bound instead of its own 30."""
+    device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
+    backend = dist.distributed_c10d._get_default_group()._get_backend(device)
+    return backend.options._timeout.total_seconds() / 60.0
 
 
 def destroy_parallel() -> None:
