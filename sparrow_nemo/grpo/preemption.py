@@ -1,9 +1,24 @@
-"""Preemption: SIGTERM / SIGUSR1 ask the trainer to finish its step, checkpoint and exit with status 3.
+"""Preemption: SIGTERM / SIGUSR1 ask the trainer to stop, checkpoint the last completed step and exit with status 3.
 
 Slurm sends USR1 before a time limit (``#SBATCH --signal=B:USR1@...``, forwarded by ``slurm/launch.sh``)
 and TERM on preemption or ``scancel``. :class:`PreemptionGuard` turns either into a flag; the trainer
-asks :meth:`PreemptionGuard.stop_agreed` between steps, which all ranks call together: a signal seen
-by any rank stops every rank after the same step. A signal that arrives while the checkpoint is being
+asks :meth:`PreemptionGuard.stop_agreed` between steps and between the phases of a step before its update,
+which all ranks call together: a signal seen by any rank stops every rank at the same point.
+
+Inside a rollout (one phase of up to half an hour at recipe scale) the stop is honoured between decode steps,
+as NeMo-RL's ``checkpoint_must_save_by``: :meth:`PreemptionGuard.watch_rollout` wraps the engine's progress
+callback, which the torch engine calls between decode steps (every ``PROGRESS_EVERY`` = 8 of them), and
+abandons the generate call there (:class:`RolloutAbandoned`); the trainer then agrees on the stop over the
+world right after the rollout phase, drops the step and saves the last completed one. Agreement inside a
+rollout is per engine, not over the world: ranks decode in lockstep only within one engine's tensor-parallel
+group (engines of different ranks run different numbers of decode steps), so each check all-reduces the flag
+over that group only (a one-element all-reduce every 8 decode steps, where each step already all-reduces per
+layer; no collective at all for a one-rank engine). Every rank of the job gets the signal (the launcher
+signals all tasks), so every engine stops within a few decode steps; an engine whose ranks saw no signal
+finishes its rollout and stops at the world agreement after it. TensorRT-LLM reports tokens once, at the end
+of its generate call, so there the stop waits for the rollout's end.
+
+A signal that arrives while the checkpoint is being
 written (:meth:`PreemptionGuard.saving`) or after the stop was already requested is logged and ignored;
 it does not interrupt the save. The trainer then raises :class:`Preempted`, which the CLI turns into
 exit status :data:`REQUEUE_EXIT` (the launcher's "checkpointed, requeue me").
@@ -21,7 +36,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
@@ -51,6 +66,11 @@ class Preempted(Exception):
         self.step = step
         self.signal_name = signal_name
         self.checkpoint = checkpoint
+
+
+class RolloutAbandoned(Exception):
+    """A stop agreed within an engine's lockstep group between two decode steps: the generate call ends early
+    (raised from the engine's progress callback; :meth:`PreemptionGuard.watch_rollout` catches it)."""
 
 
 class StoppedDuringStartup(BaseException):
@@ -110,20 +130,51 @@ class PreemptionGuard:
         if self._saving:
             logger.warning("%s: the checkpoint being written completes, then the run stops", name)
         else:
-            logger.warning("%s: finishing the current step, then checkpoint and exit", name)
+            logger.warning(
+                "%s: stopping at the next decode-step check or phase end, then checkpoint and exit", name
+            )
 
     def stop_agreed(self) -> str | None:
         """Collective over all ranks: the name of the signal that asked to stop (any rank's), else None."""
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return self.signal_name
-        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        return self._agree(dist.group.WORLD)
+
+    def _agree(self, group: Any) -> str | None:
+        """Collective over ``group`` (None: this rank alone): any member's stop signal, adopted by every member."""
+        if group is None:
+            return self.signal_name
+        device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
         code = torch.tensor([0 if self.signal_name is None else signal.Signals[self.signal_name].value])
         code = code.to(device)
-        dist.all_reduce(code, op=dist.ReduceOp.MAX)
+        dist.all_reduce(code, op=dist.ReduceOp.MAX, group=group)
         value = int(code.item())
         if value and self.signal_name is None:  # another rank's signal: this rank stops as well
             self.signal_name = signal.Signals(value).name
         return self.signal_name
+
+    @contextmanager
+    def watch_rollout(self, on_tokens: Callable[[int], None], group: Any) -> Iterator[Callable[[int], None]]:
+        """The progress callback to give the engine for one rollout: ``on_tokens`` plus the stop check.
+
+        ``group``: the ranks that decode in lockstep with this one (the engine's tensor-parallel group; None
+        for a one-rank engine). Each report agrees on the stop over ``group`` (collective: every member's
+        engine reports after the same decode step) and, on a stop, abandons the generate call; the block then
+        ends quietly and the caller's rollout result stays unset. The world-wide agreement is the caller's
+        (:meth:`stop_agreed` after the rollout).
+        """
+
+        def report(tokens: int) -> None:
+            on_tokens(tokens)
+            if self._agree(group) is not None:
+                raise RolloutAbandoned
+
+        try:
+            yield report
+        except RolloutAbandoned:
+            logger.warning(
+                "%s: rollout abandoned between decode steps; its step is dropped", self.signal_name
+            )
 
     @contextmanager
     def saving(self) -> Iterator[None]:

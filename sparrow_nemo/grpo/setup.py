@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -122,6 +123,13 @@ def trainer_engine(config: SparrowConfig, policy, plan: RankPlan, tokenizer=None
     engine = build_engine(config, None, tokenizer, tensor_parallel)
     refit(policy, engine)
     return engine
+
+
+def lockstep_group(engine) -> Any:
+    """The process group whose ranks run ``engine``'s decode steps together: a torch engine's tensor-parallel
+    group; None for an engine of one rank (or one that reports progress only at the end, TensorRT-LLM)."""
+    tensor_parallel = getattr(getattr(engine, "model", None), "tensor_parallel", None)
+    return None if tensor_parallel is None else tensor_parallel.group
 
 
 def _torch_engine_options(config: SparrowConfig, tokenizer) -> dict:

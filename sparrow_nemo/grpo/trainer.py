@@ -25,8 +25,8 @@ Per step (:meth:`GrpoTrainer.step`), each phase timed as ``timing/<phase>``:
 
 Resume and preemption: the constructor restores the newest usable checkpoint (``checkpoint.resume``;
 :mod:`sparrow_nemo.grpo.checkpoint`). SIGTERM / SIGUSR1 (:mod:`sparrow_nemo.grpo.preemption`) are agreed
-between steps and between the phases before the update: a stop there abandons the step (its prompts are
-drawn again on resume), checkpoints the last completed step and raises :class:`Preempted`.
+between steps, between the phases before the update and between decode steps of the rollout: a stop inside a
+step abandons it (its prompts are drawn again on resume), checkpoints the last completed step, raises :class:`Preempted`.
 All run state is in :class:`TrainerState`; rank 0 writes the files.
 """
 
@@ -132,6 +132,7 @@ class GrpoTrainer:
             else None
         )
         self.rollout_engine = with_rollout_mode(config, engine, self.cost_model)
+        self.lockstep = setup.lockstep_group(engine)  # the ranks a stop inside the rollout is agreed with
         self.sampling = setup.sampling_params(config)
         schedule = config.sparsity.build_schedule()
         if schedule.is_dense:  # the preset's pages and bins are nominal: use the engine's and the recipe's
@@ -297,6 +298,7 @@ class GrpoTrainer:
         try:
             with timer.phase("rollout"):
                 local = self._generate([i.prompt_ids for i in items], step)
+            self._stop_between_phases()  # a stop inside the rollout abandoned it (local is None)
             with timer.phase("reward"):
                 self.score_rollout(local, items)
             with timer.phase("exchange"):
@@ -363,14 +365,16 @@ class GrpoTrainer:
         return metrics
 
     # ----- phases -------------------------------------------------------------------------------
-    def _generate(self, prompts: list[list[int]], step: int) -> LocalRollout:
-        """This rank's share of the step's rollouts (:func:`generate`); the engine sleeps afterwards."""
-        engine = self.rollout_engine
+    def _generate(self, prompts: list[list[int]], step: int) -> LocalRollout | None:
+        """This rank's share of the step's rollouts (:func:`generate`; None when a stop signal abandoned it between
+        decode steps); the engine sleeps afterwards."""
+        engine, local = self.rollout_engine, None
         g = self.config.grpo.samples_per_prompt
         sampling = setup.sampling_params(self.config, seed=sample_seed(self.config.rollout.seed, step))
         count = len(self.plan.engine_prompts(len(prompts))) * g
-        with rollout_progress(count, sampling.max_new_tokens, self.show_progress) as bar:
-            local = generate(engine, self.plan, prompts, g, sampling, self.schedule, on_tokens=bar.update)
+        bar = rollout_progress(count, sampling.max_new_tokens, self.show_progress)
+        with bar, self.preemption.watch_rollout(bar.update, self.lockstep) as on_tokens:
+            local = generate(engine, self.plan, prompts, g, sampling, self.schedule, on_tokens=on_tokens)
         engine.sleep()
         return local
 
