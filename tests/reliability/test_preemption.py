@@ -50,7 +50,7 @@ def test_first_signal_stops_second_is_ignored_and_handlers_come_back(
         stop_signal_handlers, signal.SIG_IGN
     )
     messages = [r.getMessage() for r in caplog.records]
-    assert any("SIGUSR1: finishing the current step" in m for m in messages), messages
+    assert any("SIGUSR1: stopping at the next decode-step check" in m for m in messages), messages
     assert any("SIGTERM: ignored, already stopping on SIGUSR1" in m for m in messages), messages
 
 

@@ -48,3 +48,14 @@ def test_gpu_wrappers_default_to_the_image_the_dockerfile_builds() -> None:
     built = re.search(r"enroot import -o (\S+) dockerd://sparrow-nemo", DOCKERFILE.read_text()).group(1)
     for script in sorted((REPO_ROOT / "slurm").glob("train_qwen3_*.sh")):
         assert f"SPARROW_IMAGE=${{SPARROW_IMAGE-{built}}}" in script.read_text(), script.name
+
+
+def test_no_apex_build_and_torch_and_triton_stay_the_images() -> None:
+    text = DOCKERFILE.read_text()
+    run_lines = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
+    assert not any("apex" in line for line in run_lines), "docker/Dockerfile builds apex, which nothing needs"
+    installs = [line for line in run_lines if "pip install" in line]
+    assert not any(re.search(r"\b(torch|triton)\b[<>=]", line) for line in installs), installs
+    # the image's torch and Triton, frozen before the dependencies go in, constrain that install
+    pins = text.index("pip list --format=freeze | grep -E '^(torch|triton)==' > /tmp/image-constraints.txt")
+    assert pins < text.index("pip install -c /tmp/image-constraints.txt -r /tmp/requirements.txt")
