@@ -11,16 +11,19 @@
 # SPARROW_IMAGE= (empty) runs .venv/bin/python on the nodes instead. The repository is mounted at
 # /workspace/sparrow_nemo (recipe paths such as checkpoints/ and data/ are relative to it); add data and
 # model folders with SPARROW_MOUNTS=/lustre/ckpt:/workspace/sparrow_nemo/checkpoints,...
-# Output: runs/<job name>-<job id>/ (stable across requeues), per-rank logs in its logs/ folder.
-# Time limit: USR1 5 minutes before it -> checkpoint -> requeue -> the job resumes by itself (launch.sh).
+# Output: runs/<recipe>[-<SPARROW_TAG>]/ (the run name: a requeued or resubmitted job resumes that run; a new
+# run takes a new tag, SPARROW_TAG=try2), per-job, per-rank logs in its logs/ folder.
+# Time limit: USR1 7 minutes before it (the rollout stops within a few decode steps; the lead covers a
+# checkpoint's write, tests/slurm/test_signal_lead.py) -> checkpoint -> requeue -> the job resumes by itself.
 #SBATCH --job-name=sparrow-qwen3-4b
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=8
 #SBATCH --gpus-per-node=8
 #SBATCH --cpus-per-task=12
 #SBATCH --exclusive
+#SBATCH --mem=0
 #SBATCH --time=04:00:00
-#SBATCH --signal=B:USR1@300
+#SBATCH --signal=B:USR1@420
 #SBATCH --requeue
 #SBATCH --open-mode=append
 #SBATCH --output=slurm-%x-%j.out

@@ -5,8 +5,8 @@
 #   sbatch slurm/train_tiny_cpu.sh                                  # from the repository root
 #   RECIPE=tiny_cpu_short_smoke sbatch slurm/train_tiny_cpu.sh trainer.max_steps=4
 #
-# Needs ./install.sh (the tasks run .venv/bin/python). Output: runs/<job name>-<job id>/ (metrics.jsonl,
-# checkpoints/, logs/attempt<N>_rank<R>.log); the launcher's own messages in slurm-<job name>-<job id>.out.
+# Needs ./install.sh (the tasks run .venv/bin/python). Output: runs/<recipe>[-<SPARROW_TAG>]/ (metrics.jsonl,
+# checkpoints/, logs/job<J>_attempt<N>_rank<R>.log); the launcher's own messages in slurm-<job name>-<job id>.out.
 #SBATCH --job-name=sparrow-tiny-cpu
 #SBATCH --nodes=1
 #SBATCH --ntasks=2

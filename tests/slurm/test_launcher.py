@@ -1,16 +1,20 @@
 """slurm/launch.sh decisions with stand-ins for srun/scontrol/scancel and the trainer (no Slurm daemons).
 
 The stand-ins log their arguments; the fake trainer logs the torch.distributed variables it sees and
-exits with a chosen status. Covered: rendezvous variables, run folder per job id, override order,
-requeue on the "checkpointed" status (3) and not otherwise, the restart cap, the pyxis container flags,
-and the clear errors. The real Slurm run is tests/slurm/test_local_slurm.py.
+exits with a chosen status. Covered: rendezvous variables, the run folder by run name (the same for another
+job id), override order, srun as sites run it (--cpus-per-task, --export=ALL, NCCL_* / GLOO_* reaching the
+tasks and the container), requeue on the "checkpointed" status (3) and not otherwise nor after TERM, the restart
+cap, the pyxis container flags, the dry mode, and the clear errors. The real Slurm run is
+tests/slurm/test_local_slurm.py.
 """
 
 from __future__ import annotations
 
 import os
 import shlex
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -36,7 +40,9 @@ SLURM_PROCID=0 SLURM_NTASKS=2 SLURM_LOCALID=0 SLURM_NTASKS_PER_NODE=2 exec "$@"
 """,
     "trainer": """#!/usr/bin/env bash
 echo "env RANK=$RANK WORLD_SIZE=$WORLD_SIZE LOCAL_RANK=$LOCAL_RANK MASTER=$MASTER_ADDR:$MASTER_PORT" >> "$FAKE_LOG"
+echo "site NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-} GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-}" >> "$FAKE_LOG"
 echo "trainer $*" >> "$FAKE_LOG"
+sleep "${FAKE_SLEEP:-0}"
 exit "$FAKE_EXIT"
 """,
 }
@@ -61,6 +67,7 @@ def fake_slurm(tmp_path: Path) -> dict[str, str]:
         "SLURM_JOB_NODELIST": "node-[a-b]",
         "SLURM_NTASKS": "2",
         "SLURM_JOB_NUM_NODES": "2",
+        "SLURM_CPUS_PER_TASK": "12",
         "RECIPE": "qwen3_8b_math",
         "SPARROW_ROOT": str(REPO_ROOT),
         "SPARROW_RUNS": str(tmp_path / "runs"),
@@ -90,15 +97,62 @@ def test_rendezvous_run_folder_and_override_order(fake_slurm: dict[str, str]) ->
     assert (
         1024 <= int(env_line.rsplit(":", 1)[1]) <= 65535
     )  # a free port of the first node, picked per attempt
-    run_dir = f"{fake_slurm['SPARROW_RUNS']}/sparrow-test-{JOB_ID}"
+    run_dir = f"{fake_slurm['SPARROW_RUNS']}/qwen3_8b_math"  # the run name: the recipe (no tag)
     assert _line(calls, "trainer") == (
         f"trainer -m sparrow_nemo.cli train --config qwen3_8b_math --run-dir {run_dir} "
         "checkpoint.resume=auto logging.progress_bar=false policy.tensor_model_parallel_size=2 trainer.max_steps=7"
     )
-    srun = _line(calls, "srun")
-    assert f"--output={run_dir}/logs/attempt0_rank%t.log" in srun
-    assert "--container-image" not in srun
+    srun = _line(calls, "srun").split()
+    assert f"--output={run_dir}/logs/job{JOB_ID}_attempt0_rank%t.log" in srun
+    assert "--cpus-per-task=12" in srun and "--export=ALL" in srun  # as sites run it (Slurm >= 22.05)
+    assert not any(word.startswith("--container") for word in srun)
     assert not any(c.startswith("scontrol") for c in calls)  # finished: no requeue
+
+
+def test_the_run_name_is_stable_across_jobs_and_takes_a_tag(fake_slurm: dict[str, str]) -> None:
+    runs = fake_slurm["SPARROW_RUNS"]
+    for job, env in (("100", {}), ("200", {}), ("300", {"SPARROW_TAG": "lr3e-6"})):
+        log = str(Path(fake_slurm["FAKE_LOG"]).with_name(f"job{job}.log"))
+        done, calls = _launch({**fake_slurm, **env, "SLURM_JOB_ID": job, "FAKE_LOG": log})
+        assert done.returncode == 0, done.stderr
+        name = "qwen3_8b_math-lr3e-6" if env else "qwen3_8b_math"  # a resubmission resumes the same folder
+        assert f"--run-dir {runs}/{name} " in _line(calls, "trainer")
+        assert f"--output={runs}/{name}/logs/job{job}_attempt0_rank%t.log" in _line(calls, "srun")
+    path_recipe = {**fake_slurm, "RECIPE": "/site/recipes/my_recipe.yaml", "SPARROW_DRY_RUN": "1"}
+    assert f"--run-dir {runs}/my_recipe " in _launch(path_recipe)[0].stdout
+    named = {**fake_slurm, "SPARROW_RUN_NAME": "exp-7", "SPARROW_DRY_RUN": "1"}
+    assert f"--run-dir {runs}/exp-7 " in _launch(named)[0].stdout
+    done, _ = _launch({**fake_slurm, "SPARROW_TAG": "a/../b"})
+    assert done.returncode == 2 and "run name 'qwen3_8b_math-a/../b'" in done.stderr
+    assert "letters, digits" in done.stderr
+
+
+def test_site_network_variables_reach_the_tasks_and_the_container(fake_slurm: dict[str, str]) -> None:
+    site = {"NCCL_SOCKET_IFNAME": "ib0", "GLOO_SOCKET_IFNAME": "eth1", "TORCH_NCCL_BLOCKING_WAIT": "1"}
+    done, calls = _launch({**fake_slurm, **site})
+    assert done.returncode == 0, done.stderr
+    assert "site NCCL_SOCKET_IFNAME=ib0 GLOO_SOCKET_IFNAME=eth1" in calls  # what the task saw
+    assert (
+        "site variables passed to the tasks: GLOO_SOCKET_IFNAME=eth1 NCCL_SOCKET_IFNAME=ib0 " in done.stderr
+    )
+    container = {**fake_slurm, **site, "SPARROW_IMAGE": "nvcr.io#nvidia/x:1", "SPARROW_DRY_RUN": "1"}
+    words = shlex.split(_launch(container)[0].stdout)
+    env_flag = [w for w in words if w.startswith("--container-env=")]
+    assert env_flag and set(env_flag[0].split("=", 1)[1].split(",")) == set(site)
+    done, _ = _launch(fake_slurm)
+    assert "site variables passed to the tasks: none" in done.stderr
+
+
+@pytest.mark.parametrize("flag", ["--dry", "-t"])
+def test_dry_mode_prints_the_srun_line_and_writes_nothing(fake_slurm: dict[str, str], flag: str) -> None:
+    outside = {k: v for k, v in fake_slurm.items() if k not in ("SLURM_JOB_ID", "SLURM_JOB_NODELIST")}
+    done, calls = _launch(outside, "trainer.max_steps=3", flag)
+    assert done.returncode == 0, done.stderr
+    assert calls == [] and not Path(fake_slurm["SPARROW_RUNS"]).exists()  # nothing started, nothing written
+    words = shlex.split(done.stdout)
+    assert words[0] == "srun" and "--cpus-per-task=12" in words
+    assert words[-2:] == ["logging.progress_bar=false", "trainer.max_steps=3"]  # the flag is not an override
+    assert "job dry attempt 0" in done.stderr
 
 
 def test_rendezvous_port_is_free_or_given(fake_slurm: dict[str, str]) -> None:
@@ -121,8 +175,34 @@ def test_checkpointed_status_requeues_the_job(fake_slurm: dict[str, str]) -> Non
     done, calls = _launch({**fake_slurm, "FAKE_EXIT": "3", "SLURM_RESTART_COUNT": "2"})
     assert done.returncode == 0, done.stderr
     assert f"scontrol requeue {JOB_ID}" in calls
-    assert "attempt2_rank%t.log" in _line(calls, "srun")  # logs of this attempt kept apart
+    assert f"job{JOB_ID}_attempt2_rank%t.log" in _line(calls, "srun")  # logs of this attempt kept apart
     assert "attempt 3 resumes from the newest checkpoint" in done.stderr
+
+
+@pytest.mark.parametrize(("signal_name", "requeued"), [("USR1", True), ("TERM", False)])
+def test_a_signal_to_the_batch_shell_reaches_the_tasks(
+    fake_slurm: dict[str, str], signal_name: str, requeued: bool
+) -> None:
+    """``--signal=B:USR1@...`` (and a TERM meant for the batch shell) reach only the launcher: it forwards the
+    signal to the tasks, waits for them, and requeues on USR1 only (a TERM is a cancel or Slurm's own preemption)."""
+    env = {**fake_slurm, "FAKE_EXIT": "3", "FAKE_SLEEP": "3"}
+    launcher = subprocess.Popen(
+        ["bash", str(LAUNCH)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    log = Path(env["FAKE_LOG"])
+    deadline = time.monotonic() + 60
+    while not (log.exists() and "trainer" in log.read_text()):  # the task runs: the trap is set
+        assert time.monotonic() < deadline and launcher.poll() is None, launcher.communicate()
+        time.sleep(0.1)
+    launcher.send_signal(getattr(signal, f"SIG{signal_name}"))
+    _, err = launcher.communicate(timeout=60)
+    calls = log.read_text().splitlines()
+    assert f"scancel --signal={signal_name} {JOB_ID}" in calls
+    assert (
+        "training step exited with status 3" in err
+    )  # the launcher outlived the signal until the tasks ended
+    assert (f"scontrol requeue {JOB_ID}" in calls) == requeued
+    assert launcher.returncode == (0 if requeued else 3)
 
 
 def test_a_failure_is_not_requeued(fake_slurm: dict[str, str]) -> None:
@@ -161,7 +241,7 @@ def test_container_flags_and_task_paths(fake_slurm: dict[str, str]) -> None:
     assert "--container-workdir=/workspace/sparrow_nemo" in words
     start = words.index("/workspace/sparrow_nemo/slurm/task.sh")
     assert words[start + 1 : start + 5] == ["python", "-m", "sparrow_nemo.cli", "train"]
-    assert f"/workspace/runs/sparrow-test-{JOB_ID}" in words
+    assert "/workspace/runs/qwen3_8b_math" in words
     assert words[-1] == "trainer.max_steps=3"
 
 
