@@ -79,7 +79,6 @@ done
 
 if [[ $dry == 1 ]]; then
     SLURM_JOB_ID=${SLURM_JOB_ID:-dry}
-    SLURM_JOB_NODELIST=${SLURM_JOB_NODELIST:-$(hostname -s)}
 fi
 [[ -n ${SLURM_JOB_ID:-} ]] || die "not inside a Slurm job (no SLURM_JOB_ID): submit a wrapper with sbatch, e.g. sbatch slurm/train_tiny_cpu.sh (or add --dry to see the srun line)"
 [[ -n ${RECIPE:-} ]] || die "RECIPE is not set (the train_*.sh wrappers set it; e.g. RECIPE=qwen3_8b_math)"
@@ -104,7 +103,11 @@ LOG_DIR=$RUN_DIR/logs
 LOG_STEM=job${SLURM_JOB_ID}_attempt${ATTEMPT}
 
 # (read the whole list: `| head -n 1` could kill scontrol with SIGPIPE, fatal under pipefail)
-mapfile -t hosts < <(scontrol show hostnames "${SLURM_JOB_NODELIST:?}")
+if [[ $dry == 1 && -z ${SLURM_JOB_NODELIST:-} ]]; then
+    hosts=("$(hostname -s)") # a dry run outside a job: this host stands in for the first node
+else
+    mapfile -t hosts < <(scontrol show hostnames "${SLURM_JOB_NODELIST:?}")
+fi
 [[ ${#hosts[@]} -gt 0 ]] || die "scontrol show hostnames '$SLURM_JOB_NODELIST' listed no host"
 MASTER_ADDR=${hosts[0]}
 free_port() {
