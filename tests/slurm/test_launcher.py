@@ -205,6 +205,25 @@ def test_a_signal_to_the_batch_shell_reaches_the_tasks(
     assert launcher.returncode == (0 if requeued else 3)
 
 
+def test_a_checkout_updated_while_the_job_runs_does_not_change_the_running_launcher(
+    fake_slurm: dict[str, str], tmp_path: Path
+) -> None:
+    """bash reads a script as it runs it; the launcher's body is one function, read whole before it starts."""
+    copy = tmp_path / "launch.sh"
+    copy.write_text(LAUNCH.read_text())
+    env = {**fake_slurm, "FAKE_EXIT": "3", "FAKE_SLEEP": "2"}
+    launcher = subprocess.Popen(["bash", str(copy)], env=env, stderr=subprocess.PIPE, text=True)
+    log = Path(env["FAKE_LOG"])
+    deadline = time.monotonic() + 60
+    while not (log.exists() and "trainer" in log.read_text()):
+        assert time.monotonic() < deadline and launcher.poll() is None, launcher.communicate()
+        time.sleep(0.1)
+    copy.write_text("#!/usr/bin/env bash\n" + "echo edited; exit 9 (\n" * 200)  # a `git pull` mid-job
+    _, err = launcher.communicate(timeout=60)
+    assert launcher.returncode == 0, err
+    assert f"scontrol requeue {JOB_ID}" in log.read_text().splitlines()
+
+
 def test_a_failure_is_not_requeued(fake_slurm: dict[str, str]) -> None:
     done, calls = _launch({**fake_slurm, "FAKE_EXIT": "1"})
     assert done.returncode == 1
