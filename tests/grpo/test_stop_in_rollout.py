@@ -3,7 +3,8 @@
 - one rank, the smoke recipe: SIGUSR1 at the first progress report of step 1's rollout ends that generate call
   there (no further decode steps), the run saves the last completed step (0 -> checkpoint ``step 1``) and exits
   with :class:`Preempted`; the resumed run redoes step 1 and ends as the uninterrupted run does;
-- two gloo ranks of one lockstep group: when only one of them is signalled, both abandon after the same report.
+- two gloo ranks of one lockstep group (a tensor-parallel engine's): when only one of them is signalled, both
+  abandon after the same report.
 """
 
 from __future__ import annotations
@@ -97,9 +98,22 @@ def test_a_signal_mid_rollout_ends_the_generate_call_and_the_resume_matches(
 
 
 def _lockstep(rank: int, out_dir: str) -> None:
+    from sparrow_nemo.grpo.setup import lockstep_group
     from sparrow_nemo.grpo.world import start_processes
+    from sparrow_nemo.model_shapes import PRESETS
+    from sparrow_nemo.rollout.torch.engine import TorchRolloutEngine
+    from sparrow_nemo.rollout.torch.qwen3 import Qwen3Decoder
+    from sparrow_nemo.rollout.torch.tensor_parallel import TensorParallel
 
     start_processes()
+    shape = PRESETS["tiny"]
+    sharded = Qwen3Decoder.empty(
+        shape, tensor_parallel=TensorParallel.over(dist.group.WORLD, shape.vocab_size)
+    )
+    alone = Qwen3Decoder.empty(shape)
+    # the trainer's lockstep group: a tensor-parallel engine's group, nothing for an engine of one rank
+    assert lockstep_group(TorchRolloutEngine(sharded)) is dist.group.WORLD
+    assert lockstep_group(TorchRolloutEngine(alone)) is None
     guard, calls = PreemptionGuard(), 0
     with guard.watch_rollout(lambda tokens: None, dist.group.WORLD) as report:
         for call in range(10):
