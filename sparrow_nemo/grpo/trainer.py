@@ -69,7 +69,7 @@ from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 logger = logging.getLogger(__name__)
 
-#: checkpoint key of the tail scheduler's state (as when it was a callback)
+#: checkpoint key of the tail scheduler's state (the name of its class, kept so old checkpoints load)
 SCHEDULER_KEY = "TailMismatchScheduler"
 #: checkpoint key of the speculative planner's state (beside the callbacks')
 PLANNER_KEY = "SpeculativePlanner"
