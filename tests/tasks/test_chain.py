@@ -489,3 +489,24 @@ def test_any_order_needs_several_queries_and_labels_parse_in_linear_time() -> No
         ChainTaskConfig(any_order=True).check()
     hostile = "À" + "x" * 200_000 + "\n" * 200_000 + "!" * 200_000
     assert chain_reward(hostile, "À=Q5 Á=B8") == 0.0
+
+
+def test_the_tolerant_recipe_binds_its_knobs_and_its_prompts_fit() -> None:
+    from sparrow_nemo.grpo.recipe import load_config
+    from sparrow_nemo.rewards.registry import bind_reward
+
+    config = load_config("tiny_cpu_tolerant", [])
+    rl, warm = build_tasks(config.task, config.warmstart)
+    assert (
+        warm.config.fact_copies == 2 and warm.config.any_order
+    )  # the warm-start writes problems the same way
+    problems = rl.problems(100)
+    assert (
+        max(len(p.prompt) + 1 for p in problems) <= config.data.max_prompt_tokens
+    )  # one token per character
+    reward = bind_reward(config.reward.type, config.reward.options)
+    p = next(p for p in problems if p.num_queries >= 6)
+    lines = p.trace.split("\n")
+    off = {1, 3}  # two answer lines off by one: still solved at max_wrong 2
+    broken = [line[:-1] + str((int(line[-1]) + 1) % 10) if i in off else line for i, line in enumerate(lines)]
+    assert reward("\n".join(broken), p.answer) == 1.0 and chain_reward("\n".join(broken), p.answer) < 1.0
