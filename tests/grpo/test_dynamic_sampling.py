@@ -1,0 +1,203 @@
+"""DAPO's dynamic sampling against hand-worked rounds: which groups are kept, dropped, discarded or padded,
+the advantages of the kept batch, the metrics; two gloo ranks agree on the rounds; the trainer's step runs the
+rounds from the prompt stream (seeds of each round's own) and trains on the result."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from policy._helpers import run_distributed, single_rank_env
+
+from sparrow_nemo.grpo.advantages import grpo_advantages
+from sparrow_nemo.grpo.dynamic_sampling import (
+    DynamicSamplingConfig,
+    fill_step,
+    informative_groups,
+    round_seed,
+)
+from sparrow_nemo.grpo.step_batch import LocalRollout
+from sparrow_nemo.rollout.engine import RolloutSample
+from sparrow_nemo.rollout.sampling import sample_seed
+
+G = 2
+
+
+def _rollout(rewards: list[float], tag: int, seconds: float = 1.0, errors: int = 0) -> LocalRollout:
+    """A rollout of len(rewards) one-token samples; sample k's response token is ``tag * 100 + k``."""
+    samples = [
+        RolloutSample(
+            prompt_ids=torch.tensor([1]),
+            response_ids=torch.tensor([tag * 100 + k]),
+            logprobs=torch.zeros(1),
+            top_ids=torch.zeros(1, 1, dtype=torch.long),
+            top_logprobs=torch.zeros(1, 1),
+            cached_len=torch.tensor([1]),
+            kv_budget=torch.tensor([16]),
+            finish_reason="stop_token",
+        )
+        for k in range(len(rewards))
+    ]
+    return LocalRollout(
+        samples, range(0, len(rewards)), seconds, rewards=torch.tensor(rewards), reward_errors=errors
+    )
+
+
+def _ids(local: LocalRollout) -> list[int]:
+    return [int(s.response_ids[0]) for s in local.samples]
+
+
+def _drawer(rounds: list[list[float]]):
+    calls: list[int] = []
+
+    def draw(round_: int) -> LocalRollout:
+        calls.append(round_)
+        return _rollout(rounds[round_], round_)
+
+    return draw, calls
+
+
+def _advantages(rewards: torch.Tensor) -> torch.Tensor:
+    return grpo_advantages(rewards, G)
+
+
+def test_informative_groups() -> None:
+    assert informative_groups(torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.5, 0.25]), 2).tolist() == [
+        False,
+        True,
+        False,
+        True,
+    ]
+    with pytest.raises(ValueError, match="5 rewards in groups of 2"):
+        informative_groups(torch.zeros(5), 2)
+
+
+def test_refill_keeps_informative_groups_in_order_and_discards_the_surplus() -> None:
+    # round 0: groups (1,1) (0,1) (0,0) (1,0) -> kept: g1, g3 (quota 4); dropped: g0, g2
+    # round 1: groups (1,0) (1,1) (0,1) (0.5,0) -> kept: g0, g2 (quota met); dropped: g1; surplus: g3
+    draw, calls = _drawer([[1, 1, 0, 1, 0, 0, 1, 0], [1, 0, 1, 1, 0, 1, 0.5, 0], [0, 1] * 4])
+    local, metrics = fill_step(draw, DynamicSamplingConfig(enabled=True, max_refills=3), G, _advantages)
+    assert calls == [0, 1]  # the third round is never drawn
+    assert _ids(local) == [2, 3, 6, 7, 100, 101, 104, 105]
+    assert local.rewards.tolist() == [0, 1, 1, 0, 1, 0, 0, 1]
+    torch.testing.assert_close(local.advantages, _advantages(local.rewards))
+    assert local.advantages.abs().min() > 0.5  # every kept sample carries a gradient
+    assert local.rows == range(0, 8) and local.seconds == 2.0
+    assert metrics == {
+        "dynamic_sampling/rounds": 2.0,
+        "dynamic_sampling/dropped_groups": 3.0,
+        "dynamic_sampling/padded_groups": 0.0,
+        "dynamic_sampling/surplus_groups": 1.0,
+    }
+
+
+def test_after_max_refills_the_step_is_padded_with_dropped_groups(caplog) -> None:
+    # every group all-equal in rounds 0 and 1, one informative group in round 1 -> 3 padded with round 0's
+    draw, calls = _drawer([[1, 1, 0, 0, 1, 1, 0, 0], [0, 0, 1, 0, 1, 1, 1, 1], [0, 1] * 4])
+    local, metrics = fill_step(draw, DynamicSamplingConfig(enabled=True, max_refills=1), G, _advantages)
+    assert calls == [0, 1]
+    assert _ids(local) == [102, 103, 0, 1, 2, 3, 4, 5]
+    assert local.advantages[2:].abs().max() == 0 and local.advantages[:2].abs().min() > 0.5
+    assert metrics["dynamic_sampling/rounds"] == 2.0
+    assert metrics["dynamic_sampling/padded_groups"] == 3.0
+    assert metrics["dynamic_sampling/dropped_groups"] == 4.0  # 7 zero-variance groups, 3 of them padding
+    assert "3 groups without reward variance trained on after 1 refill rounds" in caplog.text
+
+
+def test_off_returns_the_first_round_untouched() -> None:
+    draw, calls = _drawer([[1, 1, 0, 0]])
+    first = _rollout([1, 1, 0, 0], 0)
+    local, metrics = fill_step(
+        lambda r: first, DynamicSamplingConfig(enabled=False, max_refills=5), G, _advantages
+    )
+    assert local is first and metrics == {}
+    local, _ = fill_step(draw, DynamicSamplingConfig(enabled=True, max_refills=0), G, _advantages)
+    assert calls == [0] and _ids(local) == [0, 1, 2, 3]  # no refill allowed: padded with its own groups
+
+
+def test_round_seeds() -> None:
+    assert round_seed(7, 3, 0) == sample_seed(7, 3)  # round 0: the step's seed, as without dynamic sampling
+    seeds = {round_seed(7, step, r) for step in range(20) for r in range(10)}
+    assert len(seeds) == 200
+
+
+#: rank -> rewards of its rounds (one group of 2 per rank and round): rank 0 is short after round 0, rank 1 not
+_RANK_ROUNDS = {0: [[1, 1, 0, 1], [0, 0, 1, 0], [1, 0, 0, 0]], 1: [[1, 0, 0, 1], [0, 0, 0, 0], [0, 0, 0, 0]]}
+
+
+def _ranks_worker(rank: int, out: str) -> None:
+    dist.init_process_group("gloo")
+    draw, calls = _drawer(_RANK_ROUNDS[rank])
+    local, metrics = fill_step(draw, DynamicSamplingConfig(enabled=True, max_refills=5), G, _advantages)
+    torch.save({"calls": calls, "ids": _ids(local), "metrics": metrics}, Path(out) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.multiproc
+def test_every_rank_samples_as_many_rounds_as_the_shortest_needs(tmp_path: Path) -> None:
+    """Rank 0 fills its quota of 2 groups in round 1 (one group of round 0, one of round 1); rank 1 has its
+    quota after round 0 and takes part in round 1 too (a collective round), discarding it as surplus."""
+    run_distributed(_ranks_worker, 2, str(tmp_path))
+    zero, one = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    assert zero["calls"] == one["calls"] == [0, 1]
+    assert zero["ids"] == [2, 3, 102, 103] and one["ids"] == [0, 1, 2, 3]
+    assert (
+        zero["metrics"]
+        == one["metrics"]
+        == {
+            "dynamic_sampling/rounds": 2.0,
+            "dynamic_sampling/dropped_groups": 4.0,  # rank 0: (1,1) (0,0); rank 1: (0,0) (0,0) of round 1
+            "dynamic_sampling/padded_groups": 0.0,
+            "dynamic_sampling/surplus_groups": 0.0,
+        }
+    )
+
+
+@pytest.mark.slow
+def test_the_trainer_step_draws_refill_rounds_from_the_prompt_stream(tmp_path: Path) -> None:
+    """With one refill allowed, each step reads the prompts of as many rounds as it logs, and its metrics
+    account for every group (a random-init policy on the smoke task mostly scores groups all-zero: then both
+    rounds run and the step trains on padding)."""
+    from sparrow_nemo.grpo.metrics import read_metrics
+    from sparrow_nemo.grpo.recipe import load_config
+    from sparrow_nemo.grpo.trainer import GrpoTrainer
+
+    config = load_config(
+        "tiny_cpu_short_smoke",
+        [
+            "warmstart.enabled=false",
+            "grpo.prompts_per_step=2",
+            "grpo.samples_per_prompt=4",
+            "rollout.max_new_tokens=12",
+            "evaluation.num_prompts=2",
+            "logging.plots=false",
+            "trainer.max_steps=2",
+            "checkpoint.enabled=false",
+            "grpo.dynamic_sampling.enabled=true",
+            "grpo.dynamic_sampling.max_refills=1",
+        ],
+    )
+    with single_rank_env():
+        trainer = GrpoTrainer(config, tmp_path / "run")
+        try:
+            cursors = []
+            for _ in range(2):
+                before = trainer.prompts.cursor
+                trainer.step()
+                cursors.append(trainer.prompts.cursor - before)
+        finally:
+            trainer.policy.close()
+    rows = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["step"] >= 0]
+    for row, read in zip(rows, cursors, strict=True):
+        rounds = row["dynamic_sampling/rounds"]
+        assert rounds in (1.0, 2.0) and read == 2 * rounds, row
+        # every generated group is trained on (2: the quota), dropped or surplus
+        accounted = 2 + row["dynamic_sampling/dropped_groups"] + row["dynamic_sampling/surplus_groups"]
+        assert accounted == 2 * rounds, row
+        assert row["rollout/tokens"] > 0 and row["timing/rollout"] > 0
+        if row["dynamic_sampling/padded_groups"] > 0:
+            assert rounds == 2.0
+        if row["reward/std"] == 0:  # the kept batch has no signal: both rounds ran, all of it is padding
+            assert rounds == 2.0 and row["dynamic_sampling/padded_groups"] == 2, row
