@@ -239,6 +239,7 @@ class GrpoTrainer:
         self._logged = {}
 
     def _fit(self) -> dict[str, Any]:
+        from sparrow_nemo.grpo.export import save_run_hf
         from sparrow_nemo.grpo.plots import write_plots
         from sparrow_nemo.grpo.summary import build_summary, write_summary
 
@@ -275,6 +276,8 @@ class GrpoTrainer:
             self._evaluate(repeat_tag(tag, pair), schedules[tag])
         if cfg.checkpoint.enabled and self._saved_step() != self.state.step:
             self.save_checkpoint()
+        if cfg.checkpoint.save_hf:  # the final policy as an HF folder, <run_dir>/hf (collective)
+            save_run_hf(self.policy, cfg, self.run_dir)
         if self.scheduler is not None:
             self.scheduler.on_train_end(self)
         self.callbacks.on_train_end(self)
@@ -286,6 +289,7 @@ class GrpoTrainer:
                     cfg.sparsity.threshold,
                     self.run_dir / "plots",
                     tail_name(cfg.sparsity.quantile),
+                    self.metrics.histograms,
                 )
             write_summary(summary, self.run_dir)
         self.metrics.close()
@@ -315,7 +319,7 @@ class GrpoTrainer:
                         self.policy, batch.data, cfg.policy.micro_batch_size
                     )
             with timer.phase("stats"):
-                batch.stats = measure(batch, cfg.sparsity, self.cost_model)
+                batch.stats = measure(batch, cfg.sparsity, self.cost_model, cfg.rollout.max_new_tokens)
                 speculative = self._observe_speculative(batch)  # spec/*, then the re-plan
             self._stop_between_phases()
         except _StopRequested:
@@ -356,7 +360,7 @@ class GrpoTrainer:
             if self._checkpoint_due():
                 self.save_checkpoint(pending=(step, row | timer.metrics()))
         metrics = merge_metrics(row, timer.metrics(), {"timing/step": timer.elapsed()})
-        self._flush(step, metrics)
+        self._flush(step, metrics, batch.stats.histograms())
         if self._nonfinite_streak >= cfg.trainer.max_consecutive_nonfinite:
             raise NonFiniteTrainingError(
                 f"step {step}: {self._nonfinite_streak} steps in a row skipped for a non-finite loss or gradient "
@@ -513,10 +517,10 @@ class GrpoTrainer:
         """Rank 0's schedule on every rank (after hooks that run only there)."""
         self.schedule = BudgetSchedule.from_dict(broadcast_object(self.schedule.to_dict()))
 
-    def _flush(self, step: int, metrics: dict[str, float]) -> None:
-        """Write one row of ``metrics`` (rank 0; nothing when empty)."""
+    def _flush(self, step: int, metrics: dict[str, float], histograms: dict | None = None) -> None:
+        """Write one row of ``metrics`` and the step's ``histograms`` (rank 0; nothing when empty)."""
         if self.is_main and metrics:
-            self.metrics.write(step, metrics)
+            self.metrics.write(step, metrics, histograms)
 
     # ----- checkpoints, resume, preemption --------------------------------------------------------
     @property
