@@ -1,9 +1,10 @@
 """DAPO's dynamic sampling against hand-worked rounds: which groups are kept, dropped, discarded or padded,
-the advantages of the kept batch, the metrics; two gloo ranks agree on the rounds; the trainer's step runs the
-rounds from the prompt stream (seeds of each round's own) and trains on the result."""
+the advantages of the kept batch, the metrics; two gloo ranks agree on the rounds; a run draws the rounds
+from the prompt stream (seeds of each round's own), trains on the result and logs the step histograms."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -156,11 +157,13 @@ def test_every_rank_samples_as_many_rounds_as_the_shortest_needs(tmp_path: Path)
 
 
 @pytest.mark.slow
-def test_the_trainer_step_draws_refill_rounds_from_the_prompt_stream(tmp_path: Path) -> None:
-    """With one refill allowed, each step reads the prompts of as many rounds as it logs, and its metrics
-    account for every group (a random-init policy on the smoke task mostly scores groups all-zero: then both
-    rounds run and the step trains on padding)."""
-    from sparrow_nemo.grpo.metrics import read_metrics
+def test_a_run_draws_refill_rounds_from_the_prompt_stream_and_logs_its_histograms(tmp_path: Path) -> None:
+    """Two steps with one refill allowed: the run reads the prompts of as many rounds as its steps log, and
+    each step's metrics account for every group (a random-init policy on the smoke task mostly scores groups
+    all-zero: then both rounds run and the step trains on padding). The same run's step histograms reach
+    ``histograms.jsonl``, the TensorBoard event file and the end-of-run PNG heat maps."""
+    from sparrow_nemo.grpo.histograms import Histogram
+    from sparrow_nemo.grpo.metrics import HISTOGRAMS_FILE, read_metrics
     from sparrow_nemo.grpo.recipe import load_config
     from sparrow_nemo.grpo.trainer import GrpoTrainer
 
@@ -172,27 +175,26 @@ def test_the_trainer_step_draws_refill_rounds_from_the_prompt_stream(tmp_path: P
             "grpo.samples_per_prompt=4",
             "rollout.max_new_tokens=12",
             "evaluation.num_prompts=2",
-            "logging.plots=false",
+            "logging.tensorboard=true",
             "trainer.max_steps=2",
             "checkpoint.enabled=false",
             "grpo.dynamic_sampling.enabled=true",
             "grpo.dynamic_sampling.max_refills=1",
         ],
     )
+    run_dir = tmp_path / "run"
     with single_rank_env():
-        trainer = GrpoTrainer(config, tmp_path / "run")
+        trainer = GrpoTrainer(config, run_dir)
         try:
-            cursors = []
-            for _ in range(2):
-                before = trainer.prompts.cursor
-                trainer.step()
-                cursors.append(trainer.prompts.cursor - before)
+            trainer.fit()
+            read = trainer.prompts.cursor
         finally:
             trainer.policy.close()
-    rows = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["step"] >= 0]
-    for row, read in zip(rows, cursors, strict=True):
+    rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["step"] >= 0]
+    assert read == 2 * sum(row["dynamic_sampling/rounds"] for row in rows)
+    for row in rows:
         rounds = row["dynamic_sampling/rounds"]
-        assert rounds in (1.0, 2.0) and read == 2 * rounds, row
+        assert rounds in (1.0, 2.0), row
         # every generated group is trained on (2: the quota), dropped or surplus
         accounted = 2 + row["dynamic_sampling/dropped_groups"] + row["dynamic_sampling/surplus_groups"]
         assert accounted == 2 * rounds, row
@@ -201,3 +203,20 @@ def test_the_trainer_step_draws_refill_rounds_from_the_prompt_stream(tmp_path: P
             assert rounds == 2.0
         if row["reward/std"] == 0:  # the kept batch has no signal: both rounds ran, all of it is padding
             assert rounds == 2.0 and row["dynamic_sampling/padded_groups"] == 2, row
+    lines = [json.loads(line) for line in (run_dir / HISTOGRAMS_FILE).read_text().splitlines()]
+    assert [line["step"] for line in lines] == [0, 1]
+    for line, row in zip(lines, rows):
+        lengths = Histogram.from_dict(line["response_length/histogram"])
+        assert lengths.edges[-1] == 12 and lengths.total == 8 and lengths.sum == row["rollout/tokens"]
+        assert Histogram.from_dict(line["acceptance/histogram"]).total == row["rollout/tokens"]
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"histograms": 0})
+    events.Reload()
+    assert [e.step for e in events.Histograms("response_length/histogram")] == [0, 1]
+    assert [e.histogram_value.num for e in events.Histograms("acceptance/histogram")] == [
+        row["rollout/tokens"] for row in rows
+    ]
+    for name in ("response_length_histogram.png", "acceptance_histogram.png"):
+        assert (run_dir / "plots" / name).stat().st_size > 1000
