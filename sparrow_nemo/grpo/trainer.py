@@ -372,6 +372,8 @@ class GrpoTrainer:
     def _rollout(self, step: int, timer: PhaseTimer, round_: int) -> LocalRollout:
         """Rollout round ``round_`` of the step (:func:`fill_step`): the next prompts, this rank's share generated
         (:func:`generate`, seeds of the step and round) and scored; the engine stays awake."""
+        if round_ > 0:  # a refill: a stop signal waits for one round at most (collective, as every round is)
+            self._stop_between_phases()
         c, g = self.config, self.config.grpo.samples_per_prompt
         items = self.prompts.next_batch(c.grpo.prompts_per_step)
         sampling = setup.sampling_params(c, seed=round_seed(c.rollout.seed, step, round_))

@@ -220,3 +220,63 @@ def test_a_run_draws_refill_rounds_from_the_prompt_stream_and_logs_its_histogram
     ]
     for name in ("response_length_histogram.png", "acceptance_histogram.png"):
         assert (run_dir / "plots" / name).stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_a_stop_signal_between_refill_rounds_abandons_the_step(tmp_path: Path) -> None:
+    """A reward that is always 0 leaves no group with signal, so every step asks for its refill rounds; a stop
+    signal during step 1's first round is agreed before its second: the run checkpoints step 1 with the prompt
+    cursor where step 1 began (its prompts come again on resume) and never generates the second round."""
+    import os
+    import signal
+
+    from sparrow_nemo.checkpoint.run_state import read_run_state
+    from sparrow_nemo.grpo.checkpoint import TrainerState
+    from sparrow_nemo.grpo.metrics import read_metrics
+    from sparrow_nemo.grpo.preemption import Preempted
+    from sparrow_nemo.grpo.recipe import load_config
+    from sparrow_nemo.grpo.trainer import GrpoTrainer
+
+    config = load_config(
+        "tiny_cpu_short_smoke",
+        [
+            "warmstart.enabled=false",
+            "grpo.prompts_per_step=2",
+            "grpo.samples_per_prompt=4",
+            "rollout.max_new_tokens=8",
+            "evaluation.num_prompts=2",
+            "logging.plots=false",
+            "trainer.max_steps=3",
+            "grpo.dynamic_sampling.enabled=true",
+            "grpo.dynamic_sampling.max_refills=2",
+        ],
+    )
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    calls: list[int] = []
+    try:
+        with single_rank_env():
+            trainer = GrpoTrainer(config, tmp_path / "run")
+            trainer.prompts.train_reward = lambda ids, answer: 0.0
+            generate = trainer.rollout_engine.generate
+
+            def signalled(*args, **kwargs):
+                calls.append(trainer.state.step)
+                if trainer.state.step == 1:
+                    os.kill(os.getpid(), signal.SIGUSR1)
+                return generate(*args, **kwargs)
+
+            trainer.rollout_engine.generate = signalled
+            try:
+                with pytest.raises(Preempted) as info:
+                    trainer.fit()
+            finally:
+                trainer.policy.close()
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert info.value.step == 1
+    (row,) = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["step"] >= 0]
+    assert row["step"] == 0 and row["dynamic_sampling/rounds"] == 3  # step 0: every round it may have
+    assert calls.count(1) == 1  # step 1: its first round only
+    state = TrainerState.from_dict(read_run_state(info.value.checkpoint)[0])
+    assert state.step == 1 and state.prompt_stream["cursor"] == 3 * 2  # step 0's three rounds of 2 prompts
