@@ -18,7 +18,8 @@ accuracy rises ever more groups are so. With ``grpo.dynamic_sampling.enabled`` e
    advantage is 0: no gradient) and the step goes on, logged as ``padded_groups`` and warned about; verl raises
    an error there instead, which ends a long run on one hard batch of prompts.
 
-Advantages are computed once, on the kept groups. Metrics (sums over the world):
+Advantages are computed once, on the kept groups. The trainer agrees on a stop signal before every refill round
+(a preempted step waits one round at most; it is abandoned and its prompts come again on resume). Metrics (sums over the world):
 ``dynamic_sampling/rounds`` (generation rounds of the step), ``dropped_groups`` (zero-variance groups not trained
 on), ``padded_groups`` and ``surplus_groups``. ``rollout/tokens_per_s`` then counts the trained tokens over the
 time of every round (the effective rate); ``timing/rollout`` and ``timing/reward`` add up the rounds.
