@@ -169,12 +169,27 @@ class MetricsWriter:
 
     def _keep_histograms(self, last_step: int) -> None:
         """Continue ``histograms.jsonl`` of an earlier attempt: keep its steps up to ``last_step`` (also as
-        ``histograms``), drop the later ones (the resumed run writes them again) and a last line cut short."""
-        rows, lines = _file_rows(self.histograms_path)
-        kept = [row for row in rows if isinstance(row.get("step"), int) and 0 <= row["step"] <= last_step]
-        self.histograms = [
-            (row["step"], {k: Histogram.from_dict(v) for k, v in row.items() if k != "step"}) for row in kept
-        ]
+        ``histograms``), drop the later ones (the resumed run writes them again) and a last line cut short. They
+        only feed the plots: a file or row that does not read as histograms is dropped with a warning."""
+        try:
+            rows, lines = _file_rows(self.histograms_path)
+        except ValueError as exc:
+            logger.warning("%s; its histograms are dropped", exc)
+            rows, lines = [], 1
+        kept, self.histograms = [], []
+        for row in rows:
+            step = row.get("step")
+            if not (type(step) is int and 0 <= step <= last_step):
+                continue
+            try:
+                self.histograms.append(
+                    (step, {k: Histogram.from_dict(v) for k, v in row.items() if k != "step"})
+                )
+                kept.append(row)
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                logger.warning(
+                    "%s: step %d does not read as histograms (%r); dropped", self.histograms_path, step, exc
+                )
         if lines > len(kept):
             text = "".join(json.dumps(row) + "\n" for row in kept)
             atomic_write(self.histograms_path, lambda f: f.write(text.encode()))

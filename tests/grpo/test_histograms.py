@@ -159,3 +159,23 @@ def test_histograms_jsonl_continues_on_resume_and_the_plots_draw_it(tmp_path: Pa
     names = {p.name for p in paths}
     assert {"response_length_histogram.png", "acceptance_histogram.png"} <= names
     assert all(p.stat().st_size > 1000 for p in paths)
+
+
+def test_histogram_rows_that_do_not_read_are_dropped_with_a_warning(tmp_path: Path, caplog) -> None:
+    """``histograms.jsonl`` only feeds the plots: on resume a row of another shape, or a file with a line that
+    is not JSON before its last, loses those histograms (warned), never the run."""
+    steps = _steps()
+    writer = MetricsWriter(tmp_path)
+    for step, hists in enumerate(steps[:2]):
+        writer.write(step, {"reward/mean": 0.5}, hists)
+    path = tmp_path / HISTOGRAMS_FILE
+    first = path.read_text().splitlines()[0]
+    path.write_text(first + '\n{"step": 1, "acceptance/histogram": {"edges": [0, 1], "counts": "x"}}\n')
+    resumed = MetricsWriter(tmp_path)
+    resumed.keep_rows(2)
+    assert resumed.histograms == [(0, steps[0])] and "step 1 does not read as histograms" in caplog.text
+    assert path.read_text().splitlines() == [first]
+    path.write_text("not json\n" + first + "\n")
+    again = MetricsWriter(tmp_path)
+    again.keep_rows(2)
+    assert again.histograms == [] and path.read_text() == "" and "its histograms are dropped" in caplog.text
