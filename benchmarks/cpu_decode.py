@@ -8,7 +8,7 @@ the load average and the date; the table is printed. ``--page-scores centroid mi
 scores side by side: engines over one model (one per score) take turns, each keeping its best time per
 configuration.
 
-Example (the README's numbers):
+Example (docs/results.md's numbers):
     python benchmarks/cpu_decode.py --shape tiny --batch 128 --contexts 512 1024 2048 4096 \
         --fractions 0.1 0.25 --steps 16 --repeats 6
 The page scores at 10% of 2K (docs/cpu_decode.md):

@@ -16,7 +16,7 @@ ceiling of any schedule on this model, task and machine) and the ``r`` a ``--tar
 line goes to ``benchmarks/results/decode_profile.jsonl``. The timer reads the host clock around each call; on a
 GPU the numbers would need a synchronise per call (not done: it is the CPU engine's profile).
 
-Example (README: the default run's final schedule on its warm-start, ~3 min):
+Example (docs/results.md: the default run's final schedule on its warm-start, ~3 min):
     python benchmarks/decode_profile.py --repeats 2 sparsity.calibrate=false \
         "sparsity.budgets=[192,192,192,256,512,2147483647]"
 """

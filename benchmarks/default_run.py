@@ -10,7 +10,7 @@ end under the sparse and the dense schedule, the median response length, the mea
 final schedule vs dense (same prompts, same run), the cost model's prediction and whether every decided
 bin's last tail meets the threshold; then the means over the seeds.
 
-Example (the README's numbers):
+Example (docs/results.md's numbers):
     python benchmarks/default_run.py --seeds 0 1 2 --jobs 1
 """
 

@@ -27,7 +27,7 @@ from rollout_throughput import machine_info
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "engine_ab.jsonl"
-#: the default run's final schedule (README: 192 tokens up to 768 cached, 256, 512, dense from 1,280)
+#: the default run's final schedule (docs/results.md: 192 tokens up to 768 cached, 256, 512, dense from 1,280)
 SPARSE = "[192,192,192,256,512,2147483647]"
 
 

@@ -129,11 +129,11 @@ env = {"commit": commit(), "date": date, "mode": sys.argv[2], "gpu": gpu, "gpu_k
 json.dump(env, open(sys.argv[1], "w"))
 print(json.dumps(env))
 EOF
-  # The GPU image has no megatron-core: its wheel travels in .window/ (README, "GPU window"), installed offline.
+  # The GPU image has no megatron-core: its wheel travels in .window/ (benchmarks/README.md, "Running the window"), installed offline.
   local wheels=(.window/megatron_core-0.16.1-*.whl) wheel site
   wheel=${wheels[0]}
   if [ "$MODE" = gpu ]; then
-    [ -f "$wheel" ] || { echo "no .window/megatron_core-0.16.1-*.whl: download it and carry .window (README)"; return 1; }
+    [ -f "$wheel" ] || { echo "no .window/megatron_core-0.16.1-*.whl: download it and carry .window (benchmarks/README.md)"; return 1; }
     echo "installing megatron-core from $wheel into .window/site (pip --no-index --no-deps --target)"
     if "$PY" -m pip --version >/dev/null 2>&1; then
       "$PY" -m pip install --quiet --no-index --no-deps --target .window/site "$wheel" || return 1

@@ -12,7 +12,7 @@ Weights: ``model.hf_checkpoint`` (e.g. a run's checkpoint exported to HF), else 
 schedule: ``--schedule FILE`` (e.g. a run's ``sparsity/schedule.yaml``), else the recipe's
 ``sparsity.build_schedule()``.
 
-Example (README: the default run's final schedule on its warm-start, ~3 min):
+Example (docs/results.md: the default run's final schedule on its warm-start, ~3 min):
     python benchmarks/schedule_ab.py --repeats 4 sparsity.calibrate=false \
         "sparsity.budgets=[192,192,192,256,512,2147483647]"
 """

@@ -32,7 +32,7 @@ is written as soon as its last repeat finishes, with per GPU kind the batch that
 memory-bound limit of the arm there (:mod:`gpu_targets`: the cost model without its compute term, with the
 measured alpha), and the arm's target on the GPU it ran on (speedup >= 80 % of the limit at its batch).
 
-Example (the README's numbers):
+Example (docs/results.md's numbers):
     python benchmarks/speculative_rollout.py --batch 32 --prompt-len 1920 --gen-len 256 --ks 4 8
 """
 

@@ -12,7 +12,7 @@ OPTIONAL_MODULES: dict[str, tuple[str, str]] = {
     "apex": ("cluster", "fused optimizers and norms in the cluster image"),
     "nemo": ("cluster", "NeMo toolkit integrations"),
     "triton": ("kernels", "the fused sparse decode-attention kernels (sparrow_kernels)"),
-    "tensorboard": ("dev", "TensorBoard metric logging (logging.tensorboard=true)"),
+    "tensorboard": ("tensorboard", "TensorBoard metric logging (logging.tensorboard=true)"),
 }
 
 

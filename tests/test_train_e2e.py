@@ -137,6 +137,8 @@ def test_smoke_run_trains_without_losing_accuracy_and_keeps_the_tail(smoke_overr
     assert summary["measured_decode_speedup"] > 0, summary
     for name in ("reward.png", "response_length.png", "tail_per_bin.png", "schedule.png"):
         assert (tmp_path / "plots" / name).stat().st_size > 1000
+    for name in ("response_length_histogram.png", "acceptance_histogram.png"):  # the step histograms
+        assert (tmp_path / "plots" / name).stat().st_size > 1000
     step_dir = tmp_path / "checkpoints" / f"step_{config.trainer.max_steps:08d}"
     state = json.loads((step_dir / "trainer_state.json").read_text())
     assert (

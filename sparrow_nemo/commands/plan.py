@@ -1,6 +1,6 @@
 """``sparrow plan``: the parallel layout and per-GPU memory plan of a recipe on a given cluster.
 
-``sparrow plan --table`` prints the README's memory table instead: every shipped ``qwen3_*`` model recipe
+``sparrow plan --table`` prints the memory table of docs/memory.md instead: every shipped ``qwen3_*`` model recipe
 on the cluster its ``# cluster:`` line documents.
 """
 
@@ -54,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--table",
         action="store_true",
-        help="the README's memory table: every shipped qwen3_* recipe on its documented cluster",
+        help="the memory table of docs/memory.md: every shipped qwen3_* recipe on its documented cluster",
     )
     add_config_arguments(parser)
 

@@ -236,3 +236,9 @@ class CheckpointConfig(Section):
     force_resume: bool = knob(
         False, "resume into a run folder whose config_hash.txt differs from this recipe's hash", hashed=False
     )
+    save_hf: bool = knob(
+        False,
+        "at the end of the run write the policy as a Hugging Face checkpoint in <run_dir>/hf, as `sparrow "
+        "export` writes it (sparrow_nemo/grpo/export.py: save_run_hf)",
+        hashed=False,
+    )

@@ -19,6 +19,10 @@ HF-named weights are gathered (:meth:`~sparrow_nemo.policy.policy.MegatronPolicy
 
 The folder is written as ``<out>.partial`` and renamed when complete: a failed export leaves nothing at
 ``out``. An existing ``out`` is refused.
+
+``checkpoint.save_hf: true`` writes the same folder from the live policy at the end of a training run
+(:func:`save_run_hf`): ``<run_dir>/hf``, replacing the one of an earlier, shorter attempt of the run only once
+the new one is complete.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+#: the folder in the run folder that ``checkpoint.save_hf`` writes at the end of a run
+RUN_HF_DIR = "hf"
 #: shard size of the exported safetensors (transformers' default is 5 GB too)
 MAX_SHARD_BYTES = 5 * 10**9
 #: tokenizer files copied from the start checkpoint when present
@@ -177,6 +183,36 @@ def export_run(run_dir: str | Path, out: str | Path, step: int | None = None) ->
     finally:
         policy.close()
     return Path(out)
+
+
+def save_run_hf(policy, config, run_dir: Path) -> Path | None:
+    """``checkpoint.save_hf``: the live ``policy`` of a finished run as ``<run_dir>/hf`` (module docstring), with
+    its DistillSparse adapter in PEFT's format when it has one; returns the folder on rank 0, None elsewhere.
+
+    Collective over the world: every rank takes part in the gathers of :meth:`export_hf` (tensor-parallel
+    all-gathers, pipeline stages' tensors) and of the adapter's export; rank 0 alone writes. An ``hf`` folder
+    already there (an earlier attempt of the run, extended since) is replaced once the new one is complete.
+    """
+    from sparrow_nemo.grpo import world
+
+    state = policy.export_hf()
+    adapter = None
+    if policy.lora is not None:  # DistillSparse's rollout-only LoRA
+        exported = policy.lora.export_adapter()
+        adapter = {"weights": exported.weights, "scaling": exported.scaling}
+    if world.rank() != 0:
+        return None
+    out = Path(run_dir) / RUN_HF_DIR
+    if not out.exists():
+        return write_hf_folder(state, config, out, adapter=adapter)
+    fresh, old = out.with_name(RUN_HF_DIR + ".new"), out.with_name(RUN_HF_DIR + ".old")
+    for leftover in (fresh, old):  # of an attempt killed while replacing
+        shutil.rmtree(leftover, ignore_errors=True)
+    write_hf_folder(state, config, fresh, adapter=adapter)
+    out.rename(old)
+    fresh.rename(out)
+    shutil.rmtree(old)
+    return out
 
 
 def _distill_adapter(checkpoint: Path) -> dict | None:

@@ -47,6 +47,7 @@ VERL: dict[str, str] = {
     "train/clip_fraction": "actor/pg_clipfrac",
     "train/entropy": "actor/entropy",
     "train/kl": "actor/kl_loss",
+    "dynamic_sampling/rounds": "train/num_gen_batches",  # its DAPO recipe's filter_groups
 }
 ALIASES: dict[str, dict[str, str]] = {"nemo_rl": NEMO_RL, "verl": VERL}
 

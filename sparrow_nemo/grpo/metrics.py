@@ -1,8 +1,10 @@
 """Step metrics: the numbers of one RL step (NeMo-RL / verl names), and where they are written.
 
 :func:`merge_metrics` joins the step's components' flat ``"group/name"`` scalars (the rollout statistics come
-from :meth:`sparrow_nemo.grpo.step_batch.StepStats.metrics`); :class:`MetricsWriter` appends one JSON line per step to ``<run_dir>/metrics.jsonl`` (and
-TensorBoard scalars when enabled and installed); :func:`progress` is the tqdm bar factory.
+from :meth:`sparrow_nemo.grpo.step_batch.StepStats.metrics`); :class:`MetricsWriter` appends one JSON line per step to ``<run_dir>/metrics.jsonl``
+and the step's histograms (:mod:`sparrow_nemo.grpo.histograms`) to ``<run_dir>/histograms.jsonl``, and logs both to
+TensorBoard (:mod:`sparrow_nemo.grpo.tensorboard_logger`) and W&B when enabled; :func:`progress` is the tqdm
+bar factory.
 """
 
 from __future__ import annotations
@@ -18,10 +20,15 @@ from typing import Any, ClassVar, Literal
 
 from sparrow_nemo.atomic_io import atomic_write
 from sparrow_nemo.config.schema import Section, knob
+from sparrow_nemo.grpo.histograms import Histogram
 from sparrow_nemo.grpo.metric_names import with_aliases
+from sparrow_nemo.grpo.tensorboard_logger import TensorboardSink
 from sparrow_nemo.grpo.wandb_logger import WandbConfig, WandbSink
 
 logger = logging.getLogger(__name__)
+
+#: the step histograms' JSON lines in the run folder (one line per step: {"step": n, name: Histogram.to_dict()})
+HISTOGRAMS_FILE = "histograms.jsonl"
 
 
 def merge_metrics(*parts: Mapping[str, float]) -> dict[str, float]:
@@ -53,11 +60,16 @@ class LoggingConfig(Section):
         True, "metrics as JSON lines in <run_dir>/metrics.jsonl (one row per step)", hashed=False
     )
     tensorboard: bool = knob(
-        False, "TensorBoard event files in <run_dir>/tensorboard (needs tensorboard)", hashed=False
+        False,
+        "TensorBoard event files in <run_dir>/tensorboard: the metrics and the response-length and acceptance "
+        "histograms (needs the tensorboard extra; grpo/tensorboard_logger.py)",
+        hashed=False,
     )
     wandb: WandbConfig = knob(doc="Weights & Biases, the same metric names (optional)", factory=WandbConfig)
     progress_bar: bool = knob(True, "progress bars (rate and ETA) on the terminal", hashed=False)
-    plots: bool = knob(True, "PNG plots in <run_dir>/plots at the end", hashed=False)
+    plots: bool = knob(
+        True, "PNG plots in <run_dir>/plots at the end (with the step histograms as heat maps)", hashed=False
+    )
     metric_aliases: Literal["nemo_rl", "verl"] | None = knob(
         None,
         "also write each metric under NeMo-RL's (nemo_rl) or verl's (verl) name, beside ours "
@@ -70,10 +82,15 @@ class MetricsWriter:
     """Per-step metrics to ``<run_dir>/metrics.jsonl`` (one line per step with "step" and "time").
 
     Args:
-        run_dir: the run folder. jsonl: write the JSON lines. tensorboard: also write TensorBoard scalars
-            under ``<run_dir>/tensorboard`` (skipped with a warning when no TensorBoard writer is installed).
+        run_dir: the run folder. jsonl: write the JSON lines (``metrics.jsonl``, ``histograms.jsonl``).
+        tensorboard: also write TensorBoard event files under ``<run_dir>/tensorboard``
+            (:class:`~sparrow_nemo.grpo.tensorboard_logger.TensorboardSink`; an error without the package).
         wandb: also log every row to this W&B run (:mod:`sparrow_nemo.grpo.wandb_logger`), same names.
         aliases: ``logging.metric_aliases`` (:mod:`sparrow_nemo.grpo.metric_names`): their names beside ours.
+
+    Attributes:
+        history: the rows written (or kept from an earlier attempt). histograms: ``(step, {name: Histogram})``
+            of each step that had histograms, in order.
     """
 
     def __init__(
@@ -85,18 +102,13 @@ class MetricsWriter:
         aliases: str | None = None,
     ) -> None:
         self.path = Path(run_dir) / "metrics.jsonl"
+        self.histograms_path = Path(run_dir) / HISTOGRAMS_FILE
         self.jsonl = jsonl
         self.aliases = aliases
         self._wandb = wandb
-        self._tb = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
-            except ImportError:
-                logger.warning("logging.tensorboard=true but tensorboard is not installed: JSONL only")
+        self._tb = TensorboardSink(run_dir) if tensorboard else None
         self.history: list[dict[str, Any]] = []
+        self.histograms: list[tuple[int, dict[str, Histogram]]] = []
 
     def row(self, step: int, metrics: Mapping[str, float]) -> dict[str, Any]:
         """The JSON row of one step: ``step``, ``time``, then the metrics by name with the aliases' names too
@@ -106,21 +118,28 @@ class MetricsWriter:
         row.update({k: (float(v) if math.isfinite(float(v)) else None) for k, v in sorted(metrics.items())})
         return row
 
-    def write(self, step: int, metrics: Mapping[str, float]) -> None:
-        """Record one step (:meth:`row`; TensorBoard and W&B get the aliases' names too)."""
+    def write(
+        self, step: int, metrics: Mapping[str, float], histograms: Mapping[str, Histogram] | None = None
+    ) -> None:
+        """Record one step (:meth:`row`; TensorBoard and W&B get the aliases' names too) and its
+        ``histograms`` (``histograms.jsonl``, TensorBoard, W&B; our names only)."""
         row = self.row(step, metrics)
         metrics = with_aliases(metrics, self.aliases)
         self.history.append(row)
+        histograms = dict(histograms or {})
+        if histograms:
+            self.histograms.append((step, histograms))
         if self.jsonl:
             with self.path.open("a") as f:
                 f.write(json.dumps(row) + "\n")
+            if histograms:
+                line = {"step": step} | {k: h.to_dict() for k, h in sorted(histograms.items())}
+                with self.histograms_path.open("a") as f:
+                    f.write(json.dumps(line) + "\n")
         if self._tb is not None:
-            for k, v in metrics.items():
-                if math.isfinite(float(v)):
-                    self._tb.add_scalar(k, float(v), step)
-            self._tb.flush()
+            self._tb.log(step, metrics, histograms)
         if self._wandb is not None:
-            self._wandb.log(step, metrics)
+            self._wandb.log(step, metrics, histograms)
 
     def keep_rows(self, count: int, pending: dict[str, Any] | None = None) -> int:
         """Continue the file of an earlier attempt of this run: keep its first ``count`` rows (also as
@@ -145,7 +164,35 @@ class MetricsWriter:
             atomic_write(self.path, lambda f: f.write(text.encode()))
             if lines > len(self.history):
                 logger.info("%s: dropped %d rows after the checkpoint", self.path, lines - len(self.history))
+        self._keep_histograms(self.history[-1]["step"] if self.history else -1)
         return max(0, lines - len(self.history))
+
+    def _keep_histograms(self, last_step: int) -> None:
+        """Continue ``histograms.jsonl`` of an earlier attempt: keep its steps up to ``last_step`` (also as
+        ``histograms``), drop the later ones (the resumed run writes them again) and a last line cut short. They
+        only feed the plots: a file or row that does not read as histograms is dropped with a warning."""
+        try:
+            rows, lines = _file_rows(self.histograms_path)
+        except ValueError as exc:
+            logger.warning("%s; its histograms are dropped", exc)
+            rows, lines = [], 1
+        kept, self.histograms = [], []
+        for row in rows:
+            step = row.get("step")
+            if not (type(step) is int and 0 <= step <= last_step):
+                continue
+            try:
+                self.histograms.append(
+                    (step, {k: Histogram.from_dict(v) for k, v in row.items() if k != "step"})
+                )
+                kept.append(row)
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                logger.warning(
+                    "%s: step %d does not read as histograms (%r); dropped", self.histograms_path, step, exc
+                )
+        if lines > len(kept):
+            text = "".join(json.dumps(row) + "\n" for row in kept)
+            atomic_write(self.histograms_path, lambda f: f.write(text.encode()))
 
     def close(self) -> None:
         if self._tb is not None:

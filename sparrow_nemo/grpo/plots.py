@@ -1,12 +1,16 @@
-"""PNG plots of a run from its metrics rows: reward, response length, tail per bin, schedule."""
+"""PNG plots of a run from its metrics rows (reward, response length, tail per bin, schedule) and its step
+histograms (response length and per-token acceptance as heat maps over the steps, TensorBoard's distributions
+for runs without TensorBoard or W&B)."""
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from sparrow_nemo.grpo.histograms import Histogram
 
 _BUDGET = re.compile(r"^sparsity/budget/bin_(\d+)$")
 
@@ -21,10 +25,25 @@ def _per_bin(history: Sequence[dict[str, Any]], pattern: re.Pattern) -> dict[int
     return dict(sorted((int(pattern.match(k).group(1)), k) for k in keys))
 
 
-def write_plots(history: Sequence[dict[str, Any]], threshold: float, out_dir: Path, stat: str) -> list[Path]:
+#: PNG file and title of each step histogram (:mod:`sparrow_nemo.grpo.histograms`)
+HISTOGRAM_PLOTS = {
+    "response_length/histogram": ("response_length_histogram.png", "response length (tokens)"),
+    "acceptance/histogram": ("acceptance_histogram.png", "per-token acceptance rate"),
+}
+
+
+def write_plots(
+    history: Sequence[dict[str, Any]],
+    threshold: float,
+    out_dir: Path,
+    stat: str,
+    histograms: Sequence[tuple[int, Mapping[str, Histogram]]] = (),
+) -> list[Path]:
     """Write reward.png, response_length.png, tail_per_bin.png (the tail statistic ``stat``, e.g. ``p1``, per
-    bin) and schedule.png (and, for a speculative run, speculative.png and speculative_tokens.png); returns
-    their paths."""
+    bin) and schedule.png (and, for a speculative run, speculative.png and speculative_tokens.png), and one
+    heat map per step histogram in ``histograms`` (``(step, {name: Histogram})``, as
+    :attr:`~sparrow_nemo.grpo.metrics.MetricsWriter.histograms` holds them; :func:`write_histogram_plot`);
+    returns their paths."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -88,4 +107,33 @@ def write_plots(history: Sequence[dict[str, Any]], threshold: float, out_dir: Pa
         fig.savefig(out_dir / name, dpi=100)
         plt.close(fig)
         paths.append(out_dir / name)
+    for key, (name, title) in HISTOGRAM_PLOTS.items():
+        steps = [(step, found[key]) for step, found in histograms if key in found]
+        if steps:
+            paths.append(write_histogram_plot(steps, title, out_dir / name))
     return paths
+
+
+def write_histogram_plot(steps: Sequence[tuple[int, Histogram]], title: str, path: Path) -> Path:
+    """One histogram over the RL steps as a heat map: a column per step, its bins' share of the step's values
+    as colour, the step's mean as a line (TensorBoard's distribution view as a PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shares = [[[c / h.total if h.total else 0.0] for c in h.counts] for _, h in steps]
+    top = max(max(row[0] for row in share) for share in shares) or 1.0
+    fig, ax = plt.subplots(figsize=(6, 4))
+    mesh = None
+    for (step, h), share in zip(steps, shares):
+        mesh = ax.pcolormesh([step - 0.5, step + 0.5], h.edges, share, cmap="viridis", vmin=0.0, vmax=top)
+    ax.plot([s for s, _ in steps], [h.mean for _, h in steps], color="white", marker=".", label="mean")
+    fig.colorbar(mesh, ax=ax, label="share of the step's values")
+    ax.set_xlabel("RL step")
+    ax.set_title(title)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -14,7 +14,8 @@ rules that span sections. Defaults are each component's own (mostly the paper's 
   ``sparse/pattern.py``, ``calibration`` from ``sparse/calibration.py``)
 - ``tail_scheduler``: :class:`~sparrow_nemo.callbacks.tail_scheduler.TailSchedulerConfig`
 - ``grpo``: :class:`GrpoConfig` (here); its ``loss``: :class:`~sparrow_nemo.grpo.losses.PolicyLossConfig`; its
-  ``overlong``: :class:`~sparrow_nemo.grpo.shaping.OverlongConfig`
+  ``overlong``: :class:`~sparrow_nemo.grpo.shaping.OverlongConfig`; its ``dynamic_sampling``:
+  :class:`~sparrow_nemo.grpo.dynamic_sampling.DynamicSamplingConfig`
 - ``distill``: :class:`~sparrow_nemo.grpo.distill.DistillConfig` (``grpo/distill.py``, the DistillSparse phase)
 - ``data``: :class:`~sparrow_nemo.grpo.data.PromptDataConfig`
 - ``reward``: :class:`~sparrow_nemo.rewards.registry.RewardConfig`
@@ -56,6 +57,7 @@ from sparrow_nemo.grpo.advantages import advantage_names
 from sparrow_nemo.grpo.checkpoint import CheckpointConfig
 from sparrow_nemo.grpo.data import PromptDataConfig
 from sparrow_nemo.grpo.distill import DistillConfig
+from sparrow_nemo.grpo.dynamic_sampling import DynamicSamplingConfig
 from sparrow_nemo.grpo.evaluation import EvaluationConfig
 from sparrow_nemo.grpo.losses import PolicyLossConfig
 from sparrow_nemo.grpo.metrics import LoggingConfig
@@ -104,6 +106,10 @@ class GrpoConfig(Section):
     loss: PolicyLossConfig = knob(doc="the policy loss", factory=PolicyLossConfig)
     overlong: OverlongConfig = knob(
         doc="DAPO's overlong reward shaping of the training reward (grpo/shaping.py)", factory=OverlongConfig
+    )
+    dynamic_sampling: DynamicSamplingConfig = knob(
+        doc="DAPO's dynamic sampling: train on groups with reward variance (grpo/dynamic_sampling.py)",
+        factory=DynamicSamplingConfig,
     )
 
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from sparrow_nemo.callbacks.tail_stats import BinTail, bin_counts, merged_bin_tails, merged_quantiles
+from sparrow_nemo.grpo.histograms import Histogram, merged_histograms
 from sparrow_nemo.grpo.process_model import (
     RankPlan,
     SampleShare,
@@ -210,6 +211,8 @@ class StepStats:
         alpha_mean_per_bin: {bin: mean acceptance rate}.
         token_mult_prob_error, log_ppl_diff: mean exp|train - gen| and mean (train - gen) logprob.
         predicted_speedup: cost model, dense / schedule time of the slowest engine's batch.
+        length_histogram, acceptance_histogram: response lengths of the samples and acceptance rates of the
+            tokens, over every rank (:mod:`sparrow_nemo.grpo.histograms`).
     """
 
     samples: int
@@ -236,6 +239,8 @@ class StepStats:
     token_mult_prob_error: float
     log_ppl_diff: float
     predicted_speedup: float
+    length_histogram: Histogram
+    acceptance_histogram: Histogram
 
     @property
     def tokens_per_s(self) -> float:
@@ -278,14 +283,29 @@ class StepStats:
                 m[f"sparsity/budget/bin_{b}"] = float("inf") if budget == DENSE_BUDGET else float(budget)
         return m
 
+    def histograms(self) -> dict[str, Histogram]:
+        """The step's histograms by name (the acceptance rates' when the step measured them, as
+        :meth:`metrics`)."""
+        out = {"response_length/histogram": self.length_histogram}
+        return out | ({"acceptance/histogram": self.acceptance_histogram} if self.tails else {})
 
-def measure(batch: StepBatch, sparsity: SparsityConfig, cost_model: Any | None = None) -> StepStats:
+
+def measure(
+    batch: StepBatch, sparsity: SparsityConfig, cost_model: Any | None = None, length_cap: int | None = None
+) -> StepStats:
     """:func:`measure_tokens` of this rank's samples and the acceptance rate of their tokens, the tails as
     ``sparsity`` states them (``quantile``, ``noise_z``, ``noise_unit``). Collective."""
     by_sequence = sparsity.noise_unit == "sequence"
     mm = batch.local_mismatch()
     return measure_tokens(
-        batch.local, mm, batch.schedule, sparsity.quantile, sparsity.noise_z, cost_model, by_sequence
+        batch.local,
+        mm,
+        batch.schedule,
+        sparsity.quantile,
+        sparsity.noise_z,
+        cost_model,
+        by_sequence,
+        length_cap,
     )
 
 
@@ -297,6 +317,7 @@ def measure_tokens(
     noise_z: float,
     cost_model: Any | None = None,
     by_sequence: bool = False,
+    length_cap: int | None = None,
 ) -> StepStats:
     """The step's :class:`StepStats` from every rank's own samples (``local``, rewards scored) and the
     mismatch of their response tokens (``mm``, sample-major). Collective over the world.
@@ -306,7 +327,8 @@ def measure_tokens(
     of per-rank token counts, the exact per-bin tail (:func:`merged_bin_tails`) and the overall quantile.
     ``cost_model`` prices this engine's batch dense and under the step's schedule (the step's prediction is
     the slowest engine's dense time over its slowest sparse time). ``by_sequence``: the tails' bounds count
-    a sample's tokens together (``sparsity.noise_unit: sequence``).
+    a sample's tokens together (``sparsity.noise_unit: sequence``). ``length_cap``: the top of the response
+    length histogram's bins (``rollout.max_new_tokens``; None = the step's longest response).
     """
     world = torch.distributed.group.WORLD if distributed() else None
     rank0 = not distributed() or torch.distributed.get_rank() == 0
@@ -381,6 +403,9 @@ def measure_tokens(
         bin_counts(one_sample, 1, world),
         world,
     )
+    length_histogram, acceptance_histogram = merged_histograms(
+        [(lengths, 0.0, float(length_cap or max(length_max, 1.0))), (mm.alpha, 0.0, 1.0)]
+    )
     mean = r_sum / n
     return StepStats(
         samples=int(n),
@@ -407,4 +432,6 @@ def measure_tokens(
         token_mult_prob_error=tmpe / a_count if a_count else math.nan,
         log_ppl_diff=d_sum / a_count if a_count else math.nan,
         predicted_speedup=dense_max / sparse_max if sparse_max > 0 else math.nan,
+        length_histogram=length_histogram,
+        acceptance_histogram=acceptance_histogram,
     )

@@ -7,8 +7,9 @@ every rank holds a policy shard and a rollout engine on the same device (its own
 tensor-parallel engine whose ranks make every call together) and generates its engine's share of the step.
 Per step (:meth:`GrpoTrainer.step`), each phase timed as ``timing/<phase>``:
 
-1. ``rollout``: this rank's engine samples its prompts' groups (continuous batching within its KV pool),
-   then sleeps (weights and KV pool released); ``reward``: rewards and group advantages there;
+1. ``rollout``: this rank's engine samples its prompts' groups (continuous batching within its KV pool;
+   refill rounds with ``grpo.dynamic_sampling``, :mod:`sparrow_nemo.grpo.dynamic_sampling`), then sleeps
+   (weights and KV pool released); ``reward``: rewards and group advantages there;
 2. ``exchange``: the replica's samples on every rank of its model-parallel group -> the :class:`StepBatch`;
 3. ``logprobs`` / ``reference``: dense logprobs, entropy and top-K (and the KL reference's) of the replica's
    rows only; ``stats``: acceptance rate of each rank's own tokens, then the step's statistics and the tail per
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,7 @@ from sparrow_nemo.grpo.advantages import compute_advantages
 from sparrow_nemo.grpo.checkpoint import TrainerState, load_run_checkpoint
 from sparrow_nemo.grpo.distill import STATE_KEY as DISTILL_KEY
 from sparrow_nemo.grpo.distill import DistillData, DistillSparse, Probe
+from sparrow_nemo.grpo.dynamic_sampling import fill_step, round_seed
 from sparrow_nemo.grpo.evaluation import end_evaluation_order, evaluate, repeat_tag
 from sparrow_nemo.grpo.metrics import MetricsWriter, merge_metrics, progress, rollout_progress
 from sparrow_nemo.grpo.preemption import Preempted, PreemptionGuard
@@ -61,7 +64,6 @@ from sparrow_nemo.grpo.timing import PhaseTimer
 from sparrow_nemo.grpo.update import UpdateBatch, UpdateResult, mini_batch_order, update_policy
 from sparrow_nemo.grpo.wandb_logger import open_wandb
 from sparrow_nemo.grpo.warmstart import ensure_warm_start
-from sparrow_nemo.rollout.sampling import sample_seed
 from sparrow_nemo.rollout.spec_rollout import with_rollout_mode
 from sparrow_nemo.rollout.tools.cost_fit import COST_HARDWARE_FILE, rollout_cost_model
 from sparrow_nemo.sparse.mismatch import tail_name
@@ -69,7 +71,7 @@ from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 logger = logging.getLogger(__name__)
 
-#: checkpoint key of the tail scheduler's state (as when it was a callback)
+#: checkpoint key of the tail scheduler's state (the name of its class, kept so old checkpoints load)
 SCHEDULER_KEY = "TailMismatchScheduler"
 #: checkpoint key of the speculative planner's state (beside the callbacks')
 PLANNER_KEY = "SpeculativePlanner"
@@ -238,6 +240,7 @@ class GrpoTrainer:
         self._logged = {}
 
     def _fit(self) -> dict[str, Any]:
+        from sparrow_nemo.grpo.export import save_run_hf
         from sparrow_nemo.grpo.plots import write_plots
         from sparrow_nemo.grpo.summary import build_summary, write_summary
 
@@ -274,6 +277,8 @@ class GrpoTrainer:
             self._evaluate(repeat_tag(tag, pair), schedules[tag])
         if cfg.checkpoint.enabled and self._saved_step() != self.state.step:
             self.save_checkpoint()
+        if cfg.checkpoint.save_hf:  # the final policy as an HF folder, <run_dir>/hf (collective)
+            save_run_hf(self.policy, cfg, self.run_dir)
         if self.scheduler is not None:
             self.scheduler.on_train_end(self)
         self.callbacks.on_train_end(self)
@@ -285,6 +290,7 @@ class GrpoTrainer:
                     cfg.sparsity.threshold,
                     self.run_dir / "plots",
                     tail_name(cfg.sparsity.quantile),
+                    self.metrics.histograms,
                 )
             write_summary(summary, self.run_dir)
         self.metrics.close()
@@ -294,13 +300,11 @@ class GrpoTrainer:
         """One RL step (see the module docstring); returns its metrics (the row written to metrics.jsonl)."""
         cfg, step, timer = self.config, self.state.step, PhaseTimer()
         cursor = self.prompts.cursor
-        items = self.prompts.next_batch(cfg.grpo.prompts_per_step)
-        try:
+        try:  # one round of rollouts, more with grpo.dynamic_sampling; then the engine sleeps
+            draw, g = partial(self._rollout, step, timer), cfg.grpo
+            local, sampled = fill_step(draw, g.dynamic_sampling, g.samples_per_prompt, self._advantages)
             with timer.phase("rollout"):
-                local = self._generate([i.prompt_ids for i in items], step)
-            self._stop_between_phases()  # a stop inside the rollout abandoned it (local is None)
-            with timer.phase("reward"):
-                self.score_rollout(local, items)
+                self.rollout_engine.sleep()
             with timer.phase("exchange"):
                 batch = StepBatch.assemble(step, self.schedule, local, self.plan)
             self._stop_between_phases()
@@ -316,7 +320,7 @@ class GrpoTrainer:
                         self.policy, batch.data, cfg.policy.micro_batch_size
                     )
             with timer.phase("stats"):
-                batch.stats = measure(batch, cfg.sparsity, self.cost_model)
+                batch.stats = measure(batch, cfg.sparsity, self.cost_model, cfg.rollout.max_new_tokens)
                 speculative = self._observe_speculative(batch)  # spec/*, then the re-plan
             self._stop_between_phases()
         except _StopRequested:
@@ -347,6 +351,7 @@ class GrpoTrainer:
             batch.stats.metrics(batch.schedule, cfg.sparsity.quantile),
             {"timing/rollout_max": batch.stats.rollout_s_max},
             speculative,
+            sampled,
             train,
             distilled,
             self._logged,
@@ -356,7 +361,7 @@ class GrpoTrainer:
             if self._checkpoint_due():
                 self.save_checkpoint(pending=(step, row | timer.metrics()))
         metrics = merge_metrics(row, timer.metrics(), {"timing/step": timer.elapsed()})
-        self._flush(step, metrics)
+        self._flush(step, metrics, batch.stats.histograms())
         if self._nonfinite_streak >= cfg.trainer.max_consecutive_nonfinite:
             raise NonFiniteTrainingError(
                 f"step {step}: {self._nonfinite_streak} steps in a row skipped for a non-finite loss or gradient "
@@ -365,39 +370,34 @@ class GrpoTrainer:
         return metrics
 
     # ----- phases -------------------------------------------------------------------------------
-    def _generate(self, prompts: list[list[int]], step: int) -> LocalRollout | None:
-        """This rank's share of the step's rollouts (:func:`generate`; None when a stop signal abandoned it between
-        decode steps); the engine sleeps afterwards."""
-        engine, local = self.rollout_engine, None
-        g = self.config.grpo.samples_per_prompt
-        sampling = setup.sampling_params(self.config, seed=sample_seed(self.config.rollout.seed, step))
-        count = len(self.plan.engine_prompts(len(prompts))) * g
-        bar = rollout_progress(count, sampling.max_new_tokens, self.show_progress)
-        with bar, self.preemption.watch_rollout(bar.update, self.lockstep) as on_tokens:
-            local = generate(engine, self.plan, prompts, g, sampling, self.schedule, on_tokens=on_tokens)
-        engine.sleep()
+    def _rollout(self, step: int, timer: PhaseTimer, round_: int) -> LocalRollout:
+        """Rollout round ``round_`` of the step (:func:`fill_step`): the next prompts, this rank's share generated
+        (:func:`generate`, seeds of the step and round) and scored; the engine stays awake."""
+        if round_ > 0:  # a refill: a stop signal waits for one round at most (collective, as every round is)
+            self._stop_between_phases()
+        c, g = self.config, self.config.grpo.samples_per_prompt
+        items = self.prompts.next_batch(c.grpo.prompts_per_step)
+        sampling = setup.sampling_params(c, seed=round_seed(c.rollout.seed, step, round_))
+        prompts, count = [i.prompt_ids for i in items], len(self.plan.engine_prompts(len(items))) * g
+        bar, local = rollout_progress(count, sampling.max_new_tokens, self.show_progress), None
+        watch = self.preemption.watch_rollout(bar.update, self.lockstep)  # ends it between decode steps
+        with timer.phase("rollout"), bar, watch as on_tokens:
+            local = generate(self.rollout_engine, self.plan, prompts, g, sampling, self.schedule, on_tokens)
+        self._stop_between_phases()  # a stop inside the rollout abandoned it (local is None): every rank agrees
+        with timer.phase("reward"):
+            self.score_rollout(local, items)
         return local
 
     def score_rollout(self, local: LocalRollout, items: list[PromptItem]) -> None:
         """Rewards and group advantages of this rank's samples, where they were generated."""
-        g = self.config.grpo
-        mine = self.plan.engine_prompts(len(items))
-        score(
-            local,
-            [items[j].answer for j in mine],
-            self.prompts.train_reward,
-            lambda rewards: compute_advantages(
-                g.adv_estimator, rewards, g.samples_per_prompt, **self._adv_options()
-            ),
-            g.samples_per_prompt,
-        )
+        answers, g = [items[j].answer for j in self.plan.engine_prompts(len(items))], self.config.grpo
+        score(local, answers, self.prompts.train_reward, self._advantages, g.samples_per_prompt)
 
-    def _adv_options(self) -> dict[str, Any]:
-        return (
-            {"normalize_std": self.config.grpo.normalize_std}
-            if self.config.grpo.adv_estimator == "grpo"
-            else {}
-        )
+    def _advantages(self, rewards: torch.Tensor) -> torch.Tensor:
+        """[n] advantages of [n] rewards grouped by prompt (``grpo.adv_estimator``)."""
+        g = self.config.grpo
+        options = {"normalize_std": g.normalize_std} if g.adv_estimator == "grpo" else {}
+        return compute_advantages(g.adv_estimator, rewards, g.samples_per_prompt, **options)
 
     def _dense_logprobs(self, batch: StepBatch):
         """Dense log-probs, entropy and top-K of the replica's rows (collective over its model-parallel group);
@@ -522,10 +522,10 @@ class GrpoTrainer:
         """Rank 0's schedule on every rank (after hooks that run only there)."""
         self.schedule = BudgetSchedule.from_dict(broadcast_object(self.schedule.to_dict()))
 
-    def _flush(self, step: int, metrics: dict[str, float]) -> None:
-        """Write one row of ``metrics`` (rank 0; nothing when empty)."""
+    def _flush(self, step: int, metrics: dict[str, float], histograms: dict | None = None) -> None:
+        """Write one row of ``metrics`` and the step's ``histograms`` (rank 0; nothing when empty)."""
         if self.is_main and metrics:
-            self.metrics.write(step, metrics)
+            self.metrics.write(step, metrics, histograms)
 
     # ----- checkpoints, resume, preemption --------------------------------------------------------
     @property

@@ -5,7 +5,9 @@
 ``<run_dir>/wandb`` without a network or an account (``wandb sync`` uploads it later); ``online`` needs
 ``WANDB_API_KEY`` or ``wandb login``. Every row :class:`~sparrow_nemo.grpo.metrics.MetricsWriter` writes
 is logged with ``step`` as the W&B step and the same keys (``reward/mean``, ``acceptance/p5/bin_3``, ...);
-non-finite values are left out, as in TensorBoard. The resolved recipe is the run's config.
+non-finite values are left out, as in TensorBoard. The step histograms (``response_length/histogram``,
+``acceptance/histogram``: :mod:`sparrow_nemo.grpo.histograms`) go in the same row as ``wandb.Histogram`` of
+their bins. The resolved recipe is the run's config.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from sparrow_nemo.config.schema import Section, knob
+from sparrow_nemo.grpo.histograms import Histogram
 
 __all__ = ["WandbConfig", "WandbSink", "open_wandb"]
 
@@ -74,10 +77,18 @@ class WandbSink:
             settings=wandb.Settings(console="off", silent=True),
         )
 
-    def log(self, step: int, metrics: Mapping[str, float]) -> None:
-        """One step's metrics (finite values only) at W&B step ``step``."""
-        finite = {k: float(v) for k, v in metrics.items() if math.isfinite(float(v))}
-        self.run.log(finite, step=max(step, 0))
+    def log(
+        self, step: int, metrics: Mapping[str, float], histograms: Mapping[str, Histogram] | None = None
+    ) -> None:
+        """One step's metrics (finite values only) and non-empty histograms (``wandb.Histogram`` of their bins)
+        at W&B step ``step``, in one W&B history row."""
+        import wandb
+
+        row: dict[str, Any] = {k: float(v) for k, v in metrics.items() if math.isfinite(float(v))}
+        for name, h in (histograms or {}).items():
+            if h.total > 0:
+                row[name] = wandb.Histogram(np_histogram=(list(h.counts), list(h.edges)))
+        self.run.log(row, step=max(step, 0))
 
     def close(self) -> None:
         self.run.finish()

@@ -1,6 +1,6 @@
 """The rollout-engine interface: what GRPO, calibration and benchmarks need from a generator.
 
-Backends (``reference``: plain torch with a paged KV cache; ``trtllm``: TensorRT-LLM on the cluster)
+Backends (``torch``: plain torch with a paged KV cache, continuous batching; ``trtllm``: TensorRT-LLM on the cluster)
 implement :class:`RolloutEngine`. Results come back as a :class:`RolloutBatch` of per-sample
 :class:`RolloutSample` records (variable-length 1-D/2-D tensors per sample, no padding).
 
@@ -304,7 +304,7 @@ class RolloutEngine(Protocol):
 
         Sample i draws from seed ``sample_seeds[i]`` (default ``sample_seed(sampling.seed, i)``), so a part
         of a batch reproduces its samples in the whole batch. ``on_tokens`` (optional) is told how many
-        tokens were generated, as the engine can see them: every few decode steps for the reference
+        tokens were generated, as the engine can see them: every few decode steps for the torch
         engine, once at the end for TensorRT-LLM.
         """
         ...

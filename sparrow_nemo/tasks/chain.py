@@ -71,6 +71,8 @@ END = "."
 #: haystack characters: in the tokenizer's CHARSET (one token each) and never in an entry, a trace or an answer
 FILLER = ":;>+-*"
 _ANSWER_RE = re.compile(r"!(\S*)")
+#: a walk's label (the first character of its line) and the answer on the line after it
+_LABELLED_ANSWER_RE = re.compile(r"(?:^|\n)([^\s!])[^\n]*\n!(\S*)")
 
 
 def node_names(name_length: int, letters: int = 26) -> list[str]:
@@ -145,6 +147,17 @@ class ChainTaskConfig(Section):
         check=AT_LEAST_ONE,
     )
 
+    fact_copies: int = knob(
+        1,
+        "times the table is written (each copy in its own order, an entry's copies at least half a copy apart): "
+        "every fact stated that often, so a look-up that misses one copy's page can read another; 1 = once",
+        check=interval(1, 3),
+    )
+    any_order: bool = knob(
+        False,
+        "several-query problems only: the reference traces answer the queries in a random order (a genuine fork: "
+        "which query next), and the reward matches answers to queries by label; false = in label order",
+    )
     slip_rate: float = knob(
         0.0,
         "probability per hop that a reference trace writes a wrong running sum and carries on from it: "
@@ -176,6 +189,8 @@ class ChainTaskConfig(Section):
             )
         if self.num_hops[0] > self.num_nodes[1] - 1:
             raise self.invalid("num_hops", f"a minimum <= num_nodes max - 1 ({self.num_nodes[1] - 1})")
+        if self.any_order and not self.multi_query:
+            raise self.invalid("any_order", "true only with several queries (num_queries max > 1)")
         if self.tokenizer_letters > MAX_LETTERS:
             raise self.invalid(
                 "num_queries",
@@ -187,14 +202,18 @@ class ChainTaskConfig(Section):
 class Writing:
     """How a problem is written, apart from its graph: node names of ``name_length`` of the first ``letters``
     letters, ``filler`` :data:`FILLER` characters scattered between the table's entries (drawn after everything
-    else: the same problem, with a haystack), and reference traces whose running sum slips at ``slip_rate`` per
-    hop, drawing from ``slips`` (:func:`_walk`)."""
+    else: the same problem, with a haystack), reference traces whose running sum slips at ``slip_rate`` per
+    hop, drawing from ``slips`` (:func:`_walk`); for several-query problems, the table written ``copies`` times
+    and, with ``any_order``, the walks in an order drawn from ``order`` (:func:`make_multi_problem`)."""
 
     name_length: int = 1
     letters: int = 26
     filler: int = 0
     slip_rate: float = 0.0
     slips: random.Random | None = field(default=None, compare=False)
+    copies: int = 1
+    any_order: bool = False
+    order: random.Random | None = field(default=None, compare=False)
 
     def pool(self) -> list[str]:
         """The node names this writing draws from."""
@@ -242,7 +261,12 @@ def make_multi_problem(
 ) -> ChainProblem:
     """A several-query problem (module docstring): ``num_nodes`` entries cut into chains of ``hops`` = (min, max)
     hops each (the last chain takes what is left), ``num_queries`` distinct start nodes, written as ``writing``
-    says. ``num_hops`` of the result is the total over the walks."""
+    says. ``num_hops`` of the result is the total over the walks.
+
+    ``writing.copies`` > 1 writes the table that many times, ``(...)(...)``, each later copy from
+    :func:`_recopy`; ``writing.any_order`` walks the queries in a random order (drawn from ``writing.order``) and
+    labels the answer, ``À=Q5 Á=B8`` (:func:`chain_reward` then matches answers to queries by label). Neither
+    draws from ``rng``: with one copy in label order the problem is the one without them."""
     pool = writing.pool()
     if not (1 <= num_queries <= num_nodes <= len(pool) and 1 <= hops[0] <= hops[1]):
         raise ValueError(
@@ -260,22 +284,28 @@ def make_multi_problem(
     order = names[:]
     rng.shuffle(order)
     starts = rng.sample(names, num_queries)  # after the table's draws: the table does not depend on the count
-    table = _scatter(rng, [_entry(k, succ, digit) for k in order], writing.filler)
+    entries = [_entry(k, succ, digit) for k in order]
+    table = _scatter(rng, entries, writing.filler)
+    tables = [table, *(_scatter(writing.order, _recopy(writing.order, entries), writing.filler)
+                       for _ in range(writing.copies - 1))]  # fmt: skip
     labels = query_labels(writing.letters, num_queries + 1)
     queries = ",".join(
         [*(f"{label}{node.lower()}" for label, node in zip(labels, starts)), f"{labels[-1]}{END}"]
     )
     walks = [
-        _walk(node, succ, digit, f"{label} ", writing.slips, writing.slip_rate)
+        (label, *_walk(node, succ, digit, f"{label} ", writing.slips, writing.slip_rate))
         for label, node in zip(labels, starts)
     ]
-    trace = "".join(f"{label}{walk}\n" for label, (walk, _, _) in zip(labels, walks)) + f"{labels[-1]}{END}"
+    answers = [f"{label}={answer}" if writing.any_order else answer for label, _, answer, _ in walks]
+    if writing.any_order:
+        writing.order.shuffle(walks)
+    trace = "".join(f"{label}{walk}\n" for label, walk, _, _ in walks) + f"{labels[-1]}{END}"
     return ChainProblem(
-        prompt=f"({table})\n{queries}\n",
+        prompt="".join(f"({t})" for t in tables) + f"\n{queries}\n",
         trace=trace,
-        answer=" ".join(answer for _, answer, _ in walks),
+        answer=" ".join(answers),
         num_nodes=num_nodes,
-        num_hops=sum(n for _, _, n in walks),
+        num_hops=sum(n for *_, n in walks),
         num_queries=num_queries,
     )
 
@@ -311,6 +341,17 @@ def _scatter(rng: random.Random, entries: list[str], filler: int) -> str:
     cuts = sorted(rng.randint(0, filler) for _ in entries)
     runs = ["".join(rng.choices(FILLER, k=b - a)) for a, b in zip([0, *cuts], [*cuts, filler])]
     return runs[0] + ",".join(run + e for run, e in zip(["", *runs[1:-1]], entries)) + runs[-1]
+
+
+def _recopy(rng: random.Random, entries: list[str]) -> list[str]:
+    """Another order of the table's ``entries`` for a further copy: the first half of the list (rounded down)
+    shuffled into the first half, the rest into the rest, so an entry's two copies are at least half a copy
+    apart (a different KV page whenever half a copy's entries are longer than a page)."""
+    half = len(entries) // 2
+    first, rest = entries[:half], entries[half:]
+    rng.shuffle(first)
+    rng.shuffle(rest)
+    return first + rest
 
 
 def _entry(node: str, succ: dict[str, str], digit: dict[str, int]) -> str:
@@ -371,14 +412,31 @@ def parse_answer(completion: str) -> str | None:
     return found[-1] if found else None
 
 
+def parse_labelled_answers(completion: str) -> dict[str, str]:
+    """label -> answer of every walk of ``completion`` (the label is the first character of the line before
+    the ``!answer`` line; a label answered twice keeps its last answer)."""
+    return dict(_LABELLED_ANSWER_RE.findall(completion))
+
+
 @register_reward("chain")
-def chain_reward(completion: str, answer: str) -> float:
+def chain_reward(completion: str, answer: str, max_wrong: int = 0) -> float:
     """The fraction of the queries answered right (any text is accepted): ``answer`` holds the k reference
-    answers, space-separated; the completion's last k answers are compared with them in order, or, when it
-    has fewer, its answers with the first ones. One query: 1.0 when the last answer is right, else 0.0."""
+    answers, space-separated. In label order (``Q5 B8``) the completion's last k answers are compared with them
+    in order, or, when it has fewer, its answers with the first ones; labelled (``À=Q5 Á=B8``, queries answered in
+    any order) each query's answer is the one its label's walk gives. One query: 1.0 when the last answer is
+    right, else 0.0.
+
+    ``max_wrong`` (``reward.options.max_wrong``) makes the task tolerant: a completion with at most that many
+    queries wrong scores 1.0 (solved), one with more its fraction right; 0 = every query must be right."""
+    if max_wrong < 0:
+        raise ValueError(f"chain reward: max_wrong must be >= 0, got {max_wrong}")
     truth = answer.split(" ")
-    given = parse_answers(completion)[-len(truth) :]
-    return sum(g == t for g, t in zip(given, truth)) / len(truth)
+    if "=" in truth[0]:
+        given = parse_labelled_answers(completion)
+        right = sum(given.get(label) == value for label, _, value in (t.partition("=") for t in truth))
+    else:
+        right = sum(g == t for g, t in zip(parse_answers(completion)[-len(truth) :], truth))
+    return 1.0 if len(truth) - right <= max_wrong else right / len(truth)
 
 
 class ChainTask:
@@ -425,7 +483,10 @@ class ChainTask:
         late = grown if late_grown is None else late_grown
         filler = _late_size(f"filler:{cfg.seed}:{index}", cfg.filler_tokens, late)
         slips = random.Random(f"slips:{cfg.seed}:{index}")
-        writing = Writing(cfg.name_length, cfg.letters, filler, cfg.slip_rate, slips)
+        order = random.Random(f"order:{cfg.seed}:{index}")
+        writing = Writing(
+            cfg.name_length, cfg.letters, filler, cfg.slip_rate, slips, cfg.fact_copies, cfg.any_order, order
+        )
         if cfg.multi_query:
             queries = min(_late_size(f"queries:{cfg.seed}:{index}", cfg.num_queries, late), num_nodes)
             return make_multi_problem(rng, num_nodes, hops, queries, writing)

@@ -1,5 +1,5 @@
 """`sparrow plan` on the shipped Qwen3 recipes: every one fits 4 nodes x 8 80-GiB GPUs and prints its memory
-breakdown; bad layouts refused; the README's memory table is ``sparrow plan --table``'s output."""
+breakdown; bad layouts refused; docs/memory.md's table is ``sparrow plan --table``'s output."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 from sparrow_nemo.commands.plan import CLUSTER_LINE
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+MEMORY_DOC = Path(__file__).resolve().parents[2] / "docs" / "memory.md"
 
 
 def _plan(*args: str) -> subprocess.CompletedProcess[str]:
@@ -41,17 +41,17 @@ def test_distill_recipe_counts_the_adapter_phase() -> None:
     assert re.search(r"^  distill +[\d.]+ GiB +\(DistillSparse step: adapter", done.stdout, re.M)
 
 
-def test_readme_memory_table_is_the_plan_output() -> None:
+def test_documented_memory_table_is_the_plan_output() -> None:
     done = _plan("--table")
     assert done.returncode == 0, done.stderr
     table = done.stdout.strip().splitlines()
-    lines = README.read_text().splitlines()
+    lines = MEMORY_DOC.read_text().splitlines()
     start = lines.index(table[0])
     assert lines[start : start + len(table)] == table, (
-        "regenerate the README table with `sparrow plan --table`"
+        "regenerate the table in docs/memory.md with `sparrow plan --table`"
     )
     documented = [
-        p for p in (README.parent / "recipes").glob("qwen3_*.yaml") if CLUSTER_LINE.search(p.read_text())
+        p for p in (MEMORY_DOC.parents[1] / "recipes").glob("qwen3_*.yaml") if CLUSTER_LINE.search(p.read_text())
     ]
     assert len(table) == 2 + len(documented) >= 2 + 5
 

@@ -13,6 +13,8 @@ in-process. Checked per step against the one-rank run:
 - the same final weights: every tensor within rel 1e-4 of the one-rank run (L2) and 1e-3 of it element-wise
   (one Adam step moves an element by at most ~lr = 1e-3; a gradient element near 0 may change sign);
 - every rank's engine holds exactly the policy's final weights (the refit reached all of them);
+- ``checkpoint.save_hf`` wrote the final weights once, as an HF folder ``hf`` with exactly them (the gathers
+  of every layout; rank 0 writes, no staging folder left);
 - a user callback (rank 0 only) that changes the schedule after step 0 changes it for every rank's step-1
   rollouts (``ScheduleBump``; step 1 would differ otherwise).
 
@@ -28,6 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 from policy._helpers import single_rank_env
+from safetensors.torch import load_file
 
 from distributed._train_run import WEIGHTS, torchrun_train, train_and_export
 from sparrow_nemo.grpo.metrics import read_metrics
@@ -43,6 +46,7 @@ OVERRIDES = [
     "evaluation.num_prompts=8",
     "logging.plots=false",
     "checkpoint.enabled=false",
+    "checkpoint.save_hf=true",
     "callbacks=[{_target_: distributed._train_run.ScheduleBump}]",
 ]
 LAYOUTS = {
@@ -119,6 +123,11 @@ def test_four_ranks_give_the_one_rank_step(layout, one_rank, cache_overrides, tm
         got = b[name]
         assert float((got - want).norm() / want.norm()) < 1e-4, name
         assert float((got - want).abs().max()) < 1e-3, name
+    for folder in (one_rank, run_dir):
+        saved = load_file(str(folder / "hf" / "model.safetensors"))
+        weights = torch.load(folder / WEIGHTS)
+        assert sorted(saved) == sorted(weights) and all(torch.equal(saved[n], weights[n]) for n in weights)
+        assert not [p.name for p in folder.iterdir() if p.name.startswith("hf.")]
     for rank in range(4):
         refit = json.loads((run_dir / f"refit_rank{rank}.json").read_text())
         assert refit["tensors"] == len(a) and refit["max_abs_diff"] == 0.0, (rank, refit)

@@ -7,7 +7,7 @@
 - on 4 gloo processes (no megatron): :func:`gather_samples` inside groups of 2 gives each group its members'
   samples in engine order (a member with none included); the exact per-bin tail of every rank's tokens equals
   :func:`bin_tails` of all tokens in one place, bit for bit; :func:`measure_tokens` of 4 ranks' samples equals
-  one rank's of all of them.
+  one rank's of all of them, its response-length and acceptance histograms included.
 """
 
 from __future__ import annotations
@@ -151,6 +151,7 @@ def _worker(rank: int, out: str) -> None:
             "tails": tails,
             "by_sequence": by_sequence,
             "metrics": stats.metrics(SCHEDULE, 0.05),
+            "histograms": measure_tokens(local, mm, SCHEDULE, 0.05, 2.0, length_cap=40).histograms(),
             "per_sample_tails": per_sample.tails,
         },
         Path(out) / f"stats{rank}.pt",
@@ -267,12 +268,20 @@ def test_merged_statistics_equal_one_rank_of_all_tokens(four_ranks) -> None:
     want_by_sequence = bin_tails(alpha, cached, 16, 0.05, 2.0, apart)
     assert want_by_sequence != want_tails  # the sequences widen some bound
     want_per_sample = measure_tokens(union, mm, SCHEDULE, 0.05, 2.0, by_sequence=True).tails
+    want_histograms = measure_tokens(union, mm, SCHEDULE, 0.05, 2.0, length_cap=40).histograms()
+    assert want_histograms["response_length/histogram"].total == len(all_samples)
+    assert want_histograms["acceptance/histogram"].total == mm.alpha.numel()
     for rank in range(4):
         got = torch.load(tmp_path / f"stats{rank}.pt", weights_only=False)
         assert got["tails"] == want_tails, rank  # bit for bit
         # per sequence: the same bounds as one rank's with the sequences numbered apart (sums in another order)
         assert _close(got["by_sequence"], want_by_sequence), rank
         assert _close(got["per_sample_tails"], want_per_sample), rank
+        for name, h in got["histograms"].items():  # counts exactly, moments up to summation order
+            w = want_histograms[name]
+            assert (h.edges, h.counts, h.total, h.min, h.max) == (w.edges, w.counts, w.total, w.min, w.max)
+            assert (h.sum, h.sum_squares) == pytest.approx((w.sum, w.sum_squares), rel=1e-12), (rank, name)
+        assert sorted(got["histograms"]) == sorted(want_histograms)
         metrics = got["metrics"]
         assert [metrics[f"rollout/tokens_rank_{r}"] for r in range(4)] == [
             float(sum(s.response_ids.numel() for s in lo.samples)) for lo, _ in locals_

@@ -1,8 +1,10 @@
 """``sparrow export``: a trained run's checkpoint as an HF Qwen3 folder that transformers loads, with the
-policy's logits; sharded safetensors; bad run folders and steps are one-line errors."""
+policy's logits; sharded safetensors; bad run folders and steps are one-line errors. ``checkpoint.save_hf``
+writes the same folder at the end of the run (``<run_dir>/hf``), replacing an earlier one only when complete."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -40,6 +42,7 @@ def trained_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "logging.plots=false",
             "checkpoint.every_n_steps=1",
             "checkpoint.keep_last=2",
+            "checkpoint.save_hf=true",
         ],
     )
     run_dir = tmp / "run"
@@ -48,11 +51,10 @@ def trained_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run_dir
 
 
-def _policy_logprobs(run_dir: Path, step: int, tokens: torch.Tensor) -> torch.Tensor:
-    """[B, S-1] logprobs of ``tokens`` under the run's policy at ``step``, from its checkpoint."""
+def _with_policy(run_dir: Path, step: int, use):
+    """``use(policy, config)`` on the run's policy loaded from its checkpoint of ``step`` (one rank)."""
     from sparrow_nemo.grpo import setup, world
     from sparrow_nemo.grpo.export import find_checkpoint
-    from sparrow_nemo.grpo.rollout_step import concat_outputs, micro_batches
 
     config = load_config(run_dir / "config.yaml")
     with single_rank_env():
@@ -60,11 +62,31 @@ def _policy_logprobs(run_dir: Path, step: int, tokens: torch.Tensor) -> torch.Te
         policy = setup.build_policy(config, None)
         try:
             policy.load(find_checkpoint(run_dir, None, step))
-            lengths = torch.full((tokens.shape[0],), tokens.shape[1], dtype=torch.int64)
-            outputs = policy.logprobs(micro_batches(tokens, lengths, {}, tokens.shape[0], None))
+            return use(policy, config)
         finally:
             policy.close()
-    return concat_outputs(outputs).logprobs.float()
+
+
+def _policy_logprobs(run_dir: Path, step: int, tokens: torch.Tensor) -> torch.Tensor:
+    """[B, S-1] logprobs of ``tokens`` under the run's policy at ``step``, from its checkpoint."""
+    from sparrow_nemo.grpo.rollout_step import concat_outputs, micro_batches
+
+    def logprobs(policy, _config) -> torch.Tensor:
+        lengths = torch.full((tokens.shape[0],), tokens.shape[1], dtype=torch.int64)
+        outputs = policy.logprobs(micro_batches(tokens, lengths, {}, tokens.shape[0], None))
+        return concat_outputs(outputs).logprobs.float()
+
+    return _with_policy(run_dir, step, logprobs)
+
+
+def _hf_logprobs(folder: Path, tokens: torch.Tensor) -> torch.Tensor:
+    """[B, S-1] logprobs of ``tokens`` under the HF checkpoint ``folder`` loaded by transformers."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(tokens).logits.float()
+    return torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, tokens[:, 1:, None])[..., 0]
 
 
 def test_export_round_trips_through_transformers_with_the_policys_logits(trained_run: Path, tmp_path) -> None:
@@ -89,6 +111,40 @@ def test_export_round_trips_through_transformers_with_the_policys_logits(trained
     untrained = AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32)
     with torch.no_grad():
         assert not torch.equal(untrained(tokens).logits, logits)
+
+
+def test_save_hf_writes_the_final_policy_at_the_end_of_the_run(trained_run: Path, tmp_path) -> None:
+    """``checkpoint.save_hf``: ``<run_dir>/hf`` holds what ``sparrow export`` writes of the last step (every
+    tensor equal), transformers loads it with the final policy's logits; a second save into a run folder that
+    has one replaces it whole, leaving no staging folder."""
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    from sparrow_nemo.grpo.export import save_run_hf
+
+    saved = trained_run / "hf"
+    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"} <= {
+        p.name for p in saved.iterdir()
+    }
+    exported = tmp_path / "export"
+    with single_rank_env():
+        assert main(["export", "--run-dir", str(trained_run), "--out", str(exported)]) == 0
+    want = load_file(str(exported / "model.safetensors"))
+    got = load_file(str(saved / "model.safetensors"))
+    assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
+    tokens = torch.tensor([AutoTokenizer.from_pretrained(saved).encode("What is 3 + 3? Answer: 6")])
+    torch.testing.assert_close(
+        _hf_logprobs(saved, tokens), _policy_logprobs(trained_run, 2, tokens), atol=1e-4, rtol=1e-4
+    )
+    run_dir = tmp_path / "run"
+    shutil.copytree(saved, run_dir / "hf")  # an earlier attempt's folder (step 2), replaced by step 1's
+    _with_policy(trained_run, 1, lambda policy, config: save_run_hf(policy, config, run_dir))
+    assert sorted(p.name for p in run_dir.iterdir()) == ["hf"]
+    step1 = load_file(str(run_dir / "hf" / "model.safetensors"))
+    assert any(not torch.equal(step1[n], want[n]) for n in want)
+    torch.testing.assert_close(
+        _hf_logprobs(run_dir / "hf", tokens), _policy_logprobs(trained_run, 1, tokens), atol=1e-4, rtol=1e-4
+    )
 
 
 def test_export_of_a_step_sharded_and_bad_requests(trained_run: Path, tmp_path, capsys) -> None:

@@ -99,7 +99,7 @@ def test_throughput_script_appends_json_lines(tmp_path: Path) -> None:
 
 
 def test_cpu_decode_script_appends_json_lines(tmp_path: Path) -> None:
-    """benchmarks/cpu_decode.py (the README's bench numbers) on small contexts: one line per (context,
+    """benchmarks/cpu_decode.py (docs/results.md's bench numbers) on small contexts: one line per (context,
     schedule, page score) with the machine, the load before and after, the bound and the ratio."""
     script = load_benchmark("cpu_decode")
     out = tmp_path / "d.jsonl"

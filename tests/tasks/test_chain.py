@@ -21,6 +21,7 @@ from sparrow_nemo.tasks.chain import (
     chain_reward,
     make_problem,
     parse_answer,
+    query_labels,
     solve,
 )
 from sparrow_nemo.tasks.tokenizer import CharTokenizer
@@ -420,3 +421,92 @@ def test_slipped_demonstrations_carry_on_from_their_mistakes() -> None:
     assert 0.03 < slips / steps < 0.07
     _, warm = build_tasks(MULTI.config, SimpleNamespace(slip_rate=0.05))
     assert warm.config.slip_rate == 0.05 and MULTI.config.slip_rate == 0.0
+
+
+TOLERANT = ChainTask(dataclasses.replace(MULTI.config, fact_copies=2, any_order=True))
+
+
+def test_a_second_copy_states_every_fact_again_half_a_copy_away() -> None:
+    for index in range(40):
+        p = TOLERANT.problem(index)
+        first, second = re.match(r"\((.*?)\)\((.*?)\)\n", p.prompt).groups()
+        assert sorted(first.split(",")) == sorted(second.split(","))  # the same facts, another order
+        entries = first.split(",")
+        start2 = len(first) + 2  # "(" + first + ")(": where the second copy's text begins, less one
+        for e in entries:
+            distance = start2 + second.index(e) - first.index(e)
+            assert distance >= len(first) // 2 - len(e)
+        assert solve(p.prompt) == " ".join(a.partition("=")[2] for a in p.answer.split(" "))
+    assert any(
+        re.match(r"\((.*?)\)", TOLERANT.problem(i).prompt).group(1)
+        != re.match(r"\((.*?)\)\((.*?)\)", TOLERANT.problem(i).prompt).group(2)
+        for i in range(5)
+    )
+
+
+def test_one_copy_in_label_order_is_the_task_as_it_was() -> None:
+    same = ChainTask(dataclasses.replace(MULTI.config, fact_copies=1, any_order=False))
+    assert [same.problem(i) for i in range(20)] == [MULTI.problem(i) for i in range(20)]
+    tolerant = [TOLERANT.problem(i) for i in range(20)]
+    assert [t.num_hops for t in tolerant] == [MULTI.problem(i).num_hops for i in range(20)]  # same graphs
+
+
+def test_any_order_walks_are_a_fork_and_the_reward_reads_them_by_label() -> None:
+    in_label_order = []
+    for index in range(30):
+        p = TOLERANT.problem(index)
+        labels = [line[0] for line in p.trace.split("\n")[::2][:-1]]
+        assert sorted(labels) == [a[0] for a in p.answer.split(" ")]  # every query once, labelled answers
+        in_label_order.append(labels == sorted(labels))
+        assert chain_reward(p.trace, p.answer) == 1.0
+        assert p.trace.endswith(f"{query_labels(26, p.num_queries + 1)[-1]}.")
+    assert sum(in_label_order) <= 3  # a random order (6-20 queries: label order is rare)
+    p = next(TOLERANT.problem(i) for i in range(30) if TOLERANT.problem(i).num_queries >= 4)
+    lines = p.trace.split("\n")
+    walks, end, k = [list(pair) for pair in zip(lines[0:-1:2], lines[1::2])], lines[-1], p.num_queries
+
+    def text(pairs: list[list[str]]) -> str:
+        return "\n".join([*(line for pair in pairs for line in pair), end])
+
+    def miss(pair: list[str]) -> list[str]:  # the walk's answer with its sum off by one
+        return [pair[0], pair[1][:-1] + str((int(pair[1][-1]) + 1) % 10)]
+
+    assert chain_reward(text(walks[::-1]), p.answer) == 1.0  # any order is right
+    one_wrong, dropped = text([miss(walks[0]), *walks[1:]]), text(walks[1:])
+    assert chain_reward(one_wrong, p.answer) == chain_reward(dropped, p.answer) == (k - 1) / k
+    assert (
+        chain_reward(one_wrong, p.answer, max_wrong=1) == 1.0
+    )  # the tolerant setting: one miss still solves it
+    two_wrong = text([miss(walks[0]), miss(walks[1]), *walks[2:]])
+    assert chain_reward(two_wrong, p.answer, max_wrong=1) == (k - 2) / k
+    assert chain_reward("!" + " !".join(a.partition("=")[2] for a in p.answer.split(" ")), p.answer) == 0.0
+    with pytest.raises(ValueError, match="max_wrong"):
+        chain_reward(p.trace, p.answer, max_wrong=-1)
+
+
+def test_any_order_needs_several_queries_and_labels_parse_in_linear_time() -> None:
+    with pytest.raises(ValueError, match="any_order"):
+        ChainTaskConfig(any_order=True).check()
+    hostile = "À" + "x" * 200_000 + "\n" * 200_000 + "!" * 200_000
+    assert chain_reward(hostile, "À=Q5 Á=B8") == 0.0
+
+
+def test_the_tolerant_recipe_binds_its_knobs_and_its_prompts_fit() -> None:
+    from sparrow_nemo.grpo.recipe import load_config
+    from sparrow_nemo.rewards.registry import bind_reward
+
+    config = load_config("tiny_cpu_tolerant", [])
+    rl, warm = build_tasks(config.task, config.warmstart)
+    assert (
+        warm.config.fact_copies == 2 and warm.config.any_order
+    )  # the warm-start writes problems the same way
+    problems = rl.problems(100)
+    assert (
+        max(len(p.prompt) + 1 for p in problems) <= config.data.max_prompt_tokens
+    )  # one token per character
+    reward = bind_reward(config.reward.type, config.reward.options)
+    p = next(p for p in problems if p.num_queries >= 6)
+    lines = p.trace.split("\n")
+    off = {1, 3}  # two answer lines off by one: still solved at max_wrong 2
+    broken = [line[:-1] + str((int(line[-1]) + 1) % 10) if i in off else line for i, line in enumerate(lines)]
+    assert reward("\n".join(broken), p.answer) == 1.0 and chain_reward("\n".join(broken), p.answer) < 1.0

@@ -1,7 +1,7 @@
 """Start-up check: is the installed TensorRT-LLM the one this adapter was written against?
 
 The adapter (``rollout/trtllm*.py``) was written against the 1.2 line of NVIDIA/TensorRT-LLM, read file by
-file (see the README's TensorRT-LLM section for which files and versions). Two of its contracts are not
+file (docs/trtllm.md lists which files and versions). Two of its contracts are not
 in every build of that line, so besides the version the check probes them:
 
 - the sampled token's logprob: ``tensorrt_llm/_torch/pyexecutor/sampler.py`` ``TorchSampler`` returns the
