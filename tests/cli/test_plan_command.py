@@ -51,7 +51,9 @@ def test_documented_memory_table_is_the_plan_output() -> None:
         "regenerate the table in docs/memory.md with `sparrow plan --table`"
     )
     documented = [
-        p for p in (MEMORY_DOC.parents[1] / "recipes").glob("qwen3_*.yaml") if CLUSTER_LINE.search(p.read_text())
+        p
+        for p in (MEMORY_DOC.parents[1] / "recipes").glob("qwen3_*.yaml")
+        if CLUSTER_LINE.search(p.read_text())
     ]
     assert len(table) == 2 + len(documented) >= 2 + 5
 
