@@ -94,7 +94,7 @@ class Scheduler:
             self.waiting.popleft()
             prefix, pages = self.blocks.attach(seq.prompt_id, seq.prompt_len)
             extra = pages_for(seq.target_cached, self.blocks.page_size) - len(pages)
-            seq.pages = pages + self.blocks.allocate(max(extra, 0))
+            seq.pages = pages + self.blocks.allocate(max(extra, 0), after=pages[-1] if pages else None)
             seq.cached = 0  # the engine fills the cache up to target_cached
             seq.status = Status.RUNNING
             seq.admitted_at = self._clock
@@ -128,7 +128,7 @@ class Scheduler:
                 if victim is seq:
                     break
             if seq.status is Status.RUNNING and need > 0:
-                seq.pages += self.blocks.allocate(need)
+                seq.pages += self.blocks.allocate(need, after=seq.pages[-1] if seq.pages else None)
         return preempted[::-1]
 
     def _leave(self, seq: Sequence) -> None:
