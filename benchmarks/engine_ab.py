@@ -4,7 +4,8 @@ The default run's evaluation workload: the recipe's held-out prompts (128), one 
 seed, EOS honoured (responses ~300-1,900 tokens), on the same weights (``--weights``: an HF checkpoint folder,
 default the shipped warm-start of the default recipe), dense and under a sparse schedule. Each arm runs in its
 own process from its own source tree (this one, and a ``git worktree`` of ``--baseline`` in a temporary folder),
-in the order A B B A per repeat so a drift of a shared machine's speed falls on both alike. The arm's process
+in the order A B B A per repeat so a drift of a shared machine's speed falls on both alike (each row records the
+1-minute load average before every pair: other work on the machine shows there). The arm's process
 builds the engine with the recipe's ``setup.build_engine`` (the call both engines share), generates 8 prompts
 untimed, then the whole batch timed, and prints one JSON line. Per schedule the result pools each arm's tokens
 over its seconds; one JSON line per schedule goes to ``benchmarks/results/engine_ab.jsonl``.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -115,8 +117,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
             for name in args.schedules:
                 budgets = "[2147483647]" if name == "dense" else SPARSE
                 totals = {"baseline": [0, 0.0], "this": [0, 0.0]}
-                pairs = []
+                pairs, loads = [], []
                 for r in range(args.repeats):
+                    loads.append(round(os.getloadavg()[0], 2))
                     order = ("baseline", "this") if r % 2 == 0 else ("this", "baseline")
                     got = {}
                     for arm in order:
@@ -143,6 +146,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     "this_tokens_per_s": pooled["this"],
                     "ratio": pooled["this"] / pooled["baseline"],
                     "pair_ratios": pairs,
+                    "load_avg_1min": loads,
                 }
                 print(
                     f"{name}: this / baseline = {row['ratio']:.3f} (pooled over {args.repeats} pairs)",
