@@ -108,10 +108,11 @@ class Scheduler:
         admission first, preempting the newest when the pool runs short. Returns the preempted sequences (they
         are back at the front of the queue, oldest first)."""
         preempted: list[Sequence] = []
+        ps = self.blocks.page_size  # pages_for inline below: it runs for every sequence every step
         for seq in list(self.running):  # admission order (``running`` only ever appends admissions)
-            if seq.status is not Status.RUNNING:
+            need = -(-tokens_after(seq) // ps) - len(seq.pages)
+            if need <= 0 or seq.status is not Status.RUNNING:
                 continue
-            need = pages_for(tokens_after(seq), self.blocks.page_size) - len(seq.pages)
             while need > self.blocks.num_free:
                 self.blocks.evict_idle(need)
                 if need <= self.blocks.num_free:
@@ -127,7 +128,7 @@ class Scheduler:
                 preempted.append(victim)
                 if victim is seq:
                     break
-            if seq.status is Status.RUNNING and need > 0:
+            if seq.status is Status.RUNNING:
                 seq.pages += self.blocks.allocate(need, after=seq.pages[-1] if seq.pages else None)
         return preempted[::-1]
 
