@@ -4,7 +4,9 @@ The default run's evaluation workload: the recipe's held-out prompts (128), one 
 seed, EOS honoured (responses ~300-1,900 tokens), on the same weights (``--weights``: an HF checkpoint folder,
 default the shipped warm-start of the default recipe), dense and under a sparse schedule. Each arm runs in its
 own process from its own source tree (this one, and a ``git worktree`` of ``--baseline`` in a temporary folder),
-in the order A B B A per repeat so a drift of a shared machine's speed falls on both alike. The arm's process
+in the order A B B A per repeat so a drift of a shared machine's speed falls on both alike (each row records the
+1-minute load average before every pair: other work on the machine shows there, and the median pair ratio and
+the tokens per CPU second of each arm's process, which other work disturbs less than wall seconds). The arm's process
 builds the engine with the recipe's ``setup.build_engine`` (the call both engines share), generates 8 prompts
 untimed, then the whole batch timed, and prints one JSON line. Per schedule the result pools each arm's tokens
 over its seconds; one JSON line per schedule goes to ``benchmarks/results/engine_ab.jsonl``.
@@ -16,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -61,11 +65,11 @@ ids = [list(i.prompt_ids) for i in items]
 sampling = setup.sampling_params(config, seed=1)
 seeds = [sample_seed(1, i) for i in range(len(ids))]
 engine.generate(ids[:8], sampling, schedule, sample_seeds=seeds[:8])
-t0 = time.perf_counter()
+t0, c0 = time.perf_counter(), time.process_time()
 batch = engine.generate(ids, sampling, schedule, sample_seeds=seeds)
-seconds = time.perf_counter() - t0
+seconds, cpu_s = time.perf_counter() - t0, time.process_time() - c0
 tokens = sum(s.response_ids.numel() for s in batch.samples)
-print(json.dumps({"tokens": tokens, "seconds": seconds, "decode_s": batch.decode_s}))
+print(json.dumps({"tokens": tokens, "seconds": seconds, "cpu_s": cpu_s, "decode_s": batch.decode_s}))
 """
 
 
@@ -115,8 +119,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
             for name in args.schedules:
                 budgets = "[2147483647]" if name == "dense" else SPARSE
                 totals = {"baseline": [0, 0.0], "this": [0, 0.0]}
-                pairs = []
+                cpu = {"baseline": 0.0, "this": 0.0}
+                pairs, loads = [], []
                 for r in range(args.repeats):
+                    loads.append(round(os.getloadavg()[0], 2))
                     order = ("baseline", "this") if r % 2 == 0 else ("this", "baseline")
                     got = {}
                     for arm in order:
@@ -124,11 +130,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         got[arm] = run_arm(tree, args.weights, budgets, args.prompts)
                         totals[arm][0] += got[arm]["tokens"]
                         totals[arm][1] += got[arm]["seconds"]
+                        cpu[arm] += got[arm]["cpu_s"]
                     rates = {a: got[a]["tokens"] / got[a]["seconds"] for a in got}
                     pairs.append(rates["this"] / rates["baseline"])
                     print(f"{name} pair {r + 1} ({' then '.join(order)}): baseline {rates['baseline']:.0f} tok/s, "
                           f"this {rates['this']:.0f} tok/s, ratio {pairs[-1]:.3f}", flush=True)  # fmt: skip
                 pooled = {a: t / s for a, (t, s) in totals.items()}
+                per_cpu = {a: totals[a][0] / cpu[a] for a in cpu}
                 row = {
                     "benchmark": "engine_ab",
                     "date": time.strftime("%Y-%m-%d %H:%M"),
@@ -143,9 +151,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     "this_tokens_per_s": pooled["this"],
                     "ratio": pooled["this"] / pooled["baseline"],
                     "pair_ratios": pairs,
+                    "median_pair_ratio": statistics.median(pairs),
+                    "baseline_tokens_per_cpu_s": per_cpu["baseline"],
+                    "this_tokens_per_cpu_s": per_cpu["this"],
+                    "cpu_ratio": per_cpu["this"] / per_cpu["baseline"],
+                    "load_avg_1min": loads,
                 }
                 print(
-                    f"{name}: this / baseline = {row['ratio']:.3f} (pooled over {args.repeats} pairs)",
+                    f"{name}: this / baseline = {row['ratio']:.3f} (pooled over {args.repeats} pairs; median pair "
+                    f"{row['median_pair_ratio']:.3f}; per CPU second {row['cpu_ratio']:.3f})",
                     flush=True,
                 )
                 rows.append(row)

@@ -1,6 +1,6 @@
 """Helpers for the rollout tests: the tiny shape, a saved random transformers Qwen3, the method layer's
-greedy decode loop over a contiguous cache (the reference the engine's sparse decode is held to), a
-benchmark script as a module."""
+greedy decode loop over a contiguous cache (the reference the engine's sparse decode is held to), an allocator
+that scatters pages, a benchmark script as a module."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch
 
 from sparrow_nemo.hf_qwen3 import hf_config_dict
 from sparrow_nemo.model_shapes import PRESETS, Qwen3Shape
+from sparrow_nemo.rollout.torch.block_manager import BlockManager
 from sparrow_nemo.rollout.torch.qwen3 import Qwen3Decoder
 from sparrow_nemo.sparse.attention import sparse_decode_attention
 from sparrow_nemo.sparse.pattern import PAGE_SIZE
@@ -96,6 +97,26 @@ def contiguous_reference(
             h = model.attention_output(layer, h, out)
         logits = model.logits(h[0])
     return tokens, torch.tensor(logprobs)
+
+
+class ScatteredBlocks(BlockManager):
+    """A :class:`BlockManager` whose pages are renamed by a seeded random permutation: a row's pages lie scattered
+    over the pool instead of in the runs the allocator places them in (kernels must not rely on either)."""
+
+    def __init__(self, num_pages: int, page_size: int, seed: int) -> None:
+        super().__init__(num_pages, page_size)
+        self._name = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed)).tolist()
+        self._index = {page: i for i, page in enumerate(self._name)}
+
+    def allocate(self, count: int, after: int | None = None) -> list[int]:
+        placed = super().allocate(count, None if after is None else self._index[after])
+        return [self._name[p] for p in placed]
+
+    def share(self, pages: list[int]) -> None:
+        super().share([self._index[p] for p in pages])
+
+    def release(self, pages: list[int]) -> None:
+        super().release([self._index[p] for p in pages])
 
 
 def load_benchmark(name: str) -> ModuleType:

@@ -16,14 +16,13 @@ import torch
 
 from sparrow_nemo.rollout.engine import SamplingParams
 from sparrow_nemo.rollout.torch import cpu_attention
-from sparrow_nemo.rollout.torch.block_manager import BlockManager
 from sparrow_nemo.rollout.torch.engine import TorchRolloutEngine
 from sparrow_nemo.rollout.torch.paged_attention import all_pages, decode_attention_torch
 from sparrow_nemo.rollout.torch.paged_cache import PagedKVCache, fill_block_table
 from sparrow_nemo.sparse.attention import decode_attention, select_pages_from_centroids
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
-from ._helpers import SHAPE
+from ._helpers import SHAPE, ScatteredBlocks
 
 # Only a machine without a C compiler may skip: where one exists, a kernel that fails to build fails here
 # (test_the_kernel_builds_where_a_compiler_exists names the compiler's error) instead of skipping silently.
@@ -44,8 +43,7 @@ def filled_cache(
     gen = torch.Generator().manual_seed(seed)
     pages = sum(-(-n // page_size) for n in seq_len) + 3
     cache = PagedKVCache(1, pages, hkv, head_dim, page_size)
-    blocks = BlockManager(pages, page_size)
-    blocks._free = torch.randperm(pages, generator=gen).tolist()  # scattered pages, not row order
+    blocks = ScatteredBlocks(pages, page_size, seed)  # scattered pages, not row order
     table = torch.full((len(seq_len), -(-max(seq_len) // page_size)), -1, dtype=torch.int32)
     lengths = torch.tensor(seq_len)
     fill_block_table(blocks, table, lengths)
@@ -74,6 +72,11 @@ def test_dense_and_sparse_match_the_method_layer(page_size: int, head_dim: int, 
     dense = cpu_attention.paged_decode_attention(q, cache, 0, table, seq_len, None)
     expect = reference(q, cache, table, seq_len, all_pages(seq_len, hkv, page_size))
     assert (dense - expect).abs().max() < 1e-5
+    for b in range(len(lengths)):  # a row's result does not depend on the longer rows beside it, bit for bit
+        alone = cpu_attention.paged_decode_attention(
+            q[b : b + 1], cache, 0, table[b : b + 1], seq_len[b : b + 1], None
+        )
+        assert torch.equal(alone, dense[b : b + 1])
     cent = cache.gather_centroids(0, table, seq_len)
     budget = torch.tensor([5 * page_size, 1000, 6 * page_size, 1000])  # rows 1 and 3 fit it: dense
     page_idx = select_pages_from_centroids(q, cent, seq_len, budget, page_size, 1, 2)

@@ -41,7 +41,7 @@ from sparrow_nemo.sparse.attention import (
 )
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
-from ._helpers import SHAPE, contiguous_reference
+from ._helpers import SHAPE, ScatteredBlocks, contiguous_reference
 
 needs_cc = pytest.mark.skipif(
     shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler for the CPU kernel"
@@ -56,8 +56,7 @@ def bounds_cache(
     gen = torch.Generator().manual_seed(seed)
     pages = sum(-(-n // page_size) for n in seq_len) + 3
     cache = PagedKVCache(1, pages, hkv, head_dim, page_size, page_score="minmax")
-    blocks = BlockManager(pages, page_size)
-    blocks._free = torch.randperm(pages, generator=gen).tolist()  # scattered pages, not row order
+    blocks = ScatteredBlocks(pages, page_size, seed)  # scattered pages, not row order
     table = torch.full((len(seq_len), -(-max(seq_len) // page_size)), -1, dtype=torch.int32)
     lengths = torch.tensor(seq_len)
     fill_block_table(blocks, table, lengths)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sparrow_nemo.rollout.torch.block_manager import BlockManager, OutOfPages, pages_for
+from sparrow_nemo.rollout.torch.block_manager import CHUNK_PAGES, BlockManager, OutOfPages, pages_for
 from sparrow_nemo.rollout.torch.scheduler import Scheduler
 from sparrow_nemo.rollout.torch.sequence import Sequence, Status
 
@@ -51,6 +51,24 @@ def test_pages_are_counted_and_recycled() -> None:
     with pytest.raises(RuntimeError, match="already free"):
         blocks.release([0])
     assert pages_for(0, PS) == 0 and pages_for(1, PS) == 1 and pages_for(8, PS) == 2 and pages_for(9, PS) == 3
+
+
+def test_sequences_growing_together_keep_their_pages_in_physical_runs() -> None:
+    """Four sequences decoding in lockstep, a page each every PS steps: each one's pages lie in runs of a chunk
+    (what the dense CPU pass streams), not interleaved page by page with the others' as a plain free list
+    hands them out; every page is still one sequence's, and the counts are the scheduler's."""
+    blocks = BlockManager(12 * CHUNK_PAGES, PS)
+    scheduler = Scheduler(blocks, 8)
+    group = seqs([PS] * 4, cap=1000)
+    scheduler.add(group)
+    admit(scheduler)
+    for _ in range(2 * CHUNK_PAGES * PS):
+        step(scheduler)
+    pages = [p for s in group for p in s.pages]
+    assert len(pages) == len(set(pages)) == blocks.num_used == 4 * (2 * CHUNK_PAGES + 1)
+    for s in group:
+        breaks = sum(b != a + 1 for a, b in zip(s.pages, s.pages[1:]))
+        assert breaks <= len(s.pages) // CHUNK_PAGES, s.pages
 
 
 def test_a_group_shares_its_prompt_pages_and_copies_the_tail() -> None:

@@ -3,6 +3,16 @@
 The page pools themselves live in :class:`~sparrow_nemo.rollout.torch.paged_cache.PagedKVCache`; this module
 only hands out page numbers, so the scheduler's dry mode runs it without a model.
 
+*Which* free page a sequence gets does not change what is scheduled (that counts pages only), but it decides
+how the attention reads memory: the dense decode pass walks each row's pages in order, and on the CPU a row
+whose pages lie in one physical run streams from memory, while pages handed out one at a time to rows that
+grow in lockstep interleave (row b's consecutive pages a batch apart), and the pass stalls at every page.
+So an allocation continues the physical run of the page it follows (``after``: the caller's last page) when
+the next page is free, and otherwise starts a new run at the head of an untouched chunk of ``CHUNK_PAGES``
+pages; only when no such chunk is left does it take the lowest free page. No page is reserved: the pages
+after a sequence's run stay free for anyone (admission and growth see every free page), so placement is
+invisible to the scheduler, and with it to samples, preemptions and step counts.
+
 A GRPO group's samples repeat one prompt. Its *prefix* is prefilled once into pages the prefix owns: the full
 pages are then shared by every sample that decodes from it (a reference each, read-only: a sample writes only
 past its prompt), the partial last page (the *tail*) is copied into a page of each sample's own, since the
@@ -13,7 +23,12 @@ sequence of its prompt is admitted later.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
+
+#: pages per chunk: a sequence whose run is blocked starts a new one at the head of a wholly free chunk
+#: (16 pages of 16 tokens: 256 tokens, 64 KiB per layer of one head group's keys at D = 128 in fp32)
+CHUNK_PAGES = 16
 
 
 class OutOfPages(RuntimeError):
@@ -64,29 +79,55 @@ class BlockManager:
             )
         self.num_pages = num_pages
         self.page_size = page_size
-        self._free = list(range(num_pages - 1, -1, -1))  # a stack: pops 0, 1, 2, ... first
         self._refs = [0] * num_pages
+        self._num_free = num_pages
+        chunks = -(-num_pages // CHUNK_PAGES)
+        self._chunk_free = [min(CHUNK_PAGES, num_pages - c * CHUNK_PAGES) for c in range(chunks)]
+        self._whole = list(range(chunks - 1, -1, -1))  # wholly free chunks (a stack, lazily checked)
+        self._lowest = list(range(num_pages))  # a min-heap of free pages (lazily checked; may repeat)
         self.prefixes: dict[int, Prefix] = {}
         self.peak_used = 0
 
     @property
     def num_free(self) -> int:
         """Pages nobody holds."""
-        return len(self._free)
+        return self._num_free
 
     @property
     def num_used(self) -> int:
-        return self.num_pages - len(self._free)
+        return self.num_pages - self._num_free
 
-    def allocate(self, count: int) -> list[int]:
-        """``count`` fresh pages (one reference each); raises :class:`OutOfPages` when fewer are free."""
-        if count > len(self._free):
-            raise OutOfPages(f"{count} KV pages needed, {len(self._free)} free of {self.num_pages}")
-        pages = [self._free.pop() for _ in range(count)]
-        for p in pages:
-            self._refs[p] = 1
+    def allocate(self, count: int, after: int | None = None) -> list[int]:
+        """``count`` fresh pages (one reference each), placed to continue the physical run of page ``after``
+        (the caller's last page; None: a new run), see the module docstring. Raises :class:`OutOfPages` when
+        fewer are free."""
+        if count > self._num_free:
+            raise OutOfPages(f"{count} KV pages needed, {self._num_free} free of {self.num_pages}")
+        pages = []
+        for _ in range(count):
+            after = self._next_page(after)
+            self._refs[after] = 1
+            self._chunk_free[after // CHUNK_PAGES] -= 1
+            pages.append(after)
+        self._num_free -= count
         self.peak_used = max(self.peak_used, self.num_used)
         return pages
+
+    def _whole_chunk(self, c: int) -> bool:
+        return self._chunk_free[c] == min(CHUNK_PAGES, self.num_pages - c * CHUNK_PAGES)
+
+    def _next_page(self, after: int | None) -> int:
+        """The free page an allocation takes next: ``after + 1``, else the head of a wholly free chunk, else
+        the lowest free page (at least one page is free)."""
+        if after is not None and after + 1 < self.num_pages and self._refs[after + 1] == 0:
+            return after + 1
+        while self._whole:
+            c = self._whole.pop()
+            if self._whole_chunk(c):
+                return c * CHUNK_PAGES
+        while self._refs[self._lowest[0]]:
+            heapq.heappop(self._lowest)
+        return heapq.heappop(self._lowest)
 
     def share(self, pages: list[int]) -> None:
         """One more reference to each of ``pages`` (held pages only)."""
@@ -102,7 +143,11 @@ class BlockManager:
                 raise RuntimeError(f"BlockManager.release: page {p} is already free")
             self._refs[p] -= 1
             if self._refs[p] == 0:
-                self._free.append(p)
+                self._num_free += 1
+                self._chunk_free[p // CHUNK_PAGES] += 1
+                if self._whole_chunk(p // CHUNK_PAGES):
+                    self._whole.append(p // CHUNK_PAGES)
+                heapq.heappush(self._lowest, p)
 
     # ----------------------------------------------------------------- prefixes
     def prefix_cost(self, prompt_id: int, prompt_len: int) -> int:
@@ -124,7 +169,7 @@ class BlockManager:
             self.prefixes[prompt_id] = prefix
         self.share(prefix.full)
         prefix.users += 1
-        own_tail = self.allocate(1) if prefix.tail is not None else []
+        own_tail = self.allocate(1, after=prefix.tail) if prefix.tail is not None else []
         return prefix, prefix.full + own_tail
 
     def detach(self, prompt_id: int) -> None:

@@ -300,12 +300,21 @@ static void attend_row(const Pools *m, const float *q, int64_t b, PageList list,
         }
 }
 
+/* Row b's page list: its n listed pages of page_idx [B, Hkv, n], or (page_idx NULL, dense) its own pages in
+ * order, at most n (pages past its length would only add -inf scores and zero weights). */
+static inline PageList row_list(const int64_t *page_idx, const int64_t *seq_len, int64_t b, int64_t hkv,
+                                int64_t n, int64_t page_size) {
+    if (page_idx) return (PageList){page_idx + b * hkv * n, n, n};
+    const int64_t own = (seq_len[b] + page_size - 1) / page_size;
+    return (PageList){NULL, n, own < n ? own : n};
+}
+
 /* Rows touched ahead of the one computed (touch_row). */
 #define TOUCH_AHEAD 2
 
 /* Decode attention over the pages of every (row b, KV head h), one row at a time (attend_row) into out
- * [B, Hkv * G, D]; page_idx [B, Hkv, n] (NULL: every page, dense). With a page list (sparse), the pages of row
- * b + TOUCH_AHEAD are touched before row b is computed. */
+ * [B, Hkv * G, D]; page_idx [B, Hkv, n] (NULL: every page, dense: the row's own, at most n). With a page list
+ * (sparse), the pages of row b + TOUCH_AHEAD are touched before row b is computed. */
 void sparrow_paged_attention(const float *q, const float *k_pages, int64_t stride_kp, int64_t stride_kh,
                              int64_t stride_ks, const float *v_pages, int64_t stride_vp, int64_t stride_vh,
                              int64_t stride_vs, const int32_t *block_table, int64_t stride_bt,
@@ -315,13 +324,13 @@ void sparrow_paged_attention(const float *q, const float *k_pages, int64_t strid
     const Pools m = {k_pages,  v_pages,   stride_kp, stride_kh, stride_ks, stride_vp, stride_vh, stride_vs,
                      block_table, stride_bt, seq_len, hkv,    group,     head_dim,  page_size};
     const int64_t heads = hkv * group * head_dim;
-#define LIST(row) ((PageList){page_idx ? page_idx + (row) * hkv * n : NULL, n, n})
     for (int64_t b = 0; b < batch; ++b) {
         if (page_idx)
-            for (int64_t t = b ? b + TOUCH_AHEAD : 0; t <= b + TOUCH_AHEAD && t < batch; ++t) touch_row(&m, t, LIST(t));
-        attend_row(&m, q + b * heads, b, LIST(b), scale, out + b * heads, work);
+            for (int64_t t = b ? b + TOUCH_AHEAD : 0; t <= b + TOUCH_AHEAD && t < batch; ++t)
+                touch_row(&m, t, row_list(page_idx, seq_len, t, hkv, n, page_size));
+        attend_row(&m, q + b * heads, b, row_list(page_idx, seq_len, b, hkv, n, page_size), scale, out + b * heads,
+                   work);
     }
-#undef LIST
 }
 
 /* Store one token per row at positions[b] (its index = the row's old length) and update its page's

@@ -64,18 +64,19 @@ class SlotTable:
     def sync(self, seqs: Sequence[Seq]) -> None:
         """Write the pages ``seqs`` gained since their last sync into their rows (one scatter)."""
         slots, cols, pages = [], [], []
+        synced, width = self._synced, self.table.shape[1]
         for seq in seqs:
-            done = self._synced[seq.slot]
-            if len(seq.pages) > self.table.shape[1]:
-                raise ValueError(
-                    f"sample {seq.index} holds {len(seq.pages)} pages; the block table has {self.table.shape[1]} columns"
-                )
+            done = synced[seq.slot]
             if len(seq.pages) > done:
+                if len(seq.pages) > width:
+                    raise ValueError(
+                        f"sample {seq.index} holds {len(seq.pages)} pages; the block table has {width} columns"
+                    )
                 new = seq.pages[done:]
                 slots += [seq.slot] * len(new)
                 cols += range(done, done + len(new))
                 pages += new
-                self._synced[seq.slot] = len(seq.pages)
+                synced[seq.slot] = len(seq.pages)
         if pages:
             idx = torch.tensor([slots, cols], dtype=torch.int64)
             self.table.index_put_(
@@ -237,10 +238,11 @@ class ModelRunner:
         """One decode step of ``seqs`` (their pending tokens enter the cache, pages held) and their next tokens,
         drawn with each sequence's uniform for its next response position."""
         device = self.model.device
-        seq_len = torch.tensor([s.cached + 1 for s in seqs], dtype=torch.int64, device=device)
+        lengths = [s.cached + 1 for s in seqs]
+        seq_len = torch.tensor(lengths, dtype=torch.int64, device=device)
         tokens = torch.tensor([s.response[-1] for s in seqs], dtype=torch.int64, device=device)
-        uniforms = position_uniforms([s.seed for s in seqs], [s.num_generated for s in seqs], TOKEN)
-        pages = math.ceil(int(seq_len.max()) / cache.page_size)
+        uniforms = position_uniforms([s.seed for s in seqs], [len(s.response) for s in seqs], TOKEN)
+        pages = -(-max(lengths) // cache.page_size)
         if self.graphs is not None:
             table = slots.rows(seqs, pages)
             return self.graphs.run(

@@ -94,7 +94,7 @@ class Scheduler:
             self.waiting.popleft()
             prefix, pages = self.blocks.attach(seq.prompt_id, seq.prompt_len)
             extra = pages_for(seq.target_cached, self.blocks.page_size) - len(pages)
-            seq.pages = pages + self.blocks.allocate(max(extra, 0))
+            seq.pages = pages + self.blocks.allocate(max(extra, 0), after=pages[-1] if pages else None)
             seq.cached = 0  # the engine fills the cache up to target_cached
             seq.status = Status.RUNNING
             seq.admitted_at = self._clock
@@ -108,10 +108,11 @@ class Scheduler:
         admission first, preempting the newest when the pool runs short. Returns the preempted sequences (they
         are back at the front of the queue, oldest first)."""
         preempted: list[Sequence] = []
+        ps = self.blocks.page_size  # pages_for inline below: it runs for every sequence every step
         for seq in list(self.running):  # admission order (``running`` only ever appends admissions)
-            if seq.status is not Status.RUNNING:
+            need = -(-tokens_after(seq) // ps) - len(seq.pages)
+            if need <= 0 or seq.status is not Status.RUNNING:
                 continue
-            need = pages_for(tokens_after(seq), self.blocks.page_size) - len(seq.pages)
             while need > self.blocks.num_free:
                 self.blocks.evict_idle(need)
                 if need <= self.blocks.num_free:
@@ -127,8 +128,8 @@ class Scheduler:
                 preempted.append(victim)
                 if victim is seq:
                     break
-            if seq.status is Status.RUNNING and need > 0:
-                seq.pages += self.blocks.allocate(need)
+            if seq.status is Status.RUNNING:
+                seq.pages += self.blocks.allocate(need, after=seq.pages[-1] if seq.pages else None)
         return preempted[::-1]
 
     def _leave(self, seq: Sequence) -> None:
