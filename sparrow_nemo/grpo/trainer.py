@@ -366,6 +366,8 @@ class GrpoTrainer:
     def _generate(self, prompts: list[list[int]], step: int) -> LocalRollout:
         """This rank's share of the step's rollouts (:func:`generate`); the engine sleeps afterwards."""
         engine = self.rollout_engine
+        if self.config.policy.offload_during_rollout:  # back at the update (or a checkpoint) by itself
+            self.policy.offload_training_state()
         g = self.config.grpo.samples_per_prompt
         sampling = setup.sampling_params(self.config, seed=sample_seed(self.config.rollout.seed, step))
         count = len(self.plan.engine_prompts(len(prompts))) * g

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,6 +92,16 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     decay = [p for n, p in trained if decays(n, p)]
     no_decay = [p for n, p in trained if not decays(n, p)]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def adam_state_tensors(optimizers: Iterable[torch.optim.Optimizer]) -> list[torch.Tensor]:
+    """Every tensor the torch optimizers hold: their parameters (the weights, or master copies of them) and
+    the per-parameter state (Adam's moments and step counts)."""
+    tensors = []
+    for opt in optimizers:
+        tensors += [p for group in opt.param_groups for p in group["params"]]
+        tensors += [v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    return tensors
 
 
 def sync_grads_cpu(model: torch.nn.Module, tie_embeddings: bool) -> None:
@@ -167,6 +177,21 @@ class TorchPolicyOptimizer:
             return UpdateOutcome(norm, skipped="grad_norm")
         self.optimizer.step()
         return UpdateOutcome(norm)
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """What the optimizer holds (:func:`adam_state_tensors`; the offload skips the model's own weights)."""
+        return adam_state_tensors([self.optimizer])
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        """The accumulated gradients (``param.grad``)."""
+        return [p.grad for p in self.model.parameters() if p.grad is not None]
+
+    def free_grads(self) -> None:
+        """Drop the gradients (the next step's backward builds them)."""
+        self.zero_grad()
+
+    def rebuild_grads(self) -> None:
+        """Nothing to do: the backward allocates ``param.grad``."""
 
     def state_dict(self) -> dict:
         """This rank's optimizer state (its parameter shard's Adam moments)."""
@@ -276,6 +301,24 @@ class MegatronPolicyOptimizer:
 
     def _subs(self) -> list:
         return getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """What megatron's torch optimizers hold: parameters (fp32 master shards in bf16 training, views of the
+        model's weights in fp32) and Adam's state."""
+        return adam_state_tensors(sub.optimizer for sub in self._subs() if sub.optimizer is not None)
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        """megatron DDP's contiguous gradient buffers (``param.main_grad`` views them)."""
+        return [b.grad_data for b in self.model.buffers + self.model.expert_parallel_buffers]
+
+    def free_grads(self) -> None:
+        """Free DDP's gradient buffers (megatron's ``offload_grad_buffers``: storage resized to 0)."""
+        cuda = torch.cuda.is_available()
+        self.model.offload_grad_buffers(synchronize=cuda, empty_cache=False)
+
+    def rebuild_grads(self) -> None:
+        """Reallocate DDP's gradient buffers, zeroed (``restore_grad_buffers``)."""
+        self.model.restore_grad_buffers(synchronize=torch.cuda.is_available())
 
     def has_moments(self) -> bool:
         """Whether Adam's moments exist (torch optimizers create them at the first update)."""
