@@ -31,28 +31,29 @@ def hf_dir(tmp_path_factory) -> str:
     return str(make_hf_checkpoint(SHAPE, tmp_path_factory.mktemp("offload") / "hf"))
 
 
-def _same_checkpoint(got: Path, ref: Path) -> None:
-    """Every rank file holds the same tensors (model, optimizer, RNG) bit for bit."""
-    names = sorted(f.name for f in ref.glob("*.pt"))
-    assert names and names == sorted(f.name for f in got.glob("*.pt"))
-    for name in names:
-        a, b = (torch.load(d / name, weights_only=True) for d in (got, ref))
-        flat_a, flat_b = _tensors(a), _tensors(b)
-        assert flat_a.keys() == flat_b.keys() and flat_a, name
-        for key, tensor in flat_b.items():
-            assert torch.equal(flat_a[key], tensor), (name, key)
+def _same_checkpoint(got: Path, ref: Path, scratch: Path) -> None:
+    """The same tensors (model, optimizer, RNG) bit for bit: each rank's RNG file and the sharded state whole,
+    except megatron's distributed-optimizer bucket buffers (``dp_reshardable``: the padding between parameters
+    is uninitialised memory; the updates after the save show their contents came back)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-
-def _tensors(tree, prefix: str = "") -> dict[str, torch.Tensor]:
-    if isinstance(tree, torch.Tensor):
-        return {prefix: tree}
-    if isinstance(tree, dict):
-        items = tree.items()
-    elif isinstance(tree, list | tuple):
-        items = enumerate(tree)
-    else:
-        return {}
-    return {k: v for key, sub in items for k, v in _tensors(sub, f"{prefix}/{key}").items()}
+    names = sorted(f.name for f in ref.glob("rng_*.pt"))
+    assert names and names == sorted(f.name for f in got.glob("rng_*.pt"))
+    pairs = [
+        (torch.load(got / n, weights_only=True)["rng"], torch.load(ref / n, weights_only=True)["rng"])
+        for n in names
+    ]
+    for i, folder in enumerate((got, ref)):
+        dcp_to_torch_save(folder / "policy", scratch / f"whole{i}.pt")
+    pairs.append(tuple(torch.load(scratch / f"whole{i}.pt", weights_only=True) for i in (0, 1)))
+    for a, b in pairs:
+        assert a.keys() == b.keys() and a
+        assert any(k.startswith("optimizer.") for k in a) or "torch" in a  # the optimizer state is there
+        for key, value in b.items():
+            if ".bucket_idx_" in key:  # megatron's DP-sharded bucket buffers: their padding is never written
+                continue
+            same = torch.equal(a[key], value) if isinstance(value, torch.Tensor) else a[key] == value
+            assert same, key
 
 
 def _run(tmp_path, hf_dir: str, megatron: bool, dtype: str, world: int, offload: bool) -> dict:
@@ -91,7 +92,7 @@ def test_offload_frees_the_training_state_and_changes_no_bit(case, hf_dir, tmp_p
     for got, ref in zip(cycled["logprobs"], plain["logprobs"], strict=True):
         assert torch.equal(got, ref)
     assert cycled["metrics"] == plain["metrics"]
-    _same_checkpoint(Path(cycled["checkpoint"]), Path(plain["checkpoint"]))
+    _same_checkpoint(Path(cycled["checkpoint"]), Path(plain["checkpoint"]), tmp_path)
     assert set(cycled["weights"]) == set(plain["weights"])
     for name, weight in plain["weights"].items():
         assert torch.equal(cycled["weights"][name], weight), name
