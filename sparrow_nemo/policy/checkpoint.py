@@ -309,7 +309,7 @@ def load_policy_checkpoint(path: str | Path, model: torch.nn.Module, optimizer, 
     rng = torch.load(rng_file, map_location="cpu", weights_only=True)
     with dist_checkpointing_on_cpu():
         loaded = dist_checkpointing.load(_sharded_state(model, optimizer, True, saved), str(path / SHARDED))
-    unwrap_model(model).load_state_dict(loaded["model"], strict=False)
+    unwrap_model(model).load_state_dict(loaded["model"], strict=True)
     if saved:
         optimizer.load_sharded_state_dict(loaded["optimizer"])
     else:
