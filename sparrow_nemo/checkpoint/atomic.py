@@ -43,12 +43,13 @@ class CheckpointError(RuntimeError):
     """A checkpoint directory that is incomplete, corrupted or for another layout."""
 
 
-def _disk_full(path: Path, exc: BaseException) -> CheckpointError | None:
+def disk_full_error(path: Path, exc: BaseException) -> CheckpointError | None:
     """A one-line CheckpointError when ``exc`` (raised writing ``path``) means the disk is full, else None.
 
     Python reports ENOSPC / EDQUOT as an OSError; ``torch.save`` as a RuntimeError of its zip writer whose
-    context is that OSError (or, from C++, "file write failed", told apart by the free space left; checked
-    before the temp file goes).
+    context is that OSError (or, from C++, "file write failed" / a short write's "unexpected pos", told apart
+    by the free space left; checked before the temp file goes); megatron's sharded-checkpoint writer, whose
+    writes run in worker processes, as an exception whose text carries the worker's error.
     """
     free = shutil.disk_usage(path.parent).free
     chain: list[BaseException] = []
@@ -56,9 +57,9 @@ def _disk_full(path: Path, exc: BaseException) -> CheckpointError | None:
         chain.append(exc)
         exc = exc.__cause__ or exc.__context__
     full = any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in chain)
-    full = full or any(
-        isinstance(e, RuntimeError) and "write failed" in str(e) and free < 1 << 20 for e in chain
-    )
+    short_write = ("write failed", "unexpected pos")  # torch's zip writer, here or in a writer process
+    full = full or any(any(t in str(e) for t in short_write) and free < 1 << 20 for e in chain)
+    full = full or any(os.strerror(code) in str(e) for e in chain for code in (errno.ENOSPC, errno.EDQUOT))
     if not full:
         return None
     return CheckpointError(
@@ -73,7 +74,7 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
         CheckpointError: the disk is full (the temp file is removed).
     """
     path = Path(path)
-    atomic_write(path, lambda f: f.write(data), lambda exc: _disk_full(path, exc))
+    atomic_write(path, lambda f: f.write(data), lambda exc: disk_full_error(path, exc))
 
 
 def atomic_torch_save(obj: Any, path: str | Path) -> None:
@@ -83,7 +84,7 @@ def atomic_torch_save(obj: Any, path: str | Path) -> None:
         CheckpointError: the disk is full (the temp file is removed).
     """
     path = Path(path)
-    atomic_write(path, lambda f: torch.save(obj, f), lambda exc: _disk_full(path, exc))
+    atomic_write(path, lambda f: torch.save(obj, f), lambda exc: disk_full_error(path, exc))
 
 
 def open_regular(path: str | Path) -> int:

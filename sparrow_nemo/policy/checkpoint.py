@@ -25,12 +25,14 @@ Format 2 checkpoints (one torch file per rank, before sharded checkpoints) are r
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import enum
 import io
+import logging
 import pickle
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -39,6 +41,7 @@ import torch.distributed as dist
 from sparrow_nemo.checkpoint.atomic import (
     CheckpointError,
     atomic_torch_save,
+    disk_full_error,
     finalize,
     partial_dir,
     read_bounded,
@@ -109,6 +112,19 @@ def _writer():
     return TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
 
 
+@contextlib.contextmanager
+def _writer_errors_raised_not_logged() -> Iterator[None]:
+    """Inside, megatron's writer does not log a worker's failure: the exception it raises carries it (and a
+    full disk is then one line, :func:`~sparrow_nemo.checkpoint.atomic.disk_full_error`)."""
+    writer_log = logging.getLogger("megatron.core.dist_checkpointing.strategies.filesystem_async")
+    level = writer_log.level
+    writer_log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        writer_log.setLevel(level)
+
+
 def _sharded_state(model: torch.nn.Module, optimizer, is_loading: bool, with_optimizer: bool) -> dict:
     """The sharded state dict megatron saves / fills in: ``model``, ``optimizer`` (when it has moments)."""
     model_sharded = unwrap_model(model).sharded_state_dict()
@@ -135,6 +151,7 @@ def save_policy_checkpoint(
     """
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
+    from torch.distributed.checkpoint.api import CheckpointException
 
     name = f"step_{step:08d}"
     rank0 = dist.get_rank() == 0
@@ -146,8 +163,14 @@ def save_policy_checkpoint(
     error = None
     try:
         state = _sharded_state(model, optimizer, False, optimizer.has_moments())
-        with dist_checkpointing_on_cpu():
-            dist_checkpointing.save(state, str(staging / SHARDED), sharded_strategy=_writer())
+        try:
+            with dist_checkpointing_on_cpu(), _writer_errors_raised_not_logged():
+                dist_checkpointing.save(state, str(staging / SHARDED), sharded_strategy=_writer())
+        except (Exception, CheckpointException) as exc:  # a failed write, on every rank (a BaseException)
+            full = disk_full_error(staging / SHARDED / f"__{dist.get_rank()}_0.distcp", exc)
+            if full is None:
+                raise
+            raise full from None
         atomic_torch_save({"rng": rng_state()}, staging / _rng_file(spec, ps.get_data_parallel_rank()))
         if rank0 and write_extra is not None:
             write_extra(staging)
