@@ -3,7 +3,7 @@
 Protocol (any number of ranks, shared filesystem):
 
 1. every rank writes its files into ``<root>/<name>.partial`` (each file: temp name, fsync,
-   ``os.replace``);
+   ``os.replace``), or into one level of subfolders (a sharded checkpoint's own folder);
 2. after a barrier, rank 0 hashes the files (sha256), writes ``manifest.json`` (atomically), and
    renames the directory to ``<root>/<name>`` (``os.replace``; an older copy is moved aside first).
 
@@ -43,12 +43,13 @@ class CheckpointError(RuntimeError):
     """A checkpoint directory that is incomplete, corrupted or for another layout."""
 
 
-def _disk_full(path: Path, exc: BaseException) -> CheckpointError | None:
+def disk_full_error(path: Path, exc: BaseException) -> CheckpointError | None:
     """A one-line CheckpointError when ``exc`` (raised writing ``path``) means the disk is full, else None.
 
     Python reports ENOSPC / EDQUOT as an OSError; ``torch.save`` as a RuntimeError of its zip writer whose
-    context is that OSError (or, from C++, "file write failed", told apart by the free space left; checked
-    before the temp file goes).
+    context is that OSError (or, from C++, "file write failed" / a short write's "unexpected pos", told apart
+    by the free space left; checked before the temp file goes); megatron's sharded-checkpoint writer, whose
+    writes run in worker processes, as an exception whose text carries the worker's error.
     """
     free = shutil.disk_usage(path.parent).free
     chain: list[BaseException] = []
@@ -56,9 +57,9 @@ def _disk_full(path: Path, exc: BaseException) -> CheckpointError | None:
         chain.append(exc)
         exc = exc.__cause__ or exc.__context__
     full = any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in chain)
-    full = full or any(
-        isinstance(e, RuntimeError) and "write failed" in str(e) and free < 1 << 20 for e in chain
-    )
+    short_write = ("write failed", "unexpected pos")  # torch's zip writer, here or in a writer process
+    full = full or any(any(t in str(e) for t in short_write) and free < 1 << 20 for e in chain)
+    full = full or any(os.strerror(code) in str(e) for e in chain for code in (errno.ENOSPC, errno.EDQUOT))
     if not full:
         return None
     return CheckpointError(
@@ -73,7 +74,7 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
         CheckpointError: the disk is full (the temp file is removed).
     """
     path = Path(path)
-    atomic_write(path, lambda f: f.write(data), lambda exc: _disk_full(path, exc))
+    atomic_write(path, lambda f: f.write(data), lambda exc: disk_full_error(path, exc))
 
 
 def atomic_torch_save(obj: Any, path: str | Path) -> None:
@@ -83,7 +84,7 @@ def atomic_torch_save(obj: Any, path: str | Path) -> None:
         CheckpointError: the disk is full (the temp file is removed).
     """
     path = Path(path)
-    atomic_write(path, lambda f: torch.save(obj, f), lambda exc: _disk_full(path, exc))
+    atomic_write(path, lambda f: torch.save(obj, f), lambda exc: disk_full_error(path, exc))
 
 
 def open_regular(path: str | Path) -> int:
@@ -137,6 +138,8 @@ def finalize(root: str | Path, name: str, meta: dict[str, Any]) -> Path:
     """
     staging = Path(root) / f"{name}{PARTIAL_SUFFIX}"
     files = sorted(p.name for p in staging.iterdir() if p.is_file() and not p.name.startswith("."))
+    for folder in sorted(p for p in staging.iterdir() if p.is_dir()):  # a sharded checkpoint's own files
+        files += sorted(f"{folder.name}/{f.name}" for f in folder.iterdir() if f.is_file())
     if not files:
         raise CheckpointError(f"{staging}: no files to finalize")
     manifest = {**meta, "files": {n: sha256_file(staging / n) for n in files}}
@@ -186,14 +189,25 @@ def is_count(value: Any) -> bool:
     return type(value) is int and value >= 0
 
 
+def is_member_name(name: str) -> bool:
+    """A manifest entry: a file of the folder or of one of its subfolders (``policy/__0_0.distcp``), no other
+    path (absolute, ``..``, deeper)."""
+    parts = name.split("/")
+    return 1 <= len(parts) <= 2 and all(part not in ("", ".", "..") and os.sep not in part for part in parts)
+
+
 def verify_checkpoint(path: str | Path, check_hashes: bool = True) -> dict[str, Any]:
     """The manifest of a complete checkpoint; :class:`CheckpointError` names what is missing or wrong."""
     path = Path(path)
     manifest = read_manifest(path)
     for name, digest in manifest.get("files", {}).items():
         file = path / name
-        if os.sep in name or name in ("", ".", "..") or not os.path.lexists(file):
+        if not is_member_name(name) or not os.path.lexists(file):
             raise CheckpointError(f"{path}: file '{name[:80]}' listed in the manifest is missing")
+        if "/" in name and (path / name.split("/")[0]).is_symlink():
+            raise CheckpointError(
+                f"{path}: '{name.split('/')[0]}' is a symbolic link, not a checkpoint folder"
+            )
         if check_hashes and sha256_file(file) != digest:
             raise CheckpointError(f"{path}: file '{name}' does not match its sha256 in the manifest")
     return manifest

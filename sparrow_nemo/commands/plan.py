@@ -102,19 +102,23 @@ def plan_config(config, nodes: int, gpus_per_node: int, gpu_memory_gb: float):
             config.rollout.kv_cache_fraction,
             config.rollout.max_cache_tokens,
         ),
+        offload_during_rollout=policy.offload_during_rollout,
     )
 
 
 def recipes_table() -> str:
-    """Markdown table: per shipped model recipe, the plan's per-GPU GiB on its documented cluster."""
+    """Markdown table: per shipped model recipe, the plan's per-GPU GiB on its documented cluster (training
+    phase, then the rollout phase: the policy's and the engine's weights, the KV pool; the optimizer state the
+    offload keeps in each node's host memory)."""
     from sparrow_nemo.config import recipes_dir
     from sparrow_nemo.grpo.recipe import load_config
     from sparrow_nemo.policy.plan import GIB
 
     rows = [
         "| recipe | nodes x GPUs | layout | weights | grads | optimizer | activations | recompute | logits "
-        "| distill | total GiB/GPU | rollout KV GiB (sequences) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| distill | total GiB/GPU | rollout: policy + engine weights GiB | rollout KV GiB (sequences) "
+        "| host GiB/node |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for path in sorted(recipes_dir().glob("qwen3_*.yaml")):
         if not CLUSTER_LINE.search(path.read_text()):
@@ -123,11 +127,16 @@ def recipes_table() -> str:
         r = plan_config(load_config(path), nodes, gpus, DOCUMENTED_GPU_GIB)
         m, lay = r.memory, r.layout
         distill = "-" if r.distill is None else f"{(r.distill.total - m.total) / GIB:.1f}"
-        kv = "-" if r.rollout is None else f"{r.rollout.kv_pool / GIB:.1f} ({r.rollout.sequences})"
+        kv, beside = "-", "-"
+        if r.rollout is not None:
+            kv = f"{r.rollout.kv_pool / GIB:.1f} ({r.rollout.sequences})"
+            beside = f"{r.rollout_policy / GIB:.1f} + {r.rollout.engine_weights / GIB:.1f}"
+        host = f"{gpus * r.host_offload / GIB:.1f}" if r.host_offload else "-"
         rows.append(
             f"| `{path.stem}` | {nodes} x {gpus} | TP{lay.tp} PP{lay.pp} DP{lay.dp} | {m.weights / GIB:.1f} | "
             f"{m.gradients / GIB:.1f} | {m.optimizer / GIB:.1f} | {m.activations / GIB:.1f} | "
-            f"{m.recompute / GIB:.1f} | {m.logits / GIB:.1f} | {distill} | {r.peak.total / GIB:.1f} | {kv} |"
+            f"{m.recompute / GIB:.1f} | {m.logits / GIB:.1f} | {distill} | {r.peak.total / GIB:.1f} | {beside} | "
+            f"{kv} | {host} |"
         )
     return "\n".join(rows)
 

@@ -3,8 +3,8 @@
 ``<checkpoint root>/step_<8 digits>/`` (written as ``step_<n>.partial``, renamed when complete;
 :mod:`sparrow_nemo.checkpoint.atomic`) holds:
 
-- ``policy_tp*_pp*_dp*.pt``: each rank's model shard, optimizer state and RNG states (torch CPU, CUDA,
-  megatron's tracker) - :mod:`sparrow_nemo.policy.checkpoint`;
+- ``policy/`` and ``rng_tp*_pp*_dp*.pt``: the sharded model and optimizer state (megatron ``dist_checkpointing``,
+  each rank writing its own shard) and each rank's RNG states - :mod:`sparrow_nemo.policy.checkpoint`;
 - ``trainer_state.json`` (:meth:`TrainerState.to_dict` and the callbacks' states) and ``callback_tensors.pt``
   - :mod:`sparrow_nemo.checkpoint.run_state`;
 - ``manifest.json``: sha256 of every file above, written last.
@@ -161,9 +161,9 @@ def load_run_checkpoint(
     """Collective: restore the newest candidate that every rank can read; None when there are no candidates.
 
     Rank 0 reads and verifies the trainer and callback state and, given ``metrics_path`` (the run's
-    ``metrics.jsonl``), validates the trainer state as a trainer's (:func:`validated_trainer_state`); every
-    rank restores its policy shard, optimizer and RNG
-    (``policy.load``, which checks its files' sha256 before touching any state). A candidate failing on any
+    ``metrics.jsonl``), validates the trainer state as a trainer's (:func:`validated_trainer_state`); once the
+    ranks agree on it, every rank restores its policy shard, optimizer and RNG (``policy.load``, collective,
+    which checks the files' sha256 before touching any state). A candidate failing on any
     rank, for any reason (its files are not trusted), is skipped on all, with a warning naming it and why.
 
     Raises:
@@ -177,10 +177,15 @@ def load_run_checkpoint(
                 trainer, callbacks = read_run_state(path)
                 if metrics_path is not None:
                     validated_trainer_state(path, trainer, metrics_path)
-            policy.load(path)
         except Exception as exc:  # a tampered file may fail anywhere in loading: that candidate is unusable
             error = f"{type(exc).__name__}: {str(exc)[:500]}"
         failed = [(rank, e) for rank, e in enumerate(_gather(error)) if e is not None]
+        if not failed:  # the policy's load is collective: every rank calls it, or none
+            try:
+                policy.load(path)
+            except Exception as exc:
+                error = f"{type(exc).__name__}: {str(exc)[:500]}"
+            failed = [(rank, e) for rank, e in enumerate(_gather(error)) if e is not None]
         if not failed:
             if reasons:
                 logger.warning("resuming from %s, the newest usable checkpoint", path)

@@ -375,6 +375,8 @@ class GrpoTrainer:
         (:func:`generate`, seeds of the step and round) and scored; the engine stays awake."""
         if round_ > 0:  # a refill: a stop signal waits for one round at most (collective, as every round is)
             self._stop_between_phases()
+        elif self.config.policy.offload_during_rollout:  # back at the update (or a checkpoint) by itself
+            self.policy.offload_training_state()
         c, g = self.config, self.config.grpo.samples_per_prompt
         items = self.prompts.next_batch(c.grpo.prompts_per_step)
         sampling = setup.sampling_params(c, seed=round_seed(c.rollout.seed, step, round_))

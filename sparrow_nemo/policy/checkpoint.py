@@ -1,26 +1,38 @@
-"""Save and resume the policy: model shard + optimizer state + RNG states, one torch file per rank.
+"""Save and resume the policy: a sharded checkpoint of model + optimizer (megatron ``dist_checkpointing``) and
+each rank's RNG states, inside the step's atomic folder.
 
-The files hold tensors and plain containers only and are read with ``torch.load(weights_only=True)``: a
-tampered checkpoint (even one whose manifest hashes were recomputed) cannot run code when loaded. The RNG
-states are torch's (CPU, CUDA, megatron's tracker), all seeded from ``trainer.seed``; Python's and numpy's
-global generators are not stored: nothing on the training path draws from them (every random choice goes
-through a seeded ``torch.Generator`` or ``random.Random``), and storing their unseeded states made the
-files of two identical runs differ.
+Layout inside ``step_<n>/`` (written through :mod:`sparrow_nemo.checkpoint.atomic`, so an interrupted save never
+loads):
 
-Written through :mod:`sparrow_nemo.checkpoint.atomic` (atomic directory + sha256 manifest), so an
-interrupted save never loads. On GPU the distributed optimizer's DP-sharded moments go in one extra
-file per TP x PP shard (megatron's ``save_parameter_state``; not exercised on the CPU test machine).
-These are plain per-rank torch files, not megatron's
-``dist_checkpointing``: resuming needs the same TP/PP/DP layout (a different one is refused with
-a message naming both); re-sharding on resume goes through the HF export/import instead.
+- ``policy/``: megatron's ``torch_dist`` sharded checkpoint (``.metadata``, ``__<rank>_<i>.distcp``,
+  ``common.pt``, ``metadata.json``) of the model's ``sharded_state_dict`` and the optimizer's: every rank writes
+  the tensors it is the main replica of - its TP x PP shard of the weights (DP rank 0 of each shard) and, with
+  megatron's distributed optimizer, its own DP shard of the fp32 master weights and Adam moments
+  (``dp_reshardable``); no rank gathers another's state. The CPU path's AdamW (state replicated over
+  DP) is laid out like the weights (:meth:`~sparrow_nemo.policy.optim.TorchPolicyOptimizer.sharded_state_dict`).
+- ``rng_tp<t>_pp<p>_dp<d>.pt``: each rank's RNGs (torch CPU, CUDA, megatron's tracker), all seeded from
+  ``trainer.seed``; tensors only.
+
+Loading checks the manifest first (format, model shape, TP and PP: a different one is refused with one line
+naming both), then the sha256 of every file, the ranks sharing the hashing (each file once) and agreeing on the
+outcome before any state is touched; ``policy/.metadata`` (a pickle that torch's loader reads) is checked to
+hold only checkpoint metadata classes, so a tampered checkpoint whose hashes were recomputed cannot run code.
+The tensors are stored in global (model-space) coordinates, so a different data-parallel size resumes: each
+rank reads its own part; the RNG states come from the same DP rank, or DP rank 0 of the same TP x PP shard.
+Format 2 checkpoints (one torch file per rank, before sharded checkpoints) are refused with one line.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
+import enum
+import io
+import logging
 import pickle
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -29,28 +41,28 @@ import torch.distributed as dist
 from sparrow_nemo.checkpoint.atomic import (
     CheckpointError,
     atomic_torch_save,
+    disk_full_error,
     finalize,
     partial_dir,
+    read_bounded,
     read_manifest,
     sha256_file,
     verify_checkpoint,
 )
 from sparrow_nemo.model_shapes import Qwen3Shape
+from sparrow_nemo.policy.cpu_shims import dist_checkpointing_on_cpu
 from sparrow_nemo.policy.model import PolicyModelSpec, unwrap_model
 
-#: 2: weights_only-loadable files, no python/numpy RNG states
-FORMAT_VERSION = 2
+#: 3: sharded (megatron dist_checkpointing) model + optimizer, per-rank RNG files
+FORMAT_VERSION = 3
+#: the sharded checkpoint's folder inside the step folder
+SHARDED = "policy"
+#: the largest ``.metadata`` read for its safety check (a real one: ~1 KB per tensor)
+MAX_METADATA_BYTES = 64 << 20
 
 
-def _rank_file(spec: PolicyModelSpec) -> str:
-    from megatron.core import parallel_state as ps
-
-    return f"policy_tp{spec.tp_rank:02d}_pp{spec.pp_rank:02d}_dp{ps.get_data_parallel_rank():03d}.pt"
-
-
-def _param_state_file(spec: PolicyModelSpec) -> str:
-    """The distributed optimizer's parameter state of one TP x PP shard (GPU; written by DP rank 0)."""
-    return f"optim_param_state_tp{spec.tp_rank:02d}_pp{spec.pp_rank:02d}.pt"
+def _rng_file(spec: PolicyModelSpec, dp_rank: int) -> str:
+    return f"rng_tp{spec.tp_rank:02d}_pp{spec.pp_rank:02d}_dp{dp_rank:03d}.pt"
 
 
 def rng_state() -> dict:
@@ -84,6 +96,44 @@ def _meta(spec: PolicyModelSpec, step: int) -> dict:
     }
 
 
+def _writer():
+    """megatron's ``torch_dist`` writer, synchronous and one file per rank (``__<rank>_0.distcp``).
+
+    Synchronous saves run megatron's writer in this process, so its results need no queue in a separate
+    manager process (``filesystem_async._get_write_results_queue`` starts one per process otherwise: it
+    outlives a killed trainer and holds its output pipes); an in-process queue carries them."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+    return TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
+
+
+@contextlib.contextmanager
+def _writer_errors_raised_not_logged() -> Iterator[None]:
+    """Inside, megatron's writer does not log a worker's failure: the exception it raises carries it (and a
+    full disk is then one line, :func:`~sparrow_nemo.checkpoint.atomic.disk_full_error`)."""
+    writer_log = logging.getLogger("megatron.core.dist_checkpointing.strategies.filesystem_async")
+    level = writer_log.level
+    writer_log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        writer_log.setLevel(level)
+
+
+def _sharded_state(model: torch.nn.Module, optimizer, is_loading: bool, with_optimizer: bool) -> dict:
+    """The sharded state dict megatron saves / fills in: ``model``, ``optimizer`` (when it has moments)."""
+    model_sharded = unwrap_model(model).sharded_state_dict()
+    state = {"model": model_sharded, "optimizer_saved": with_optimizer}
+    if with_optimizer:
+        state["optimizer"] = optimizer.sharded_state_dict(model_sharded, is_loading)
+    return state
+
+
 def save_policy_checkpoint(
     root: str | Path,
     step: int,
@@ -99,27 +149,33 @@ def save_policy_checkpoint(
     ``write_extra(staging_dir)`` (rank 0 only) adds more files to the checkpoint before the manifest is
     written (the trainer's state): they are hashed and renamed together with the shards.
     """
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from torch.distributed.checkpoint.api import CheckpointException
+
     name = f"step_{step:08d}"
     rank0 = dist.get_rank() == 0
     if rank0:
         shutil.rmtree(Path(root) / f"{name}.partial", ignore_errors=True)  # leftovers of a crashed save
+        partial_dir(root, name).joinpath(SHARDED).mkdir()
     dist.barrier()
     staging = partial_dir(root, name)
-    payload = {
-        "model": unwrap_model(model).state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "rng": rng_state(),
-        "step": step,
-    }
-
     error = None
     try:
-        atomic_torch_save(payload, staging / _rank_file(spec))
-        optimizer.save_param_state(staging / _param_state_file(spec))
+        state = _sharded_state(model, optimizer, False, optimizer.has_moments())
+        try:
+            with dist_checkpointing_on_cpu(), _writer_errors_raised_not_logged():
+                dist_checkpointing.save(state, str(staging / SHARDED), sharded_strategy=_writer())
+        except (Exception, CheckpointException) as exc:  # a failed write, on every rank (a BaseException)
+            full = disk_full_error(staging / SHARDED / f"__{dist.get_rank()}_0.distcp", exc)
+            if full is None:
+                raise
+            raise full from None
+        atomic_torch_save({"rng": rng_state()}, staging / _rng_file(spec, ps.get_data_parallel_rank()))
         if rank0 and write_extra is not None:
             write_extra(staging)
-    except CheckpointError as exc:  # the disk is full
-        error = str(exc)
+    except (CheckpointError, OSError) as exc:  # the disk is full
+        error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     final = Path(root) / name
     error = _first_error(error)
     if error is None and rank0:
@@ -138,6 +194,8 @@ def save_policy_checkpoint(
 
 def _first_error(error: str | None) -> str | None:
     """Collective: the first rank's error, if any rank has one (a barrier when none has)."""
+    if not dist.is_initialized():
+        return error
     errors = [error] * dist.get_world_size()
     if dist.get_world_size() > 1:
         dist.all_gather_object(errors, error)
@@ -175,43 +233,109 @@ def check_resume_shape(candidates: list[Path], shape: Qwen3Shape) -> None:
         )
 
 
-def load_policy_checkpoint(path: str | Path, model: torch.nn.Module, optimizer, spec: PolicyModelSpec) -> int:
-    """Restore this rank's model, optimizer and RNG from a complete checkpoint; returns its step.
-
-    Everything this rank reads is checked (manifest, layout, sha256 of its files) before any state is
-    touched, so a :class:`CheckpointError` leaves the model, optimizer and RNG as they were.
-    """
-    path = Path(path)
-    manifest = verify_checkpoint(path, check_hashes=False)
-    expected = _meta(spec, manifest.get("step", -1))
-    for key in ("format_version", "layout", "shape"):
-        if manifest.get(key) != expected[key]:
-            raise CheckpointError(
-                f"{path}: checkpoint {key}={manifest.get(key)} but this run has {expected[key]}"
-            )
-    rank_file = _verified_file(path, manifest, _rank_file(spec))
-    param_state = None
-    if _param_state_file(spec) in manifest["files"]:
-        param_state = _verified_file(path, manifest, _param_state_file(spec))
-    try:
-        payload = torch.load(rank_file, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:  # an object other than tensors and plain containers
-        first = str(exc).strip().splitlines()[0]
+def _check_manifest(path: Path, manifest: dict, spec: PolicyModelSpec) -> None:
+    """Format, shape, TP and PP as this run's (the DP size may differ)."""
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
         raise CheckpointError(
-            f"{rank_file}: refused, it holds more than tensors and plain data ({first})"
-        ) from None
-    unwrap_model(model).load_state_dict(payload["model"], strict=True)
-    optimizer.load_state_dict(payload["optimizer"])
-    if param_state is not None:
-        optimizer.load_param_state(param_state)
-    set_rng_state(payload["rng"])
-    return int(payload["step"])
+            f"{path}: checkpoint format_version={version!r:.20} but this version reads {FORMAT_VERSION} (sharded); "
+            "format 2 (one torch file per rank) resumes only with the sparrow-nemo version that wrote it"
+        )
+    expected = _meta(spec, manifest.get("step", -1))
+    if manifest.get("shape") != expected["shape"]:
+        raise CheckpointError(
+            f"{path}: checkpoint shape={manifest.get('shape')} but this run has {expected['shape']}"
+        )
+    found = manifest.get("layout")
+    ours = expected["layout"]
+    differs = {
+        k: v
+        for k, v in ours.items()
+        if k not in ("dp", "world_size") and (not isinstance(found, dict) or found.get(k) != v)
+    }
+    if differs:
+        raise CheckpointError(
+            f"{path}: checkpoint layout={found} but this run has {ours}: only the data-parallel size may differ"
+        )
 
 
-def _verified_file(path: Path, manifest: dict, name: str) -> Path:
-    """``path / name`` after checking it is listed in the manifest and matches its sha256."""
-    if name not in manifest["files"]:
-        raise CheckpointError(f"{path}: no file '{name}' for this rank in the manifest")
-    if sha256_file(path / name) != manifest["files"][name]:
-        raise CheckpointError(f"{path}: '{name}' does not match its sha256 in the manifest")
-    return path / name
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles torch DCP metadata only: the classes of ``torch.distributed.checkpoint`` (dataclasses and
+    enums: building one runs no code of the file's choosing), ``torch.Size``, torch's dtype / layout / memory
+    format values (a layout by name: ``torch.serialization._get_layout``) and ``OrderedDict``; any other global
+    (a function to call) is refused, its module not even imported."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) == ("torch.serialization", "_get_layout"):  # a torch.layout by its name
+            return super().find_class(module, name)
+        if not (module in ("torch", "collections") or module.startswith("torch.distributed.checkpoint.")):
+            raise pickle.UnpicklingError(f"{module}.{name} is not checkpoint metadata")  # not even imported
+        found = super().find_class(module, name)
+        checkpoint_class = module.startswith("torch.distributed.checkpoint.") and isinstance(found, type)
+        if checkpoint_class and (dataclasses.is_dataclass(found) or issubclass(found, enum.Enum)):
+            return found
+        if found is torch.Size or found is collections.OrderedDict:
+            return found
+        if module == "torch" and isinstance(found, torch.dtype | torch.layout | torch.memory_format):
+            return found
+        raise pickle.UnpicklingError(f"{module}.{name} is not checkpoint metadata")
+
+
+def _check_metadata(path: Path) -> None:
+    """``policy/.metadata`` holds checkpoint metadata only (torch's loader unpickles it unrestricted)."""
+    file = path / SHARDED / ".metadata"
+    try:
+        _MetadataUnpickler(io.BytesIO(read_bounded(file, MAX_METADATA_BYTES))).load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, ImportError) as exc:
+        raise CheckpointError(f"{file}: refused, it holds more than checkpoint metadata ({exc})") from None
+
+
+def _verify_share(path: Path, manifest: dict) -> None:
+    """This rank's share of the sha256 checks: every ``world``-th file of the manifest (all ranks: every file)."""
+    names = sorted(manifest["files"])
+    for name in names[dist.get_rank() :: dist.get_world_size()]:
+        if sha256_file(path / name) != manifest["files"][name]:
+            raise CheckpointError(f"{path}: '{name}' does not match its sha256 in the manifest")
+
+
+def load_policy_checkpoint(path: str | Path, model: torch.nn.Module, optimizer, spec: PolicyModelSpec) -> int:
+    """Collective: restore every rank's model, optimizer and RNG from a complete checkpoint; returns its step.
+
+    Everything is checked (manifest, layout, every file's sha256 shared between the ranks, the metadata's
+    classes) and agreed over the ranks before any state is touched, so a :class:`CheckpointError` (raised on
+    every rank alike) leaves the model, optimizer and RNG as they were.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    path = Path(path)
+    error, rng_file, saved = None, None, False
+    try:
+        manifest = verify_checkpoint(path, check_hashes=False)
+        _check_manifest(path, manifest, spec)
+        _verify_share(path, manifest)
+        _check_metadata(path)
+        dp_rank = ps.get_data_parallel_rank()
+        same_dp = manifest["layout"].get("dp") == spec.layout.dp
+        rng_file = path / _rng_file(spec, dp_rank if same_dp else 0)
+        if rng_file.relative_to(path).as_posix() not in manifest["files"]:
+            raise CheckpointError(f"{path}: no file '{rng_file.name}' for this rank in the manifest")
+        common = torch.load(path / SHARDED / "common.pt", map_location="cpu", weights_only=True)
+        saved = bool(common.get("optimizer_saved")) if isinstance(common, dict) else False
+    except CheckpointError as exc:
+        error = str(exc)
+    except (pickle.UnpicklingError, RuntimeError, OSError) as exc:
+        error = f"{path}: unreadable ({str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__})"
+    error = _first_error(error)
+    if error is not None:
+        raise CheckpointError(error)
+    rng = torch.load(rng_file, map_location="cpu", weights_only=True)
+    with dist_checkpointing_on_cpu():
+        loaded = dist_checkpointing.load(_sharded_state(model, optimizer, True, saved), str(path / SHARDED))
+    unwrap_model(model).load_state_dict(loaded["model"], strict=True)
+    if saved:
+        optimizer.load_sharded_state_dict(loaded["optimizer"])
+    else:
+        optimizer.reset_state()
+    set_rng_state(rng["rng"])
+    return int(manifest["step"])

@@ -18,6 +18,11 @@ megatron-core 0.16 assumes CUDA in a few spots that the CPU path of this project
   ``inference_rng_tracker=True`` on CPU (see :func:`seed_model_parallel`), whose ``fork()`` does not
   touch CUDA RNG state. Dropout is 0 in every Qwen3 config, so no random stream is lost.
 
+- Sharded checkpoints (``megatron.core.dist_checkpointing``, torch_dist strategy): its saver stages tensors with
+  ``torch.cuda.synchronize()`` and agrees on failures through tensors on ``device="cuda"`` /
+  ``torch.cuda.current_device()``. On CPU :func:`dist_checkpointing_on_cpu` runs the save or load with those
+  device arguments mapped to ``cpu`` and the synchronisation a no-op.
+
 What is *not* shimmed here (the CPU path uses the torch equivalents of :mod:`sparrow_nemo.policy.optim` and
 :mod:`sparrow_nemo.policy.pipeline`): megatron's pipeline schedules (``torch.zeros(..., device="cuda")``
 and CUDA p2p buffers), ``DistributedDataParallel`` (CUDA grad buffers) and the megatron optimizer
@@ -29,7 +34,11 @@ test-only shim that maps every CUDA allocation to CPU (``tests/megatron_gpu_bran
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
+from torch.overrides import TorchFunctionMode
 
 _APPLIED = False
 
@@ -110,3 +119,41 @@ def seed_model_parallel(seed: int) -> None:
         model_parallel_cuda_manual_seed(seed)
     else:
         model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True, force_reset_rng=True)
+
+
+def is_cuda_device(device) -> bool:
+    """Whether a torch ``device=`` argument names a CUDA device (a bare int is a CUDA ordinal)."""
+    if isinstance(device, bool):
+        return False
+    if isinstance(device, int):
+        return True
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, torch.device) and device.type == "cuda"
+
+
+class CudaDeviceToCpu(TorchFunctionMode):
+    """Every torch call inside runs with a CUDA ``device=`` keyword replaced by ``cpu``."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if is_cuda_device(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def dist_checkpointing_on_cpu() -> Iterator[None]:
+    """Inside, megatron's sharded-checkpoint save and load run without CUDA (module docstring); a no-op
+    context when CUDA is available."""
+    if torch.cuda.is_available():
+        yield
+        return
+    saved = torch.cuda.current_device, torch.cuda.synchronize
+    torch.cuda.current_device = lambda: 0
+    torch.cuda.synchronize = lambda device=None: None
+    try:
+        with CudaDeviceToCpu():
+            yield
+    finally:
+        torch.cuda.current_device, torch.cuda.synchronize = saved

@@ -30,11 +30,9 @@ fp16, megatron's grad scaler reports overflows first (``"loss_scale"``; the scal
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -92,6 +90,16 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     decay = [p for n, p in trained if decays(n, p)]
     no_decay = [p for n, p in trained if not decays(n, p)]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def adam_state_tensors(optimizers: Iterable[torch.optim.Optimizer]) -> list[torch.Tensor]:
+    """Every tensor the torch optimizers hold: their parameters (the weights, or master copies of them) and
+    the per-parameter state (Adam's moments and step counts)."""
+    tensors = []
+    for opt in optimizers:
+        tensors += [p for group in opt.param_groups for p in group["params"]]
+        tensors += [v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    return tensors
 
 
 def sync_grads_cpu(model: torch.nn.Module, tie_embeddings: bool) -> None:
@@ -168,6 +176,21 @@ class TorchPolicyOptimizer:
         self.optimizer.step()
         return UpdateOutcome(norm)
 
+    def state_tensors(self) -> list[torch.Tensor]:
+        """What the optimizer holds (:func:`adam_state_tensors`; the offload skips the model's own weights)."""
+        return adam_state_tensors([self.optimizer])
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        """The accumulated gradients (``param.grad``)."""
+        return [p.grad for p in self.model.parameters() if p.grad is not None]
+
+    def free_grads(self) -> None:
+        """Drop the gradients (the next step's backward builds them)."""
+        self.zero_grad()
+
+    def rebuild_grads(self) -> None:
+        """Nothing to do: the backward allocates ``param.grad``."""
+
     def state_dict(self) -> dict:
         """This rank's optimizer state (its parameter shard's Adam moments)."""
         return self.optimizer.state_dict()
@@ -176,39 +199,47 @@ class TorchPolicyOptimizer:
         """Restore :meth:`state_dict`."""
         self.optimizer.load_state_dict(state)
 
-    def save_param_state(self, path: Path) -> bool:
-        """Nothing to write: AdamW's moments are all in :meth:`state_dict`. Returns False."""
-        return False
+    def has_moments(self) -> bool:
+        """Whether AdamW's moments exist (it creates them at the first update)."""
+        return bool(self.optimizer.state)
 
-    def load_param_state(self, path: Path) -> None:
-        """Counterpart of :meth:`save_param_state`: nothing to read."""
+    def sharded_state_dict(self, model_sharded: dict, is_loading: bool) -> dict:
+        """AdamW's state as megatron ``ShardedTensor`` s laid out like the parameters in ``model_sharded``
+        (megatron's ``optim_state_to_sharding_state``, as its ``FP32Optimizer`` does); the step count, one for
+        all parameters, as ``common_step``. Loading into an optimizer that has not updated yet first creates
+        zero moments to load into."""
+        from megatron.core.dist_checkpointing.optimizer import (
+            get_param_id_to_sharded_param_map,
+            optim_state_to_sharding_state,
+        )
 
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        if is_loading and not self.has_moments():
+            for p in params:
+                self.optimizer.state[p] = {
+                    "step": torch.zeros(()),
+                    "exp_avg": torch.zeros_like(p),
+                    "exp_avg_sq": torch.zeros_like(p),
+                }
+        state = self.optimizer.state_dict()
+        steps = {float(entry["step"]) for entry in state["state"].values()}
+        if len(steps) > 1:
+            raise ValueError(f"AdamW step counts differ between parameters: {sorted(steps)}")
+        by_id = get_param_id_to_sharded_param_map(model_sharded, params)
+        optim_state_to_sharding_state(state, by_id, exclude_keys=("step",))
+        state["common_step"] = steps.pop() if steps else 0.0
+        return state
 
-@contextlib.contextmanager
-def _adam_steps_aside(subs: list) -> Iterator[None]:
-    """Inside, torch Adam's per-parameter ``"step"`` entries are out of the optimizers' state.
+    def load_sharded_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`sharded_state_dict` described, once megatron's loader filled it in."""
+        step = state.pop("common_step")
+        for entry in state["state"].values():
+            entry["step"] = torch.tensor(float(step))
+        self.optimizer.load_state_dict(state)
 
-    megatron's parameter-state load (``megatron/core/optimizer/distrib_optimizer.py``,
-    ``_set_main_param_and_optimizer_states``) copies every key of the live Adam state from the file, which
-    holds only ``param`` / ``exp_avg`` / ``exp_avg_sq``; torch's Adam (megatron's fallback without TE or apex)
-    also keeps a per-parameter ``step`` (restored by ``load_state_dict`` from the param groups):
-    ``KeyError: 'step'``. TE's FusedAdam keeps the step in the param group and is unaffected.
-    """
-    held = [
-        (state, state.pop("step"))
-        for sub in subs
-        for state in sub.optimizer.state.values()
-        if "step" in state
-    ]
-    try:
-        yield
-    finally:
-        for state, step in held:
-            state["step"] = step
-
-
-#: :meth:`MegatronPolicyOptimizer.state_dict` of an optimizer that has not updated yet
-_NO_UPDATE_YET = "no_update_yet"
+    def reset_state(self) -> None:
+        """The state of an optimizer that has not updated yet (what a checkpoint saved before then holds)."""
+        self.optimizer.state.clear()
 
 
 class MegatronPolicyOptimizer:
@@ -277,29 +308,47 @@ class MegatronPolicyOptimizer:
     def _subs(self) -> list:
         return getattr(self.optimizer, "chained_optimizers", [self.optimizer])
 
+    def state_tensors(self) -> list[torch.Tensor]:
+        """What megatron's torch optimizers hold: parameters (fp32 master shards in bf16 training, views of the
+        model's weights in fp32) and Adam's state."""
+        return adam_state_tensors(sub.optimizer for sub in self._subs() if sub.optimizer is not None)
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        """megatron DDP's contiguous gradient buffers (``param.main_grad`` views them)."""
+        return [b.grad_data for b in self.model.buffers + self.model.expert_parallel_buffers]
+
+    def free_grads(self) -> None:
+        """Free DDP's gradient buffers (megatron's ``offload_grad_buffers``: storage resized to 0)."""
+        cuda = torch.cuda.is_available()
+        self.model.offload_grad_buffers(synchronize=cuda, empty_cache=False)
+
+    def rebuild_grads(self) -> None:
+        """Reallocate DDP's gradient buffers, zeroed (``restore_grad_buffers``)."""
+        self.model.restore_grad_buffers(synchronize=torch.cuda.is_available())
+
     def has_moments(self) -> bool:
         """Whether Adam's moments exist (torch optimizers create them at the first update)."""
         return any(sub.optimizer.state for sub in self._subs())
 
-    def state_dict(self) -> dict:
-        """Optimizer state except, for the distributed optimizer, the sharded moments (see below).
-
-        Before the first update: ``{"no_update_yet": True}``. There is no state yet, and megatron cannot
-        say so: its distributed optimizer's ``state_dict`` asserts one Adam step count (torch Adam) and its
-        parameter-state gather reads ``state["exp_avg"]`` (``KeyError: 'exp_avg'``)."""
-        if not self.has_moments():
-            return {_NO_UPDATE_YET: True}
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict` (after the model's weights: a state saved before the first update
-        clears the moments and re-derives megatron's fp32 master weights from the model's)."""
-        if state.get(_NO_UPDATE_YET):
+    def sharded_state_dict(self, model_sharded: dict, is_loading: bool) -> dict:
+        """megatron's own sharded optimizer state: each data-parallel rank describes its shard of the fp32
+        master weights and moments as a slice of each (unpadded) gradient bucket (``dp_reshardable``), so every
+        rank writes and reads its own part, nothing is gathered, and another data-parallel size can read it
+        (megatron 0.16.1's ``fully_sharded_model_space`` relies on ``flattened_range``, which it no longer
+        supports; ``fully_reshardable`` gathers to DP rank 0)."""
+        if is_loading and not self.has_moments():  # megatron asserts a step count to describe the state
             for sub in self._subs():
-                sub.optimizer.state.clear()
-            self.optimizer.reload_model_params()
-            return
-        self.optimizer.load_state_dict(state)
+                if hasattr(sub, "_init_optimizer_states_with_dummy_values"):  # DistributedOptimizer
+                    sub._init_optimizer_states_with_dummy_values()  # (moments, then overwritten by the load)
+        return self.optimizer.sharded_state_dict(
+            model_sharded, is_loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"}
+        )
+
+    def load_sharded_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`sharded_state_dict` described (after the model's weights), under ``no_grad``: with
+        fp32 params the master weights megatron copies into are the model's own leaf parameters."""
+        with torch.no_grad():
+            self.optimizer.load_state_dict(state)
         # megatron's DistributedOptimizer.load_state_dict (torch-Adam fallback, no TE/apex) gives every
         # parameter's state the *same* ``step`` tensor, which torch's Adam then increments in place once per
         # parameter: each its own copy, as torch's Adam made them
@@ -308,29 +357,12 @@ class MegatronPolicyOptimizer:
                 if isinstance(entry.get("step"), torch.Tensor):
                     entry["step"] = entry["step"].clone()
 
-    def save_param_state(self, path: Path) -> bool:
-        """Distributed optimizer: gather the DP-sharded moments and master weights to DP rank 0, which
-        writes ``path`` (megatron's ``save_parameter_state``; collective over DP). Returns True when
-        this rank wrote the file.
-
-        Before the first update there are no moments (megatron's gather would raise ``KeyError:
-        'exp_avg'``) and the master weights equal the model's: nothing is written, and a resume starts
-        the optimizer fresh, as it was."""
-        if not self.distributed or not self.has_moments():
-            return False
-        from megatron.core import parallel_state as ps
-
-        self.optimizer.save_parameter_state(str(path))
-        return ps.get_data_parallel_rank() == 0
-
-    def load_param_state(self, path: Path) -> None:
-        """Counterpart of :meth:`save_param_state` (every DP rank reads its shard from ``path``).
-
-        Under ``no_grad``: with fp32 params the master weights megatron copies into are the model's own
-        leaf parameters, and an in-place copy into a leaf that requires grad is refused by autograd."""
-        if self.distributed:
-            with torch.no_grad(), _adam_steps_aside(self._subs()):
-                self.optimizer.load_parameter_state(str(path))
+    def reset_state(self) -> None:
+        """The state of an optimizer that has not updated yet: no moments, fp32 master weights re-derived from
+        the model's (after its weights are loaded)."""
+        for sub in self._subs():
+            sub.optimizer.state.clear()
+        self.optimizer.reload_model_params()
 
 
 def _finalize_summed_grads(model, num_tokens=None, pg_collection=None, force_all_reduce=False) -> None:

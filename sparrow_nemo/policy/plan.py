@@ -27,9 +27,14 @@ training dtype, ``T`` the tokens of a micro-batch (``max_tokens_per_micro_batch`
 - DistillSparse (when enabled): the adapter's parameters, gradients and AdamW moments, and in its
   sparse forward the fp32 keys/values and page landmarks each sparse layer keeps plus one query block's
   scores;
-- rollout (the colocated engine, :class:`~sparrow_nemo.policy.engine_memory.RolloutSpec`): its weights shard
-  and KV pool next to the policy's weights, gradients and optimizer (it sleeps while the policy trains), and
-  how many full-length sequences the pool holds (:mod:`sparrow_nemo.policy.engine_memory`).
+- rollout (the process model of :mod:`sparrow_nemo.grpo.process_model`: one engine per rank, or per
+  ``rollout.tensor_parallel_size`` ranks, :class:`~sparrow_nemo.policy.engine_memory.RolloutSpec`): the engine
+  sleeps while the policy trains (weights and KV pool released, nothing copied), so the training phase above
+  has no engine term; during rollout a GPU holds the engine's weights shard and KV pool next to the policy's
+  weights, and its gradient buffers and optimizer shard unless ``policy.offload_during_rollout`` frees the
+  former and keeps the latter in pinned host memory (:mod:`sparrow_nemo.policy.offload`; the node's host then
+  holds ``gpus_per_node`` optimizer shards); how many full-length sequences the pool holds
+  (:mod:`sparrow_nemo.policy.engine_memory`).
 
 ``tests/policy/test_plan_measured.py`` measures a CPU training step's peak at several sizes against
 these formulas.
@@ -115,7 +120,12 @@ class MemoryEstimate:
 
 @dataclass(frozen=True)
 class PlanReport:
-    """What ``sparrow plan`` prints."""
+    """What ``sparrow plan`` prints.
+
+    ``rollout_policy``: the policy's bytes per GPU during rollout (weights; gradients and optimizer too unless
+    offloaded); ``host_offload``: the optimizer bytes per GPU kept in host memory during rollout (0 without
+    the offload).
+    """
 
     shape_name: str
     shape: Qwen3Shape
@@ -135,6 +145,8 @@ class PlanReport:
     settings: MemorySettings = DEFAULT_MEMORY
     distill: MemoryEstimate | None = None
     rollout: RolloutMemory | None = None
+    rollout_policy: int = 0
+    host_offload: int = 0
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -350,6 +362,7 @@ def plan(
     memory: MemorySettings = DEFAULT_MEMORY,
     distill: DistillSpec | None = None,
     rollout: RolloutSpec | None = None,
+    offload_during_rollout: bool = False,
 ) -> PlanReport:
     """Lay out ``nodes x gpus_per_node`` GPUs as tp x pp x dp and estimate per-GPU memory.
 
@@ -357,6 +370,8 @@ def plan(
         memory: the recipe's recompute / sequence-parallel / chunk / token-budget settings.
         distill: count DistillSparse's adapter phase (None: off).
         rollout: the colocated rollout engine to size (None: no engine).
+        offload_during_rollout: ``policy.offload_during_rollout`` (gradients and optimizer off the GPU
+            while the engine runs).
 
     Raises:
         LayoutError: sizes that do not divide (world, layers, heads, MLP width, recompute groups), an
@@ -416,17 +431,17 @@ def plan(
                 f"{phase} phase ({_terms(est)}) > {gpu_memory_gb:g} GiB per GPU: raise tp or pp, use "
                 "distributed_adam, recompute, or lower micro_batch/seq_len"
             )
-    engine = None
-    if (
-        rollout is not None
-    ):  # during rollout the policy keeps its weights, gradient buffers and optimizer shard
-        resident = train.weights + train.gradients + train.optimizer
+    engine, resident, host = None, 0, 0
+    if rollout is not None:  # the policy's weights stay for the refit; the rest unless offloaded
+        host = train.optimizer if offload_during_rollout else 0
+        resident = train.weights + (0 if offload_during_rollout else train.gradients + train.optimizer)
         engine = rollout_memory(shape, seq_len, rollout, resident, gpu_bytes)
         if engine.sequences < 1:
             raise LayoutError(
                 f"the rollout engine has {engine.kv_pool / GIB:.1f} GiB of KV cache per GPU next to "
                 f"{resident / GIB:.1f} GiB of policy memory and {engine.engine_weights / GIB:.1f} GiB of engine "
                 f"weights: no room for one {seq_len}-token sequence; raise tp, pp or rollout.tensor_parallel_size"
+                + ("" if offload_during_rollout else ", or set policy.offload_during_rollout")
             )
     placements = []
     for rank in range(world):
@@ -462,6 +477,8 @@ def plan(
         settings=memory,
         distill=distilled,
         rollout=engine,
+        rollout_policy=resident,
+        host_offload=host,
         notes=tuple(notes),
     )
 
@@ -521,11 +538,18 @@ def format_plan(report: PlanReport) -> str:
     lines.append(f"  total        {report.peak.total / GIB:8.2f} GiB of {report.gpu_memory_gb:g} GiB")
     if report.rollout is not None:
         r = report.rollout
+        kept = "weights only: gradients freed, optimizer on host" if report.host_offload else "all of it"
         lines.append(
-            f"rollout ({r.backend} engine on {r.tensor_parallel} GPU(s), asleep while training): weights "
-            f"{r.engine_weights / GIB:.2f} GiB and KV cache {r.kv_pool / GIB:.2f} GiB per GPU = {r.pool_tokens:,} "
-            f"tokens, {r.sequences} sequences of {report.seq_len} tokens at once"
+            f"rollout (one {r.backend} engine per {r.tensor_parallel} GPU(s), asleep while training): policy "
+            f"{report.rollout_policy / GIB:.2f} GiB ({kept}), engine weights {r.engine_weights / GIB:.2f} GiB, "
+            f"KV cache {r.kv_pool / GIB:.2f} GiB per GPU = {r.pool_tokens:,} tokens, {r.sequences} sequences of "
+            f"{report.seq_len} tokens at once per engine"
         )
+        if report.host_offload:
+            lines.append(
+                f"host memory per node during rollout: {report.gpus_per_node} x {report.host_offload / GIB:.2f} GiB "
+                f"= {report.gpus_per_node * report.host_offload / GIB:.1f} GiB of pinned optimizer state"
+            )
     lines += ["ranks:", "  rank  node  gpu  tp  pp  dp  layers"]
     for p in report.placements:
         lines.append(

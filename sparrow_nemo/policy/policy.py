@@ -23,6 +23,7 @@ from sparrow_nemo.policy.logprobs import TOP_K, LogprobOutput
 from sparrow_nemo.policy.lora import LoraConfig, MegatronLora, frozen
 from sparrow_nemo.policy.memory import DEFAULT_MEMORY, MemorySettings
 from sparrow_nemo.policy.model import build_model
+from sparrow_nemo.policy.offload import TrainingStateOffload, device_bytes
 from sparrow_nemo.policy.optim import OptimizerSettings, TorchPolicyOptimizer, wrap_for_training
 from sparrow_nemo.policy.parallel import ParallelLayout, destroy_parallel, initialize_parallel
 from sparrow_nemo.policy.pipeline import LossFn, compute_logprobs
@@ -75,6 +76,17 @@ class MegatronPolicy:
         )
         self.lora: MegatronLora | None = None
         self.reference: ReferenceWeights | None = None
+        self._offload = TrainingStateOffload(self.optimizer, self.model)
+
+    def offload_training_state(self) -> int:
+        """Free the gradient buffers and move the optimizer state to host until the next :meth:`train_step`,
+        :meth:`save` or :meth:`load` (:mod:`sparrow_nemo.policy.offload`); the weights stay. Returns the
+        device bytes released (0 when already offloaded)."""
+        return self._offload.offload()
+
+    def device_bytes(self) -> dict[str, int]:
+        """Bytes of ``weights``, ``gradients`` and ``optimizer`` state on this rank's device."""
+        return device_bytes(self.optimizer, self.model)
 
     def logprobs(self, batches: list[PolicyBatch], top_k: int = TOP_K) -> list[LogprobOutput]:
         """Dense log-probs, entropy and top-k per micro-batch (CPU tensors [B, S-1], on every rank)."""
@@ -148,6 +160,7 @@ class MegatronPolicy:
         """One optimizer step on this DP rank's micro-batches: the step's loss is the mean (``reduction="mean"``)
         of ``loss_fn`` over the micro-batches of all DP ranks, or their sum (``"sum"``: ``loss_fn`` values are
         shares of a step-normalised loss, :mod:`sparrow_nemo.grpo.update`)."""
+        self._offload.restore()
         return train_step(self.model, self.optimizer, self.spec, batches, loss_fn, reduction)
 
     def export_hf(self) -> dict[str, torch.Tensor]:
@@ -160,10 +173,12 @@ class MegatronPolicy:
         ``write_extra(staging_dir)`` runs on rank 0 before the manifest: files it writes there are part
         of the same atomic checkpoint.
         """
+        self._offload.restore()
         return save_policy_checkpoint(root, step, self.model, self.optimizer, self.spec, write_extra)
 
     def load(self, path: str | Path) -> int:
         """Resume from a complete checkpoint directory; returns its step."""
+        self._offload.restore()
         return load_policy_checkpoint(path, self.model, self.optimizer, self.spec)
 
     def close(self) -> None:
@@ -199,6 +214,11 @@ class PolicyConfig(MemorySettings):
         "fp32", "training compute precision (bf16/fp16 keep fp32 master weights)"
     )
     optimizer: OptimizerSettings = knob(doc="Adam(W) settings", factory=OptimizerSettings)
+    offload_during_rollout: bool = knob(
+        False,
+        "during rollout, free the gradient buffers and keep the optimizer state (Adam moments, fp32 master "
+        "weights) in pinned host memory, back before the update; the weights stay for the refit",
+    )
 
     def check(self) -> None:
         super().check()

@@ -30,6 +30,9 @@ def test_shipped_recipe_fits_four_nodes(recipe: str) -> None:
     for term in ("weights", "gradients", "optimizer", "activations", "recompute", "logits"):
         assert re.search(rf"^  {term} +[\d.]+ GiB", done.stdout, re.M), term
     assert re.search(r"KV cache [\d.]+ GiB per GPU = [\d,]+ tokens, \d+ sequences", done.stdout)
+    # the recipes offload the optimizer during rollout: the engine runs next to the policy's weights only
+    assert re.search(r"policy [\d.]+ GiB \(weights only: gradients freed, optimizer on host\)", done.stdout)
+    assert re.search(r"host memory per node during rollout: 8 x [\d.]+ GiB", done.stdout)
     assert re.search(
         r"rollout per step \(predicted.*continuous [\d.]+ min.*sparse vs dense [\d.]+x", done.stdout
     )

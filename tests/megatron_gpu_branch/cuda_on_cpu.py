@@ -27,15 +27,7 @@ from collections.abc import Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
-
-def _is_cuda(device) -> bool:
-    if isinstance(device, bool):
-        return False
-    if isinstance(device, int):  # a bare index is a CUDA ordinal
-        return True
-    if isinstance(device, str):
-        return device.startswith("cuda")
-    return isinstance(device, torch.device) and device.type == "cuda"
+from sparrow_nemo.policy.cpu_shims import is_cuda_device
 
 
 class CudaToCpu(TorchFunctionMode):
@@ -43,13 +35,13 @@ class CudaToCpu(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
-        if _is_cuda(kwargs.get("device")):
+        if is_cuda_device(kwargs.get("device")):
             kwargs["device"] = "cpu"
         name = getattr(func, "__name__", "")
         if name == "cuda" and isinstance(args[0], torch.Tensor):
             return args[0]
         if name == "to":
-            args = tuple("cpu" if i > 0 and _is_cuda(a) else a for i, a in enumerate(args))
+            args = tuple("cpu" if i > 0 and is_cuda_device(a) else a for i, a in enumerate(args))
         if name == "type" and len(args) == 1 and not kwargs:
             out = func(*args)
             return out if out.startswith("torch.cuda.") else out.replace("torch.", "torch.cuda.", 1)

@@ -83,3 +83,23 @@ def test_resume_refuses_another_layout(tmp_path):
     spec = PolicyModelSpec(shape, ParallelLayout(1, 1, 1), 128, False, 0, 0)
     with pytest.raises(CheckpointError, match="layout="):
         load_policy_checkpoint(path, torch.nn.Linear(1, 1), None, spec)
+
+
+def test_an_old_format_checkpoint_is_refused_with_one_line(tmp_path):
+    """Format 2 (one torch file per rank, before sharded checkpoints): refused, naming both formats."""
+    shape = PRESETS["tiny-test"]
+    path = tmp_path / "step_00000001"
+    path.mkdir()
+    meta = {
+        "format_version": 2,
+        "step": 1,
+        "layout": ParallelLayout(1, 1, 1).to_dict(),
+        "shape": dataclasses.asdict(shape),
+        "files": {},
+    }
+    (path / "manifest.json").write_text(json.dumps(meta))
+    spec = PolicyModelSpec(shape, ParallelLayout(1, 1, 1), 128, False, 0, 0)
+    with pytest.raises(CheckpointError) as info:
+        load_policy_checkpoint(path, torch.nn.Linear(1, 1), None, spec)
+    message = str(info.value)
+    assert "\n" not in message and f"format_version=2 but this version reads {FORMAT_VERSION}" in message

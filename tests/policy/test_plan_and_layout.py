@@ -168,6 +168,21 @@ def test_distill_and_rollout_terms():
         and torch_engine.sequences == torch_engine.kv_pool // torch_engine.kv_per_sequence > 0
     )
     assert torch_engine.pool_tokens == int(torch_engine.kv_pool / torch_engine.kv_per_token)
+    # policy.offload_during_rollout: the gradients are freed and the optimizer shard waits on the host, so the
+    # pool takes its share of what the weights alone leave; the node's host holds gpus_per_node shards
+    offloaded = plan(
+        shape,
+        memory=memory,
+        rollout=RolloutSpec("torch", 256, "bf16", 16),
+        offload_during_rollout=True,
+        **common,
+    )
+    assert offloaded.memory == r.memory  # training is unchanged
+    assert offloaded.rollout_policy == r.memory.weights and offloaded.host_offload == r.memory.optimizer
+    assert offloaded.rollout.kv_pool == int(0.9 * (80 * GIB - r.memory.weights - torch_engine.engine_weights))
+    assert offloaded.rollout.sequences > torch_engine.sequences
+    assert "host memory per node during rollout: 8 x" in format_plan(offloaded)
+    assert plan(shape, memory=memory, rollout=trtllm, **common).host_offload == 0
     fixed = plan(
         shape, memory=memory, rollout=RolloutSpec("torch", 4, "bf16", 16, max_cache_tokens=100_000), **common
     )

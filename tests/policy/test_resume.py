@@ -19,7 +19,8 @@ def test_kill_during_save_then_resume_matches_uninterrupted(tmp_path):
 
     # the interrupted save left shards but no manifest: it must never count as a checkpoint
     partial = root / "step_00000002.partial"
-    assert len(list(partial.glob("policy_*.pt"))) == 2
+    assert sorted(f.name for f in partial.glob("policy/__*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert len(list(partial.glob("rng_*.pt"))) == 2
     with pytest.raises(CheckpointError, match="unfinished"):
         verify_checkpoint(partial)
     assert latest_checkpoint(root) == root / "step_00000001"

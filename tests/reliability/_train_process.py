@@ -10,6 +10,7 @@ import json
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -126,5 +127,14 @@ def computed(row: dict) -> dict:
 
 
 def checkpoint_state(folder: Path) -> dict:
-    """The one-rank policy file of a checkpoint folder: ``model``, ``optimizer``, ``rng``, ``step``."""
-    return torch.load(folder / "policy_tp00_pp00_dp000.pt", map_location="cpu", weights_only=True)
+    """The policy state of a checkpoint folder, whole: ``model`` (weights by key), ``optimizer`` (``state``: each
+    sharded optimizer tensor by key, as ``{"value": tensor}``) and ``step`` (the manifest's)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as scratch:
+        dcp_to_torch_save(folder / "policy", Path(scratch) / "whole.pt")
+        tensors = torch.load(Path(scratch) / "whole.pt", map_location="cpu", weights_only=True)
+    model = {k: v for k, v in tensors.items() if not k.startswith("optimizer.")}
+    optimizer = {k: {"value": v} for k, v in tensors.items() if k.startswith("optimizer.")}
+    step = json.loads((folder / "manifest.json").read_text())["step"]
+    return {"model": model, "optimizer": {"state": optimizer}, "step": step}

@@ -81,7 +81,10 @@ def test_everything_is_in_one_folder_and_tensors_stay_out_of_json(two_checkpoint
     root, _, second = two_checkpoints
     folder = root / "step_00000002"
     manifest = json.loads((folder / "manifest.json").read_text())
-    assert set(manifest["files"]) == {TRAINER_STATE, CALLBACK_TENSORS, "policy_tp00_pp00_dp000.pt"}
+    sharded = {f"policy/{f.name}" for f in (folder / "policy").iterdir()}
+    assert {"policy/.metadata", "policy/common.pt", "policy/metadata.json"} < sharded
+    assert "policy/__0_0.distcp" in sharded  # one shard file per rank
+    assert set(manifest["files"]) == {TRAINER_STATE, CALLBACK_TENSORS, "rng_tp00_pp00_dp000.pt"} | sharded
     plain = json.loads((folder / TRAINER_STATE).read_text())
     assert plain == {"trainer": {"step": 2}, "callbacks": {"Cb": {"step": 2}}}
     trainer, callbacks = read_run_state(folder)
@@ -104,8 +107,10 @@ def _truncate(path: Path) -> None:
 
 
 CORRUPTIONS = {
-    "policy shard bit flip": ("policy_tp00_pp00_dp000.pt", _flip_a_byte, "does not match its sha256"),
-    "policy shard truncated": ("policy_tp00_pp00_dp000.pt", _truncate, "does not match its sha256"),
+    "policy shard bit flip": ("policy/__0_0.distcp", _flip_a_byte, "does not match its sha256"),
+    "policy shard truncated": ("policy/__0_0.distcp", _truncate, "does not match its sha256"),
+    "sharded metadata deleted": ("policy/.metadata", Path.unlink, "is missing"),
+    "RNG file bit flip": ("rng_tp00_pp00_dp000.pt", _flip_a_byte, "does not match its sha256"),
     "trainer state truncated": (TRAINER_STATE, _truncate, "does not match its sha256"),
     "callback tensors bit flip": (CALLBACK_TENSORS, _flip_a_byte, "does not match its sha256"),
     "callback tensors deleted": (CALLBACK_TENSORS, Path.unlink, "is missing"),

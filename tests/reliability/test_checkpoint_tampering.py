@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -34,7 +35,9 @@ from sparrow_nemo.policy.parallel import ParallelLayout
 from sparrow_nemo.policy.policy import MegatronPolicy
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
-POLICY_FILE = "policy_tp00_pp00_dp000.pt"
+RNG_FILE = "rng_tp00_pp00_dp000.pt"
+METADATA = "policy/.metadata"
+COMMON = "policy/common.pt"
 
 
 class _Payload:
@@ -112,8 +115,17 @@ def _both_steps(value: int) -> Callable[[Path, Path], None]:
 
 
 def _weights_only_list(folder: Path, tmp_path: Path) -> None:
-    torch.save([torch.zeros(3)], folder / POLICY_FILE)
-    _rehash(folder, POLICY_FILE)
+    torch.save([torch.zeros(3)], folder / RNG_FILE)
+    _rehash(folder, RNG_FILE)
+
+
+def _pickle_as(name: str) -> Callable[[Path, Path], None]:
+    def tamper(folder: Path, tmp_path: Path) -> None:
+        with open(folder / name, "wb") as f:
+            pickle.dump(_Payload(tmp_path / "payload_ran"), f)
+        _rehash(folder, name)
+
+    return tamper
 
 
 def _pickle_in_callback_tensors(folder: Path, tmp_path: Path) -> None:
@@ -161,7 +173,12 @@ TAMPERED = {
         "'pending_row' must be null or the row of step 1",
     ),
     "schedule garbage": (_edit_state(lambda p: p["trainer"].update(schedule="dense")), "'schedule'"),
-    "a weights-only list as the policy file": (_weights_only_list, "TypeError"),
+    "a weights-only list as the RNG file": (_weights_only_list, "TypeError"),
+    "a pickle as the sharded checkpoint's metadata": (
+        _pickle_as(METADATA),
+        "holds more than checkpoint metadata",
+    ),
+    "a pickle as the sharded checkpoint's common state": (_pickle_as(COMMON), "unreadable"),
     "a pickle in callback_tensors.pt": (_pickle_in_callback_tensors, "refused, not tensors and plain data"),
     "manifest linked to /proc/self/pagemap": (_link_to_pagemap(MANIFEST), "is a symbolic link"),
     "trainer state linked to /proc/self/pagemap": (_link_to_pagemap(TRAINER_STATE), "is a symbolic link"),
