@@ -2,7 +2,8 @@
 
 A tampered policy file whose manifest hash was recomputed (so the sha256 check passes) holds a pickle
 payload: ``torch.load(weights_only=True)`` refuses it with one line naming the file, and the payload never
-runs. The saved RNG states are torch's only, so nothing unseeded makes two equal runs' files differ.
+runs. The saved RNG states are torch's only, so nothing unseeded makes two equal runs' files differ (but the
+sharded checkpoint's ``.metadata``, which records the save's id and folder).
 """
 
 from __future__ import annotations
@@ -46,18 +47,18 @@ def _save_one(root: Path) -> Path:
 
 def test_a_pickle_payload_with_a_valid_hash_is_refused_and_never_runs(tmp_path: Path) -> None:
     folder = _save_one(tmp_path / "ckpt")
-    (rank_file,) = folder.glob("policy_*.pt")
+    rank_file = folder / "policy" / "common.pt"  # a torch file every rank reads (the shards are megatron's)
     payload = torch.load(rank_file, weights_only=True)
     marker = tmp_path / "payload_ran"
-    payload["rng"]["evil"] = _Payload(marker)
+    payload["evil"] = _Payload(marker)
     torch.save(payload, rank_file)
     manifest = json.loads((folder / MANIFEST).read_text())
-    manifest["files"][rank_file.name] = sha256_file(rank_file)
+    manifest["files"][rank_file.relative_to(folder).as_posix()] = sha256_file(rank_file)
     (folder / MANIFEST).write_text(json.dumps(manifest))
     with single_rank_env():
         policy = MegatronPolicy(SHAPE, ParallelLayout(), OptimizerSettings(), "float32", seed=7)
         try:
-            with pytest.raises(CheckpointError, match=rf"^{rank_file}: refused, it holds more than tensors"):
+            with pytest.raises(CheckpointError, match=rf"^{folder}: unreadable \(Weights only load failed"):
                 policy.load(folder)
         finally:
             destroy_parallel()
@@ -67,6 +68,8 @@ def test_a_pickle_payload_with_a_valid_hash_is_refused_and_never_runs(tmp_path: 
 def test_identical_policies_write_byte_identical_files(tmp_path: Path) -> None:
     assert set(rng_state()) <= {"torch", "cuda", "tracker"}  # no unseeded python / numpy state
     first, second = _save_one(tmp_path / "a"), _save_one(tmp_path / "b")
-    names = sorted(p.name for p in first.iterdir())
-    assert names == sorted(p.name for p in second.iterdir())
-    assert all(sha256_file(first / n) == sha256_file(second / n) for n in names)
+    names = sorted(p.relative_to(first).as_posix() for p in first.rglob("*") if p.is_file())
+    assert names == sorted(p.relative_to(second).as_posix() for p in second.rglob("*") if p.is_file())
+    # torch's distributed-checkpoint metadata records the save's own id and folder, and the manifest hashes it
+    differ = [n for n in names if sha256_file(first / n) != sha256_file(second / n)]
+    assert set(differ) <= {"policy/.metadata", MANIFEST}, differ
