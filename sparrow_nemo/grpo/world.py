@@ -31,10 +31,14 @@ def single_process_defaults() -> None:
     """
     if "WORLD_SIZE" in os.environ:
         return
+    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+
+
+def free_port() -> int:
+    """A local TCP port that was free a moment ago."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -67,6 +71,9 @@ def start_processes(dist_timeout_minutes: float | None = None) -> None:
     single_process_defaults()
     if not dist.is_initialized():
         forget_object_group()
+        if os.environ.get("WORLD_SIZE") == "1" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+            # one rank hosts its own store, so any free port will do; an inherited one may still be held
+            os.environ["MASTER_PORT"] = str(free_port())
     timeout = None if dist_timeout_minutes is None else datetime.timedelta(minutes=dist_timeout_minutes)
     init_distributed(timeout=timeout)
 
