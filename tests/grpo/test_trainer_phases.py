@@ -61,15 +61,6 @@ class Recorder(Callback):
         self.validations.append(dict(metrics))
 
 
-@pytest.fixture
-def restore_stop_handlers():
-    """TERM / USR1 handlers as before the test (a stopped run leaves them ignored for the process)."""
-    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
-    yield
-    for sig, handler in before.items():
-        signal.signal(sig, handler)
-
-
 def _rows(run_dir: Path) -> list[dict]:
     return [r for r in read_metrics(run_dir / "metrics.jsonl") if r["step"] >= 0]
 
