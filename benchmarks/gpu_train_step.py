@@ -143,7 +143,6 @@ def train_rows(policy, config, args, cuda: bool, meta: dict) -> Iterator[dict]:
 def refit_row(policy, engine, config, cuda: bool, meta: dict) -> dict:
     """The trainer's cycle after an update: wake (weight storage, uninitialised), refit, generate; then sleep
     (weights and KV pool released), wake, refit and generate again: the same tokens, so the round trip holds."""
-    from sparrow_nemo.grpo.refit import refit
     from sparrow_nemo.grpo.setup import sampling_params
     from sparrow_nemo.sparse.schedule import BudgetSchedule
 
@@ -160,7 +159,7 @@ def refit_row(policy, engine, config, cuda: bool, meta: dict) -> dict:
         return out, time.perf_counter() - t0
 
     _, wake_s = timed(engine.wake)
-    tensors, refit_s = timed(lambda: refit(policy, engine))
+    tensors, refit_s = timed(lambda: policy.refit(engine))
     exported = policy.export_hf()[name]
     match = torch.equal(engine.model.params[name].to(exported.device, exported.dtype), exported)
     del exported
@@ -169,7 +168,7 @@ def refit_row(policy, engine, config, cuda: bool, meta: dict) -> dict:
     _, sleep_s = timed(engine.sleep)
     asleep = torch.cuda.memory_allocated() if cuda else None
     _, wake2_s = timed(engine.wake)
-    refit(policy, engine)
+    policy.refit(engine)
     again = engine.generate([[5, 6, 7, 8] * 4], sampling, BudgetSchedule.dense()).samples[0]
     finite = bool(torch.isfinite(first.logprobs).all())
     same = torch.equal(first.response_ids, again.response_ids)

@@ -1,7 +1,7 @@
 """Atomic file writes: a reader sees either the old file or the complete new one, never a torn one.
 
 Used by the checkpoints (:mod:`sparrow_nemo.checkpoint.atomic`) and by the metrics file a resumed run
-rewrites (:mod:`sparrow_nemo.grpo.metrics`); it knows neither.
+rewrites (:mod:`sparrow_nemo.run_io.metrics`); it knows neither.
 """
 
 from __future__ import annotations

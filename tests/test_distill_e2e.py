@@ -29,12 +29,13 @@ from policy._helpers import free_port, single_rank_env
 
 from sparrow_nemo.checkpoint.run_state import read_run_state
 from sparrow_nemo.grpo.distill_report import distill_rounds, measure_adapter, sparse_tail
-from sparrow_nemo.grpo.metrics import read_metrics
 from sparrow_nemo.grpo.prompts import build_prompt_source
 from sparrow_nemo.grpo.recipe import load_config
-from sparrow_nemo.grpo.trainer import GrpoTrainer, train
+from sparrow_nemo.grpo.start import start_checkpoint, train
+from sparrow_nemo.grpo.trainer import GrpoTrainer
 from sparrow_nemo.grpo.warmstart import ensure_warm_start
 from sparrow_nemo.grpo.world import env_without_launcher
+from sparrow_nemo.run_io.metrics import read_metrics
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 pytestmark = pytest.mark.slow
@@ -85,7 +86,7 @@ def test_adapter_brings_the_failing_bin_to_the_threshold_and_a_tighter_schedule(
     config = load_config("tiny_cpu_distill", QUICK)
     s = config.sparsity
     with single_rank_env():
-        trainer = GrpoTrainer(config, tmp_path)
+        trainer = GrpoTrainer(config, tmp_path, start_checkpoint(config, show_progress=False))
         try:
             held_out = [i.prompt_ids for i in trainer.prompts.eval_batch(32) for _ in range(2)]
             schedule = _failing_schedule(trainer, held_out)

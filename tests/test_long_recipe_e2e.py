@@ -9,10 +9,10 @@ import pytest
 from policy._helpers import single_rank_env
 
 from sparrow_nemo.grpo import warmstart
-from sparrow_nemo.grpo.metrics import read_metrics
 from sparrow_nemo.grpo.recipe import load_config
-from sparrow_nemo.grpo.summary import tail_per_bin
-from sparrow_nemo.grpo.trainer import train
+from sparrow_nemo.grpo.start import train
+from sparrow_nemo.run_io.metrics import read_metrics
+from sparrow_nemo.run_io.summary import tail_per_bin
 
 pytestmark = pytest.mark.slow
 

@@ -28,15 +28,16 @@ import torch
 from policy._helpers import free_port, single_rank_env
 
 from sparrow_nemo import cli
-from sparrow_nemo.grpo.metrics import read_metrics
 from sparrow_nemo.grpo.prompt_source import EVAL_OFFSET
 from sparrow_nemo.grpo.prompts import build_prompt_source
 from sparrow_nemo.grpo.recipe import SparrowConfig, load_config
 from sparrow_nemo.grpo.rollout_step import concat_outputs, micro_batches, pad_pairs
-from sparrow_nemo.grpo.summary import tail_per_bin
-from sparrow_nemo.grpo.trainer import GrpoTrainer, train
+from sparrow_nemo.grpo.start import start_checkpoint, train
+from sparrow_nemo.grpo.trainer import GrpoTrainer
 from sparrow_nemo.grpo.warmstart import ensure_warm_start
 from sparrow_nemo.grpo.world import env_without_launcher
+from sparrow_nemo.run_io.metrics import read_metrics
+from sparrow_nemo.run_io.summary import tail_per_bin
 from sparrow_nemo.tasks.chain import ChainTask
 
 pytestmark = pytest.mark.slow
@@ -81,7 +82,7 @@ def _solution_probability(trainer: GrpoTrainer, count: int) -> torch.Tensor:
 def test_smoke_run_trains_without_losing_accuracy_and_keeps_the_tail(smoke_overrides, tmp_path: Path) -> None:
     config = load_config("tiny_cpu_short_smoke", smoke_overrides)
     with single_rank_env():
-        trainer = GrpoTrainer(config, tmp_path)
+        trainer = GrpoTrainer(config, tmp_path, start_checkpoint(config, show_progress=False))
         try:
             before = _solution_probability(trainer, PROBE_PROBLEMS)
             summary = trainer.fit()

@@ -34,8 +34,8 @@ def run(args: argparse.Namespace) -> int:
     from sparrow_nemo.callbacks import run_calibration
     from sparrow_nemo.grpo import setup
     from sparrow_nemo.grpo.prompts import build_prompt_source
-    from sparrow_nemo.grpo.rundir import make_run_dir
     from sparrow_nemo.grpo.start import start_weights
+    from sparrow_nemo.run_io.rundir import make_run_dir
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     setup.apply_cpu_threads(config)

@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     from sparrow_nemo.grpo import setup
     from sparrow_nemo.grpo.prompts import build_prompt_source
     from sparrow_nemo.grpo.recipe import SYNTHETIC_REWARD
-    from sparrow_nemo.grpo.rundir import make_run_dir
+    from sparrow_nemo.run_io.rundir import make_run_dir
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.n < 1 or (args.max_prompts is not None and args.max_prompts < 1):

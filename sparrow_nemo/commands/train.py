@@ -60,10 +60,11 @@ def _check_resume(config, run_dir: str | None) -> None:
 def _train(config, args: argparse.Namespace) -> int:
     """Exit status of the training itself (a stop signal propagates as Preempted)."""
     from sparrow_nemo.checkpoint.atomic import CheckpointError
-    from sparrow_nemo.grpo.summary import format_summary
-    from sparrow_nemo.grpo.trainer import NonFiniteTrainingError, train
+    from sparrow_nemo.grpo.start import train
+    from sparrow_nemo.grpo.trainer import NonFiniteTrainingError
     from sparrow_nemo.grpo.world import rank
     from sparrow_nemo.policy.train_step import NonFiniteWeightsError
+    from sparrow_nemo.run_io.summary import format_summary
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:

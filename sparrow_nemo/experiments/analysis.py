@@ -24,7 +24,7 @@ import yaml
 
 from sparrow_nemo.experiments.arms import OUTCOMES, Arm
 from sparrow_nemo.experiments.runner import RUN_RECORD, run_folder
-from sparrow_nemo.grpo.metrics import read_metrics
+from sparrow_nemo.run_io.metrics import read_metrics
 
 __all__ = ["LAST_STEPS", "ArmResult", "RunData", "aggregate", "load_run", "load_runs", "slope"]
 

@@ -113,7 +113,7 @@ def plan_runs(
 
 def _run_one(plan: RunPlan) -> None:
     """Train one run into ``<folder>.partial`` and rename it to ``<folder>`` when it finishes."""
-    from sparrow_nemo.grpo.trainer import train
+    from sparrow_nemo.grpo.start import train
 
     partial = plan.folder.with_name(plan.folder.name + ".partial")
     if partial.exists():
@@ -142,7 +142,7 @@ def execute(plans: Sequence[RunPlan], show_progress: bool = True, jobs: int = 1)
     ``trainer.cpu_threads``), so a 2-core machine can keep both cores busy. Under torchrun/srun with more
     ranks: ValueError.
     """
-    from sparrow_nemo.grpo.metrics import progress
+    from sparrow_nemo.run_io.progress import progress
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ValueError("sparrow experiment runs in one process; start it without torchrun/srun")

@@ -5,8 +5,9 @@
   correction, and the policy worker's ``loss_fn``;
 - :mod:`.prompts`, :mod:`.data`: prompts, answers and rewards from the synthetic task or a JSONL/Parquet file;
 - :mod:`.rollout_step`: rollouts -> padded policy micro-batches and the per-token acceptance rate;
-- :mod:`.warmstart`: the cached supervised warm-start; :mod:`.setup`: policy / engine / sampling from a recipe;
-- :mod:`.metrics`, :mod:`.evaluation`, :mod:`.summary`, :mod:`.plots`, :mod:`.rundir`: what a run writes.
+- :mod:`.warmstart`: the cached supervised warm-start (a step of :func:`~.trainer.train`, before the trainer is
+  built: :func:`~.start.start_checkpoint`); :mod:`.setup`: policy / engine / sampling from a recipe;
+- :mod:`.evaluation`: the held-out evaluations; what a run writes is :mod:`sparrow_nemo.run_io`.
 
 Modules are imported on demand (``from sparrow_nemo.grpo.losses import ...``) so that the light pieces do not
 pull in the heavier ones.

@@ -12,7 +12,7 @@
 Loading (:func:`load_run_checkpoint`) tries the candidates newest first; each rank verifies the hashes of
 the files it reads, rank 0 validates the trainer state (:meth:`TrainerState.from_dict`: types and ranges,
 the manifest's step) and that ``metrics.jsonl`` can continue from it
-(:func:`~sparrow_nemo.grpo.metrics.check_resume_rows`), the ranks agree, and a checkpoint that fails on any
+(:func:`~sparrow_nemo.run_io.metrics.check_resume_rows`), the ranks agree, and a checkpoint that fails on any
 rank is skipped with a warning naming it and the reason (the previous good one is used). A tampered checkpoint whose manifest hashes were
 recomputed is therefore never resumed from, and never allowed to cut ``metrics.jsonl``.
 """
@@ -29,8 +29,8 @@ import torch.distributed as dist
 from sparrow_nemo.checkpoint.atomic import CheckpointError, is_count, read_manifest
 from sparrow_nemo.checkpoint.run_state import read_run_state
 from sparrow_nemo.config.schema import AT_LEAST_ONE, NON_NEGATIVE, Section, knob
-from sparrow_nemo.grpo.metrics import check_resume_rows
 from sparrow_nemo.grpo.process_model import distributed, object_group
+from sparrow_nemo.run_io.metrics import check_resume_rows
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 logger = logging.getLogger(__name__)
@@ -201,7 +201,7 @@ def load_run_checkpoint(
 def validated_trainer_state(path: Path, trainer: dict[str, Any], metrics_path: Path) -> TrainerState:
     """The trainer state of checkpoint ``path`` once it validates: :meth:`TrainerState.from_dict`, the same
     ``step`` as the manifest's, and the metrics file ``metrics_path`` able to continue from it
-    (:func:`~sparrow_nemo.grpo.metrics.check_resume_rows`).
+    (:func:`~sparrow_nemo.run_io.metrics.check_resume_rows`).
 
     Raises:
         CheckpointError: naming the checkpoint and what does not validate.

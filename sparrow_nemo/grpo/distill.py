@@ -36,7 +36,6 @@ import torch.distributed as dist
 
 from sparrow_nemo.config.schema import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Section, choices, knob, suggest
 from sparrow_nemo.grpo.process_model import distributed, object_group, replica_mean
-from sparrow_nemo.grpo.refit import refit
 from sparrow_nemo.grpo.rollout_step import RolloutTensors, collate, concat_outputs, micro_batches
 from sparrow_nemo.hf_qwen3 import LINEARS, LoraAdapter
 from sparrow_nemo.policy.batch import PolicyBatch
@@ -294,7 +293,7 @@ class DistillSparse:
         results = self.train_adapter(policy, None, data)
         if engine is not None:
             engine.wake()
-        refit(policy, engine)  # collective
+        policy.refit(engine)  # collective
         self._export(policy, engine)
         metrics = {
             "distill/loss": results[-1].loss,

@@ -41,12 +41,6 @@ class EvaluationConfig(Section):
     )
 
 
-def repeat_tag(tag: str, pair: int) -> str:
-    """The evaluation tag of ``tag``'s ``pair``-th timing repeat: ``tag`` itself for pair 0, else
-    ``<tag>_repeat_<pair>`` (the state's ``evals`` and the ``eval/<tag>/...`` metrics use it)."""
-    return tag if pair == 0 else f"{tag}_repeat_{pair}"
-
-
 def end_evaluation_order(pairs: int) -> list[tuple[str, int]]:
     """The end-of-run evaluations as (``"end"`` sparse / ``"end_dense"``, pair) in the order they run: pair 0
     sparse then dense, pair 1 dense then sparse, and so on (ABBA)."""

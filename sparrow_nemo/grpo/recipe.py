@@ -21,8 +21,8 @@ rules that span sections. Defaults are each component's own (mostly the paper's 
 - ``reward``: :class:`~sparrow_nemo.rewards.registry.RewardConfig`
 - ``task``: :class:`~sparrow_nemo.tasks.chain.ChainTaskConfig`
 - ``checkpoint``: :class:`~sparrow_nemo.grpo.checkpoint.CheckpointConfig`
-- ``logging``: :class:`~sparrow_nemo.grpo.metrics.LoggingConfig`; its ``wandb``:
-  :class:`~sparrow_nemo.grpo.wandb_logger.WandbConfig`
+- ``logging``: :class:`~sparrow_nemo.run_io.metrics.LoggingConfig`; its ``wandb``:
+  :class:`~sparrow_nemo.run_io.wandb_logger.WandbConfig`
 - ``evaluation``: :class:`~sparrow_nemo.grpo.evaluation.EvaluationConfig`
 - ``warmstart``, ``trainer``: :class:`WarmstartConfig`, :class:`TrainerConfig` (here)
 - ``callbacks``: user extras only (the trainer builds the tail scheduler and DistillSparse itself)
@@ -60,13 +60,13 @@ from sparrow_nemo.grpo.distill import DistillConfig
 from sparrow_nemo.grpo.dynamic_sampling import DynamicSamplingConfig
 from sparrow_nemo.grpo.evaluation import EvaluationConfig
 from sparrow_nemo.grpo.losses import PolicyLossConfig
-from sparrow_nemo.grpo.metrics import LoggingConfig
 from sparrow_nemo.grpo.shaping import OverlongConfig
 from sparrow_nemo.model_shapes import ModelConfig
 from sparrow_nemo.policy.parallel import LayoutError, ParallelLayout
 from sparrow_nemo.policy.policy import PolicyConfig
 from sparrow_nemo.rewards.registry import RewardConfig
 from sparrow_nemo.rollout.engine import RolloutConfig
+from sparrow_nemo.run_io.metrics import LoggingConfig
 from sparrow_nemo.sparse.config import SparsityConfig
 from sparrow_nemo.tasks.chain import ChainTaskConfig, build_tasks
 

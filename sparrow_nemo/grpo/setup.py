@@ -15,7 +15,6 @@ import torch
 
 from sparrow_nemo.grpo.process_model import RankPlan, engine_group
 from sparrow_nemo.grpo.recipe import SparrowConfig
-from sparrow_nemo.grpo.refit import refit
 from sparrow_nemo.grpo.world import world_size
 from sparrow_nemo.rollout.engine import SamplingParams
 from sparrow_nemo.rollout.torch.tensor_parallel import TensorParallel
@@ -121,7 +120,7 @@ def trainer_engine(config: SparrowConfig, policy, plan: RankPlan, tokenizer=None
         else TensorParallel.over(group, config.model.shape().vocab_size, policy.spec.padded_vocab)
     )
     engine = build_engine(config, None, tokenizer, tensor_parallel)
-    refit(policy, engine)
+    policy.refit(engine)
     return engine
 
 

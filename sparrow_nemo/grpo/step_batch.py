@@ -23,7 +23,6 @@ from typing import Any
 import torch
 
 from sparrow_nemo.callbacks.tail_stats import BinTail, bin_counts, merged_bin_tails, merged_quantiles
-from sparrow_nemo.grpo.histograms import Histogram, merged_histograms
 from sparrow_nemo.grpo.process_model import (
     RankPlan,
     SampleShare,
@@ -39,6 +38,7 @@ from sparrow_nemo.rewards.registry import guarded_reward
 from sparrow_nemo.rollout.engine import RolloutSample, SamplingParams, TokenProgress
 from sparrow_nemo.rollout.sampling import sample_seed
 from sparrow_nemo.rollout.scoring import TokenMismatch
+from sparrow_nemo.run_io.histograms import BINS, Histogram
 from sparrow_nemo.sparse.config import SparsityConfig
 from sparrow_nemo.sparse.mismatch import PAPER_QUANTILE, tail_name
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET, BudgetSchedule
@@ -212,7 +212,7 @@ class StepStats:
         token_mult_prob_error, log_ppl_diff: mean exp|train - gen| and mean (train - gen) logprob.
         predicted_speedup: cost model, dense / schedule time of the slowest engine's batch.
         length_histogram, acceptance_histogram: response lengths of the samples and acceptance rates of the
-            tokens, over every rank (:mod:`sparrow_nemo.grpo.histograms`).
+            tokens, over every rank (:mod:`sparrow_nemo.run_io.histograms`).
     """
 
     samples: int
@@ -435,3 +435,33 @@ def measure_tokens(
         length_histogram=length_histogram,
         acceptance_histogram=acceptance_histogram,
     )
+
+
+def merged_histograms(
+    parts: Sequence[tuple[torch.Tensor, float, float]], bins: int = BINS
+) -> list[Histogram]:
+    """One :class:`Histogram` per ``(values, low, high)`` of this rank (any shape), ``bins`` equal bins over
+    ``[low, high]``, merged over every rank: one all-reduce of sums, one of maxima. Collective; every rank must
+    pass the same ``low``, ``high`` and number of parts."""
+    sums: list[float] = []
+    extremes: list[float] = []
+    edges = []
+    for values, low, high in parts:
+        if not high > low:
+            raise ValueError(f"histogram: edges [{low}, {high}] are empty")
+        grid = torch.linspace(low, high, bins + 1, dtype=torch.float64)
+        v = values.detach().reshape(-1).double().cpu()
+        index = torch.bucketize(
+            v, grid[1:-1], right=True
+        )  # [low, e1) -> 0 ... [e_{bins-1}, high] -> bins - 1
+        counts = torch.bincount(index, minlength=bins).double()
+        sums += [*counts.tolist(), float(v.numel()), float(v.sum()), float((v * v).sum())]
+        extremes += [float(v.max()), -float(v.min())] if v.numel() else [-math.inf, -math.inf]
+        edges.append(tuple(grid.tolist()))
+    sums, extremes = reduce_sums(sums), reduce_max(extremes)
+    out = []
+    for k, grid in enumerate(edges):
+        s = sums[k * (bins + 3) : (k + 1) * (bins + 3)]
+        top, neg_bottom = extremes[2 * k : 2 * k + 2]
+        out.append(Histogram(grid, tuple(s[:bins]), s[bins], s[bins + 1], s[bins + 2], -neg_bottom, top))
+    return out

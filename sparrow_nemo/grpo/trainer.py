@@ -18,7 +18,7 @@ Per step (:meth:`GrpoTrainer.step`), each phase timed as ``timing/<phase>``:
    replica's rows (:mod:`sparrow_nemo.grpo.update`); a mini-batch whose loss or gradient is
    not finite changes nothing, is logged and counted (``train/skipped_nonfinite``), and
    ``trainer.max_consecutive_nonfinite`` of them in a row abort the run;
-5. ``refit``: the engine wakes and takes the policy's weights (:mod:`sparrow_nemo.grpo.refit`); ``distill``:
+5. ``refit``: the engine wakes and takes the policy's weights (:mod:`sparrow_nemo.policy.refit`); ``distill``:
    the DistillSparse phase when ``distill.enabled`` (:mod:`sparrow_nemo.grpo.distill`);
 6. the tail scheduler (built from ``sparsity.*`` and ``tail_scheduler.*``) picks the next schedule; user callbacks' hooks;
 7. ``checkpoint`` every ``checkpoint.every_n_steps`` steps or ``checkpoint.every_n_minutes`` minutes;
@@ -49,23 +49,23 @@ from sparrow_nemo.grpo.checkpoint import TrainerState, load_run_checkpoint
 from sparrow_nemo.grpo.distill import STATE_KEY as DISTILL_KEY
 from sparrow_nemo.grpo.distill import DistillData, DistillSparse, Probe
 from sparrow_nemo.grpo.dynamic_sampling import fill_step, round_seed
-from sparrow_nemo.grpo.evaluation import end_evaluation_order, evaluate, repeat_tag
-from sparrow_nemo.grpo.metrics import MetricsWriter, merge_metrics, progress, rollout_progress
+from sparrow_nemo.grpo.evaluation import end_evaluation_order, evaluate
 from sparrow_nemo.grpo.preemption import Preempted, PreemptionGuard
 from sparrow_nemo.grpo.process_model import RankPlan, broadcast_object, gather_objects, reduce_max
 from sparrow_nemo.grpo.prompt_source import PromptItem
 from sparrow_nemo.grpo.prompts import build_prompt_source
 from sparrow_nemo.grpo.recipe import SparrowConfig
-from sparrow_nemo.grpo.refit import refit
 from sparrow_nemo.grpo.rollout_step import concat_outputs, micro_batches, reference_logprobs
-from sparrow_nemo.grpo.rundir import check_run_dir, make_run_dir
 from sparrow_nemo.grpo.step_batch import LocalRollout, StepBatch, generate, measure, score
 from sparrow_nemo.grpo.timing import PhaseTimer
 from sparrow_nemo.grpo.update import UpdateBatch, UpdateResult, mini_batch_order, update_policy
-from sparrow_nemo.grpo.wandb_logger import open_wandb
-from sparrow_nemo.grpo.warmstart import ensure_warm_start
 from sparrow_nemo.rollout.spec_rollout import with_rollout_mode
 from sparrow_nemo.rollout.tools.cost_fit import COST_HARDWARE_FILE, rollout_cost_model
+from sparrow_nemo.run_io.metric_names import repeat_tag
+from sparrow_nemo.run_io.metrics import MetricsWriter, merge_metrics
+from sparrow_nemo.run_io.progress import progress, rollout_progress
+from sparrow_nemo.run_io.rundir import check_run_dir, make_run_dir
+from sparrow_nemo.run_io.wandb_logger import open_wandb
 from sparrow_nemo.sparse.mismatch import tail_name
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
@@ -93,9 +93,13 @@ class GrpoTrainer:
         run_dir: output folder; None = ``logging.run_dir/<name>-<timestamp>`` (``runs/`` when unset). An
             existing folder of another recipe (``config_hash.txt``) is refused unless
             ``checkpoint.force_resume``; with ``checkpoint.resume=auto`` its newest good checkpoint is resumed.
+        hf_dir: the HF folder the policy starts from (:func:`train` passes the warm-start's,
+            :func:`~sparrow_nemo.grpo.start.start_checkpoint`); None = ``model.hf_checkpoint``, else random init.
     """
 
-    def __init__(self, config: SparrowConfig, run_dir: str | Path | None = None) -> None:
+    def __init__(
+        self, config: SparrowConfig, run_dir: str | Path | None = None, hf_dir: str | Path | None = None
+    ) -> None:
         self.config = config
         self.is_main = world.rank() == 0
         if run_dir is not None:
@@ -108,9 +112,7 @@ class GrpoTrainer:
             )
         self.show_progress = config.logging.progress_bar and self.is_main
         self.prompts = build_prompt_source(config)
-        hf_dir = config.model.hf_checkpoint
-        if hf_dir is None and config.warmstart.enabled:
-            hf_dir = str(ensure_warm_start(config, self.prompts, self.show_progress))
+        hf_dir = config.model.hf_checkpoint if hf_dir is None else str(hf_dir)
         torch.manual_seed(config.trainer.seed)  # the same start whether or not the warm-start was cached
         self.policy = setup.build_policy(config, hf_dir)
         self.plan = RankPlan.current(config.rollout.tensor_parallel_size)
@@ -121,14 +123,12 @@ class GrpoTrainer:
             raise
         if config.grpo.loss.kl_coef > 0:  # the KL penalty's reference: the initial weights (NeMo-RL style)
             self.policy.keep_reference()
-        self.run_dir = Path(
-            world.broadcast_from_rank0(str(make_run_dir(config, run_dir)) if self.is_main else None)
-        )
+        self.run_dir = Path(broadcast_object(str(make_run_dir(config, run_dir)) if self.is_main else None))
         engine = setup.trainer_engine(config, self.policy, self.plan, self.prompts.tokenizer)  # collective
         # rank 0's engine prices decode steps (CPU: fitted in ~1-2 s on its timed steps, in which every rank of a
         # tensor-parallel engine takes part; kept in the run folder for a resume)
         saved = self.run_dir / COST_HARDWARE_FILE
-        self.cost_model = world.broadcast_from_rank0(
+        self.cost_model = broadcast_object(
             rollout_cost_model(config, engine, saved, write=self.is_main)
             if self.plan.in_first_engine
             else None
@@ -219,7 +219,7 @@ class GrpoTrainer:
 
     # ----- the run ------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
-        """Run the RL steps up to ``trainer.max_steps``; returns the summary (:mod:`sparrow_nemo.grpo.summary`).
+        """Run the RL steps up to ``trainer.max_steps``; returns the summary (:mod:`sparrow_nemo.run_io.summary`).
 
         Raises:
             Preempted: SIGTERM / SIGUSR1 arrived; the run stopped after a checkpoint.
@@ -241,8 +241,8 @@ class GrpoTrainer:
 
     def _fit(self) -> dict[str, Any]:
         from sparrow_nemo.grpo.export import save_run_hf
-        from sparrow_nemo.grpo.plots import write_plots
-        from sparrow_nemo.grpo.summary import build_summary, write_summary
+        from sparrow_nemo.run_io.plots import write_plots
+        from sparrow_nemo.run_io.summary import build_summary, write_summary
 
         cfg = self.config
         self._start()
@@ -282,7 +282,7 @@ class GrpoTrainer:
         if self.scheduler is not None:
             self.scheduler.on_train_end(self)
         self.callbacks.on_train_end(self)
-        summary = build_summary(self.state, self.metrics.history, cfg, self.cost_model.hardware.name)
+        summary = build_summary(self.state, self.metrics.history, cfg.sparsity, self.cost_model.hardware.name)
         if self.is_main:
             if cfg.logging.plots:
                 write_plots(
@@ -474,7 +474,7 @@ class GrpoTrainer:
         """Wake the engine and stream the policy's weights into it (every rank takes part): the engine's sleep
         released its weights, so the refit runs after every rollout, whether or not the update changed them."""
         self.rollout_engine.wake()
-        refit(self.policy, self.rollout_engine)
+        self.policy.refit(self.rollout_engine)
 
     def _distill_data(self, batch: StepBatch) -> DistillData:
         return DistillData(batch.data, batch.prompt_lens, batch.kv_budgets, batch.dense.logprobs)
@@ -590,9 +590,9 @@ class GrpoTrainer:
             if self.is_main:
                 self.metrics.keep_rows(0)  # rows of an attempt that never checkpointed are redone
             return
-        self.state = TrainerState.from_dict(world.broadcast_from_rank0(loaded.trainer))
+        self.state = TrainerState.from_dict(broadcast_object(loaded.trainer))
         self.prompts.load_state_dict(self.state.prompt_stream)
-        states = dict(world.broadcast_from_rank0(loaded.callbacks))  # read on rank 0, needed everywhere
+        states = dict(broadcast_object(loaded.callbacks))  # read on rank 0, needed everywhere
         if self.scheduler is not None and SCHEDULER_KEY in states:
             self.scheduler.on_load_checkpoint(self, states.pop(SCHEDULER_KEY))
         if self.distill is not None and DISTILL_KEY in states:
@@ -604,7 +604,7 @@ class GrpoTrainer:
             keys = set(self.callbacks.state_keys())
             states = {k: v for k, v in states.items() if k in keys}
         self.callbacks.on_load_checkpoint(self, states)
-        refit(self.policy, self.rollout_engine)
+        self.policy.refit(self.rollout_engine)
         if self.is_main:
             self.metrics.keep_rows(self.state.metrics_rows, self.state.pending_row)
             logger.info("resumed from %s: %d steps done", loaded.path, self.state.step)
@@ -630,15 +630,3 @@ class GrpoTrainer:
             logger.warning("%s: checkpoint.enabled=false, stopping without a checkpoint", signal_name)
         self.metrics.close()
         raise Preempted(self.state.step, signal_name, path)
-
-
-def train(config: SparrowConfig, run_dir: str | Path | None = None) -> tuple[dict[str, Any], Path]:
-    """Build the trainer, run it, close the workers; returns (summary, run folder)."""
-    world.start_processes(config.trainer.dist_timeout_minutes)
-    setup.apply_cpu_threads(config)
-    trainer = GrpoTrainer(config, run_dir)
-    try:
-        summary = trainer.fit()
-    finally:
-        trainer.policy.close()
-    return summary, trainer.run_dir

@@ -24,11 +24,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from sparrow_nemo.grpo.metrics import progress
 from sparrow_nemo.grpo.objective import sft_loss_fn
 from sparrow_nemo.grpo.prompt_source import PromptSource
 from sparrow_nemo.grpo.recipe import SparrowConfig
 from sparrow_nemo.grpo.rollout_step import micro_batches, pad_pairs
+from sparrow_nemo.run_io.progress import progress
 
 logger = logging.getLogger(__name__)
 
@@ -315,16 +315,17 @@ def ensure_warm_start(
     with the warm-start learning rate, so the RL policy starts with fresh optimizer state.
     ``use_shipped=False`` trains even when a shipped checkpoint exists (scripts/ship_warmstart.py).
     """
-    from sparrow_nemo.grpo.world import broadcast_from_rank0, rank
+    from sparrow_nemo.grpo.process_model import broadcast_object
+    from sparrow_nemo.grpo.world import rank
 
     target = warm_start_dir(config, source)
     if rank() == 0:
         remove_stale_staging(target)
-    cached = broadcast_from_rank0(str(cached_warm_start(config, source) or "") if rank() == 0 else None)
+    cached = broadcast_object(str(cached_warm_start(config, source) or "") if rank() == 0 else None)
     if cached:
         logger.info("warm-start: using the cached checkpoint %s", cached)
         return Path(cached)
-    shipped = broadcast_from_rank0(shipped_checkpoint(target.name) if use_shipped and rank() == 0 else None)
+    shipped = broadcast_object(shipped_checkpoint(target.name) if use_shipped and rank() == 0 else None)
     if shipped is not None:
         if rank() == 0:
             target.parent.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""The process world of a run: ranks from the launcher's environment, the default process group, broadcast.
+"""The process world of a run: ranks from the launcher's environment, the default process group.
 
 Knows no recipe, so every layer may use it (the trainer, DistillSparse, the warm-start, the commands).
 """
@@ -10,7 +10,6 @@ import datetime
 import os
 import socket
 from collections.abc import Iterator
-from typing import Any
 
 import torch.distributed as dist
 
@@ -76,13 +75,6 @@ def start_processes(dist_timeout_minutes: float | None = None) -> None:
             os.environ["MASTER_PORT"] = str(free_port())
     timeout = None if dist_timeout_minutes is None else datetime.timedelta(minutes=dist_timeout_minutes)
     init_distributed(timeout=timeout)
-
-
-def broadcast_from_rank0(obj: Any) -> Any:
-    """``obj`` as rank 0 has it, on every rank (over gloo; identity without a multi-rank process group)."""
-    from sparrow_nemo.grpo.process_model import broadcast_object
-
-    return broadcast_object(obj, src=0)
 
 
 def world_size() -> int:

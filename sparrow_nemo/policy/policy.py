@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -28,6 +28,7 @@ from sparrow_nemo.policy.optim import OptimizerSettings, TorchPolicyOptimizer, w
 from sparrow_nemo.policy.parallel import ParallelLayout, destroy_parallel, initialize_parallel
 from sparrow_nemo.policy.pipeline import LossFn, compute_logprobs
 from sparrow_nemo.policy.reference import ReferenceWeights
+from sparrow_nemo.policy.refit import stream_weights
 from sparrow_nemo.policy.sparse_forward import (
     SparsePlan,
     compute_sparse_logprobs,
@@ -166,6 +167,12 @@ class MegatronPolicy:
     def export_hf(self) -> dict[str, torch.Tensor]:
         """Full HF-named weights on every rank (for the rollout engine's weight refit)."""
         return export_hf_state_dict(self.model, self.spec)
+
+    def refit(self, engine: Any) -> int:
+        """Stream this policy's weights into this rank's rollout ``engine`` (None on a rank without one), a piece
+        at a time on the device (:mod:`sparrow_nemo.policy.refit`); returns the number of tensors sent.
+        Collective over the tensor- and pipeline-parallel groups."""
+        return stream_weights(self, engine)
 
     def save(self, root: str | Path, step: int, write_extra: Callable[[Path], None] | None = None) -> Path:
         """Atomic model + optimizer + RNG checkpoint ``<root>/step_<step>``.

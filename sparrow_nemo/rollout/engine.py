@@ -316,7 +316,7 @@ class RolloutEngine(Protocol):
     def update_weights(self, state: Mapping[str, torch.Tensor]) -> None:
         """Refit in place, without rebuilding, from a piece of the policy's new weights.
 
-        The contract (:mod:`sparrow_nemo.grpo.refit`): called once per piece of the model (the embedding,
+        The contract (:mod:`sparrow_nemo.policy.refit`): called once per piece of the model (the embedding,
         each decoder layer, the final norm and output layer), in that order, on every rank that holds an
         engine; ``state`` maps HF Qwen3 names to the *full* tensors (gathered within the policy's TP group
         and across its pipeline stages) on this rank's own device, in the policy's dtype; they are valid only

@@ -19,6 +19,7 @@ import torch
 from sparrow_nemo.callbacks import Callback
 from sparrow_nemo.grpo import setup, world
 from sparrow_nemo.grpo.recipe import load_config
+from sparrow_nemo.grpo.start import start_checkpoint
 from sparrow_nemo.grpo.trainer import GrpoTrainer
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
@@ -60,7 +61,7 @@ def train_and_export(run_dir: Path, recipe: str, overrides: list[str]) -> None:
     config = load_config(recipe, overrides)
     world.start_processes(config.trainer.dist_timeout_minutes)
     setup.apply_cpu_threads(config)
-    trainer = GrpoTrainer(config, run_dir)
+    trainer = GrpoTrainer(config, run_dir, start_checkpoint(config, show_progress=False))
     try:
         trainer.fit()
         weights = trainer.policy.export_hf()

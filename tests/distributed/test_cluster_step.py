@@ -33,10 +33,10 @@ from policy._helpers import single_rank_env
 from safetensors.torch import load_file
 
 from distributed._train_run import WEIGHTS, torchrun_train, train_and_export
-from sparrow_nemo.grpo.metrics import read_metrics
 from sparrow_nemo.grpo.prompts import build_prompt_source
 from sparrow_nemo.grpo.recipe import load_config
 from sparrow_nemo.grpo.warmstart import ensure_warm_start
+from sparrow_nemo.run_io.metrics import read_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 

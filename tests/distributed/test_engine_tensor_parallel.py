@@ -26,8 +26,8 @@ import pytest
 from policy._helpers import make_hf_checkpoint, single_rank_env
 
 from distributed._train_run import torchrun_train, train_and_export
-from sparrow_nemo.grpo.metrics import read_metrics
 from sparrow_nemo.grpo.recipe import load_config
+from sparrow_nemo.run_io.metrics import read_metrics
 
 pytestmark = pytest.mark.multiproc
 

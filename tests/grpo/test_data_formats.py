@@ -250,9 +250,9 @@ def test_each_layout_trains_the_smoke_recipe(tmp_path: Path, layout: str) -> Non
     """Two GRPO steps of the smoke recipe on a tiny random Qwen3 whose tokenizer has a chat template."""
     from policy._helpers import make_hf_checkpoint, single_rank_env
 
-    from sparrow_nemo.grpo.metrics import read_metrics
-    from sparrow_nemo.grpo.trainer import train
+    from sparrow_nemo.grpo.start import train
     from sparrow_nemo.model_shapes import PRESETS
+    from sparrow_nemo.run_io.metrics import read_metrics
 
     ckpt = make_hf_checkpoint(PRESETS["tiny"], tmp_path / "ckpt")
     save_chat_tokenizer(ckpt)

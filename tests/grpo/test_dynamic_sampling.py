@@ -162,10 +162,10 @@ def test_a_run_draws_refill_rounds_from_the_prompt_stream_and_logs_its_histogram
     each step's metrics account for every group (a random-init policy on the smoke task mostly scores groups
     all-zero: then both rounds run and the step trains on padding). The same run's step histograms reach
     ``histograms.jsonl``, the TensorBoard event file and the end-of-run PNG heat maps."""
-    from sparrow_nemo.grpo.histograms import Histogram
-    from sparrow_nemo.grpo.metrics import HISTOGRAMS_FILE, read_metrics
     from sparrow_nemo.grpo.recipe import load_config
     from sparrow_nemo.grpo.trainer import GrpoTrainer
+    from sparrow_nemo.run_io.histograms import Histogram
+    from sparrow_nemo.run_io.metrics import HISTOGRAMS_FILE, read_metrics
 
     config = load_config(
         "tiny_cpu_short_smoke",
@@ -232,10 +232,10 @@ def test_a_stop_signal_between_refill_rounds_abandons_the_step(tmp_path: Path) -
 
     from sparrow_nemo.checkpoint.run_state import read_run_state
     from sparrow_nemo.grpo.checkpoint import TrainerState
-    from sparrow_nemo.grpo.metrics import read_metrics
     from sparrow_nemo.grpo.preemption import Preempted
     from sparrow_nemo.grpo.recipe import load_config
     from sparrow_nemo.grpo.trainer import GrpoTrainer
+    from sparrow_nemo.run_io.metrics import read_metrics
 
     config = load_config(
         "tiny_cpu_short_smoke",

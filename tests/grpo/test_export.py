@@ -23,7 +23,7 @@ def trained_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Two GRPO steps on a tiny random Qwen3 with a chat tokenizer, a checkpoint after each."""
     from grpo.test_data_formats import VERL, save_chat_tokenizer, write_verl_parquet
 
-    from sparrow_nemo.grpo.trainer import train
+    from sparrow_nemo.grpo.start import train
 
     tmp = tmp_path_factory.mktemp("export")
     ckpt = make_hf_checkpoint(PRESETS["tiny"], tmp / "ckpt")

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from sparrow_nemo.grpo.histograms import Histogram, merged_histograms
-from sparrow_nemo.grpo.metrics import HISTOGRAMS_FILE, MetricsWriter
-from sparrow_nemo.grpo.plots import write_plots
-from sparrow_nemo.grpo.step_batch import LocalRollout, measure_tokens
+from sparrow_nemo.grpo.step_batch import LocalRollout, measure_tokens, merged_histograms
 from sparrow_nemo.rollout.engine import RolloutSample
 from sparrow_nemo.rollout.scoring import TokenMismatch
+from sparrow_nemo.run_io.histograms import Histogram
+from sparrow_nemo.run_io.metrics import HISTOGRAMS_FILE, MetricsWriter
+from sparrow_nemo.run_io.plots import write_plots
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 
@@ -117,10 +117,10 @@ def test_tensorboard_without_the_package_is_a_clear_error(tmp_path: Path, monkey
 
 def test_offline_wandb_gets_the_histograms(tmp_path: Path, monkeypatch) -> None:
     pytest.importorskip("wandb")
-    from grpo.test_wandb_logger import _history
+    from run_io.test_wandb_logger import _history
 
     from sparrow_nemo.grpo.recipe import load_config
-    from sparrow_nemo.grpo.wandb_logger import open_wandb
+    from sparrow_nemo.run_io.wandb_logger import open_wandb
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     config = load_config("tiny_cpu_short", ["logging.wandb.enabled=true"])

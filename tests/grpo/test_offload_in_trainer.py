@@ -7,9 +7,9 @@ import pytest
 from policy._helpers import single_rank_env
 
 from sparrow_nemo.callbacks import Callback
-from sparrow_nemo.grpo.metrics import read_metrics
 from sparrow_nemo.grpo.recipe import load_config
 from sparrow_nemo.grpo.trainer import GrpoTrainer
+from sparrow_nemo.run_io.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 

@@ -19,10 +19,11 @@ import torch.distributed as dist
 from policy._helpers import run_distributed, single_rank_env
 
 from sparrow_nemo.checkpoint.atomic import complete_checkpoints
-from sparrow_nemo.grpo.metrics import read_metrics
 from sparrow_nemo.grpo.preemption import Preempted, PreemptionGuard
 from sparrow_nemo.grpo.recipe import load_config
-from sparrow_nemo.grpo.trainer import GrpoTrainer, train
+from sparrow_nemo.grpo.start import train
+from sparrow_nemo.grpo.trainer import GrpoTrainer
+from sparrow_nemo.run_io.metrics import read_metrics
 
 #: responses long enough for several progress reports (one every 8 decode steps) per rollout
 FAST = [

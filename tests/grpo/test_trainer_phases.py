@@ -24,10 +24,11 @@ from policy._helpers import single_rank_env
 from sparrow_nemo.callbacks import Callback
 from sparrow_nemo.checkpoint.atomic import complete_checkpoints
 from sparrow_nemo.grpo import world
-from sparrow_nemo.grpo.metrics import read_metrics
 from sparrow_nemo.grpo.preemption import Preempted
 from sparrow_nemo.grpo.recipe import load_config
-from sparrow_nemo.grpo.trainer import GrpoTrainer, train
+from sparrow_nemo.grpo.start import train
+from sparrow_nemo.grpo.trainer import GrpoTrainer
+from sparrow_nemo.run_io.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 

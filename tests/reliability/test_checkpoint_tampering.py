@@ -29,10 +29,10 @@ from sparrow_nemo.checkpoint.run_state import (
     write_run_state,
 )
 from sparrow_nemo.grpo.checkpoint import TrainerState, load_run_checkpoint
-from sparrow_nemo.grpo.metrics import MetricsWriter
 from sparrow_nemo.model_shapes import PRESETS
 from sparrow_nemo.policy.parallel import ParallelLayout
 from sparrow_nemo.policy.policy import MegatronPolicy
+from sparrow_nemo.run_io.metrics import MetricsWriter
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 RNG_FILE = "rng_tp00_pp00_dp000.pt"

@@ -16,11 +16,11 @@ import torch
 from policy._helpers import single_rank_env
 
 from sparrow_nemo.grpo import update
-from sparrow_nemo.grpo.metrics import read_metrics
 from sparrow_nemo.grpo.objective import grpo_loss_fn
 from sparrow_nemo.grpo.recipe import load_config
 from sparrow_nemo.grpo.trainer import GrpoTrainer, NonFiniteTrainingError
 from sparrow_nemo.policy.pipeline import LossFn
+from sparrow_nemo.run_io.metrics import read_metrics
 
 OVERRIDES = [
     "warmstart.enabled=false",

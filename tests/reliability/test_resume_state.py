@@ -12,10 +12,10 @@ from policy._helpers import single_rank_env
 
 from sparrow_nemo import cli
 from sparrow_nemo.config import ConfigError
-from sparrow_nemo.grpo.metrics import MetricsWriter
 from sparrow_nemo.grpo.prompt_source import PromptItem, PromptSource
 from sparrow_nemo.grpo.recipe import load_config
-from sparrow_nemo.grpo.rundir import check_run_dir, make_run_dir
+from sparrow_nemo.run_io.metrics import MetricsWriter
+from sparrow_nemo.run_io.rundir import check_run_dir, make_run_dir
 
 
 def test_a_run_folder_of_another_recipe_is_refused_unless_forced(

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from sparrow_nemo.grpo import setup, world
 from sparrow_nemo.grpo.recipe import load_config
+from sparrow_nemo.grpo.start import start_checkpoint
 from sparrow_nemo.grpo.trainer import GrpoTrainer
 
 RECIPE = "tiny_cpu_short_smoke"
@@ -23,7 +24,7 @@ def train_speculative(run_dir: Path, overrides: list[str]) -> None:
     config = load_config(RECIPE, ["rollout.mode=speculative", *overrides])
     world.start_processes(config.trainer.dist_timeout_minutes)
     setup.apply_cpu_threads(config)
-    trainer = GrpoTrainer(config, run_dir)
+    trainer = GrpoTrainer(config, run_dir, start_checkpoint(config, show_progress=False))
     try:
         trainer.fit()
         state = trainer.rollout_engine.planner.state_dict()

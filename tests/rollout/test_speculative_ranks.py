@@ -23,11 +23,11 @@ import pytest
 from policy._helpers import free_port, single_rank_env
 
 from rollout._spec_ranks_run import RECIPE, train_speculative
-from sparrow_nemo.grpo.metrics import read_metrics
 from sparrow_nemo.grpo.prompts import build_prompt_source
 from sparrow_nemo.grpo.recipe import load_config
 from sparrow_nemo.grpo.warmstart import ensure_warm_start
 from sparrow_nemo.grpo.world import env_without_launcher
+from sparrow_nemo.run_io.metrics import read_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from sparrow_nemo.grpo.metrics import MetricsWriter, read_metrics
 from sparrow_nemo.grpo.recipe import load_config
-from sparrow_nemo.grpo.wandb_logger import open_wandb
+from sparrow_nemo.run_io.metrics import MetricsWriter, read_metrics
+from sparrow_nemo.run_io.wandb_logger import open_wandb
 
 ROWS = [
     {"reward/mean": 0.25, "acceptance/p5/bin_1": 0.9, "sparsity/budget/bin_0": 16.0},
@@ -113,8 +113,8 @@ def test_wandb_is_not_imported_unless_enabled(tmp_path: Path) -> None:
     code = (
         "import sys\n"
         "from sparrow_nemo.grpo.recipe import load_config\n"
-        "from sparrow_nemo.grpo.metrics import MetricsWriter\n"
-        "from sparrow_nemo.grpo.wandb_logger import open_wandb\n"
+        "from sparrow_nemo.run_io.metrics import MetricsWriter\n"
+        "from sparrow_nemo.run_io.wandb_logger import open_wandb\n"
         "from pathlib import Path\n"
         "c = load_config('tiny_cpu_short')\n"
         f"MetricsWriter(Path({str(tmp_path)!r}), wandb=open_wandb(c.logging.wandb, Path({str(tmp_path)!r}), {{}}))\n"

@@ -61,3 +61,9 @@ def with_aliases(metrics: Mapping[str, float], flavour: str | None) -> dict[str,
         if ours in metrics and theirs not in metrics:
             out[theirs] = metrics[ours]
     return out
+
+
+def repeat_tag(tag: str, pair: int) -> str:
+    """The evaluation tag of ``tag``'s ``pair``-th timing repeat: ``tag`` itself for pair 0, else
+    ``<tag>_repeat_<pair>`` (the state's ``evals`` and the ``eval/<tag>/...`` metrics use it)."""
+    return tag if pair == 0 else f"{tag}_repeat_{pair}"

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from sparrow_nemo.grpo.histograms import Histogram
+from sparrow_nemo.run_io.histograms import Histogram
 
 _BUDGET = re.compile(r"^sparsity/budget/bin_(\d+)$")
 
@@ -25,7 +25,7 @@ def _per_bin(history: Sequence[dict[str, Any]], pattern: re.Pattern) -> dict[int
     return dict(sorted((int(pattern.match(k).group(1)), k) for k in keys))
 
 
-#: PNG file and title of each step histogram (:mod:`sparrow_nemo.grpo.histograms`)
+#: PNG file and title of each step histogram (:mod:`sparrow_nemo.run_io.histograms`)
 HISTOGRAM_PLOTS = {
     "response_length/histogram": ("response_length_histogram.png", "response length (tokens)"),
     "acceptance/histogram": ("acceptance_histogram.png", "per-token acceptance rate"),
@@ -42,7 +42,7 @@ def write_plots(
     """Write reward.png, response_length.png, tail_per_bin.png (the tail statistic ``stat``, e.g. ``p1``, per
     bin) and schedule.png (and, for a speculative run, speculative.png and speculative_tokens.png), and one
     heat map per step histogram in ``histograms`` (``(step, {name: Histogram})``, as
-    :attr:`~sparrow_nemo.grpo.metrics.MetricsWriter.histograms` holds them; :func:`write_histogram_plot`);
+    :attr:`~sparrow_nemo.run_io.metrics.MetricsWriter.histograms` holds them; :func:`write_histogram_plot`);
     returns their paths."""
     import matplotlib
 

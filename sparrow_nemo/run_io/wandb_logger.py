@@ -3,10 +3,10 @@
 ``logging.wandb.enabled: true`` opens one W&B run on rank 0 (``wandb`` is imported only then: it is the
 ``wandb`` extra, ``pip install 'sparrow_nemo[wandb]'``). ``mode: offline`` writes the run under
 ``<run_dir>/wandb`` without a network or an account (``wandb sync`` uploads it later); ``online`` needs
-``WANDB_API_KEY`` or ``wandb login``. Every row :class:`~sparrow_nemo.grpo.metrics.MetricsWriter` writes
+``WANDB_API_KEY`` or ``wandb login``. Every row :class:`~sparrow_nemo.run_io.metrics.MetricsWriter` writes
 is logged with ``step`` as the W&B step and the same keys (``reward/mean``, ``acceptance/p5/bin_3``, ...);
 non-finite values are left out, as in TensorBoard. The step histograms (``response_length/histogram``,
-``acceptance/histogram``: :mod:`sparrow_nemo.grpo.histograms`) go in the same row as ``wandb.Histogram`` of
+``acceptance/histogram``: :mod:`sparrow_nemo.run_io.histograms`) go in the same row as ``wandb.Histogram`` of
 their bins. The resolved recipe is the run's config.
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from sparrow_nemo.config.schema import Section, knob
-from sparrow_nemo.grpo.histograms import Histogram
+from sparrow_nemo.run_io.histograms import Histogram
 
 __all__ = ["WandbConfig", "WandbSink", "open_wandb"]
 

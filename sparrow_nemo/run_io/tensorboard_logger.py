@@ -4,7 +4,7 @@
 ``torch.utils.tensorboard``'s writer, which needs the ``tensorboard`` package (the ``tensorboard`` extra,
 ``pip install 'sparrow-nemo[tensorboard]'``; imported only when enabled, a missing package is a one-line error).
 Scalars keep the metric names (``reward/mean``, ``acceptance/p5/bin_3``, ...; non-finite values left out, as in
-W&B); the histograms of :mod:`sparrow_nemo.grpo.histograms` (``response_length/histogram``,
+W&B); the histograms of :mod:`sparrow_nemo.run_io.histograms` (``response_length/histogram``,
 ``acceptance/histogram``) go in as TensorBoard histograms of their bins (``add_histogram_raw``: bucket limits
 are the bins' upper edges), shown in TensorBoard's Histograms and Distributions tabs.
 """
@@ -15,7 +15,7 @@ import math
 from collections.abc import Mapping
 from pathlib import Path
 
-from sparrow_nemo.grpo.histograms import Histogram
+from sparrow_nemo.run_io.histograms import Histogram
 
 __all__ = ["TensorboardSink"]
 

@@ -2,9 +2,8 @@
 
 :func:`merge_metrics` joins the step's components' flat ``"group/name"`` scalars (the rollout statistics come
 from :meth:`sparrow_nemo.grpo.step_batch.StepStats.metrics`); :class:`MetricsWriter` appends one JSON line per step to ``<run_dir>/metrics.jsonl``
-and the step's histograms (:mod:`sparrow_nemo.grpo.histograms`) to ``<run_dir>/histograms.jsonl``, and logs both to
-TensorBoard (:mod:`sparrow_nemo.grpo.tensorboard_logger`) and W&B when enabled; :func:`progress` is the tqdm
-bar factory.
+and the step's histograms (:mod:`sparrow_nemo.run_io.histograms`) to ``<run_dir>/histograms.jsonl``, and logs both to
+TensorBoard (:mod:`sparrow_nemo.run_io.tensorboard_logger`) and W&B when enabled.
 """
 
 from __future__ import annotations
@@ -13,17 +12,17 @@ import json
 import logging
 import math
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from sparrow_nemo.atomic_io import atomic_write
 from sparrow_nemo.config.schema import Section, knob
-from sparrow_nemo.grpo.histograms import Histogram
-from sparrow_nemo.grpo.metric_names import with_aliases
-from sparrow_nemo.grpo.tensorboard_logger import TensorboardSink
-from sparrow_nemo.grpo.wandb_logger import WandbConfig, WandbSink
+from sparrow_nemo.run_io.histograms import Histogram
+from sparrow_nemo.run_io.metric_names import with_aliases
+from sparrow_nemo.run_io.tensorboard_logger import TensorboardSink
+from sparrow_nemo.run_io.wandb_logger import WandbConfig, WandbSink
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +61,7 @@ class LoggingConfig(Section):
     tensorboard: bool = knob(
         False,
         "TensorBoard event files in <run_dir>/tensorboard: the metrics and the response-length and acceptance "
-        "histograms (needs the tensorboard extra; grpo/tensorboard_logger.py)",
+        "histograms (needs the tensorboard extra; run_io/tensorboard_logger.py)",
         hashed=False,
     )
     wandb: WandbConfig = knob(doc="Weights & Biases, the same metric names (optional)", factory=WandbConfig)
@@ -73,7 +72,7 @@ class LoggingConfig(Section):
     metric_aliases: Literal["nemo_rl", "verl"] | None = knob(
         None,
         "also write each metric under NeMo-RL's (nemo_rl) or verl's (verl) name, beside ours "
-        "(sparrow_nemo/grpo/metric_names.py); null = ours only",
+        "(sparrow_nemo/run_io/metric_names.py); null = ours only",
         hashed=False,
     )
 
@@ -84,9 +83,9 @@ class MetricsWriter:
     Args:
         run_dir: the run folder. jsonl: write the JSON lines (``metrics.jsonl``, ``histograms.jsonl``).
         tensorboard: also write TensorBoard event files under ``<run_dir>/tensorboard``
-            (:class:`~sparrow_nemo.grpo.tensorboard_logger.TensorboardSink`; an error without the package).
-        wandb: also log every row to this W&B run (:mod:`sparrow_nemo.grpo.wandb_logger`), same names.
-        aliases: ``logging.metric_aliases`` (:mod:`sparrow_nemo.grpo.metric_names`): their names beside ours.
+            (:class:`~sparrow_nemo.run_io.tensorboard_logger.TensorboardSink`; an error without the package).
+        wandb: also log every row to this W&B run (:mod:`sparrow_nemo.run_io.wandb_logger`), same names.
+        aliases: ``logging.metric_aliases`` (:mod:`sparrow_nemo.run_io.metric_names`): their names beside ours.
 
     Attributes:
         history: the rows written (or kept from an earlier attempt). histograms: ``(step, {name: Histogram})``
@@ -250,21 +249,3 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     """The rows of a ``metrics.jsonl`` file."""
     with Path(path).open() as f:
         return [json.loads(line) for line in f if line.strip()]
-
-
-def progress(iterable: Iterable | None = None, *, enabled: bool, **kwargs: Any):
-    """A tqdm bar (rate and ETA) when ``enabled``, else a silent one with the same interface."""
-    from tqdm.auto import tqdm
-
-    return tqdm(iterable, disable=not enabled, dynamic_ncols=True, **kwargs)
-
-
-def rollout_progress(num_samples: int, max_new_tokens: int, enabled: bool):
-    """A tokens bar for one rollout (``update`` is the engine's ``on_tokens``); closes with ``with``.
-
-    Its total is the length cap (``num_samples x max_new_tokens``), so the ETA is an upper bound and
-    the bar ends short of 100 % when responses stop early.
-    """
-    return progress(
-        total=num_samples * max_new_tokens, enabled=enabled, desc="rollout", unit="tok", leave=False
-    )

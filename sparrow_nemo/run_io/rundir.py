@@ -8,12 +8,12 @@ import os
 import stat
 import time
 from pathlib import Path
+from typing import Any, Protocol
 
 import yaml
 
 from sparrow_nemo.config import ConfigError
 from sparrow_nemo.config.compose import dotted_leaves
-from sparrow_nemo.grpo.recipe import SparrowConfig
 
 logger = logging.getLogger(__name__)
 
@@ -22,7 +22,21 @@ HASH_FILE = "config_hash.txt"
 _MAX_DIFFS = 8
 
 
-def make_run_dir(config: SparrowConfig, run_dir: str | Path | None = None) -> Path:
+class Recipe(Protocol):
+    """What the run folder reads of a recipe (:class:`~sparrow_nemo.grpo.recipe.Recipe`)."""
+
+    name: str
+    logging: Any  #: ``run_dir``
+    checkpoint: Any  #: ``resume``, ``force_resume``
+
+    def hash(self) -> str: ...
+
+    def to_yaml(self) -> str: ...
+
+    def hashed_dict(self) -> dict[str, Any]: ...
+
+
+def make_run_dir(config: Recipe, run_dir: str | Path | None = None) -> Path:
     """Create the run folder and write ``config.yaml`` (the resolved recipe) and ``config_hash.txt``.
 
     ``run_dir`` given: used as is. Otherwise ``<logging.run_dir or runs>/<name>-<UTC timestamp>``.
@@ -67,7 +81,7 @@ def check_folder(run_dir: str | Path) -> None:
         return
 
 
-def _key_differences(run_dir: Path, config: SparrowConfig) -> list[str]:
+def _key_differences(run_dir: Path, config: Recipe) -> list[str]:
     """``key: folder value -> this value`` for the hashed keys that differ from the folder's config.yaml."""
     try:
         old = dotted_leaves(yaml.safe_load((run_dir / "config.yaml").read_text()) or {})
@@ -77,7 +91,7 @@ def _key_differences(run_dir: Path, config: SparrowConfig) -> list[str]:
     return [f"{k}: {old.get(k)!r} -> {v!r}" for k, v in sorted(new.items()) if old.get(k, v) != v]
 
 
-def check_run_dir(config: SparrowConfig, run_dir: str | Path) -> None:
+def check_run_dir(config: Recipe, run_dir: str | Path) -> None:
     """Refuse to continue in a run folder made by a different recipe (its ``config_hash.txt`` differs).
 
     Passes for a new or empty folder, for ``checkpoint.resume=never`` and with ``checkpoint.force_resume``

@@ -1,4 +1,5 @@
-"""Refit: each rank's rollout engine gets the policy's new weights, on the device, one piece at a time.
+"""The policy worker's refit (:meth:`MegatronPolicy.refit <sparrow_nemo.policy.policy.MegatronPolicy.refit>`):
+each rank's rollout engine gets the policy's new weights, on the device, one piece at a time.
 
 With one engine per GPU (``rollout.tensor_parallel_size = 1``) every engine holds the whole model in HF
 layout while the policy rank holds only its TP x PP shard. Per step, for every piece of the model (the
@@ -125,7 +126,7 @@ def holds_megatron_shard(policy, engine: Any) -> bool:
     return True
 
 
-def refit(policy, engine: Any) -> int:
+def stream_weights(policy, engine: Any) -> int:
     """Stream the policy's weights into ``engine``: ``engine.update_weights(piece)`` per piece (``engine`` None on
     a rank without one, which still takes part in the collectives); each rank's own TP slices for a
     tensor-parallel engine over the policy's TP group (:func:`holds_megatron_shard`), else the full pieces.

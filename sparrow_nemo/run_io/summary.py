@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from sparrow_nemo.grpo.evaluation import repeat_tag
-from sparrow_nemo.grpo.recipe import SparrowConfig
+from sparrow_nemo.run_io.metric_names import repeat_tag
+from sparrow_nemo.sparse.config import SparsityConfig
 from sparrow_nemo.sparse.mismatch import PAPER_QUANTILE, tail_name
 
 SUMMARY_JSON = "summary.json"
@@ -68,15 +68,15 @@ def pooled_speedup(evals: dict[str, dict[str, Any]], rate: str) -> tuple[float |
 
 
 def build_summary(
-    state, history: Sequence[dict[str, Any]], config: SparrowConfig, cost_hardware: str = ""
+    state, history: Sequence[dict[str, Any]], sparsity: SparsityConfig, cost_hardware: str = ""
 ) -> dict[str, Any]:
     """The summary dict (JSON-ready) of a finished run; ``state`` is the trainer's :class:`TrainerState`,
-    ``cost_hardware`` the name of the constants its decode cost model predicted with."""
+    ``sparsity`` the recipe's section (the tail requirement), ``cost_hardware`` the name of the constants its decode cost model predicted with."""
     steps = [row for row in history if row["step"] >= 0]
     evals = state.evals
-    threshold = config.sparsity.threshold
-    stat = tail_name(config.sparsity.quantile)
-    min_tokens = config.sparsity.min_bin_tokens
+    threshold = sparsity.threshold
+    stat = tail_name(sparsity.quantile)
+    min_tokens = sparsity.min_bin_tokens
 
     def verdicts(tails: dict[int, dict[str, float]]) -> dict[str, dict[str, Any]]:
         # decided: the last value rests on enough tokens for the scheduler to act on it

@@ -8,22 +8,19 @@ Two distributions of each RL step (:meth:`~sparrow_nemo.grpo.step_batch.StepStat
   dense and the engine's sparse top-K; 1 = no mismatch), :data:`BINS` bins of 0.02 over ``[0, 1]``.
 
 Each rank bins its own samples and tokens into fixed edges and one all-reduce of sums and one of maxima merge
-them (:func:`merged_histograms`), so a histogram is ``BINS`` counts and five moments whatever the batch (10M
+them (:func:`~sparrow_nemo.grpo.step_batch.merged_histograms`), so a histogram is ``BINS`` counts and five moments whatever the batch (10M
 tokens at recipe scale); no value leaves its rank. Rank 0 writes them to TensorBoard
 (``add_histogram_raw``), to W&B (``wandb.Histogram``) and to ``<run_dir>/histograms.jsonl``, from which the
-end-of-run PNG plots draw them (:mod:`sparrow_nemo.grpo.plots`).
+end-of-run PNG plots draw them (:mod:`sparrow_nemo.run_io.plots`). This module is the data type;
+the merge is the step's (it is collective).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
-
-import torch
-
-from sparrow_nemo.grpo.process_model import reduce_max, reduce_sums
 
 #: bins of every step histogram
 BINS = 50
@@ -73,33 +70,3 @@ class Histogram:
             sum_squares=float(data["sum_squares"]),
             **{k: float(extreme[k] if data[k] is None else data[k]) for k in extreme},
         )
-
-
-def merged_histograms(
-    parts: Sequence[tuple[torch.Tensor, float, float]], bins: int = BINS
-) -> list[Histogram]:
-    """One :class:`Histogram` per ``(values, low, high)`` of this rank (any shape), ``bins`` equal bins over
-    ``[low, high]``, merged over every rank: one all-reduce of sums, one of maxima. Collective; every rank must
-    pass the same ``low``, ``high`` and number of parts."""
-    sums: list[float] = []
-    extremes: list[float] = []
-    edges = []
-    for values, low, high in parts:
-        if not high > low:
-            raise ValueError(f"histogram: edges [{low}, {high}] are empty")
-        grid = torch.linspace(low, high, bins + 1, dtype=torch.float64)
-        v = values.detach().reshape(-1).double().cpu()
-        index = torch.bucketize(
-            v, grid[1:-1], right=True
-        )  # [low, e1) -> 0 ... [e_{bins-1}, high] -> bins - 1
-        counts = torch.bincount(index, minlength=bins).double()
-        sums += [*counts.tolist(), float(v.numel()), float(v.sum()), float((v * v).sum())]
-        extremes += [float(v.max()), -float(v.min())] if v.numel() else [-math.inf, -math.inf]
-        edges.append(tuple(grid.tolist()))
-    sums, extremes = reduce_sums(sums), reduce_max(extremes)
-    out = []
-    for k, grid in enumerate(edges):
-        s = sums[k * (bins + 3) : (k + 1) * (bins + 3)]
-        top, neg_bottom = extremes[2 * k : 2 * k + 2]
-        out.append(Histogram(grid, tuple(s[:bins]), s[bins], s[bins + 1], s[bins + 2], -neg_bottom, top))
-    return out

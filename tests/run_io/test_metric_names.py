@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from sparrow_nemo.grpo.metric_names import NEMO_RL, VERL, with_aliases
-from sparrow_nemo.grpo.metrics import MetricsWriter, read_metrics
+from sparrow_nemo.run_io.metric_names import NEMO_RL, VERL, with_aliases
+from sparrow_nemo.run_io.metrics import MetricsWriter, read_metrics
 
 ROW = {"timing/rollout": 2.5, "reward/mean": 0.25, "train/clip_fraction": 0.01, "response_length/mean": 30.0}
 
@@ -29,10 +29,10 @@ def test_aliases_are_added_beside_ours_never_over_them() -> None:
 
 def test_jsonl_and_wandb_rows_carry_both_names(tmp_path: Path, monkeypatch) -> None:
     pytest.importorskip("wandb")
-    from grpo.test_wandb_logger import _history
+    from run_io.test_wandb_logger import _history
 
     from sparrow_nemo.grpo.recipe import load_config
-    from sparrow_nemo.grpo.wandb_logger import open_wandb
+    from sparrow_nemo.run_io.wandb_logger import open_wandb
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     config = load_config("tiny_cpu_short", ["logging.wandb.enabled=true", "logging.metric_aliases=verl"])

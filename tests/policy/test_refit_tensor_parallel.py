@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from policy._helpers import make_hf_checkpoint, run_distributed
 
-from sparrow_nemo.grpo.refit import holds_megatron_shard, pieces, refit
+from policy._helpers import make_hf_checkpoint, run_distributed
 from sparrow_nemo.model_shapes import PRESETS
 from sparrow_nemo.policy.optim import OptimizerSettings
 from sparrow_nemo.policy.parallel import ParallelLayout
 from sparrow_nemo.policy.policy import MegatronPolicy
+from sparrow_nemo.policy.refit import holds_megatron_shard, pieces
 from sparrow_nemo.rollout.engine import SamplingParams
 from sparrow_nemo.rollout.torch.engine import TorchRolloutEngine
 from sparrow_nemo.rollout.torch.qwen3 import Qwen3Decoder
@@ -54,7 +54,7 @@ def _rank(rank: int, pp: int, ckpt: str, out_dir: str) -> None:
             for how in ("local", "full")
         }
         assert holds_megatron_shard(policy, engines["local"])
-        sent = refit(policy, engines["local"])
+        sent = policy.refit(engines["local"])
         for piece in pieces(policy):  # the full pieces, each sliced by the engine
             engines["full"].update_weights(piece)
         shapes = {n: tuple(t.shape) for piece in pieces(policy, local=True) for n, t in piece.items()}

@@ -9,22 +9,24 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sparrow_nemo.grpo.evaluation import end_evaluation_order, repeat_tag
-from sparrow_nemo.grpo.metrics import MetricsWriter, merge_metrics, read_metrics, rollout_progress
-from sparrow_nemo.grpo.plots import write_plots
+from sparrow_nemo.grpo.evaluation import end_evaluation_order
 from sparrow_nemo.grpo.recipe import load_config
 from sparrow_nemo.grpo.step_batch import LocalRollout, measure_tokens, score
-from sparrow_nemo.grpo.summary import (
+from sparrow_nemo.model_shapes import PRESETS
+from sparrow_nemo.rollout.engine import RolloutSample, SamplingParams
+from sparrow_nemo.rollout.scoring import TokenMismatch
+from sparrow_nemo.rollout.torch.engine import TorchRolloutEngine
+from sparrow_nemo.run_io.metric_names import repeat_tag
+from sparrow_nemo.run_io.metrics import MetricsWriter, merge_metrics, read_metrics
+from sparrow_nemo.run_io.plots import write_plots
+from sparrow_nemo.run_io.progress import rollout_progress
+from sparrow_nemo.run_io.summary import (
     build_summary,
     format_summary,
     pooled_speedup,
     tail_per_bin,
     timing_per_phase,
 )
-from sparrow_nemo.model_shapes import PRESETS
-from sparrow_nemo.rollout.engine import RolloutSample, SamplingParams
-from sparrow_nemo.rollout.scoring import TokenMismatch
-from sparrow_nemo.rollout.torch.engine import TorchRolloutEngine
 from sparrow_nemo.sparse.cost_model import DecodeCostModel
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
@@ -296,7 +298,7 @@ def test_summary_reports_the_rules_tail_and_the_papers_p5_per_bin() -> None:
     ]
     dense = BudgetSchedule.dense(256, 16)
     state = SimpleNamespace(step=1, evals={}, initial_schedule=None, schedule=dense)
-    summary = build_summary(state, history, config)
+    summary = build_summary(state, history, config.sparsity)
     assert summary["tail_statistic"] == "p1"
     assert summary["tail_per_bin"]["0"] | {"ok": True, "decided": True} == summary["tail_per_bin"]["0"]
     assert summary["tail_per_bin"]["1"]["ok"] is False and summary["tail_per_bin"]["1"]["decided"] is False
