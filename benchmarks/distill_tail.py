@@ -1,7 +1,7 @@
 """Does DistillSparse close the tail gap on the tiny task? Fresh rollouts with and without the adapter.
 
 On the recipe's warm-started policy (held fixed), the adapter takes ``--rounds`` DistillSparse rounds on
-training rollouts under the recipe's starting schedule (``sparrow_nemo.grpo.distill_report.distill_rounds``:
+training rollouts under the recipe's starting schedule (``benchmarks/distill_report.py``: ``distill_rounds``:
 sparse PG with GRPO advantages + k3 KL, ``distill.steps`` updates per round). Then, on held-out prompts
 the adapter never saw (``--eval-prompts`` x ``--samples`` fresh samples, fixed seeds):
 
@@ -27,10 +27,11 @@ import time
 from pathlib import Path
 
 import torch
+from distill_report import distill_rounds, measure_adapter  # benchmarks/distill_report.py, beside this script
 
 from sparrow_nemo.grpo import world
-from sparrow_nemo.grpo.distill_report import distill_rounds, measure_adapter
 from sparrow_nemo.grpo.recipe import load_config
+from sparrow_nemo.grpo.start import start_checkpoint
 from sparrow_nemo.grpo.trainer import GrpoTrainer
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET
 
@@ -57,7 +58,7 @@ def run(args: argparse.Namespace, run_dir: Path) -> dict:
     torch.set_num_threads(1)
     world.start_processes()
     start = time.time()
-    trainer = GrpoTrainer(config, run_dir)
+    trainer = GrpoTrainer(config, run_dir, start_checkpoint(config))  # the recipe's warm-start
     try:
         phase = trainer.distill  # the recipe's DistillSparse phase (distill.enabled)
         phase.start(trainer.policy, trainer.rollout_engine)

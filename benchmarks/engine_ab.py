@@ -62,7 +62,7 @@ engine = setup.build_engine(config, state, source.tokenizer)
 schedule = config.sparsity.build_schedule()
 items = source.eval_batch(prompts)
 ids = [list(i.prompt_ids) for i in items]
-sampling = setup.sampling_params(config, seed=1)
+sampling = config.rollout.sampling(seed=1)
 seeds = [sample_seed(1, i) for i in range(len(ids))]
 engine.generate(ids[:8], sampling, schedule, sample_seeds=seeds[:8])
 t0, c0 = time.perf_counter(), time.process_time()

@@ -143,11 +143,10 @@ def train_rows(policy, config, args, cuda: bool, meta: dict) -> Iterator[dict]:
 def refit_row(policy, engine, config, cuda: bool, meta: dict) -> dict:
     """The trainer's cycle after an update: wake (weight storage, uninitialised), refit, generate; then sleep
     (weights and KV pool released), wake, refit and generate again: the same tokens, so the round trip holds."""
-    from sparrow_nemo.grpo.setup import sampling_params
     from sparrow_nemo.sparse.schedule import BudgetSchedule
 
     name = "model.layers.0.self_attn.q_proj.weight"
-    sampling = replace(sampling_params(config), max_new_tokens=8, stop_token_ids=(), seed=7)
+    sampling = replace(config.rollout.sampling(), max_new_tokens=8, stop_token_ids=(), seed=7)
 
     def timed(fn) -> tuple[object, float]:
         if cuda:

@@ -101,7 +101,7 @@ def prepare(args: argparse.Namespace) -> Arms:
         schedules={"dense": BudgetSchedule.dense(s.bin_tokens, s.page_size), "sparse": schedule},
         prompts=[i.prompt_ids for i in items],
         seeds=list(range(len(items))),
-        sampling=setup.sampling_params(config),
+        sampling=config.rollout.sampling(),
     )
 
 

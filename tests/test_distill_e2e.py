@@ -26,9 +26,9 @@ from pathlib import Path
 
 import pytest
 from policy._helpers import free_port, single_rank_env
+from rollout._helpers import load_benchmark
 
 from sparrow_nemo.checkpoint.run_state import read_run_state
-from sparrow_nemo.grpo.distill_report import distill_rounds, measure_adapter, sparse_tail
 from sparrow_nemo.grpo.prompts import build_prompt_source
 from sparrow_nemo.grpo.recipe import load_config
 from sparrow_nemo.grpo.start import start_checkpoint, train
@@ -39,6 +39,9 @@ from sparrow_nemo.run_io.metrics import read_metrics
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 pytestmark = pytest.mark.slow
+
+#: benchmarks/distill_report.py (benchmark code, not in the package)
+REPORT = load_benchmark("distill_report")
 
 QUICK = [
     "logging.tensorboard=false",
@@ -71,7 +74,7 @@ def _failing_schedule(trainer: GrpoTrainer, held_out: list[list[int]]) -> Budget
         schedule = BudgetSchedule(
             recipe.bin_tokens, (budget,) * len(recipe.budgets), recipe.page_size, "uniform"
         )
-        tail = sparse_tail(
+        tail = REPORT.sparse_tail(
             trainer.rollout_engine, held_out, trainer.sampling, schedule, SEED, s.quantile, s.min_bin_tokens
         )
         tails[budget] = tail.tail
@@ -92,9 +95,9 @@ def test_adapter_brings_the_failing_bin_to_the_threshold_and_a_tighter_schedule(
             schedule = _failing_schedule(trainer, held_out)
             phase = trainer.distill  # the recipe's DistillSparse phase (distill.enabled)
             phase.start(trainer.policy, trainer.rollout_engine)
-            distill_rounds(trainer, phase, schedule, rounds=40)
+            REPORT.distill_rounds(trainer, phase, schedule, rounds=40)
             adapter = trainer.policy.lora.export_adapter()
-            effect, calibrated = measure_adapter(
+            effect, calibrated = REPORT.measure_adapter(
                 trainer, adapter, held_out, schedule, seed=SEED, min_tokens=s.min_bin_tokens
             )
             undistilled = effect["without"]

@@ -31,11 +31,12 @@ from sparrow_nemo import cli
 from sparrow_nemo.grpo.prompt_source import EVAL_OFFSET
 from sparrow_nemo.grpo.prompts import build_prompt_source
 from sparrow_nemo.grpo.recipe import SparrowConfig, load_config
-from sparrow_nemo.grpo.rollout_step import concat_outputs, micro_batches, pad_pairs
+from sparrow_nemo.grpo.rollout_step import pad_pairs
 from sparrow_nemo.grpo.start import start_checkpoint, train
 from sparrow_nemo.grpo.trainer import GrpoTrainer
 from sparrow_nemo.grpo.warmstart import ensure_warm_start
 from sparrow_nemo.grpo.world import env_without_launcher
+from sparrow_nemo.policy.packing import concat_outputs, micro_batches
 from sparrow_nemo.run_io.metrics import read_metrics
 from sparrow_nemo.run_io.summary import tail_per_bin
 from sparrow_nemo.tasks.chain import ChainTask

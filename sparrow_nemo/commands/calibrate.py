@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
         engine,
         prompts,
         s.calibration.candidate_budgets,
-        setup.sampling_params(config),
+        config.rollout.sampling(),
         bin_tokens=s.bin_tokens,
         threshold=s.threshold,
         quantile=s.quantile,

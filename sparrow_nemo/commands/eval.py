@@ -47,7 +47,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from sparrow_nemo.config import ConfigError
     from sparrow_nemo.evaluation import default_ks, evaluate_samples, summarize
-    from sparrow_nemo.grpo import setup
     from sparrow_nemo.grpo.prompts import build_prompt_source
     from sparrow_nemo.grpo.recipe import SYNTHETIC_REWARD
     from sparrow_nemo.run_io.rundir import make_run_dir
@@ -84,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         [i.prompt_ids for i in items],
         [i.answer for i in items],
         source.reward,
-        setup.sampling_params(config),
+        config.rollout.sampling(),
         schedule,
         args.n,
         ks,
@@ -124,9 +123,7 @@ def _build_engine(config, tokenizer):
     if config.rollout.backend == "trtllm":
         if checkpoint is None:
             raise ConfigError("sparrow eval: rollout.backend=trtllm needs model.hf_checkpoint")
-        from sparrow_nemo.rollout.trtllm.engine import TrtllmRolloutEngine
-
-        return TrtllmRolloutEngine.from_recipe(config, checkpoint)
+        return setup.trtllm_engine(config, checkpoint)
     if checkpoint is None:
         log.warning("model.hf_checkpoint is null: evaluating random weights")
         weights = Qwen3Decoder.random(config.model.shape(), seed=config.trainer.seed).params

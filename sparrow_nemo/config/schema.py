@@ -169,7 +169,8 @@ def knob(
 
 
 @functools.cache
-def _hints(cls: type) -> dict[str, Any]:
+def field_hints(cls: type) -> dict[str, Any]:
+    """The resolved type hints of a config dataclass (cached)."""
     return get_type_hints(cls)
 
 
@@ -184,7 +185,7 @@ class Section:
     renamed_keys: ClassVar[dict[str, str]] = {}
 
     def __post_init__(self) -> None:
-        hints = _hints(type(self))
+        hints = field_hints(type(self))
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             value = getattr(self, f.name)
             rule: Check | None = f.metadata.get("check")
@@ -274,8 +275,3 @@ def describe(tp: Any) -> str:
     if origin is dict or dataclasses.is_dataclass(tp):
         return "a mapping"
     return str(tp)
-
-
-def field_hints(cls: type) -> dict[str, Any]:
-    """The resolved type hints of a config dataclass (cached)."""
-    return _hints(cls)

@@ -36,12 +36,13 @@ import torch.distributed as dist
 
 from sparrow_nemo.config.schema import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Section, choices, knob, suggest
 from sparrow_nemo.grpo.process_model import distributed, object_group, replica_mean
-from sparrow_nemo.grpo.rollout_step import RolloutTensors, collate, concat_outputs, micro_batches
+from sparrow_nemo.grpo.rollout_step import RolloutTensors, collate
 from sparrow_nemo.hf_qwen3 import LINEARS, LoraAdapter
 from sparrow_nemo.policy.batch import PolicyBatch
 from sparrow_nemo.policy.logprobs import LogprobOutput
 from sparrow_nemo.policy.lora import LoraConfig
 from sparrow_nemo.policy.optim import OptimizerSettings
+from sparrow_nemo.policy.packing import concat_outputs, micro_batches
 from sparrow_nemo.policy.sparse_forward import SparsePlan
 from sparrow_nemo.policy.train_step import StepResult
 from sparrow_nemo.rollout.engine import RolloutSample, SamplingParams

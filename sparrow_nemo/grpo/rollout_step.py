@@ -13,9 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from sparrow_nemo.grpo.process_model import SampleShare
-from sparrow_nemo.policy import packing
-from sparrow_nemo.policy.batch import PolicyBatch
 from sparrow_nemo.policy.logprobs import LogprobOutput
+from sparrow_nemo.policy.packing import concat_outputs, micro_batches
 from sparrow_nemo.rollout.engine import RolloutSample
 from sparrow_nemo.rollout.scoring import TokenMismatch
 from sparrow_nemo.sparse.mismatch import acceptance_rate_topk
@@ -84,28 +83,6 @@ def collate_share(share: SampleShare, pad_id: int = 0) -> RolloutTensors:
     rollout_lp = torch.zeros(mask.shape, dtype=torch.float32)
     rollout_lp[mask] = share.logprobs.float()
     return RolloutTensors(tokens, lengths, mask, rollout_lp, share.advantages.float())
-
-
-def micro_batches(
-    tokens: torch.Tensor,
-    lengths: torch.Tensor,
-    extras: dict[str, torch.Tensor],
-    micro_batch_size: int,
-    max_tokens: int | None = None,
-    multiple_of: int = 1,
-) -> list[PolicyBatch]:
-    """Rows (tokens [N, S], lengths [N]) as :class:`PolicyBatch` es, each cut to its longest row.
-
-    ``micro_batch_size`` rows each (N must be a multiple of it), or with ``max_tokens``
-    (``policy.max_tokens_per_micro_batch``) length-sorted rows under a token budget; ``extras``
-    ([N] or [N, S-1, ...]) travel with their rows. See :func:`sparrow_nemo.policy.packing.micro_batches`.
-    """
-    return packing.micro_batches(tokens, lengths, extras, micro_batch_size, max_tokens, multiple_of)
-
-
-def concat_outputs(outputs: Sequence[LogprobOutput]) -> LogprobOutput:
-    """Micro-batch outputs back to [N, S-1, ...] in the step's row order (:func:`packing.concat_outputs`)."""
-    return packing.concat_outputs(outputs)
 
 
 def reference_logprobs(policy, data: RolloutTensors, micro_batch_size: int) -> torch.Tensor:

@@ -16,7 +16,6 @@ import torch
 from sparrow_nemo.grpo.process_model import RankPlan, engine_group
 from sparrow_nemo.grpo.recipe import SparrowConfig
 from sparrow_nemo.grpo.world import world_size
-from sparrow_nemo.rollout.engine import SamplingParams
 from sparrow_nemo.rollout.torch.tensor_parallel import TensorParallel
 
 
@@ -90,9 +89,7 @@ def build_engine(
     if config.rollout.backend == "trtllm":
         if config.model.hf_checkpoint is None:
             raise ValueError("rollout.backend=trtllm needs model.hf_checkpoint (the LLM starts from it)")
-        from sparrow_nemo.rollout.trtllm.engine import TrtllmRolloutEngine
-
-        engine = TrtllmRolloutEngine.from_recipe(config, config.model.hf_checkpoint)
+        engine = trtllm_engine(config, config.model.hf_checkpoint)
         if weights is not None:
             engine.update_weights(weights)
         return engine
@@ -106,6 +103,17 @@ def build_engine(
     if weights is not None:
         engine.update_weights(weights)
     return engine
+
+
+def trtllm_engine(config: SparrowConfig, model_dir: str | Path):
+    """The TensorRT-LLM engine of the recipe's sections, started from ``model_dir``."""
+    from sparrow_nemo.rollout.trtllm.engine import TrtllmRolloutEngine
+
+    c = config
+    lora = c.distill.target_modules if c.distill.enabled else ()
+    return TrtllmRolloutEngine.start(
+        model_dir, c.rollout, c.sparsity, c.data.max_prompt_tokens, c.model.dtype, lora
+    )
 
 
 def trainer_engine(config: SparrowConfig, policy, plan: RankPlan, tokenizer=None):
@@ -147,8 +155,3 @@ def _torch_engine_options(config: SparrowConfig, tokenizer) -> dict:
         kv_cache_fraction=r.kv_cache_fraction,
         prefill_chunk_tokens=r.prefill_chunk_tokens,
     )
-
-
-def sampling_params(config: SparrowConfig, seed: int | None = None) -> SamplingParams:
-    """The recipe's :class:`SamplingParams`; ``seed`` replaces ``rollout.seed`` (one per RL step)."""
-    return config.rollout.sampling(seed)

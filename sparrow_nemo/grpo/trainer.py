@@ -55,10 +55,11 @@ from sparrow_nemo.grpo.process_model import RankPlan, broadcast_object, gather_o
 from sparrow_nemo.grpo.prompt_source import PromptItem
 from sparrow_nemo.grpo.prompts import build_prompt_source
 from sparrow_nemo.grpo.recipe import SparrowConfig
-from sparrow_nemo.grpo.rollout_step import concat_outputs, micro_batches, reference_logprobs
+from sparrow_nemo.grpo.rollout_step import reference_logprobs
 from sparrow_nemo.grpo.step_batch import LocalRollout, StepBatch, generate, measure, score
 from sparrow_nemo.grpo.timing import PhaseTimer
 from sparrow_nemo.grpo.update import UpdateBatch, UpdateResult, mini_batch_order, update_policy
+from sparrow_nemo.policy.packing import concat_outputs, micro_batches
 from sparrow_nemo.rollout.spec_rollout import with_rollout_mode
 from sparrow_nemo.rollout.tools.cost_fit import COST_HARDWARE_FILE, rollout_cost_model
 from sparrow_nemo.run_io.metric_names import repeat_tag
@@ -129,13 +130,15 @@ class GrpoTrainer:
         # tensor-parallel engine takes part; kept in the run folder for a resume)
         saved = self.run_dir / COST_HARDWARE_FILE
         self.cost_model = broadcast_object(
-            rollout_cost_model(config, engine, saved, write=self.is_main)
+            rollout_cost_model(
+                config.rollout, config.sparsity, config.model.shape(), engine, saved, write=self.is_main
+            )
             if self.plan.in_first_engine
             else None
         )
         self.rollout_engine = with_rollout_mode(config, engine, self.cost_model)
         self.lockstep = setup.lockstep_group(engine)  # the ranks a stop inside the rollout is agreed with
-        self.sampling = setup.sampling_params(config)
+        self.sampling = config.rollout.sampling()
         schedule = config.sparsity.build_schedule()
         if schedule.is_dense:  # the preset's pages and bins are nominal: use the engine's and the recipe's
             schedule = BudgetSchedule.dense(config.sparsity.bin_tokens, config.sparsity.page_size)
@@ -379,7 +382,7 @@ class GrpoTrainer:
             self.policy.offload_training_state()
         c, g = self.config, self.config.grpo.samples_per_prompt
         items = self.prompts.next_batch(c.grpo.prompts_per_step)
-        sampling = setup.sampling_params(c, seed=round_seed(c.rollout.seed, step, round_))
+        sampling = c.rollout.sampling(round_seed(c.rollout.seed, step, round_))
         prompts, count = [i.prompt_ids for i in items], len(self.plan.engine_prompts(len(items))) * g
         bar, local = rollout_progress(count, sampling.max_new_tokens, self.show_progress), None
         watch = self.preemption.watch_rollout(bar.update, self.lockstep)  # ends it between decode steps

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from sparrow_nemo.grpo.losses import LossNormalizer, PolicyLossConfig
 from sparrow_nemo.grpo.objective import grpo_loss_fn
 from sparrow_nemo.grpo.rollout_corr import mismatch_metrics
-from sparrow_nemo.grpo.rollout_step import micro_batches
+from sparrow_nemo.policy.packing import micro_batches
 from sparrow_nemo.policy.train_step import StepResult
 
 #: metrics combined over mini-batches by max / min (the others: means weighted by the mini-batch's tokens)

@@ -27,7 +27,8 @@ import torch.distributed as dist
 from sparrow_nemo.grpo.objective import sft_loss_fn
 from sparrow_nemo.grpo.prompt_source import PromptSource
 from sparrow_nemo.grpo.recipe import SparrowConfig
-from sparrow_nemo.grpo.rollout_step import micro_batches, pad_pairs
+from sparrow_nemo.grpo.rollout_step import pad_pairs
+from sparrow_nemo.policy.packing import micro_batches
 from sparrow_nemo.run_io.progress import progress
 
 logger = logging.getLogger(__name__)

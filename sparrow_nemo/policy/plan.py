@@ -53,7 +53,6 @@ from sparrow_nemo.policy.parallel import LayoutError, ParallelLayout, stage_laye
 from sparrow_nemo.policy.sparse_forward import QUERY_BLOCK
 
 GIB = 1024**3
-_DTYPE_BYTES = DTYPE_BYTES
 OPTIMIZERS = ("adam", "distributed_adam")
 #: bytes of one KV-cache element of the rollout engine (bf16)
 KV_BYTES = 2
@@ -333,7 +332,7 @@ def estimate_memory(
     With ``distill``, the DistillSparse adapter step instead of the policy's training step.
     """
     params = stage_parameters(shape, layout, stage)
-    nbytes = _DTYPE_BYTES[dtype]
+    nbytes = DTYPE_BYTES[dtype]
     opt = params * (8 + (0 if nbytes == 4 else 4))
     if optimizer == "distributed_adam":
         opt = -(-opt // layout.dp)
@@ -387,8 +386,8 @@ def plan(
     ):
         if not isinstance(value, int) or value < 1:
             raise LayoutError(f"{name} must be a positive integer, got {value!r}")
-    if dtype not in _DTYPE_BYTES:
-        raise LayoutError(f"dtype must be one of {sorted(_DTYPE_BYTES)}, got {dtype!r}")
+    if dtype not in DTYPE_BYTES:
+        raise LayoutError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
     if optimizer not in OPTIMIZERS:
         raise LayoutError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
     if seq_len > shape.max_position_embeddings:

@@ -69,7 +69,7 @@ def _with_policy(run_dir: Path, step: int, use):
 
 def _policy_logprobs(run_dir: Path, step: int, tokens: torch.Tensor) -> torch.Tensor:
     """[B, S-1] logprobs of ``tokens`` under the run's policy at ``step``, from its checkpoint."""
-    from sparrow_nemo.grpo.rollout_step import concat_outputs, micro_batches
+    from sparrow_nemo.policy.packing import concat_outputs, micro_batches
 
     def logprobs(policy, _config) -> torch.Tensor:
         lengths = torch.full((tokens.shape[0],), tokens.shape[1], dtype=torch.int64)

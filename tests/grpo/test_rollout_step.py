@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparrow_nemo.grpo.rollout_step import collate, concat_outputs, micro_batches, pad_pairs, token_mismatch
+from sparrow_nemo.grpo.rollout_step import collate, pad_pairs, token_mismatch
 from sparrow_nemo.policy.logprobs import LogprobOutput
+from sparrow_nemo.policy.packing import concat_outputs, micro_batches
 from sparrow_nemo.rollout.engine import RolloutSample
 from sparrow_nemo.sparse.mismatch import acceptance_rate_topk
 

@@ -14,9 +14,9 @@ import torch
 from policy._update_scenarios import SHAPE, replica_share, step_batch
 
 from sparrow_nemo.grpo.losses import PolicyLossConfig
-from sparrow_nemo.grpo.rollout_step import micro_batches
 from sparrow_nemo.grpo.update import update_policy
 from sparrow_nemo.policy.optim import OptimizerSettings
+from sparrow_nemo.policy.packing import micro_batches
 from sparrow_nemo.policy.parallel import ParallelLayout
 from sparrow_nemo.policy.policy import MegatronPolicy
 

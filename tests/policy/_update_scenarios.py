@@ -11,11 +11,11 @@ import os
 import torch
 
 from sparrow_nemo.grpo.losses import PolicyLossConfig, compute_policy_loss
-from sparrow_nemo.grpo.rollout_step import micro_batches
 from sparrow_nemo.grpo.update import UpdateBatch, mini_batch_order, update_policy
 from sparrow_nemo.model_shapes import PRESETS
 from sparrow_nemo.policy.hf_import import export_hf_state_dict
 from sparrow_nemo.policy.optim import OptimizerSettings
+from sparrow_nemo.policy.packing import micro_batches
 from sparrow_nemo.policy.parallel import ParallelLayout
 from sparrow_nemo.policy.policy import MegatronPolicy
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparrow_nemo.grpo.rollout_step import micro_batches as rollout_micro_batches
 from sparrow_nemo.grpo.rollout_step import pad_pairs
 from sparrow_nemo.policy.logprobs import LogprobOutput
 from sparrow_nemo.policy.packing import concat_outputs, micro_batches, row_groups
@@ -33,8 +32,6 @@ def test_row_count_mode_keeps_order_and_cuts_each_batch_to_its_longest_row():
         micro_batches(tokens, lengths, {}, 3)
     with pytest.raises(ValueError, match=r"extras\['bad'\] \(4, 5\): expected"):
         micro_batches(tokens, lengths, {"bad": torch.zeros(4, 5)}, 2)
-    # the GRPO step's entry point delegates here
-    assert [b.tokens.shape for b in rollout_micro_batches(tokens, lengths, extras, 2)] == [(2, 9), (2, 12)]
 
 
 def test_token_budget_groups_sorted_rows_with_little_padding():

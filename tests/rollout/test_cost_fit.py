@@ -92,13 +92,20 @@ def test_cost_hardware_names_a_preset_a_file_or_auto(engine, tmp_path) -> None:
     if not torch.cuda.is_available():  # TensorRT-LLM's engine has no device attribute (a bare object here)
         assert rollout_hardware("auto", object()) == HARDWARE["h200"]
     config = load_config("tiny_cpu_short_smoke", ["rollout.cost_hardware=h200", "model.preset=tiny-test"])
-    model = rollout_cost_model(config, engine)
+    model = rollout_cost_model(*_sections(config), engine)
     assert model.hardware == HARDWARE["h200"] and model.kv_bytes == 4  # the engine's float32 cache
     assert model.dense_layers == engine.dense_layers and model.page_score == "centroid"
     minmax = TorchRolloutEngine(engine.model, dense_layers=1, page_size=16, page_score="minmax")
-    assert rollout_cost_model(config, minmax).page_score == "minmax"  # the engine's page score is priced
+    assert (
+        rollout_cost_model(*_sections(config), minmax).page_score == "minmax"
+    )  # the engine's page score is priced
     trtllm = load_config("tiny_cpu_short", ["rollout.cost_hardware=h200"])
-    assert rollout_cost_model(trtllm, object()).page_score == trtllm.sparsity.page_score
+    assert rollout_cost_model(*_sections(trtllm), object()).page_score == trtllm.sparsity.page_score
+
+
+def _sections(config) -> tuple:
+    """What ``rollout_cost_model`` reads of a recipe: its rollout and sparsity sections and the model's shape."""
+    return config.rollout, config.sparsity, config.model.shape()
 
 
 def test_bad_cost_hardware_is_a_one_line_config_error() -> None:
@@ -111,10 +118,10 @@ def test_bad_cost_hardware_is_a_one_line_config_error() -> None:
 def test_a_run_folder_keeps_its_fitted_constants_for_the_resume(engine, tmp_path) -> None:
     config = load_config("tiny_cpu_short_smoke", ["model.preset=tiny-test"])
     saved = tmp_path / COST_HARDWARE_FILE
-    first = rollout_cost_model(config, engine, saved)
+    first = rollout_cost_model(*_sections(config), engine, saved)
     assert first.hardware.name == "cpu (fitted)" and Hardware.from_json(saved) == first.hardware
     TRUE.to_json(saved)  # what an earlier attempt of the run had fitted
-    assert rollout_cost_model(config, engine, saved).hardware == TRUE  # read, not fitted again
+    assert rollout_cost_model(*_sections(config), engine, saved).hardware == TRUE  # read, not fitted again
     named = load_config("tiny_cpu_short_smoke", ["model.preset=tiny-test", "rollout.cost_hardware=h100"])
-    assert rollout_cost_model(named, engine, tmp_path / "other.json").hardware == HARDWARE["h100"]
+    assert rollout_cost_model(*_sections(named), engine, tmp_path / "other.json").hardware == HARDWARE["h100"]
     assert not (tmp_path / "other.json").exists()  # named constants are not written

@@ -51,7 +51,9 @@ def engine() -> TorchRolloutEngine:
 
 def _wrap(config, engine: TorchRolloutEngine):
     """``engine`` in the recipe's rollout mode, on the recipe's cost model (fitted to this CPU)."""
-    return with_rollout_mode(config, engine, rollout_cost_model(config, engine))
+    return with_rollout_mode(
+        config, engine, rollout_cost_model(config.rollout, config.sparsity, config.model.shape(), engine)
+    )
 
 
 def _prompts() -> list[list[int]]:

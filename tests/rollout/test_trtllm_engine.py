@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from sparrow_nemo._optional import MissingOptionalDependency, is_available
+from sparrow_nemo.grpo import setup
 from sparrow_nemo.grpo.recipe import load_config
 from sparrow_nemo.rollout.engine import RolloutSample, SamplingParams
 from sparrow_nemo.rollout.torch.engine import TorchRolloutEngine
@@ -87,8 +88,8 @@ def test_import_without_trtllm_and_clear_error() -> None:
 
 def test_llm_kwargs_are_torch_llm_args_fields() -> None:
     config = load_config("qwen3_1p7b_math", ["rollout.backend=torch", "trainer.device=cpu"])
-    spec = SparrowSparseSpec.from_recipe(config)
-    kw = llm_kwargs(config, "/ckpt", spec)
+    spec = SparrowSparseSpec.from_sparsity(config.sparsity)
+    kw = llm_kwargs(config.rollout, "/ckpt", spec, config.data.max_prompt_tokens, config.model.dtype)
     # BaseLlmArgs forbids extra fields: every key must be a TorchLlmArgs field of the sources
     assert set(kw) <= src.TORCH_LLM_ARGS_FIELDS, sorted(set(kw) - src.TORCH_LLM_ARGS_FIELDS)
     assert set(kw["kv_cache_config"]) <= src.KV_CACHE_CONFIG_FIELDS
@@ -285,7 +286,7 @@ def test_engine_generates_with_the_sparrow_algorithm(hf_dir) -> None:  # pragma:
     config = load_config(
         "tiny_cpu_short", ["model.dtype=bf16", "rollout.max_batch_size=4", "rollout.max_new_tokens=48"]
     )
-    engine = TrtllmRolloutEngine.from_recipe(config, hf_dir)
+    engine = setup.trtllm_engine(config, hf_dir)
     schedule = BudgetSchedule(bin_tokens=32, budgets=(64,), page_size=16, name="t")
     sampling = SamplingParams(max_new_tokens=48, seed=0, stop_token_ids=())
     batch = engine.generate([[1, 2, 3] * 30, [4, 5] * 20], sampling, schedule)

@@ -36,11 +36,13 @@ def test_config_dict_round_trip_and_recipe() -> None:
     assert SparrowSparseSpec.from_config_dict(legacy) == spec
 
     config = load_config("tiny_cpu_short", ["sparsity.dense_layers=1", "sparsity.sink_pages=0"])
-    from_recipe = SparrowSparseSpec.from_recipe(config)
-    assert (from_recipe.dense_layers, from_recipe.local_pages, from_recipe.sink_pages) == (1, 2, 0)
-    assert from_recipe.schedule == config.sparsity.build_schedule()
+    from_section = SparrowSparseSpec.from_sparsity(config.sparsity)
+    assert (from_section.dense_layers, from_section.local_pages, from_section.sink_pages) == (1, 2, 0)
+    assert from_section.schedule == config.sparsity.build_schedule()
 
-    minmax = SparrowSparseSpec.from_recipe(load_config("tiny_cpu_short", ["sparsity.page_score=minmax"]))
+    minmax = SparrowSparseSpec.from_sparsity(
+        load_config("tiny_cpu_short", ["sparsity.page_score=minmax"]).sparsity
+    )
     assert minmax.page_score == "minmax" and minmax.to_config_dict()["page_score"] == "minmax"
     assert SparrowSparseSpec.from_config_dict(minmax.to_config_dict()) == minmax
     assert minmax.with_schedule(BudgetSchedule(20, (16,), minmax.page_size)).page_score == "minmax"

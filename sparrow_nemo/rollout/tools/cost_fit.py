@@ -38,6 +38,9 @@ from typing import Any
 
 import torch
 
+from sparrow_nemo.model_shapes import Qwen3Shape
+from sparrow_nemo.rollout.engine import RolloutConfig
+from sparrow_nemo.sparse.config import SparsityConfig
 from sparrow_nemo.sparse.cost_model import HARDWARE, DecodeCostModel, Hardware
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
@@ -251,17 +254,21 @@ def rollout_hardware(spec: str, engine: Any, saved: Path | None = None, write: b
 
 
 def rollout_cost_model(
-    config: Any, engine: Any, saved: Path | None = None, write: bool = True
+    rollout: RolloutConfig,
+    sparsity: SparsityConfig,
+    shape: Qwen3Shape,
+    engine: Any,
+    saved: Path | None = None,
+    write: bool = True,
 ) -> DecodeCostModel:
-    """The decode cost model of ``engine`` on the recipe's ``rollout.cost_hardware`` (:func:`rollout_hardware`,
-    ``saved`` and ``write`` as there): a torch engine's model, dense layers, page score and element sizes, else
-    (TensorRT-LLM) ``model``, ``sparsity.dense_layers`` and ``sparsity.page_score`` in bf16."""
+    """The decode cost model of ``engine`` on ``rollout.cost_hardware`` (:func:`rollout_hardware`, ``saved`` and
+    ``write`` as there): a torch engine's model, dense layers, page score and element sizes, else (TensorRT-LLM)
+    ``shape``, ``sparsity.dense_layers`` and ``sparsity.page_score`` in bf16."""
     from sparrow_nemo.rollout.torch.engine import TorchRolloutEngine
 
-    hardware = rollout_hardware(config.rollout.cost_hardware, engine, saved, write)
+    hardware = rollout_hardware(rollout.cost_hardware, engine, saved, write)
     if isinstance(engine, TorchRolloutEngine):
         return engine_cost_model(engine, hardware)
-    s = config.sparsity
     return DecodeCostModel(
-        config.model.shape(), hardware, dense_layers=s.dense_layers, page_score=s.page_score
+        shape, hardware, dense_layers=sparsity.dense_layers, page_score=sparsity.page_score
     )

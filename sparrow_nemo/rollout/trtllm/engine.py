@@ -44,6 +44,7 @@ from sparrow_nemo.hf_qwen3 import LoraAdapter
 from sparrow_nemo.model_shapes import Qwen3Shape
 from sparrow_nemo.rollout.engine import (
     RolloutBatch,
+    RolloutConfig,
     RolloutSample,
     SamplingParams,
     ScoredSequence,
@@ -59,6 +60,7 @@ from sparrow_nemo.rollout.trtllm.weights import (
     refit_messages,
     refit_tensors,
 )
+from sparrow_nemo.sparse.config import SparsityConfig
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET, BudgetSchedule
 
 __all__ = ["TRTLLM_VERSION", "TrtllmRolloutEngine", "llm_kwargs", "sampling_kwargs"]
@@ -97,21 +99,26 @@ class CompletionLike(Protocol):
 
 
 def llm_kwargs(
-    config: Any, model_dir: str | Path, spec: SparrowSparseSpec, tensor_parallel_size: int = 1
+    r: RolloutConfig,
+    model_dir: str | Path,
+    spec: SparrowSparseSpec,
+    max_prompt_tokens: int,
+    dtype: str,
+    tensor_parallel_size: int = 1,
 ) -> dict[str, Any]:
-    """Keyword arguments of ``tensorrt_llm.LLM`` (TorchLlmArgs fields) for a recipe and its sparse spec.
+    """Keyword arguments of ``tensorrt_llm.LLM`` (TorchLlmArgs fields) for the recipe's ``rollout`` section, its
+    sparse spec, ``data.max_prompt_tokens`` and ``model.dtype`` (fp32 / bf16 / fp16).
 
     ``sparse_attention_config`` is the spec's dict; the engine turns it into the plugin's config class.
     ``tensor_parallel_size`` is the engine's (1: one engine per GPU, colocated), not the policy's.
     """
-    r, data = config.rollout, config.data
     return {
         "model": str(model_dir),
         "tensor_parallel_size": tensor_parallel_size,
-        "dtype": {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[config.model.dtype],
+        "dtype": {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype],
         "max_batch_size": r.max_batch_size,
-        "max_seq_len": data.max_prompt_tokens + r.max_new_tokens,
-        "max_num_tokens": max(MAX_NUM_TOKENS, data.max_prompt_tokens),  # a whole prompt per step
+        "max_seq_len": max_prompt_tokens + r.max_new_tokens,
+        "max_num_tokens": max(MAX_NUM_TOKENS, max_prompt_tokens),  # a whole prompt per step
         "sparse_attention_config": spec.to_config_dict(),
         "kv_cache_config": {
             "enable_block_reuse": False,  # a reused block would carry no page landmark
@@ -341,15 +348,24 @@ class TrtllmRolloutEngine:
         self._warned_seeds = False
 
     @classmethod
-    def from_recipe(cls, config: Any, model_dir: str | Path) -> TrtllmRolloutEngine:
-        """The engine a recipe (``SparrowConfig``) describes, started from ``model_dir``."""
+    def start(
+        cls,
+        model_dir: str | Path,
+        rollout: RolloutConfig,
+        sparsity: SparsityConfig,
+        max_prompt_tokens: int,
+        dtype: str,
+        lora_modules: Sequence[str] = (),
+    ) -> TrtllmRolloutEngine:
+        """The engine the recipe's ``rollout`` and ``sparsity`` sections describe, started from ``model_dir``
+        (``max_prompt_tokens``: ``data.max_prompt_tokens``; ``dtype``: ``model.dtype``; ``lora_modules``: the
+        DistillSparse adapter's ``distill.target_modules``, empty without one)."""
         from sparrow_nemo.hf_qwen3 import SafetensorsDir, resolve_dtype, shape_from_hf_config
 
-        spec = SparrowSparseSpec.from_recipe(config)
+        spec = SparrowSparseSpec.from_sparsity(sparsity)
         shape = shape_from_hf_config(SafetensorsDir(model_dir).config())
-        lora = config.distill.target_modules if config.distill.enabled else ()
-        kwargs = llm_kwargs(config, model_dir, spec, config.rollout.tensor_parallel_size)
-        return cls(shape, spec, kwargs, resolve_dtype(config.model.dtype), lora)
+        kwargs = llm_kwargs(rollout, model_dir, spec, max_prompt_tokens, dtype, rollout.tensor_parallel_size)
+        return cls(shape, spec, kwargs, resolve_dtype(dtype), lora_modules)
 
     # ----------------------------------------------------------------- RolloutEngine API
     def generate(

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from sparrow_nemo.sparse.config import SparsityConfig
 from sparrow_nemo.sparse.pattern import PAGE_SCORES
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
@@ -58,9 +59,8 @@ class SparrowSparseSpec:
         return self.schedule.page_size
 
     @classmethod
-    def from_recipe(cls, config: Any, schedule: BudgetSchedule | None = None) -> SparrowSparseSpec:
-        """The spec of a :class:`~sparrow_nemo.grpo.recipe.SparrowConfig` (``schedule`` replaces the recipe's)."""
-        s = config.sparsity
+    def from_sparsity(cls, s: SparsityConfig, schedule: BudgetSchedule | None = None) -> SparrowSparseSpec:
+        """The spec of the recipe's ``sparsity`` section (``schedule`` replaces the section's)."""
         return cls(
             schedule=schedule if schedule is not None else s.build_schedule(),
             dense_layers=s.dense_layers,
