@@ -134,6 +134,26 @@ def test_no_package_cycle() -> None:
     assert not gone, f"these package cycles are gone: delete them from KNOWN_PACKAGE_CYCLES: {gone}"
 
 
+#: the layering of the rooms, as imports a package must not make: run output (``run_io``) knows no loop and no
+#: worker (the trainer passes it numbers and folders); the policy worker (its refit included) and the rollout
+#: engines know no loop and no run output.
+FORBIDDEN_IMPORTS: dict[str, set[str]] = {
+    "run_io": {"grpo", "policy", "rollout", "callbacks", "control", "evaluation", "commands", "experiments"},
+    "policy": {"grpo", "run_io", "callbacks", "control", "commands", "experiments"},
+    "rollout": {"grpo", "policy", "run_io", "commands", "experiments"},
+}
+
+
+def test_packages_keep_their_layer() -> None:
+    wrong = sorted(
+        f"{module} -> {target}"
+        for module, targets in _graph().items()
+        for target in targets
+        if _package(target) in FORBIDDEN_IMPORTS.get(_package(module), set())
+    )
+    assert not wrong, f"imports across the layering (FORBIDDEN_IMPORTS): {wrong}"
+
+
 def test_the_graph_sees_lazy_and_type_only_imports(tmp_path: Path) -> None:
     # the walker must not miss an import inside a function or under TYPE_CHECKING
     source = tmp_path / "mod.py"
