@@ -86,6 +86,16 @@ def test_import_without_trtllm_and_clear_error() -> None:
         TrtllmRolloutEngine(SHAPE, spec, {"model": "x"})
 
 
+def test_the_recipe_reader_reaches_the_engine_with_a_clear_error(hf_dir) -> None:
+    """``setup.trtllm_engine`` reads the recipe's sections (rollout, sparsity, data, model, distill) and starts the
+    engine; without TensorRT-LLM that is the one-line missing-extra error, after every section was read."""
+    if is_available("tensorrt_llm"):
+        pytest.skip("tensorrt_llm is installed here")
+    config = load_config("tiny_cpu_distill", ["rollout.backend=torch", "trainer.device=cpu"])
+    with pytest.raises(MissingOptionalDependency, match=r"sparrow-nemo\[cluster\]"):
+        setup.trtllm_engine(config, hf_dir)
+
+
 def test_llm_kwargs_are_torch_llm_args_fields() -> None:
     config = load_config("qwen3_1p7b_math", ["rollout.backend=torch", "trainer.device=cpu"])
     spec = SparrowSparseSpec.from_sparsity(config.sparsity)
