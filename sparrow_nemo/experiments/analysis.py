@@ -38,6 +38,7 @@ __all__ = [
     "STEP_MEAN",
     "ArmResult",
     "RunData",
+    "SeedResult",
     "aggregate",
     "histogram_quantile",
     "load_run",
@@ -63,7 +64,8 @@ class RunData:
         record: the runner's ``experiment_run.json`` (wall_s, cpu_s), empty when absent.
         samples_per_step: rollouts per RL step (grpo.prompts_per_step x grpo.samples_per_prompt).
         bin_histograms: {bin: acceptance histogram of the bin's tokens summed over the RL steps}; empty for a
-            run made before the per-bin histograms were logged.
+            run made before the per-bin histograms were logged. late_bin_histograms: the same over the last
+            :data:`LAST_STEPS` steps.
     """
 
     arm: Arm
@@ -73,6 +75,7 @@ class RunData:
     record: dict[str, Any]
     samples_per_step: int
     bin_histograms: dict[int, Histogram] = field(default_factory=dict)
+    late_bin_histograms: dict[int, Histogram] = field(default_factory=dict)
 
     @property
     def bin_tokens(self) -> int:
@@ -104,8 +107,8 @@ def _row_bins(row: dict[str, Any]) -> dict[int, dict[str, float]]:
     return {b: stats for b, stats in found.items() if {"p5", "mean", "tokens"} <= set(stats)}
 
 
-def _summed_bin_histograms(path: Path) -> dict[int, Histogram]:
-    """{bin: the run's per-step acceptance histograms of the bin summed over its RL steps} (step >= 0)."""
+def _summed_bin_histograms(path: Path, first_step: int = 0) -> dict[int, Histogram]:
+    """{bin: the run's per-step acceptance histograms of the bin summed over its RL steps >= ``first_step``}."""
     if not path.is_file():
         return {}
     summed: dict[int, Histogram] = {}
@@ -113,7 +116,7 @@ def _summed_bin_histograms(path: Path) -> dict[int, Histogram]:
         if not line.strip():
             continue
         row = json.loads(line)
-        if row.get("step", -1) < 0:
+        if row.get("step", -1) < first_step:
             continue
         for key, data in row.items():
             match = _BIN_HISTOGRAM.match(key)
@@ -163,22 +166,28 @@ def load_run(folder: Path, arm: Arm, seed: int) -> RunData:
             )
     record_path = folder / RUN_RECORD
     grpo = yaml.safe_load((folder / "config.yaml").read_text())["grpo"]
+    rows = [row for row in read_metrics(metrics_path) if row["step"] >= 0]
+    late = rows[-LAST_STEPS]["step"] if rows else 0
     return RunData(
         arm=arm,
         seed=seed,
         summary=json.loads(summary_path.read_text()),
-        rows=[row for row in read_metrics(metrics_path) if row["step"] >= 0],
+        rows=rows,
         record=json.loads(record_path.read_text()) if record_path.is_file() else {},
         samples_per_step=int(grpo["prompts_per_step"]) * int(grpo["samples_per_prompt"]),
         bin_histograms=_summed_bin_histograms(folder / HISTOGRAMS_FILE),
+        late_bin_histograms=_summed_bin_histograms(folder / HISTOGRAMS_FILE, late),
     )
 
 
-def load_runs(root: Path, arms: Sequence[Arm], seeds: Sequence[int]) -> tuple[list[RunData], list[str]]:
-    """The finished arm x seed runs under the runs folder ``root``, and ``"<arm> seed <s>"`` for the missing."""
+def load_runs(
+    root: Path, arms: Sequence[Arm], seeds: Sequence[int], smoke: bool = False
+) -> tuple[list[RunData], list[str]]:
+    """The finished arm x seed runs under the runs folder ``root`` (each arm's :meth:`Arm.seeds_for`), and
+    ``"<arm> seed <s>"`` for the missing."""
     runs, missing = [], []
     for arm in arms:
-        for seed in seeds:
+        for seed in arm.seeds_for(seeds, smoke):
             folder = run_folder(root, arm.name, seed)
             if (folder / "summary.json").is_file():
                 runs.append(load_run(folder, arm, seed))
@@ -208,6 +217,71 @@ def _running_best(values: Sequence[float], window: int = 3) -> float:
     if len(values) <= window:
         return _mean(values)
     return max(_mean(values[i : i + window]) for i in range(len(values) - window + 1))
+
+
+@dataclass(frozen=True)
+class SeedResult:
+    """One run (seed) of an arm, for the between-seed rules (:mod:`sparrow_nemo.experiments.tolerant_claims`).
+
+    Attributes:
+        accuracy_end_dense, reward_end_dense: held-out accuracy (solved problems) and mean reward (fraction of
+            queries right) of the final weights decoded densely (the tolerant miniature's primary outcome);
+            accuracy_start_dense: of the warm-start, decoded densely.
+        reward_first, reward_last: training reward (``reward/mean``) over the first / last :data:`LAST_STEPS`
+            steps. length_first, length_last: mean response length (tokens) over the same steps.
+        acceptance_mean: token-mean acceptance over the run. min_p5, late_min_p5: lowest decided bin's p5 of the
+            run's pooled tokens, over all steps / the last :data:`LAST_STEPS` steps (NaN when no bin is decided).
+        predicted_speedup: the run's cost-model speedup over dense (mean over its steps).
+    """
+
+    seed: int
+    accuracy_end_dense: float
+    reward_end_dense: float
+    accuracy_start_dense: float
+    reward_first: float
+    reward_last: float
+    length_first: float
+    length_last: float
+    acceptance_mean: float
+    min_p5: float
+    late_min_p5: float
+    predicted_speedup: float
+
+
+def _lowest_p5(bins: dict[int, dict[str, float]], min_tokens: float) -> float:
+    decided = [v["p5"] for v in bins.values() if v["tokens"] >= min_tokens]
+    return min(decided) if decided else math.nan
+
+
+def _seed_result(run: RunData, min_tokens: float) -> SeedResult:
+    """``run``'s :class:`SeedResult`; bins with fewer than ``min_tokens`` tokens are not decided."""
+    evals = run.summary.get("evals", {})
+    late = RunData(
+        run.arm,
+        run.seed,
+        run.summary,
+        run.rows[-LAST_STEPS:],
+        run.record,
+        run.samples_per_step,
+        run.late_bin_histograms,
+    )
+    reward, length = run.series("reward/mean"), run.series("response_length/mean")
+    return SeedResult(
+        seed=run.seed,
+        accuracy_end_dense=_mean([run.summary.get("accuracy_end_dense")]),
+        reward_end_dense=_mean([evals.get("end_dense", {}).get("reward_mean")]),
+        accuracy_start_dense=_mean([run.summary.get("accuracy_start_dense")]),
+        reward_first=_mean(reward[:LAST_STEPS]),
+        reward_last=_mean(reward[-LAST_STEPS:]),
+        length_first=_mean(length[:LAST_STEPS]),
+        length_last=_mean(length[-LAST_STEPS:]),
+        acceptance_mean=_mean(run.series("acceptance/mean")),
+        min_p5=_lowest_p5(_pool_bins([run])[0], min_tokens),
+        late_min_p5=_lowest_p5(
+            _pool_bins([late])[0], min_tokens * min(LAST_STEPS, len(run.rows)) / max(len(run.rows), 1)
+        ),
+        predicted_speedup=_mean(run.series("sparsity/predicted_speedup")),
+    )
 
 
 @dataclass
@@ -240,6 +314,7 @@ class ArmResult:
     cpu_s: float
     bins: dict[int, dict[str, float]] = field(default_factory=dict)
     p5_pooling: str = POOLED
+    per_seed: list[SeedResult] = field(default_factory=list)
     curves: dict[str, list[float]] = field(default_factory=dict)
 
     def decided_bins(self, min_tokens: int) -> dict[int, dict[str, float]]:
@@ -359,6 +434,7 @@ def aggregate(runs: Sequence[RunData], min_bin_tokens: int) -> list[ArmResult]:
                 cpu_s=_mean([run.record.get("cpu_s", math.nan) for run in group]),
                 bins=bins,
                 p5_pooling=pooling,
+                per_seed=[_seed_result(run, min_bin_tokens / len(group)) for run in group],
                 curves={
                     "reward": _curve(group, "reward/mean"),
                     "accuracy": _curve(group, "reward/accuracy"),
