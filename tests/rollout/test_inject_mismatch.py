@@ -136,12 +136,15 @@ def test_the_matched_mean_arms_hit_their_mean_p5_and_p1(engine: TorchRolloutEngi
 
 def test_injection_with_speculation_or_filtered_sampling_is_refused(engine: TorchRolloutEngine) -> None:
     with pytest.raises(ValueError, match="inject_mismatch is on: speculative"):
-        engine.generate(_prompts(1), _params(0.1, 0.2), DENSE, speculative=SpeculativeConfig(draft_tokens=(2,)))
+        engine.generate(
+            _prompts(1), _params(0.1, 0.2), DENSE, speculative=SpeculativeConfig(draft_tokens=(2,))
+        )
     for extra, why in (
         (["rollout.mode=speculative"], "rollout.mode=speculative"),
         (["rollout.top_p=0.9"], "temperature=1, top_k=0 and top_p=1"),
     ):
         with pytest.raises(ConfigError, match=why):
             load_config(
-                "tiny_cpu", ["rollout.inject_mismatch.fraction=0.1", "rollout.inject_mismatch.mix=0.2", *extra]
+                "tiny_cpu",
+                ["rollout.inject_mismatch.fraction=0.1", "rollout.inject_mismatch.mix=0.2", *extra],
             )
