@@ -167,7 +167,7 @@ def load_run(folder: Path, arm: Arm, seed: int) -> RunData:
     record_path = folder / RUN_RECORD
     grpo = yaml.safe_load((folder / "config.yaml").read_text())["grpo"]
     rows = [row for row in read_metrics(metrics_path) if row["step"] >= 0]
-    late = rows[-LAST_STEPS]["step"] if rows else 0
+    late = rows[-min(LAST_STEPS, len(rows))]["step"] if rows else 0
     return RunData(
         arm=arm,
         seed=seed,
