@@ -148,3 +148,14 @@ def test_injection_with_speculation_or_filtered_sampling_is_refused(engine: Torc
                 "tiny_cpu",
                 ["rollout.inject_mismatch.fraction=0.1", "rollout.inject_mismatch.mix=0.2", *extra],
             )
+
+
+def test_only_the_rl_rollouts_inject() -> None:
+    """Held-out evaluations (the primary outcome), calibration and the probe sample plainly."""
+    from sparrow_nemo.grpo.setup import sampling_params
+
+    config = load_config(
+        "tiny_cpu", ["rollout.inject_mismatch.fraction=0.1", "rollout.inject_mismatch.mix=0.2"]
+    )
+    assert not sampling_params(config).inject_mismatch.on
+    assert sampling_params(config, 3, rollouts=True).inject_mismatch == MismatchInjection(0.1, 0.2)
