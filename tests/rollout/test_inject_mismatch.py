@@ -159,3 +159,23 @@ def test_only_the_rl_rollouts_inject() -> None:
     )
     assert not sampling_params(config).inject_mismatch.on
     assert sampling_params(config, 3, rollouts=True).inject_mismatch == MismatchInjection(0.1, 0.2)
+
+
+@torch.no_grad()
+def test_the_padded_graph_buffers_inject_as_the_eager_step(engine: TorchRolloutEngine) -> None:
+    """The CUDA-graph path (static buffers, rows padded to a bucket; here run eagerly, capture=False) carries the
+    per-row mixture weights: the same tokens and logprobs as the eager engine, with a sparse schedule."""
+    from sparrow_nemo.rollout.torch.cuda_graphs import DecodeGraphs
+
+    padded = TorchRolloutEngine(engine.model, dense_layers=1)
+    max_pages = -(-(SHAPE.max_position_embeddings + 1) // padded.page_size)
+    padded.runner.graphs = DecodeGraphs(padded._step_fn, padded.device, 16, max_pages, capture=False)
+    eager = TorchRolloutEngine(engine.model, dense_layers=1)
+    schedule = BudgetSchedule(bin_tokens=32, budgets=(48, 64), name="tiny-sparse")
+    prompts = [p * 6 for p in _prompts(3)]  # 48-token prompts: past the budgets
+    params = _params(0.3, 0.5, max_new_tokens=24)
+    a, b = eager.generate(prompts, params, schedule), padded.generate(prompts, params, schedule)
+    for x, y in zip(a.samples, b.samples):
+        assert torch.equal(x.response_ids, y.response_ids)
+        assert (x.logprobs - y.logprobs).abs().max() < 1e-5
+        assert (x.top_logprobs - y.top_logprobs).abs().max() < 1e-5
