@@ -7,6 +7,7 @@ The process world (ranks, broadcast) is :mod:`sparrow_nemo.grpo.world`.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from sparrow_nemo.grpo.process_model import RankPlan, engine_group
 from sparrow_nemo.grpo.recipe import SparrowConfig
 from sparrow_nemo.grpo.refit import refit
 from sparrow_nemo.grpo.world import world_size
-from sparrow_nemo.rollout.engine import SamplingParams
+from sparrow_nemo.rollout.engine import MismatchInjection, SamplingParams
 from sparrow_nemo.rollout.torch.tensor_parallel import TensorParallel
 
 
@@ -150,6 +151,9 @@ def _torch_engine_options(config: SparrowConfig, tokenizer) -> dict:
     )
 
 
-def sampling_params(config: SparrowConfig, seed: int | None = None) -> SamplingParams:
-    """The recipe's :class:`SamplingParams`; ``seed`` replaces ``rollout.seed`` (one per RL step)."""
-    return config.rollout.sampling(seed)
+def sampling_params(config: SparrowConfig, seed: int | None = None, rollouts: bool = False) -> SamplingParams:
+    """The recipe's :class:`SamplingParams`; ``seed`` replaces ``rollout.seed`` (one per RL step).
+    ``rollout.inject_mismatch`` only with ``rollouts`` (the RL step's own rollouts): held-out evaluations,
+    calibration and the DistillSparse probe sample without it."""
+    params = config.rollout.sampling(seed)
+    return params if rollouts else dataclasses.replace(params, inject_mismatch=MismatchInjection())

@@ -379,7 +379,7 @@ class GrpoTrainer:
             self.policy.offload_training_state()
         c, g = self.config, self.config.grpo.samples_per_prompt
         items = self.prompts.next_batch(c.grpo.prompts_per_step)
-        sampling = setup.sampling_params(c, seed=round_seed(c.rollout.seed, step, round_))
+        sampling = setup.sampling_params(c, round_seed(c.rollout.seed, step, round_), rollouts=True)
         prompts, count = [i.prompt_ids for i in items], len(self.plan.engine_prompts(len(items))) * g
         bar, local = rollout_progress(count, sampling.max_new_tokens, self.show_progress), None
         watch = self.preemption.watch_rollout(bar.update, self.lockstep)  # ends it between decode steps

@@ -39,6 +39,31 @@ TokenProgress = Callable[[int], None]
 
 
 @dataclass(frozen=True)
+class MismatchInjection(Section):
+    """Mismatch injected at a matched mean (``rollout.inject_mismatch``; an experiment's control, not a method).
+
+    At a ``fraction`` of response positions, chosen by a hash of the sample's seed and the position
+    (:data:`sparrow_nemo.rollout.sampling.INJECT`: independent of batching), the token is drawn from
+    ``q = (1 - mix) p + mix u`` (p: the model's next-token distribution, u: uniform over the V ids) and the
+    rollout records q's logprobs (the sampled token's and the top-K), so the importance correction sees the
+    true behaviour policy; every other position decodes densely as usual. The acceptance rate of an injected
+    position is exactly ``alpha = sum_v min(p_v, q_v) = 1 - mix * TV(p, u)``, ``TV(p, u) = sum_v max(p_v - 1/V, 0)``
+    (~1 - 1/V for a peaked p), and 1 elsewhere; over all tokens ``mean alpha = 1 - fraction * mix * E[TV]``,
+    while a quantile q0 sits at ``1 - mix * TV`` when ``fraction > q0`` and at 1 when ``fraction < q0``. Read by
+    :func:`sparrow_nemo.rollout.sampling.injection_mix` (torch engine; needs plain sampling: temperature 1, no
+    top-k / top-p; refused with speculative rollout, whose dense verify would undo it).
+    """
+
+    fraction: float = knob(0.0, "share of response positions drawn from the mixture; 0 = off", check=UNIT)
+    mix: float = knob(0.0, "weight d of the uniform distribution in the mixture (1 - d) p + d u", check=UNIT)
+
+    @property
+    def on(self) -> bool:
+        """True when some positions are injected."""
+        return self.fraction > 0 and self.mix > 0
+
+
+@dataclass(frozen=True)
 class SamplingParams(Section):
     """How to sample one batch (the sampling keys of the recipe's ``rollout`` section, :class:`RolloutConfig`).
 
@@ -69,10 +94,17 @@ class SamplingParams(Section):
         check=AT_LEAST_ONE,
     )
 
+    inject_mismatch: MismatchInjection = knob(
+        doc="mismatch injected at a hash-chosen share of positions (experiments' controls; default off)",
+        factory=MismatchInjection,
+    )
+
     def check(self) -> None:
         for i, text in enumerate(self.stop_strings):
             if not text:
                 raise self.invalid(f"stop_strings.{i}", "a non-empty string")
+        if self.inject_mismatch.on and (self.temperature != 1 or self.top_k or self.top_p < 1):
+            raise self.invalid("inject_mismatch", "off unless temperature=1, top_k=0 and top_p=1")
 
 
 @dataclass(frozen=True)
@@ -168,6 +200,8 @@ class RolloutConfig(SamplingParams):
             raise self.invalid("temperature", "a number > 0")
         if self.cost_hardware not in ("auto", *HARDWARE) and not self.cost_hardware.endswith(".json"):
             raise self.invalid("cost_hardware", f"auto, {', '.join(HARDWARE)} or a path ending in .json")
+        if self.inject_mismatch.on and (self.mode == "speculative" or self.backend != "torch"):
+            raise self.invalid("inject_mismatch", "off with rollout.mode=speculative or backend trtllm")
         if self.mode == "speculative" and self.backend != "torch":
             raise self.invalid(
                 "mode", "sparse or dense with backend trtllm (speculative rollout runs on the torch engine)"

@@ -165,7 +165,7 @@ def test_rollout_section_constructs_sampling_params() -> None:
         "tiny_cpu_short", ["rollout.top_k=5", "rollout.stop_token_ids=[2]", "rollout.stop_strings=[END]"]
     ).rollout
     names = {f.name for f in dataclasses.fields(SamplingParams)}
-    params = SamplingParams(**{k: v for k, v in dataclasses.asdict(rollout).items() if k in names})
+    params = SamplingParams(**{name: getattr(rollout, name) for name in names})
     assert names <= {f.name for f in dataclasses.fields(rollout)}  # every sampling field has a recipe key
     assert (params.top_k, params.stop_token_ids, params.stop_strings) == (5, (2,), ("END",))
     assert (params.max_new_tokens, params.logprobs_topk) == (64, 20)

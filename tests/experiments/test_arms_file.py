@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -58,6 +59,38 @@ def test_long_arms_resolve_on_the_default_recipe() -> None:
     assert all(s.calibrate for s in calibrated.values())
 
 
+def test_tolerant_arms_resolve_on_the_tolerant_recipe() -> None:
+    """The tolerant grid (issue 39): the paper's geometry scaled down in every arm, the 1.25x ladder, the
+    matched-mean injected arms, the calibrated taus, DistillSparse at <= 10x the policy's lr, 8 seeds for dense
+    and tau 0.86 and 5 for the rest, the tolerant rules on the dense-decoded final weights."""
+    spec = load_arms(LONG.with_name("tolerant_arms.yaml"))
+    assert (spec.prefix, spec.rules, spec.outcome, spec.equivalence_margin) == (
+        "tolerant",
+        "tolerant",
+        "accuracy_end_dense",
+        0.05,
+    )
+    configs = {a.name: arm_config("tiny_cpu_tolerant", spec, a, seed=2) for a in spec.arms}
+    for c in configs.values():
+        assert (c.sparsity.page_score, c.sparsity.dense_layers, c.sparsity.page_size) == ("centroid", 1, 16)
+        assert c.task.fact_copies == 2 and c.task.any_order and c.task.max_wrong == 2
+        assert c.rollout.logprobs_topk >= c.model.shape().vocab_size  # exact alpha
+        assert not c.tail_scheduler.collapse_guard and c.rollout.seed == 2
+    ladder = sorted(c.sparsity.budgets[0] for n, c in configs.items() if n.startswith("fixed_"))
+    assert all(1.15 <= b / a <= 1.35 for a, b in itertools.pairwise(ladder)), ladder
+    inject = {n: c.rollout.inject_mismatch for n, c in configs.items() if n.startswith("inject_")}
+    assert len(inject) == 3 and all(abs(i.fraction * i.mix - 0.02) < 1e-9 for i in inject.values())
+    taus = {c.sparsity.threshold for n, c in configs.items() if n.startswith("calib_")}
+    assert taus == {0.75, 0.80, 0.86, 0.92}
+    distill = configs["distill_0.80"]
+    assert (
+        distill.distill.enabled and distill.distill.lr_multiplier <= 10 and distill.sparsity.threshold == 0.80
+    )
+    seeds = {a.name: len(a.seeds_for(range(5))) for a in spec.arms}
+    assert seeds.pop("dense") == seeds.pop("calib_0.86") == 8 and set(seeds.values()) == {5}
+    assert all(len(a.seeds_for([0], smoke=True)) == 1 for a in spec.arms)
+
+
 def _write(tmp_path: Path, text: str) -> Path:
     path = tmp_path / "x_arms.yaml"
     path.write_text(text)
@@ -80,6 +113,11 @@ def _write(tmp_path: Path, text: str) -> Path:
         ("threshold: 2\narms: [{name: a, role: dense}]", r"threshold=2 - expected a number in \[0, 1\]"),
         ("arms: [{name: a, role: dense}]\nsmoke: {arms: [b]}", r"smoke.arms names unknown arms: b"),
         ("arms: [\n", r"invalid YAML in arms file .*x_arms.yaml line"),
+        (
+            "rules: strict\narms: [{name: a, role: dense}]",
+            r"rules='strict' - expected one of paper, tolerant",
+        ),
+        ("arms: [{name: a, role: dense, seeds: 0}]", r"arms\[0\]: seeds=0 - expected an integer >= 1"),
     ],
 )
 def test_bad_arms_file_is_a_one_line_error(tmp_path: Path, text: str, message: str) -> None:
