@@ -128,7 +128,7 @@ def test_registries_name_their_members_and_accept_registrations() -> None:
     try:
         config = load_config(
             "tiny_cpu_short",
-            ["reward.type=test_only_reward", "data.train_path=d/t.jsonl", "sparsity.calibrate=false"],
+            ["reward.type=test_only_reward", "data.train_path=d/t.jsonl", "control.calibrate=false"],
         )
         assert config.reward.type == "test_only_reward"
     finally:
@@ -136,7 +136,7 @@ def test_registries_name_their_members_and_accept_registrations() -> None:
     with pytest.raises(ValueError, match="expected a registered name"):
         load_config(
             "tiny_cpu_short",
-            ["reward.type=test_only_reward", "data.train_path=d/t.jsonl", "sparsity.calibrate=false"],
+            ["reward.type=test_only_reward", "data.train_path=d/t.jsonl", "control.calibrate=false"],
         )
 
 
@@ -145,7 +145,7 @@ def test_registries_name_their_members_and_accept_registrations() -> None:
     [
         ("sparrow_nemo.callbacks.TailMismatchScheduler", "sparsity and tail_scheduler sections"),
         (
-            "sparrow_nemo.callbacks.tail_scheduler.TailMismatchScheduler",
+            "sparrow_nemo.callbacks.control.scheduler.TailMismatchScheduler",
             "sparsity and tail_scheduler sections",
         ),
         ("sparrow_nemo.grpo.distill.DistillSparse", "distill section"),
@@ -174,11 +174,11 @@ def test_a_callback_target_must_import() -> None:
     [
         (
             "sparsity.adapt=raise",
-            "unknown key 'sparsity.adapt' (from command line) - it moved: tail_scheduler.adapt",
+            "unknown key 'sparsity.adapt' (from command line) - it moved: control.scheduler.adapt",
         ),
         (
             "sparsity.collapse_guard=false",
-            "unknown key 'sparsity.collapse_guard' (from command line) - it moved: tail_scheduler.collapse_guard",
+            "unknown key 'sparsity.collapse_guard' (from command line) - it moved: control.scheduler.collapse_guard",
         ),
         (
             "logging.log_every_n_steps=5",
@@ -209,4 +209,4 @@ def test_a_recipe_file_with_a_moved_key_names_the_file_and_the_new_key(tmp_path:
     with pytest.raises(ValueError) as info:
         load_config(str(recipe))
     assert str(info.value).startswith("config error: unknown key 'sparsity.adapt' (from ")
-    assert str(recipe) in str(info.value) and str(info.value).endswith("it moved: tail_scheduler.adapt")
+    assert str(recipe) in str(info.value) and str(info.value).endswith("it moved: control.scheduler.adapt")

@@ -86,7 +86,7 @@ def test_qwen3_recipe_steps_split_into_whole_prompt_mini_batches_on_32_gpus(name
 def test_base_calibration_grid_is_the_papers_18_budgets() -> None:
     pages = [29, 45, 61, 77, 93, 125, 157, 189, 221, 253, 317, 381, 445, 509, 637, 765, 893, 1021]
     config = load_config("base")
-    assert config.sparsity.calibration.candidate_budgets == tuple((k + 3) * 16 for k in pages)
+    assert config.control.calibration.candidate_budgets == tuple((k + 3) * 16 for k in pages)
 
 
 @pytest.mark.parametrize("name", SHIPPED)

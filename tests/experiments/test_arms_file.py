@@ -26,8 +26,8 @@ def test_shipped_arms_resolve_with_the_same_seed_and_steps() -> None:
     assert configs["fixed_16"].sparsity.build_schedule().budgets == (16,)
     assert configs["distill_24"].distill.enabled and not configs["fixed_24"].distill.enabled
     assert configs["distill_24"].sparsity.build_schedule().budgets == (24,)
-    assert configs["calib_0.70"].sparsity.calibrate and configs["calib_0.70"].sparsity.threshold == 0.7
-    assert all(c.sparsity.page_size == 4 and not c.tail_scheduler.collapse_guard for c in configs.values())
+    assert configs["calib_0.70"].control.calibrate and configs["calib_0.70"].sparsity.threshold == 0.7
+    assert all(c.sparsity.page_size == 4 and not c.control.scheduler.collapse_guard for c in configs.values())
     smoke = arm_config("tiny_cpu_short_smoke", spec, spec.arm("dense"), seed=0, smoke=True)
     assert smoke.trainer.max_steps == 2
     assert [a.name for a in spec.selected(smoke=True)] == list(spec.smoke_arms)
@@ -41,7 +41,9 @@ def test_long_arms_resolve_on_the_default_recipe() -> None:
     configs = {a.name: arm_config("tiny_cpu", spec, a, seed=1) for a in spec.arms}
     assert {c.rollout.seed for c in configs.values()} == {1}
     assert len({c.trainer.max_steps for c in configs.values()}) == 1
-    assert all(c.sparsity.page_size == 16 and not c.tail_scheduler.collapse_guard for c in configs.values())
+    assert all(
+        c.sparsity.page_size == 16 and not c.control.scheduler.collapse_guard for c in configs.values()
+    )
     assert all(c.sparsity.dense_layers == 0 for c in configs.values())  # as the committed report measured
     assert configs["dense"].sparsity.build_schedule().is_dense
     for budget in (512, 256, 128):
