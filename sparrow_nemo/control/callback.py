@@ -64,7 +64,8 @@ class SparrowCallback(_HookBase):
         calibrate: the calibration pass, run at train start when the rule asks for it; None on ranks that must
             not calibrate (the schedule then comes from the rank that did).
         out_dir: where to write the files (None: nowhere, e.g. on ranks other than 0).
-        log: receives each hook's metrics (e.g. ``pl_module.log_dict``); None: kept in :attr:`metrics` only.
+        log_metrics: receives each hook's metrics (our trainer's ``log``); None: kept in :attr:`metrics` only. (Not
+            ``log``: Lightning sets a callback's ``log`` and ``log_dict`` to the module's.)
     """
 
     built_in = "control section (control.scheduler.adapt, control.calibrate, a sparse schedule)"
@@ -75,13 +76,13 @@ class SparrowCallback(_HookBase):
         schedule: BudgetSchedule,
         calibrate: Calibrate | None = None,
         out_dir: Path | None = None,
-        log: Callable[[dict[str, float]], None] | None = None,
+        log_metrics: Callable[[dict[str, float]], None] | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.schedule = schedule
         self.calibrate = calibrate
         self.out_dir = None if out_dir is None else Path(out_dir)
-        self.log = log
+        self.log_metrics = log_metrics
         self.state = SchedulerState()
         self.history: list[dict[str, Any]] = []
         #: the last decision taken, and the metrics of the last hook
@@ -220,5 +221,5 @@ class SparrowCallback(_HookBase):
         return self.out_dir
 
     def _log(self) -> None:
-        if self.log is not None and self.metrics:
-            self.log(dict(self.metrics))
+        if self.log_metrics is not None and self.metrics:
+            self.log_metrics(dict(self.metrics))

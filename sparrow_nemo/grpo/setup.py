@@ -205,5 +205,5 @@ def controller(
         )
 
     return SparrowCallback.from_config(
-        s, c, schedule, calibrate=calibrate if calibrates else None, out_dir=out_dir, log=log
+        s, c, schedule, calibrate=calibrate if calibrates else None, out_dir=out_dir, log_metrics=log
     )

@@ -143,11 +143,8 @@ def test_registries_name_their_members_and_accept_registrations() -> None:
 @pytest.mark.parametrize(
     ("entry", "built_by"),
     [
-        ("sparrow_nemo.callbacks.TailMismatchScheduler", "sparsity and tail_scheduler sections"),
-        (
-            "sparrow_nemo.callbacks.control.scheduler.TailMismatchScheduler",
-            "sparsity and tail_scheduler sections",
-        ),
+        ("sparrow_nemo.control.SparrowCallback", "control section"),
+        ("sparrow_nemo.control.callback.SparrowCallback", "control section"),
         ("sparrow_nemo.grpo.distill.DistillSparse", "distill section"),
     ],
 )
@@ -179,6 +176,22 @@ def test_a_callback_target_must_import() -> None:
         (
             "sparsity.collapse_guard=false",
             "unknown key 'sparsity.collapse_guard' (from command line) - it moved: control.scheduler.collapse_guard",
+        ),
+        (
+            "sparsity.calibrate=true",
+            "unknown key 'sparsity.calibrate' (from command line) - it moved: control.calibrate",
+        ),
+        (
+            "sparsity.calibration.num_prompts=4",
+            "unknown key 'sparsity.calibration' (from command line) - it moved: control.calibration",
+        ),
+        (
+            "tail_scheduler.adapt=raise",
+            "unknown key 'tail_scheduler' (from command line) - it moved: control.scheduler",
+        ),
+        (
+            "rollout.speculative.draft_tokens=2",
+            "unknown key 'rollout.speculative' (from command line) - it moved: control.speculative",
         ),
         (
             "logging.log_every_n_steps=5",

@@ -339,22 +339,23 @@ def test_bad_schedule_specs() -> None:
 
 def test_calibration_candidates_rules() -> None:
     assert "strictly increasing" in error_of("control.calibration.candidate_budgets=[64, 64]")
-    assert "multiples of page_size=4 that are >= 12 tokens, but got 18" in error_of(
+    assert "multiples of sparsity.page_size=4 that are >= 12 tokens, but got 18" in error_of(
         "control.calibration.candidate_budgets=[16, 18]"
     )
     assert "but got 8" in error_of("control.calibration.candidate_budgets=[8, 16]")
     assert "at least one candidate" in error_of("control.calibration.candidate_budgets=[]")
 
 
-def test_sparsity_and_tail_scheduler_sections_configure_the_scheduler() -> None:
-    from sparrow_nemo.callbacks.tail_scheduler import TailMismatchScheduler
+def test_sparsity_and_control_sections_configure_the_scheduler() -> None:
+    from sparrow_nemo.control import SparrowCallback
 
     config = load_config(
         "tiny_cpu_short", ["control.scheduler.adapt=raise_and_lower", "sparsity.noise_z=1.5"]
     )
-    scheduler = TailMismatchScheduler(config.sparsity, config.tail_scheduler)
-    assert (scheduler.mode, scheduler.threshold, scheduler.noise_z) == ("raise_and_lower", 0.86, 1.5)
-    assert scheduler.candidates == list(config.control.calibration.candidate_budgets)
+    start = config.sparsity.build_schedule()
+    scheduler = SparrowCallback.from_config(config.sparsity, config.control, start).scheduler
+    assert (scheduler.config.adapt, scheduler.threshold, scheduler.noise_z) == ("raise_and_lower", 0.86, 1.5)
+    assert scheduler.candidates == tuple(config.control.calibration.candidate_budgets)
 
 
 def test_default_distill_targets_are_every_decoder_linear() -> None:

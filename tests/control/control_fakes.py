@@ -70,5 +70,5 @@ def make_callback(
     config = SparsityConfig(page_size=page_size, bin_tokens=bin_tokens, **sparsity)
     out = None if run_dir is None else Path(run_dir) / "sparsity"
     return SparrowCallback.from_config(
-        config, control, schedule, calibrate=calibrate_fn, out_dir=out, log=log
+        config, control, schedule, calibrate=calibrate_fn, out_dir=out, log_metrics=log
     )

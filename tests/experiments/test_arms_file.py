@@ -51,13 +51,13 @@ def test_long_arms_resolve_on_the_default_recipe() -> None:
     assert configs["distill_128"].distill.enabled and configs[
         "distill_128"
     ].sparsity.build_schedule().budgets == (128,)
-    calibrated = {n: c.sparsity for n, c in configs.items() if n.startswith("calib_")}
-    assert {(s.threshold, s.quantile) for s in calibrated.values()} == {
+    calibrated = {n: c for n, c in configs.items() if n.startswith("calib_")}
+    assert {(c.sparsity.threshold, c.sparsity.quantile) for c in calibrated.values()} == {
         (0.86, 0.01),
         (0.7, 0.01),
         (0.86, 0.05),
     }
-    assert all(s.calibrate for s in calibrated.values())
+    assert all(c.control.calibrate for c in calibrated.values())
 
 
 def _write(tmp_path: Path, text: str) -> Path:

@@ -19,13 +19,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from sparrow_nemo.rollout.spec_rollout import RolloutModeEngine, with_rollout_mode
 
 from sparrow_nemo.checkpoint.run_state import read_run_state
 from sparrow_nemo.config import ConfigError
 from sparrow_nemo.grpo.recipe import load_config
+from sparrow_nemo.grpo.setup import rollout_mode_engine
 from sparrow_nemo.model_shapes import PRESETS
 from sparrow_nemo.rollout.engine import SamplingParams
+from sparrow_nemo.rollout.rollout_mode import RolloutModeEngine
 from sparrow_nemo.rollout.tools.cost_fit import rollout_cost_model
 from sparrow_nemo.rollout.torch.engine import TorchRolloutEngine
 from sparrow_nemo.rollout.torch.spec_decode import SpeculativeSample
@@ -51,7 +52,7 @@ def engine() -> TorchRolloutEngine:
 
 def _wrap(config, engine: TorchRolloutEngine):
     """``engine`` in the recipe's rollout mode, on the recipe's cost model (fitted to this CPU)."""
-    return with_rollout_mode(config, engine, rollout_cost_model(config, engine))
+    return rollout_mode_engine(config, engine, rollout_cost_model(config, engine))
 
 
 def _prompts() -> list[list[int]]:
