@@ -352,3 +352,23 @@ def test_several_bins_below_move_one_rung_each_from_what_was_measured(tmp_path) 
     _step(scheduler, trainer, make_report(0, {1: BAD, 2: BAD}))
     assert trainer.schedule.budgets == (512, 768, 768)  # not 1024 for bin 2: it was measured at 512
     assert [a["to"] for a in scheduler.history[-1]["actions"]] == [768, 768]
+
+
+def test_a_checkpoint_of_the_former_tail_scheduler_loads(tmp_path) -> None:
+    """Version 1 (``TailMismatchScheduler``'s state, before the control package): restored, no second calibration."""
+    raised = BudgetSchedule(bin_tokens=BIN, budgets=(512, 1024, 1024), name="start+adapted")
+    old = {
+        "version": 1,
+        "schedule": raised.to_dict(),
+        "bin_tokens": BIN,
+        "collapsed": False,
+        "above_streak": {"2": 1},
+        "recent": [[1.0, 100.0]],
+        "history": [{"step": 0, "bins": [], "actions": [], "reward_mean": 1.0, "response_length_mean": 100.0}],
+    }
+    loop = FakeLoop(START, tmp_path)
+    callback = make_callback(START, tmp_path, candidates=LADDER, calibrate=True, calibrate_fn=pytest.fail)
+    callback.load_state_dict(old)
+    loop.start(callback)
+    assert loop.schedule == raised and not callback.decision.calibrate
+    assert callback.state.above_streak == {2: 1} and callback.state.recent == ((1.0, 100.0),)

@@ -96,7 +96,7 @@ def test_synthetic_held_out_problems_are_disjoint_from_the_stream() -> None:
 def test_calibration_on_file_data_needs_val_path() -> None:
     with pytest.raises(
         ConfigError,
-        match=r"data\.val_path=null .* expected a held-out prompt file when sparsity\.calibrate=true",
+        match=r"data\.val_path=null .* expected a held-out prompt file when control\.calibrate=true",
     ):
         load_config(
             "tiny_cpu_short", ["reward.type=math", "data.train_path=d/t.jsonl", "control.calibrate=true"]
