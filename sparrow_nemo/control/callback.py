@@ -112,15 +112,15 @@ class SparrowCallback(_HookBase):
         decision = self.scheduler.decide(None, self.schedule, self.state)
         self.decision, self.state, self.metrics = decision, decision.state, {}
         self.schedule = decision.schedule or self.schedule
+        out = self._dir()
         if decision.calibrate and self.calibrate is not None:
-            result = self.calibrate(self.schedule, self._dir() / "calibration" if self._dir() else None)
+            result = self.calibrate(self.schedule, None if out is None else out / "calibration")
             self.schedule = result.schedule
             self.metrics = {
                 f"calibration/budget/bin_{b}": float(v) for b, v in enumerate(result.schedule.budgets)
             }
             self.metrics["calibration/unsatisfied_bins"] = float(len(result.unsatisfied_bins))
             logger.info("calibration installed schedule %s", result.schedule.to_dict()["budgets"])
-        out = self._dir()
         if out is not None:  # restart the file from the (restored) history: a resumed run redoes later steps
             (out / "tail_history.jsonl").write_text("".join(json.dumps(e) + "\n" for e in self.history))
             self.schedule.to_yaml(out / "schedule.yaml")
