@@ -364,7 +364,9 @@ def test_a_checkpoint_of_the_former_tail_scheduler_loads(tmp_path) -> None:
         "collapsed": False,
         "above_streak": {"2": 1},
         "recent": [[1.0, 100.0]],
-        "history": [{"step": 0, "bins": [], "actions": [], "reward_mean": 1.0, "response_length_mean": 100.0}],
+        "history": [
+            {"step": 0, "bins": [], "actions": [], "reward_mean": 1.0, "response_length_mean": 100.0}
+        ],
     }
     loop = FakeLoop(START, tmp_path)
     callback = make_callback(START, tmp_path, candidates=LADDER, calibrate=True, calibrate_fn=pytest.fail)
