@@ -53,7 +53,7 @@ from sparrow_nemo.grpo.recipe import load_config
 from safetensors.torch import load_file
 from sparrow_nemo.rollout.sampling import sample_seed
 weights, budgets, prompts = sys.argv[1], sys.argv[2], int(sys.argv[3])
-overrides = ["warmstart.enabled=false", "sparsity.calibrate=false", "sparsity.schedule=explicit", f"sparsity.budgets={budgets}"]
+overrides = ["warmstart.enabled=false", "control.calibrate=false", "sparsity.schedule=explicit", f"sparsity.budgets={budgets}"]
 config = load_config("tiny_cpu", overrides)
 setup.apply_cpu_threads(config)
 source = build_prompt_source(config)

@@ -21,7 +21,7 @@ An arms file (``experiments/tiny_arms.yaml``) is YAML with these keys::
       overrides: [trainer.max_steps=2, ...]
 
 Overrides are the command line's ``key=value`` strings (quote a value with ``: `` in it, and write
-``tail_scheduler.adapt='off'`` so YAML keeps it a string). The run of arm A with seed S is the base recipe, then
+``control.scheduler.adapt='off'`` so YAML keeps it a string). The run of arm A with seed S is the base recipe, then
 ``common``, then A's overrides, then the command line's, then the smoke overrides, then ``rollout.seed=S``:
 every arm gets the same seeds, and an arm may not set the seed or the step count itself.
 """

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from sparrow_nemo.callbacks.tail_stats import BinTail, bin_counts, merged_bin_tails, merged_quantiles
+from sparrow_nemo.control.tail_stats import BinTail, bin_counts, merged_bin_tails, merged_quantiles
 from sparrow_nemo.grpo.histograms import Histogram, merged_histograms
 from sparrow_nemo.grpo.process_model import (
     RankPlan,

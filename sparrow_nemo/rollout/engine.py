@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 import torch
 
@@ -108,35 +108,10 @@ class SamplingParams(Section):
 
 
 @dataclass(frozen=True)
-class SpeculativeRolloutConfig(Section):
-    """Speculative rollout (``rollout.mode=speculative``): sparse drafts, dense verify; read by
-    :func:`sparrow_nemo.rollout.spec_rollout.with_rollout_mode` (the recipe's ``rollout.speculative``)."""
-
-    draft_tokens: int = knob(
-        4,
-        "k, draft tokens per dense verify in every bin until the first re-plan (0 = plain dense decoding)",
-        check=NON_NEGATIVE,
-    )
-    max_draft_tokens: int = knob(8, "the largest k the planner may pick", check=NON_NEGATIVE)
-    adapt: bool = knob(
-        True,
-        "after every step, re-plan the draft budget (among sparsity.calibration.candidate_budgets) and k per bin "
-        "from the acceptance measured so far, for the most predicted tokens/s (rollout.cost_hardware's cost model)",
-    )
-    decay: float = knob(
-        0.5,
-        "weight of the earlier steps' acceptance in the planner's per-bin table (0 = the last step only)",
-        check=UNIT,
-    )
-
-    def check(self) -> None:
-        if self.draft_tokens > self.max_draft_tokens:
-            raise self.invalid("draft_tokens", f"<= max_draft_tokens ({self.max_draft_tokens})")
-
-
-@dataclass(frozen=True)
 class RolloutConfig(SamplingParams):
     """The recipe's ``rollout`` section: the sampling settings plus the engine's own."""
+
+    renamed_keys: ClassVar[dict[str, str]] = {"speculative": "it moved: control.speculative"}
 
     backend: str = knob(
         "torch",
@@ -146,12 +121,8 @@ class RolloutConfig(SamplingParams):
     mode: Literal["sparse", "speculative", "dense"] = knob(
         "sparse",
         "how rollouts decode: sparse (the sparsity schedule), speculative (sparse drafts verified by dense "
-        "forwards: dense-distributed samples, the importance ratio exactly 1) or dense "
-        "(sparrow_nemo.rollout.spec_rollout)",
-    )
-    speculative: SpeculativeRolloutConfig = knob(
-        doc="speculative decoding's draft length and planner (rollout.mode=speculative)",
-        factory=SpeculativeRolloutConfig,
+        "forwards: dense-distributed samples, the importance ratio exactly 1; the draft plan: control.speculative) "
+        "or dense (sparrow_nemo.rollout.rollout_mode)",
     )
     max_batch_size: int = knob(
         64,

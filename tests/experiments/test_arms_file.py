@@ -27,8 +27,8 @@ def test_shipped_arms_resolve_with_the_same_seed_and_steps() -> None:
     assert configs["fixed_16"].sparsity.build_schedule().budgets == (16,)
     assert configs["distill_24"].distill.enabled and not configs["fixed_24"].distill.enabled
     assert configs["distill_24"].sparsity.build_schedule().budgets == (24,)
-    assert configs["calib_0.70"].sparsity.calibrate and configs["calib_0.70"].sparsity.threshold == 0.7
-    assert all(c.sparsity.page_size == 4 and not c.tail_scheduler.collapse_guard for c in configs.values())
+    assert configs["calib_0.70"].control.calibrate and configs["calib_0.70"].sparsity.threshold == 0.7
+    assert all(c.sparsity.page_size == 4 and not c.control.scheduler.collapse_guard for c in configs.values())
     smoke = arm_config("tiny_cpu_short_smoke", spec, spec.arm("dense"), seed=0, smoke=True)
     assert smoke.trainer.max_steps == 2
     assert [a.name for a in spec.selected(smoke=True)] == list(spec.smoke_arms)
@@ -42,7 +42,9 @@ def test_long_arms_resolve_on_the_default_recipe() -> None:
     configs = {a.name: arm_config("tiny_cpu", spec, a, seed=1) for a in spec.arms}
     assert {c.rollout.seed for c in configs.values()} == {1}
     assert len({c.trainer.max_steps for c in configs.values()}) == 1
-    assert all(c.sparsity.page_size == 16 and not c.tail_scheduler.collapse_guard for c in configs.values())
+    assert all(
+        c.sparsity.page_size == 16 and not c.control.scheduler.collapse_guard for c in configs.values()
+    )
     assert all(c.sparsity.dense_layers == 0 for c in configs.values())  # as the committed report measured
     assert configs["dense"].sparsity.build_schedule().is_dense
     for budget in (512, 256, 128):
@@ -50,13 +52,13 @@ def test_long_arms_resolve_on_the_default_recipe() -> None:
     assert configs["distill_128"].distill.enabled and configs[
         "distill_128"
     ].sparsity.build_schedule().budgets == (128,)
-    calibrated = {n: c.sparsity for n, c in configs.items() if n.startswith("calib_")}
-    assert {(s.threshold, s.quantile) for s in calibrated.values()} == {
+    calibrated = {n: c for n, c in configs.items() if n.startswith("calib_")}
+    assert {(c.sparsity.threshold, c.sparsity.quantile) for c in calibrated.values()} == {
         (0.86, 0.01),
         (0.7, 0.01),
         (0.86, 0.05),
     }
-    assert all(s.calibrate for s in calibrated.values())
+    assert all(c.control.calibrate for c in calibrated.values())
 
 
 def test_tolerant_arms_resolve_on_the_tolerant_recipe() -> None:
@@ -75,7 +77,7 @@ def test_tolerant_arms_resolve_on_the_tolerant_recipe() -> None:
         assert (c.sparsity.page_score, c.sparsity.dense_layers, c.sparsity.page_size) == ("centroid", 1, 16)
         assert c.task.fact_copies == 2 and c.task.any_order and c.task.max_wrong == 2
         assert c.rollout.logprobs_topk >= c.model.shape().vocab_size  # exact alpha
-        assert not c.tail_scheduler.collapse_guard and c.rollout.seed == 2
+        assert not c.control.scheduler.collapse_guard and c.rollout.seed == 2
     ladder = sorted(c.sparsity.budgets[0] for n, c in configs.items() if n.startswith("fixed_"))
     assert all(1.15 <= b / a <= 1.35 for a, b in itertools.pairwise(ladder)), ladder
     inject = {n: c.rollout.inject_mismatch for n, c in configs.items() if n.startswith("inject_")}

@@ -105,7 +105,7 @@ DENSE = _arm("dense", "dense")
 
 
 def _tau(t: float) -> tuple[str, ...]:
-    return ("sparsity.calibrate=true", f"sparsity.threshold={t}")
+    return ("control.calibrate=true", f"sparsity.threshold={t}")
 
 
 def test_statistics_against_known_values() -> None:
