@@ -17,7 +17,7 @@ line goes to ``benchmarks/results/decode_profile.jsonl``. The timer reads the ho
 GPU the numbers would need a synchronise per call (not done: it is the CPU engine's profile).
 
 Example (docs/results.md: the default run's final schedule on its warm-start, ~3 min):
-    python benchmarks/decode_profile.py --repeats 2 sparsity.calibrate=false \
+    python benchmarks/decode_profile.py --repeats 2 control.calibrate=false \
         "sparsity.budgets=[192,192,192,256,512,2147483647]"
 """
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from sparrow_nemo.callbacks.calibration import run_calibration
+from sparrow_nemo.control.calibration import run_calibration
 from sparrow_nemo.grpo.distill import DistillData, DistillSparse
 from sparrow_nemo.hf_qwen3 import LoraAdapter
 from sparrow_nemo.rollout.engine import RolloutEngine, SamplingParams
@@ -225,7 +225,7 @@ def measure_adapter(
         adapter,
         prompts,
         trainer.sampling,
-        s.calibration.candidate_budgets,
+        trainer.config.control.calibration.candidate_budgets,
         s.bin_tokens,
         s.page_size,
         trainer.cost_model,

@@ -53,7 +53,7 @@ from sparrow_nemo.grpo.recipe import load_config
 from safetensors.torch import load_file
 from sparrow_nemo.rollout.sampling import sample_seed
 weights, budgets, prompts = sys.argv[1], sys.argv[2], int(sys.argv[3])
-overrides = ["warmstart.enabled=false", "sparsity.calibrate=false", "sparsity.schedule=explicit", f"sparsity.budgets={budgets}"]
+overrides = ["warmstart.enabled=false", "control.calibrate=false", "sparsity.schedule=explicit", f"sparsity.budgets={budgets}"]
 config = load_config("tiny_cpu", overrides)
 setup.apply_cpu_threads(config)
 source = build_prompt_source(config)
@@ -62,7 +62,7 @@ engine = setup.build_engine(config, state, source.tokenizer)
 schedule = config.sparsity.build_schedule()
 items = source.eval_batch(prompts)
 ids = [list(i.prompt_ids) for i in items]
-sampling = config.rollout.sampling(seed=1)
+sampling = setup.sampling_params(config, seed=1)
 seeds = [sample_seed(1, i) for i in range(len(ids))]
 engine.generate(ids[:8], sampling, schedule, sample_seeds=seeds[:8])
 t0, c0 = time.perf_counter(), time.process_time()

@@ -146,7 +146,9 @@ def refit_row(policy, engine, config, cuda: bool, meta: dict) -> dict:
     from sparrow_nemo.sparse.schedule import BudgetSchedule
 
     name = "model.layers.0.self_attn.q_proj.weight"
-    sampling = replace(config.rollout.sampling(), max_new_tokens=8, stop_token_ids=(), seed=7)
+    from sparrow_nemo.grpo.setup import sampling_params
+
+    sampling = replace(sampling_params(config), max_new_tokens=8, stop_token_ids=(), seed=7)
 
     def timed(fn) -> tuple[object, float]:
         if cuda:

@@ -196,7 +196,7 @@ def dense_samples(config: SparrowConfig, count: int) -> tuple[Qwen3Decoder, list
     s = config.sparsity
     batch = engine.generate(
         [i.prompt_ids for i in items],
-        config.rollout.sampling(),
+        setup.sampling_params(config),
         BudgetSchedule.dense(s.bin_tokens, s.page_size),
         sample_seeds=list(range(len(items))),
     )

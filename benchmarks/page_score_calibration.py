@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rollout_throughput import machine_info
 
 from sparrow_nemo import cli
-from sparrow_nemo.callbacks.calibration import TABLE_JSON
+from sparrow_nemo.control.calibration import TABLE_JSON
 from sparrow_nemo.sparse.pattern import PAGE_SCORES
 
 RESULTS = Path(__file__).resolve().parent / "results" / "page_score_calibration.jsonl"

@@ -13,7 +13,7 @@ schedule: ``--schedule FILE`` (e.g. a run's ``sparsity/schedule.yaml``), else th
 ``sparsity.build_schedule()``.
 
 Example (docs/results.md: the default run's final schedule on its warm-start, ~3 min):
-    python benchmarks/schedule_ab.py --repeats 4 sparsity.calibrate=false \
+    python benchmarks/schedule_ab.py --repeats 4 control.calibrate=false \
         "sparsity.budgets=[192,192,192,256,512,2147483647]"
 """
 
@@ -101,7 +101,7 @@ def prepare(args: argparse.Namespace) -> Arms:
         schedules={"dense": BudgetSchedule.dense(s.bin_tokens, s.page_size), "sparse": schedule},
         prompts=[i.prompt_ids for i in items],
         seeds=list(range(len(items))),
-        sampling=config.rollout.sampling(),
+        sampling=setup.sampling_params(config),
     )
 
 

@@ -153,7 +153,7 @@ def _torchrun_train(run_dir: Path, overrides: list[str]) -> str:
 def test_two_tensor_parallel_ranks_distill_as_one_rank(warm_cache, tmp_path: Path) -> None:
     # TP=2 runs step 0, checkpoints, and resumes for step 1 (the adapter and each rank's optimizer state come
     # back); DP=2 runs step 0; TP=1 runs both steps straight
-    overrides = [*QUICK, "distill.steps=2", "sparsity.calibration.num_prompts=4", "checkpoint.enabled=true"]
+    overrides = [*QUICK, "distill.steps=2", "control.calibration.num_prompts=4", "checkpoint.enabled=true"]
     tp2 = [*overrides, "policy.tensor_model_parallel_size=2"]
     assert "resumed from" not in _torchrun_train(tmp_path / "tp2", [*tp2, "trainer.max_steps=1"])
     assert "resumed from" in _torchrun_train(tmp_path / "tp2", [*tp2, "trainer.max_steps=2"])

@@ -42,7 +42,7 @@ def test_haystack_smoke_run_loads_the_shipped_warm_start_and_rolls_out_over_long
     populated = [b for b in tail_per_bin([last], stat) if (last.get(f"acceptance/tokens/bin_{b}") or 0) > 0]
     assert populated and min(populated) >= 2, last
     # the tail is kept: a decided bin whose tail (the recipe's p1) dips below the threshold gets a larger budget
-    # for the next step (tail_scheduler.adapt: raise), or the collapse guard switches the run to dense (measured
+    # for the next step (control.scheduler.adapt: raise), or the collapse guard switches the run to dense (measured
     # in the recipe's 30-step run: bin 4's p1 fell to 0.06 at 192 tokens, raised to 512 over steps 5-15)
     threshold = config.sparsity.threshold
     for row in rows:

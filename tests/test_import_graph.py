@@ -174,3 +174,21 @@ def test_no_module_over_the_line_limit() -> None:
     long = {n: len(p.read_text().splitlines()) for n, p in _modules().items()}
     over = {n: lines for n, lines in long.items() if lines > MAX_MODULE_LINES}
     assert not over, f"modules over {MAX_MODULE_LINES} lines (split them): {over}"
+
+
+#: packages the Sparrow controller (``control/``) must not import: it sits below the loop that applies its
+#: decisions and the user callbacks that see its reports
+ABOVE_CONTROL = ("grpo", "callbacks", "commands", "experiments", "cli")
+
+
+def test_control_is_below_grpo() -> None:
+    graph = _graph()
+    upward = sorted(
+        f"{module} -> {target}"
+        for module, targets in graph.items()
+        if _package(module) == "control"
+        for target in targets
+        if _package(target) in ABOVE_CONTROL
+    )
+    assert not upward, f"control/ imports a package above it: {upward}"
+    assert any(_package(m) == "grpo" and any(_package(t) == "control" for t in ts) for m, ts in graph.items())

@@ -160,7 +160,7 @@ def test_fixed_budget_far_too_small_shows_bins_below_threshold(
         *smoke_overrides,
         "sparsity.budgets=[16]",
         "sparsity.dense_layers=0",
-        "tail_scheduler.adapt='off'",
+        "control.scheduler.adapt='off'",
         "trainer.max_steps=2",
         "checkpoint.enabled=false",
         "logging.plots=false",
@@ -185,7 +185,7 @@ def test_dense_rollout_matches_the_policy_token_by_token(smoke_overrides, tmp_pa
         [
             *smoke_overrides,
             "sparsity.schedule=dense",
-            "tail_scheduler.adapt='off'",
+            "control.scheduler.adapt='off'",
             "trainer.max_steps=2",
             "checkpoint.enabled=false",
             "logging.plots=false",

@@ -1,8 +1,8 @@
 """Callback protocol: NeMo/Lightning-style hooks, what a callback sees, and building callbacks from a recipe.
 
 ``callbacks:`` in a recipe is for user extras. The components a recipe section configures are built by the
-trainer itself and may not be listed again (:func:`instantiate_callbacks` refuses them): the tail scheduler
-(``sparsity.*``) and DistillSparse (``distill.*``). The trainer calls, once per run / step, in this order::
+trainer itself and may not be listed again (:func:`instantiate_callbacks` refuses them): the Sparrow controller
+(``control.*``, :mod:`sparrow_nemo.control`) and DistillSparse (``distill.*``). The trainer calls, once per run / step, in this order::
 
     on_train_start(trainer)
     [on_validation_end(trainer, metrics)]          after the start evaluation
@@ -29,15 +29,11 @@ import difflib
 import importlib
 import inspect
 import logging
-import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
-import torch
-
-from sparrow_nemo.callbacks.tail_stats import BinTail
+from sparrow_nemo.control.report import StepReport
 
 if TYPE_CHECKING:
     from sparrow_nemo.sparse.schedule import BudgetSchedule
@@ -56,80 +52,6 @@ HOOKS: tuple[str, ...] = (
 )
 
 
-@dataclass(frozen=True)
-class StepReport:
-    """What one RL step's rollouts looked like, as the callbacks see it (the same on every rank).
-
-    Attributes:
-        step: the RL step (0-based) these rollouts belong to.
-        schedule: the budget schedule the rollouts were generated with.
-        tails: the per-token acceptance rate's tail per bin of cached length over all of the step's response
-            tokens (every rank's; :func:`~sparrow_nemo.callbacks.tail_stats.merged_bin_tails`), ascending by
-            bin, bins of ``schedule.bin_tokens`` tokens; only bins that hold tokens.
-        quantile: the tail level of ``tails`` (0.05 = p5). noise_z: standard errors of their bounds.
-        reward_mean: mean sequence reward over the step's samples.
-        response_length_mean: mean response length over the step's samples, tokens.
-        accuracy: fraction of samples judged correct, when the reward has that notion.
-    """
-
-    step: int
-    schedule: BudgetSchedule
-    tails: tuple[BinTail, ...]
-    quantile: float
-    noise_z: float
-    reward_mean: float
-    response_length_mean: float
-    accuracy: float | None = None
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "tails", tuple(self.tails))
-        bins = [t.bin for t in self.tails]
-        if bins != sorted(set(bins)):
-            raise ValueError(f"StepReport.tails: expected ascending distinct bins, got {bins}")
-        for t in self.tails:
-            if not all(math.isfinite(v) for v in (t.value, t.lcb, t.ucb)) or t.tokens <= 0:
-                raise ValueError(f"StepReport.tails: bin {t.bin} has a non-finite value or no tokens ({t})")
-        if not 0.0 < self.quantile < 1.0:
-            raise ValueError(f"StepReport.quantile: expected a level in (0, 1), got {self.quantile}")
-        for name in ("reward_mean", "response_length_mean"):
-            if not math.isfinite(getattr(self, name)):
-                raise ValueError(f"StepReport.{name}: expected a finite number, got {getattr(self, name)}")
-
-    @classmethod
-    def from_tokens(
-        cls,
-        step: int,
-        alpha: torch.Tensor,
-        cached_len: torch.Tensor,
-        reward_mean: float,
-        response_length_mean: float,
-        schedule: BudgetSchedule,
-        accuracy: float | None = None,
-        quantile: float = 0.05,
-        noise_z: float = 2.0,
-    ) -> StepReport:
-        """The report of per-token acceptance rates ``alpha`` [N] (floating) and their integer ``cached_len``
-        [N] held in one place (one rank; tests, calibration tools)."""
-        from sparrow_nemo.callbacks.tail_stats import bin_tails
-
-        if alpha.ndim != 1 or not alpha.is_floating_point():
-            raise ValueError(
-                f"StepReport.from_tokens: alpha must be a 1-D floating tensor [N], got {tuple(alpha.shape)} "
-                f"{alpha.dtype}"
-            )
-        if cached_len.shape != alpha.shape or cached_len.is_floating_point():
-            raise ValueError(
-                f"StepReport.from_tokens: cached_len must be an integer tensor shaped like alpha "
-                f"{tuple(alpha.shape)}, got {tuple(cached_len.shape)} {cached_len.dtype}"
-            )
-        if alpha.numel() and not bool(torch.isfinite(alpha).all()):
-            raise ValueError("StepReport.from_tokens: alpha contains NaN or inf")
-        tails = bin_tails(alpha, cached_len, schedule.bin_tokens, quantile, noise_z) if alpha.numel() else []
-        return cls(
-            step, schedule, tuple(tails), quantile, noise_z, reward_mean, response_length_mean, accuracy
-        )
-
-
 @runtime_checkable
 class TrainerLike(Protocol):
     """The part of the trainer that callbacks use.
@@ -145,22 +67,6 @@ class TrainerLike(Protocol):
     def log(self, metrics: Mapping[str, float]) -> None:
         """Record flat scalar metrics (``"group/name/bin_3": value``) for the current step."""
         ...
-
-
-@runtime_checkable
-class CalibratingTrainer(TrainerLike, Protocol):
-    """A trainer that can feed a calibration pass (``TailMismatchScheduler(calibrate=True)``).
-
-    Attributes:
-        rollout_engine: a RolloutEngine (``generate(prompts, sampling, schedule)`` and ``score(...)``).
-        sampling: the sampling parameters the engine takes.
-        calibration_prompts: prompt token ids, one list per calibration sample (repeat a prompt for
-            several samples of it).
-    """
-
-    rollout_engine: Any
-    sampling: Any
-    calibration_prompts: Sequence[Sequence[int]]
 
 
 class Callback:
@@ -298,7 +204,7 @@ def _suggest(name: str, allowed: Sequence[str]) -> str:
 def _import_target(where: str, target: Any) -> type:
     if not isinstance(target, str) or "." not in target:
         raise CallbackConfigError(
-            f"{where}._target_={target!r}: expected a dotted path like 'sparrow_nemo.callbacks.TailMismatchScheduler'"
+            f"{where}._target_={target!r}: expected a dotted path like 'my_package.callbacks.MyCallback'"
         )
     module_name, _, attr = target.rpartition(".")
     try:

@@ -1,9 +1,9 @@
 """``sparrow calibrate``: pick the sparsity schedule that meets ``sparsity.threshold`` on calibration prompts.
 
 Builds the rollout engine from the recipe's model (``model.hf_checkpoint``, or the cached warm-start of
-the synthetic task, trained first when missing), samples ``sparsity.calibration.num_prompts`` held-out
+the synthetic task, trained first when missing), samples ``control.calibration.num_prompts`` held-out
 prompts x ``samples_per_prompt`` sparse at every candidate budget, scores them dense, and writes the
-per-bin table, the schedule YAML and the plot (:func:`sparrow_nemo.callbacks.run_calibration`).
+per-bin table, the schedule YAML and the plot (:func:`sparrow_nemo.control.run_calibration`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     from pathlib import Path
 
-    from sparrow_nemo.callbacks import run_calibration
+    from sparrow_nemo.control import run_calibration
     from sparrow_nemo.grpo import setup
     from sparrow_nemo.grpo.prompts import build_prompt_source
     from sparrow_nemo.grpo.start import start_weights
@@ -40,8 +40,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     setup.apply_cpu_threads(config)
     source = build_prompt_source(config)
-    s = config.sparsity
-    items = source.eval_batch(s.calibration.num_prompts)
+    s, c = config.sparsity, config.control.calibration
+    items = source.eval_batch(c.num_prompts)
     if not items:
         raise ConfigError(
             f"sparrow calibrate: reward.type={config.reward.type} calibrates on held-out prompts: set "
@@ -50,12 +50,12 @@ def run(args: argparse.Namespace) -> int:
     weights = start_weights(config, source, config.logging.progress_bar)
     engine = setup.build_engine(config, weights, source.tokenizer)
     out = Path(args.out) if args.out else make_run_dir(config) / "calibration"
-    prompts = [item.prompt_ids for item in items for _ in range(s.calibration.samples_per_prompt)]
+    prompts = [item.prompt_ids for item in items for _ in range(c.samples_per_prompt)]
     result = run_calibration(
         engine,
         prompts,
-        s.calibration.candidate_budgets,
-        config.rollout.sampling(),
+        c.candidate_budgets,
+        setup.sampling_params(config),
         bin_tokens=s.bin_tokens,
         threshold=s.threshold,
         quantile=s.quantile,

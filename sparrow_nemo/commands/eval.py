@@ -47,6 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from sparrow_nemo.config import ConfigError
     from sparrow_nemo.evaluation import default_ks, evaluate_samples, summarize
+    from sparrow_nemo.grpo import setup
     from sparrow_nemo.grpo.prompts import build_prompt_source
     from sparrow_nemo.grpo.recipe import SYNTHETIC_REWARD
     from sparrow_nemo.run_io.rundir import make_run_dir
@@ -83,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         [i.prompt_ids for i in items],
         [i.answer for i in items],
         source.reward,
-        config.rollout.sampling(),
+        setup.sampling_params(config),
         schedule,
         args.n,
         ks,

@@ -13,7 +13,7 @@ the file (or the command line), the line and what was expected:
 - an integer longer than Python converts (``sys.get_int_max_str_digits()``, 4,300 digits).
 
 Booleans are YAML 1.2's: only ``true`` / ``false`` (any case as YAML writes them). PyYAML follows YAML 1.1,
-where ``off``, ``on``, ``yes``, ``no`` are booleans too, so ``tail_scheduler.adapt=off`` (a mode name) would
+where ``off``, ``on``, ``yes``, ``no`` are booleans too, so ``control.scheduler.adapt=off`` (a mode name) would
 arrive as ``False`` and be refused; here it is the string ``"off"``, and ``enabled: yes`` is a string that a
 boolean knob refuses with its one line.
 """

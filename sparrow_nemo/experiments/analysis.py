@@ -3,10 +3,14 @@
 Nothing is re-measured: every value comes from a run's ``metrics.jsonl`` (one row per RL step),
 ``summary.json`` (held-out evaluations, predicted speedup) and the runner's ``experiment_run.json``.
 
-Per-bin statistics pool the steps and seeds of an arm: the p5 of a bin is the token-weighted mean of the
-per-step p5 values (each step's p5 comes from that step's tokens in the bin), the mean acceptance of a bin
-is the token-weighted mean of the per-step bin means. Bins with fewer than ``min_bin_tokens`` tokens in
-all are left out of the tail verdicts (too few tokens for a 5th percentile).
+Per-bin statistics pool the steps and seeds of an arm: the p5 of a bin is the 5th percentile of all the
+arm's tokens in the bin, read off the sum of the runs' per-step per-bin acceptance histograms
+(``histograms.jsonl``, ``acceptance/histogram/bin_<b>``: :data:`~sparrow_nemo.grpo.step_batch.BIN_HISTOGRAM_BINS`
+bins of 0.01 over [0, 1]) by linear interpolation inside the bin that holds it, so exact to 0.01; the mean
+is the histograms' sum over their count (exact). Runs made before those histograms were logged cannot be
+pooled so: their p5 is the token-weighted mean of the per-step p5 values (``metrics.jsonl``), which is not a
+quantile of the pooled tokens, and :attr:`ArmResult.p5_pooling` says which an arm got. Bins with fewer than
+``min_bin_tokens`` tokens in all are left out of the tail verdicts (too few tokens for a 5th percentile).
 """
 
 from __future__ import annotations
@@ -24,13 +28,31 @@ import yaml
 
 from sparrow_nemo.experiments.arms import OUTCOMES, Arm
 from sparrow_nemo.experiments.runner import RUN_RECORD, run_folder
-from sparrow_nemo.run_io.metrics import read_metrics
+from sparrow_nemo.run_io.histograms import Histogram
+from sparrow_nemo.run_io.metrics import HISTOGRAMS_FILE, read_metrics
+from sparrow_nemo.sparse.mismatch import PAPER_QUANTILE
 
-__all__ = ["LAST_STEPS", "ArmResult", "RunData", "aggregate", "load_run", "load_runs", "slope"]
+__all__ = [
+    "LAST_STEPS",
+    "POOLED",
+    "STEP_MEAN",
+    "ArmResult",
+    "RunData",
+    "SeedResult",
+    "aggregate",
+    "histogram_quantile",
+    "load_run",
+    "load_runs",
+    "slope",
+]
 
 #: Steps at the end of a run over which the train accuracy and response length are averaged.
 LAST_STEPS = 5
 _BIN_KEY = re.compile(r"^acceptance/(p5|mean|tokens)/bin_(\d+)$")
+_BIN_HISTOGRAM = re.compile(r"^acceptance/histogram/bin_(\d+)$")
+#: :attr:`ArmResult.p5_pooling`: the quantile of the pooled tokens, or (old runs) the mean of per-step p5s
+POOLED = "p5 of the pooled tokens (per-bin histograms, 0.01 resolution)"
+STEP_MEAN = "token-weighted mean of per-step p5 (runs without per-bin histograms)"
 
 
 @dataclass(frozen=True)
@@ -41,6 +63,9 @@ class RunData:
         arm, seed: which run. summary: its ``summary.json``. rows: its metrics rows of RL steps (step >= 0).
         record: the runner's ``experiment_run.json`` (wall_s, cpu_s), empty when absent.
         samples_per_step: rollouts per RL step (grpo.prompts_per_step x grpo.samples_per_prompt).
+        bin_histograms: {bin: acceptance histogram of the bin's tokens summed over the RL steps}; empty for a
+            run made before the per-bin histograms were logged. late_bin_histograms: the same over the last
+            :data:`LAST_STEPS` steps.
     """
 
     arm: Arm
@@ -49,6 +74,8 @@ class RunData:
     rows: list[dict[str, Any]]
     record: dict[str, Any]
     samples_per_step: int
+    bin_histograms: dict[int, Histogram] = field(default_factory=dict)
+    late_bin_histograms: dict[int, Histogram] = field(default_factory=dict)
 
     @property
     def bin_tokens(self) -> int:
@@ -80,6 +107,55 @@ def _row_bins(row: dict[str, Any]) -> dict[int, dict[str, float]]:
     return {b: stats for b, stats in found.items() if {"p5", "mean", "tokens"} <= set(stats)}
 
 
+def _summed_bin_histograms(path: Path, first_step: int = 0) -> dict[int, Histogram]:
+    """{bin: the run's per-step acceptance histograms of the bin summed over its RL steps >= ``first_step``}."""
+    if not path.is_file():
+        return {}
+    summed: dict[int, Histogram] = {}
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        if row.get("step", -1) < first_step:
+            continue
+        for key, data in row.items():
+            match = _BIN_HISTOGRAM.match(key)
+            if not match:
+                continue
+            h, b = Histogram.from_dict(data), int(match.group(1))
+            total = summed.get(b)
+            if total is not None and total.edges != h.edges:
+                raise ValueError(f"{path}:{number}: {key} has other edges than the earlier steps")
+            summed[b] = h if total is None else _add(total, h)
+    return dict(sorted(summed.items()))
+
+
+def _add(a: Histogram, b: Histogram) -> Histogram:
+    """Two histograms of the same edges as one."""
+    return Histogram(
+        a.edges,
+        tuple(x + y for x, y in zip(a.counts, b.counts)),
+        a.total + b.total,
+        a.sum + b.sum,
+        a.sum_squares + b.sum_squares,
+        min(a.min, b.min),
+        max(a.max, b.max),
+    )
+
+
+def histogram_quantile(h: Histogram, q: float) -> float:
+    """The ``q`` quantile of the values counted in ``h``: the value below which a fraction ``q`` of them lie,
+    linearly interpolated inside the bin that holds it (exact to one bin width); NaN when ``h`` is empty."""
+    if h.total <= 0:
+        return math.nan
+    target, below = q * h.total, 0.0
+    for i, count in enumerate(h.counts):
+        if count > 0 and below + count >= target:
+            return h.edges[i] + (target - below) / count * (h.edges[i + 1] - h.edges[i])
+        below += count
+    return h.edges[-1]
+
+
 def load_run(folder: Path, arm: Arm, seed: int) -> RunData:
     """Read one finished run folder (FileNotFoundError naming the file when a piece is missing)."""
     summary_path, metrics_path = folder / "summary.json", folder / "metrics.jsonl"
@@ -90,21 +166,28 @@ def load_run(folder: Path, arm: Arm, seed: int) -> RunData:
             )
     record_path = folder / RUN_RECORD
     grpo = yaml.safe_load((folder / "config.yaml").read_text())["grpo"]
+    rows = [row for row in read_metrics(metrics_path) if row["step"] >= 0]
+    late = rows[-min(LAST_STEPS, len(rows))]["step"] if rows else 0
     return RunData(
         arm=arm,
         seed=seed,
         summary=json.loads(summary_path.read_text()),
-        rows=[row for row in read_metrics(metrics_path) if row["step"] >= 0],
+        rows=rows,
         record=json.loads(record_path.read_text()) if record_path.is_file() else {},
         samples_per_step=int(grpo["prompts_per_step"]) * int(grpo["samples_per_prompt"]),
+        bin_histograms=_summed_bin_histograms(folder / HISTOGRAMS_FILE),
+        late_bin_histograms=_summed_bin_histograms(folder / HISTOGRAMS_FILE, late),
     )
 
 
-def load_runs(root: Path, arms: Sequence[Arm], seeds: Sequence[int]) -> tuple[list[RunData], list[str]]:
-    """The finished arm x seed runs under the runs folder ``root``, and ``"<arm> seed <s>"`` for the missing."""
+def load_runs(
+    root: Path, arms: Sequence[Arm], seeds: Sequence[int], smoke: bool = False
+) -> tuple[list[RunData], list[str]]:
+    """The finished arm x seed runs under the runs folder ``root`` (each arm's :meth:`Arm.seeds_for`), and
+    ``"<arm> seed <s>"`` for the missing."""
     runs, missing = [], []
     for arm in arms:
-        for seed in seeds:
+        for seed in arm.seeds_for(seeds, smoke):
             folder = run_folder(root, arm.name, seed)
             if (folder / "summary.json").is_file():
                 runs.append(load_run(folder, arm, seed))
@@ -136,6 +219,71 @@ def _running_best(values: Sequence[float], window: int = 3) -> float:
     return max(_mean(values[i : i + window]) for i in range(len(values) - window + 1))
 
 
+@dataclass(frozen=True)
+class SeedResult:
+    """One run (seed) of an arm, for the between-seed rules (:mod:`sparrow_nemo.experiments.tolerant_claims`).
+
+    Attributes:
+        accuracy_end_dense, reward_end_dense: held-out accuracy (solved problems) and mean reward (fraction of
+            queries right) of the final weights decoded densely (the tolerant miniature's primary outcome);
+            accuracy_start_dense: of the warm-start, decoded densely.
+        reward_first, reward_last: training reward (``reward/mean``) over the first / last :data:`LAST_STEPS`
+            steps. length_first, length_last: mean response length (tokens) over the same steps.
+        acceptance_mean: token-mean acceptance over the run. min_p5, late_min_p5: lowest decided bin's p5 of the
+            run's pooled tokens, over all steps / the last :data:`LAST_STEPS` steps (NaN when no bin is decided).
+        predicted_speedup: the run's cost-model speedup over dense (mean over its steps).
+    """
+
+    seed: int
+    accuracy_end_dense: float
+    reward_end_dense: float
+    accuracy_start_dense: float
+    reward_first: float
+    reward_last: float
+    length_first: float
+    length_last: float
+    acceptance_mean: float
+    min_p5: float
+    late_min_p5: float
+    predicted_speedup: float
+
+
+def _lowest_p5(bins: dict[int, dict[str, float]], min_tokens: float) -> float:
+    decided = [v["p5"] for v in bins.values() if v["tokens"] >= min_tokens]
+    return min(decided) if decided else math.nan
+
+
+def _seed_result(run: RunData, min_tokens: float) -> SeedResult:
+    """``run``'s :class:`SeedResult`; bins with fewer than ``min_tokens`` tokens are not decided."""
+    evals = run.summary.get("evals", {})
+    late = RunData(
+        run.arm,
+        run.seed,
+        run.summary,
+        run.rows[-LAST_STEPS:],
+        run.record,
+        run.samples_per_step,
+        run.late_bin_histograms,
+    )
+    reward, length = run.series("reward/mean"), run.series("response_length/mean")
+    return SeedResult(
+        seed=run.seed,
+        accuracy_end_dense=_mean([run.summary.get("accuracy_end_dense")]),
+        reward_end_dense=_mean([evals.get("end_dense", {}).get("reward_mean")]),
+        accuracy_start_dense=_mean([run.summary.get("accuracy_start_dense")]),
+        reward_first=_mean(reward[:LAST_STEPS]),
+        reward_last=_mean(reward[-LAST_STEPS:]),
+        length_first=_mean(length[:LAST_STEPS]),
+        length_last=_mean(length[-LAST_STEPS:]),
+        acceptance_mean=_mean(run.series("acceptance/mean")),
+        min_p5=_lowest_p5(_pool_bins([run])[0], min_tokens),
+        late_min_p5=_lowest_p5(
+            _pool_bins([late])[0], min_tokens * min(LAST_STEPS, len(run.rows)) / max(len(run.rows), 1)
+        ),
+        predicted_speedup=_mean(run.series("sparsity/predicted_speedup")),
+    )
+
+
 @dataclass
 class ArmResult:
     """An arm's numbers, averaged over its seeds (see the module docstring for the per-bin pooling).
@@ -165,6 +313,8 @@ class ArmResult:
     wall_s: float
     cpu_s: float
     bins: dict[int, dict[str, float]] = field(default_factory=dict)
+    p5_pooling: str = POOLED
+    per_seed: list[SeedResult] = field(default_factory=list)
     curves: dict[str, list[float]] = field(default_factory=dict)
 
     def decided_bins(self, min_tokens: int) -> dict[int, dict[str, float]]:
@@ -189,20 +339,34 @@ class ArmResult:
         return float(getattr(self, name)), samples
 
 
-def _pool_bins(runs: Sequence[RunData]) -> dict[int, dict[str, float]]:
-    pooled: dict[int, dict[str, float]] = {}
+def _pool_bins(runs: Sequence[RunData]) -> tuple[dict[int, dict[str, float]], str]:
+    """{bin: {"p5", "mean", "tokens"}} over the runs' steps and tokens, and how the p5 was pooled (:data:`POOLED`
+    when every run logged per-bin histograms, else :data:`STEP_MEAN`; see the module docstring)."""
+    if all(run.bin_histograms for run in runs):
+        merged: dict[int, Histogram] = {}
+        for run in runs:
+            for b, h in run.bin_histograms.items():
+                merged[b] = h if b not in merged else _add(merged[b], h)
+        pooled = {
+            b: {"p5": histogram_quantile(h, PAPER_QUANTILE), "mean": h.mean, "tokens": h.total}
+            for b, h in sorted(merged.items())
+            if h.total > 0
+        }
+        return pooled, POOLED
+    weighted: dict[int, dict[str, float]] = {}
     for run in runs:
         for b, stats in run.per_bin().items():
-            entry = pooled.setdefault(b, {"p5w": 0.0, "meanw": 0.0, "tokens": 0.0})
+            entry = weighted.setdefault(b, {"p5w": 0.0, "meanw": 0.0, "tokens": 0.0})
             for p5, mean, tokens in zip(stats["p5"], stats["mean"], stats["tokens"]):
                 entry["p5w"] += p5 * tokens
                 entry["meanw"] += mean * tokens
                 entry["tokens"] += tokens
-    return {
+    averaged = {
         b: {"p5": e["p5w"] / e["tokens"], "mean": e["meanw"] / e["tokens"], "tokens": e["tokens"]}
-        for b, e in sorted(pooled.items())
+        for b, e in sorted(weighted.items())
         if e["tokens"] > 0
     }
+    return averaged, STEP_MEAN
 
 
 def _curve(runs: Sequence[RunData], key: str) -> list[float]:
@@ -238,6 +402,7 @@ def aggregate(runs: Sequence[RunData], min_bin_tokens: int) -> list[ArmResult]:
         group = by_arm[name]
         steps = len(group[0].rows)
         per_step_min = max(1, min_bin_tokens // max(steps, 1))
+        bins, pooling = _pool_bins(group)
 
         def summary(key: str, group: list[RunData] = group) -> float:
             return _mean([run.summary.get(key) for run in group])
@@ -267,7 +432,9 @@ def aggregate(runs: Sequence[RunData], min_bin_tokens: int) -> list[ArmResult]:
                 final_budgets=list(group[0].summary["final_schedule"]["budgets"]),
                 wall_s=_mean([run.record.get("wall_s", math.nan) for run in group]),
                 cpu_s=_mean([run.record.get("cpu_s", math.nan) for run in group]),
-                bins=_pool_bins(group),
+                bins=bins,
+                p5_pooling=pooling,
+                per_seed=[_seed_result(run, min_bin_tokens / len(group)) for run in group],
                 curves={
                     "reward": _curve(group, "reward/mean"),
                     "accuracy": _curve(group, "reward/accuracy"),

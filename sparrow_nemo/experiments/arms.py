@@ -6,10 +6,13 @@ An arms file (``experiments/tiny_arms.yaml``) is YAML with these keys::
     outcome: train_accuracy_last   # the accuracy that says whether a run "trains like dense" (analysis.OUTCOMES)
     degrade_margin: 0.05       # accuracy below dense by more than this (or 2 standard errors) = degraded
     min_bin_tokens: 100        # bins with fewer tokens (all steps, all seeds) are left out of the tail tables
+    rules: paper               # which claim rules decide: paper (claims.py) | tolerant (tolerant_claims.py)
+    equivalence_margin: 0.05   # tolerant rules: equivalence with dense at +- this (held-out accuracy)
     common: [KEY=VALUE, ...]   # overrides for every arm
     arms:
       - name: dense            # folder name: letters, digits, . _ -
-        role: dense            # dense | fixed | schedule | distill
+        role: dense            # dense | fixed | schedule | distill | inject
+        seeds: 8               # optional: this arm runs more seeds than the command's (0 .. 7)
         label: dense rollout   # free text for the report (default: the name)
         baseline: fixed_24     # distill arms only: the same schedule without the adapter
         overrides: [sparsity.schedule=dense]
@@ -18,7 +21,7 @@ An arms file (``experiments/tiny_arms.yaml``) is YAML with these keys::
       overrides: [trainer.max_steps=2, ...]
 
 Overrides are the command line's ``key=value`` strings (quote a value with ``: `` in it, and write
-``tail_scheduler.adapt='off'`` so YAML keeps it a string). The run of arm A with seed S is the base recipe, then
+``control.scheduler.adapt='off'`` so YAML keeps it a string). The run of arm A with seed S is the base recipe, then
 ``common``, then A's overrides, then the command line's, then the smoke overrides, then ``rollout.seed=S``:
 every arm gets the same seeds, and an arm may not set the seed or the step count itself.
 """
@@ -35,11 +38,15 @@ from sparrow_nemo.config import ConfigError
 from sparrow_nemo.config.yaml_io import YamlProblem, load_yaml
 from sparrow_nemo.grpo.recipe import SparrowConfig, load_config
 
-__all__ = ["OUTCOMES", "ROLES", "Arm", "ArmsError", "ArmsSpec", "arm_config", "load_arms"]
+__all__ = ["OUTCOMES", "ROLES", "RULES", "Arm", "ArmsError", "ArmsSpec", "arm_config", "load_arms"]
 
 #: What an arm stands for in the claims: the dense reference, a constant budget, a length-dependent
-#: (calibrated) schedule, or a schedule with the DistillSparse adapter.
-ROLES: tuple[str, ...] = ("dense", "fixed", "schedule", "distill")
+#: (calibrated) schedule, a schedule with the DistillSparse adapter, or dense decoding with mismatch
+#: injected (``rollout.inject_mismatch``).
+ROLES: tuple[str, ...] = ("dense", "fixed", "schedule", "distill", "inject")
+#: Claim rules an arms file may name (``rules``): the earlier grids' (:mod:`.claims`) or the tolerant
+#: miniature's (:mod:`.tolerant_claims`).
+RULES: tuple[str, ...] = ("paper", "tolerant")
 #: Keys an arm may not override: they must be equal in every arm (the runner sets the seed).
 _SHARED_KEYS: tuple[str, ...] = ("trainer.max_steps", "trainer.seed", "rollout.seed")
 #: Accuracies that can decide "trains like dense": the training rollouts' accuracy over the last 5 steps
@@ -62,11 +69,19 @@ class Arm:
     overrides: tuple[str, ...]
     label: str = ""
     baseline: str | None = None
+    seeds: int | None = None
 
     @property
     def title(self) -> str:
         """The label, or the name when there is none."""
         return self.label or self.name
+
+    def seeds_for(self, seeds: Sequence[int], smoke: bool = False) -> list[int]:
+        """The arm's seeds: the command's, continued (largest + 1, ...) up to ``self.seeds`` (not in a smoke)."""
+        out = list(seeds)
+        extra = 0 if smoke or self.seeds is None else self.seeds - len(out)
+        start = max(out, default=-1) + 1
+        return out + list(range(start, start + max(extra, 0)))
 
 
 @dataclass(frozen=True)
@@ -82,6 +97,8 @@ class ArmsSpec:
     arms: tuple[Arm, ...]
     smoke_arms: tuple[str, ...]
     smoke_overrides: tuple[str, ...]
+    rules: str = "paper"
+    equivalence_margin: float = 0.05
 
     @property
     def prefix(self) -> str:
@@ -122,11 +139,14 @@ def _parse_arm(entry: Any, index: int, path: Path) -> Arm:
     where = f"{path}: arms[{index}]"
     if not isinstance(entry, dict):
         raise ArmsError(f"{where}: expected a mapping with name, role and overrides")
-    unknown = set(entry) - {"name", "role", "label", "baseline", "overrides"}
+    unknown = set(entry) - {"name", "role", "label", "baseline", "overrides", "seeds"}
     if unknown:
         raise ArmsError(
-            f"{where}: unknown keys {sorted(unknown)}; allowed: name, role, label, baseline, overrides"
+            f"{where}: unknown keys {sorted(unknown)}; allowed: name, role, label, baseline, overrides, seeds"
         )
+    seeds = entry.get("seeds")
+    if seeds is not None and (isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1):
+        raise ArmsError(f"{where}: seeds={seeds!r} - expected an integer >= 1")
     name = entry.get("name")
     if not isinstance(name, str) or not _NAME.match(name):
         raise ArmsError(f"{where}: name={name!r} - expected letters, digits, . _ - (a folder name)")
@@ -146,7 +166,7 @@ def _parse_arm(entry: Any, index: int, path: Path) -> Arm:
         raise ArmsError(
             f"{where} ({name}): 'baseline' (an arm name) is required for role distill and only there"
         )
-    return Arm(name, role, overrides, str(entry.get("label") or ""), baseline)
+    return Arm(name, role, overrides, str(entry.get("label") or ""), baseline, seeds)
 
 
 def load_arms(path: str | Path) -> ArmsSpec:
@@ -161,6 +181,7 @@ def load_arms(path: str | Path) -> ArmsSpec:
     if not isinstance(data, dict):
         raise ArmsError(f"{path}: expected a mapping with 'arms' at the top level")
     allowed = {"threshold", "outcome", "degrade_margin", "min_bin_tokens", "common", "arms", "smoke"}
+    allowed |= {"rules", "equivalence_margin"}
     unknown = set(data) - allowed
     if unknown:
         raise ArmsError(f"{path}: unknown keys {sorted(unknown)}; allowed: {', '.join(sorted(allowed))}")
@@ -185,6 +206,9 @@ def load_arms(path: str | Path) -> ArmsSpec:
     missing = [n for n in smoke_arms if n not in names]
     if missing:
         raise ArmsError(f"{path}: smoke.arms names unknown arms: {', '.join(missing)}")
+    rules = data.get("rules", "paper")
+    if rules not in RULES:
+        raise ArmsError(f"{path}: rules={rules!r} - expected one of {', '.join(RULES)}")
     min_tokens = data.get("min_bin_tokens", 100)
     if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 1:
         raise ArmsError(f"{path}: min_bin_tokens={min_tokens!r} - expected an integer >= 1")
@@ -198,6 +222,8 @@ def load_arms(path: str | Path) -> ArmsSpec:
         arms=arms,
         smoke_arms=smoke_arms or names,
         smoke_overrides=_strings(smoke.get("overrides"), f"{path}: smoke.overrides"),
+        rules=rules,
+        equivalence_margin=_number(data, "equivalence_margin", 0.05, path, 0.0, 1.0),
     )
 
 

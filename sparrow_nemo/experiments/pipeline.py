@@ -15,9 +15,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from sparrow_nemo.experiments import claims as paper_claims
+from sparrow_nemo.experiments import tolerant_claims
 from sparrow_nemo.experiments.analysis import aggregate, load_runs
 from sparrow_nemo.experiments.arms import ArmsSpec
-from sparrow_nemo.experiments.claims import evaluate_claims
 from sparrow_nemo.experiments.plots import write_plots
 from sparrow_nemo.experiments.report import ReportContext, render_report
 from sparrow_nemo.experiments.runner import RunPlan, execute, plan_runs
@@ -50,6 +51,7 @@ def results_json(results: Sequence, claims: Sequence, command: str, seeds: Seque
     arms = []
     for r in results:
         row = {f.name: getattr(r, f.name) for f in dataclasses.fields(r) if f.name != "arm"}
+        row["per_seed"] = [dataclasses.asdict(x) for x in r.per_seed]
         arms.append({"arm": r.arm.name, "role": r.arm.role, "label": r.arm.label, **row})
     data = {
         "command": command,
@@ -103,11 +105,11 @@ def run_experiment(
     if not report_only:
         execute(plans, show_progress, jobs)
     arms = spec.selected(smoke)
-    runs, missing = load_runs(paths.runs, arms, seeds)
+    runs, missing = load_runs(paths.runs, arms, seeds, smoke)
     if not runs:
         raise FileNotFoundError(f"no finished run under {paths.runs} (run without --report-only first)")
     results = aggregate(runs, spec.min_bin_tokens)
-    claims = evaluate_claims(results, spec)
+    claims = (tolerant_claims if spec.rules == "tolerant" else paper_claims).evaluate_claims(results, spec)
     figures = write_plots(results, spec.threshold, spec.min_bin_tokens, paths.plots)
     ctx = ReportContext(
         command=command,

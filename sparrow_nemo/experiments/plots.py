@@ -20,7 +20,7 @@ from sparrow_nemo.experiments.analysis import ArmResult
 __all__ = ["PLOT_NAMES", "write_plots"]
 
 PLOT_NAMES: tuple[str, ...] = ("p5_vs_length.png", "training_curves.png", "acceptance_over_steps.png")
-_STYLE = {"dense": "-", "fixed": "-", "schedule": "--", "distill": ":"}
+_STYLE = {"dense": "-", "fixed": "-", "schedule": "--", "distill": ":", "inject": "-."}
 _SMOOTH_STEPS = 5  # the trailing window of the reward-minus-dense panel (RL steps)
 
 

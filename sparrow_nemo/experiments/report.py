@@ -188,7 +188,9 @@ def render_report(
         "",
         "## Acceptance per bin of cached length (pooled over steps and seeds)",
         "",
-        "Each cell: p5 / mean (tokens). `*`: fewer than the minimum tokens, not used in verdicts.",
+        "Each cell: p5 / mean (tokens). `*`: fewer than the minimum tokens, not used in verdicts. p5: "
+        + "; ".join(sorted({r.p5_pooling for r in results}))
+        + ".",
         "",
     ]
     lines += _bins_table(results, spec)

@@ -98,7 +98,7 @@ def plan_runs(
     """
     plans = []
     for arm in spec.selected(smoke):
-        for seed in seeds:
+        for seed in arm.seeds_for(seeds, smoke):
             config = arm_config(recipe, spec, arm, seed, extra, smoke)
             plan = RunPlan(arm, seed, config, run_folder(root, arm.name, seed))
             drift = config_drift((plan.folder / "config.yaml").read_text(), config) if plan.done else None

@@ -15,7 +15,7 @@ to every engine (``set_lora``), so the next rollouts and the acceptance-rate tai
 Process model: every rank runs the phase on its data-parallel replica's rows of the step (the
 :class:`~sparrow_nemo.grpo.step_batch.StepBatch`); the adapter's gradient is averaged over data-parallel ranks
 and its TP shards gathered for the export, which reaches every rank's engine. The engine sleeps while the
-adapter trains. Rank 0 also probes: on fixed prompts (``sparsity.calibration``'s, fixed seeds, the current
+adapter trains. Rank 0 also probes: on fixed prompts (``control.calibration``'s, fixed seeds, the current
 schedule) it measures the per-bin p5 of the acceptance rate and the mean k3 KL before and after the update:
 ``distill/p5_before/bin_{b}``, ``distill/p5_after/bin_{b}``, ``distill/kl_before``, ``distill/kl_after``, plus
 ``distill/loss``, ``distill/grad_norm``, ``distill/pg``, ``distill/skipped_nonfinite``. Checkpoint state: the

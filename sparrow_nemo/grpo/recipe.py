@@ -11,8 +11,9 @@ rules that span sections. Defaults are each component's own (mostly the paper's 
 - ``rollout``: :class:`~sparrow_nemo.rollout.engine.RolloutConfig`, the sampling keys from
   :class:`~sparrow_nemo.rollout.engine.SamplingParams` (``rollout/engine.py``)
 - ``sparsity``: :class:`~sparrow_nemo.sparse.config.SparsityConfig` (``sparse/config.py``; the pattern keys from
-  ``sparse/pattern.py``, ``calibration`` from ``sparse/calibration.py``)
-- ``tail_scheduler``: :class:`~sparrow_nemo.callbacks.tail_scheduler.TailSchedulerConfig`
+  ``sparse/pattern.py``)
+- ``control``: :class:`~sparrow_nemo.control.config.ControlConfig` (``control/config.py``; its ``calibration``,
+  ``scheduler`` and ``speculative`` parts from ``control/calibration.py``, ``scheduler.py``, ``speculative.py``)
 - ``grpo``: :class:`GrpoConfig` (here); its ``loss``: :class:`~sparrow_nemo.grpo.losses.PolicyLossConfig`; its
   ``overlong``: :class:`~sparrow_nemo.grpo.shaping.OverlongConfig`; its ``dynamic_sampling``:
   :class:`~sparrow_nemo.grpo.dynamic_sampling.DynamicSamplingConfig`
@@ -25,7 +26,7 @@ rules that span sections. Defaults are each component's own (mostly the paper's 
   :class:`~sparrow_nemo.run_io.wandb_logger.WandbConfig`
 - ``evaluation``: :class:`~sparrow_nemo.grpo.evaluation.EvaluationConfig`
 - ``warmstart``, ``trainer``: :class:`WarmstartConfig`, :class:`TrainerConfig` (here)
-- ``callbacks``: user extras only (the trainer builds the tail scheduler and DistillSparse itself)
+- ``callbacks``: user extras only (the trainer builds the controller and DistillSparse itself)
 
 (The trainer's, the warm-start's and the GRPO loop's own sections live here because the modules that
 read them, ``grpo/trainer.py`` and ``grpo/warmstart.py``, read the whole recipe.)
@@ -38,9 +39,8 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from sparrow_nemo.callbacks.tail_scheduler import TailSchedulerConfig
 from sparrow_nemo.config import compose
 from sparrow_nemo.config.schema import (
     AT_LEAST_ONE,
@@ -53,6 +53,7 @@ from sparrow_nemo.config.schema import (
     one_of_names,
 )
 from sparrow_nemo.config.yaml_io import dump_yaml
+from sparrow_nemo.control.config import ControlConfig
 from sparrow_nemo.grpo.advantages import advantage_names
 from sparrow_nemo.grpo.checkpoint import CheckpointConfig
 from sparrow_nemo.grpo.data import PromptDataConfig
@@ -227,6 +228,8 @@ _DOTTED = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
 class SparrowConfig(Section):
     """A resolved recipe: every section typed and validated."""
 
+    renamed_keys: ClassVar[dict[str, str]] = {"tail_scheduler": "it moved: control.scheduler"}
+
     name: str = knob(
         "tiny_cpu",
         "run name (letters, digits, . _ -); the default run folder is runs/<name>-<timestamp>",
@@ -238,9 +241,9 @@ class SparrowConfig(Section):
     sparsity: SparsityConfig = knob(
         doc="sparse decode attention and its schedule (docs/METHOD.md)", factory=SparsityConfig
     )
-    tail_scheduler: TailSchedulerConfig = knob(
-        doc="online schedule adaptation from each step's per-bin tail, and the collapse guard",
-        factory=TailSchedulerConfig,
+    control: ControlConfig = knob(
+        doc="the Sparrow controller: calibration, the tail scheduler, the speculative planner",
+        factory=ControlConfig,
     )
     grpo: GrpoConfig = knob(doc="the GRPO algorithm", factory=GrpoConfig)
     distill: DistillConfig = knob(
@@ -264,7 +267,7 @@ class SparrowConfig(Section):
     )
     callbacks: tuple[dict[str, Any], ...] = knob(
         (),
-        "user callbacks: a list of {_target_: dotted.path.Class, **kwargs}; the built-in ones (tail scheduler, "
+        "user callbacks: a list of {_target_: dotted.path.Class, **kwargs}; the built-in ones (the controller, "
         "DistillSparse) are built by the trainer from their sections",
     )
 
@@ -321,11 +324,18 @@ class SparrowConfig(Section):
                 f"a prompt file for reward.type={self.reward.type} (only the synthetic task, reward.type="
                 f"{SYNTHETIC_REWARD}, makes its own prompts)",
             )
-        if self.sparsity.calibrate and self.reward.type != SYNTHETIC_REWARD and self.data.val_path is None:
+        if self.control.calibrate and self.reward.type != SYNTHETIC_REWARD and self.data.val_path is None:
             raise self.invalid(
                 "data.val_path",
-                "a held-out prompt file when sparsity.calibrate=true (the calibration never uses training "
-                "prompts), or sparsity.calibrate=false",
+                "a held-out prompt file when control.calibrate=true (the calibration never uses training "
+                "prompts), or control.calibrate=false",
+            )
+        s = self.sparsity
+        bad = [b for b in self.control.calibration.candidate_budgets if b % s.page_size or b < s.min_budget]
+        if bad:
+            raise self.invalid(
+                "control.calibration.candidate_budgets",
+                f"multiples of sparsity.page_size={s.page_size} that are >= {s.min_budget} tokens, but got {bad[0]}",
             )
         for i, spec in enumerate(self.callbacks):
             self._check_callback(i, spec)

@@ -7,7 +7,7 @@ per sampled response token):
 - ``rollout_corr/k3_kl``: mean of ``rho - 1 - log rho``, the k3 estimate of KL(rollout || policy) from the
   rollout's own samples (>= 0 per token);
 - ``rollout_corr/ratio_p01`` / ``ratio_p50`` / ``ratio_p99`` / ``ratio_max``: quantiles of rho over the step's
-  tokens (exact over the data-parallel ranks, :func:`~sparrow_nemo.callbacks.tail_stats.merged_quantiles`);
+  tokens (exact over the data-parallel ranks, :func:`~sparrow_nemo.control.tail_stats.merged_quantiles`);
 - ``rollout_corr/masked_fraction``: tokens whose ``grpo.loss.correction`` weight is 0 (mis, icepop and the
   sequence masks drop tokens; tis never does); ``rollout_corr/weight_mean``: the mean correction weight.
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from sparrow_nemo.callbacks.tail_stats import _all_reduce, bin_counts, merged_quantiles
+from sparrow_nemo.control.tail_stats import _all_reduce, bin_counts, merged_quantiles
 from sparrow_nemo.grpo.losses import PolicyLossConfig, get_correction
 
 #: the ratio quantiles reported (name suffix, level)

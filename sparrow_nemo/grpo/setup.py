@@ -1,4 +1,5 @@
-"""Build the run's workers from a recipe: the megatron policy, the rollout engine, the sampling settings.
+"""Build the run's workers from a recipe: the megatron policy, the rollout engine (in its mode), the sampling
+settings, the Sparrow controller.
 
 Shared by ``sparrow train`` (the trainer), ``sparrow calibrate`` and ``sparrow eval`` so they read the recipe the
 same way.
@@ -7,16 +8,25 @@ The process world (ranks, broadcast) is :mod:`sparrow_nemo.grpo.world`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from sparrow_nemo.control.calibration import run_calibration
+from sparrow_nemo.control.callback import SparrowCallback
+from sparrow_nemo.control.config import needs_scheduler
+from sparrow_nemo.control.speculative import speculative_planner
 from sparrow_nemo.grpo.process_model import RankPlan, engine_group
 from sparrow_nemo.grpo.recipe import SparrowConfig
 from sparrow_nemo.grpo.world import world_size
+from sparrow_nemo.rollout.engine import MismatchInjection, SamplingParams
+from sparrow_nemo.rollout.rollout_mode import with_rollout_mode
 from sparrow_nemo.rollout.torch.tensor_parallel import TensorParallel
+from sparrow_nemo.sparse.calibration import CalibrationResult
+from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 
 def device(config: SparrowConfig) -> torch.device:
@@ -154,4 +164,58 @@ def _torch_engine_options(config: SparrowConfig, tokenizer) -> dict:
         max_cache_tokens=r.max_cache_tokens,
         kv_cache_fraction=r.kv_cache_fraction,
         prefill_chunk_tokens=r.prefill_chunk_tokens,
+    )
+
+
+def sampling_params(config: SparrowConfig, seed: int | None = None, rollouts: bool = False) -> SamplingParams:
+    """The recipe's :class:`SamplingParams`; ``seed`` replaces ``rollout.seed`` (one per RL step).
+    ``rollout.inject_mismatch`` only with ``rollouts`` (the RL step's own rollouts): held-out evaluations,
+    calibration and the DistillSparse probe sample without it."""
+    params = config.rollout.sampling(seed)
+    return params if rollouts else dataclasses.replace(params, inject_mismatch=MismatchInjection())
+
+
+def rollout_mode_engine(config: SparrowConfig, engine, decode) -> Any:
+    """``engine`` as ``rollout.mode`` wants it (:func:`~sparrow_nemo.rollout.rollout_mode.with_rollout_mode`);
+    speculative: drafting with the planner of ``control.speculative`` on the decode cost model ``decode``."""
+    r, s = config.rollout, config.sparsity
+    planner = None
+    if r.mode == "speculative":
+        batch = min(r.max_batch_size, config.grpo.prompts_per_step * config.grpo.samples_per_prompt)
+        candidates = config.control.calibration.candidate_budgets
+        planner = speculative_planner(
+            config.control.speculative, decode, s.bin_tokens, s.page_size, candidates, batch
+        )
+    return with_rollout_mode(r.mode, engine, planner)
+
+
+def controller(
+    config: SparrowConfig,
+    schedule: BudgetSchedule,
+    engine,
+    prompts: Callable[[], list[list[int]]],
+    sampling: SamplingParams,
+    calibrates: bool,
+    out_dir: Path | None,
+    log: Callable[[dict[str, float]], None],
+) -> SparrowCallback | None:
+    """The Sparrow controller for a run starting from ``schedule``, or None when the run neither adapts
+    (``control.scheduler.adapt=off``), calibrates nor starts sparse.
+
+    ``calibrates``: this rank takes part in the calibration pass (the ranks of rank 0's engine: every rank of a
+    tensor-parallel engine makes its calls) on ``engine`` with ``prompts()`` (held-out) and ``sampling``;
+    ``out_dir``: where the controller writes (rank 0); ``log``: where its metrics go.
+    """
+    s, c = config.sparsity, config.control
+    if not needs_scheduler(c, schedule.is_dense):
+        return None
+
+    def calibrate(start: BudgetSchedule, out: Path | None) -> CalibrationResult:
+        budgets = c.calibration.candidate_budgets
+        return run_calibration(
+            engine, prompts(), budgets, sampling, s.bin_tokens, s.threshold, s.quantile, start.page_size, out
+        )
+
+    return SparrowCallback.from_config(
+        s, c, schedule, calibrate=calibrate if calibrates else None, out_dir=out_dir, log_metrics=log
     )

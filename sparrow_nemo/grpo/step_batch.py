@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from sparrow_nemo.callbacks.tail_stats import BinTail, bin_counts, merged_bin_tails, merged_quantiles
+from sparrow_nemo.control.tail_stats import BinTail, bin_counts, merged_bin_tails, merged_quantiles
 from sparrow_nemo.grpo.process_model import (
     RankPlan,
     SampleShare,
@@ -42,6 +42,10 @@ from sparrow_nemo.run_io.histograms import BINS, Histogram
 from sparrow_nemo.sparse.config import SparsityConfig
 from sparrow_nemo.sparse.mismatch import PAPER_QUANTILE, tail_name
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET, BudgetSchedule
+
+#: bins of the per-bin acceptance histograms over [0, 1] (0.01 wide: a pooled quantile read off their merged
+#: counts is exact to one bin width)
+BIN_HISTOGRAM_BINS = 100
 
 
 @dataclass
@@ -213,6 +217,8 @@ class StepStats:
         predicted_speedup: cost model, dense / schedule time of the slowest engine's batch.
         length_histogram, acceptance_histogram: response lengths of the samples and acceptance rates of the
             tokens, over every rank (:mod:`sparrow_nemo.run_io.histograms`).
+        acceptance_histogram_per_bin: {bin: acceptance rates of the bin's tokens}, :data:`BIN_HISTOGRAM_BINS`
+            bins over [0, 1], so a quantile of many steps' pooled tokens can be read off the merged counts.
     """
 
     samples: int
@@ -241,6 +247,7 @@ class StepStats:
     predicted_speedup: float
     length_histogram: Histogram
     acceptance_histogram: Histogram
+    acceptance_histogram_per_bin: dict[int, Histogram]
 
     @property
     def tokens_per_s(self) -> float:
@@ -287,7 +294,10 @@ class StepStats:
         """The step's histograms by name (the acceptance rates' when the step measured them, as
         :meth:`metrics`)."""
         out = {"response_length/histogram": self.length_histogram}
-        return out | ({"acceptance/histogram": self.acceptance_histogram} if self.tails else {})
+        if self.tails:
+            out["acceptance/histogram"] = self.acceptance_histogram
+            out |= {f"acceptance/histogram/bin_{b}": h for b, h in self.acceptance_histogram_per_bin.items()}
+        return out
 
 
 def measure(
@@ -406,6 +416,11 @@ def measure_tokens(
     length_histogram, acceptance_histogram = merged_histograms(
         [(lengths, 0.0, float(length_cap or max(length_max, 1.0))), (mm.alpha, 0.0, 1.0)]
     )
+    per_bin = (
+        merged_histograms([(mm.alpha[bins == t.bin], 0.0, 1.0) for t in tails], BIN_HISTOGRAM_BINS)
+        if tails
+        else []
+    )
     mean = r_sum / n
     return StepStats(
         samples=int(n),
@@ -434,6 +449,7 @@ def measure_tokens(
         predicted_speedup=dense_max / sparse_max if sparse_max > 0 else math.nan,
         length_histogram=length_histogram,
         acceptance_histogram=acceptance_histogram,
+        acceptance_histogram_per_bin={t.bin: h for t, h in zip(tails, per_bin)},
     )
 
 

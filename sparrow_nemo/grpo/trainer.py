@@ -20,7 +20,7 @@ Per step (:meth:`GrpoTrainer.step`), each phase timed as ``timing/<phase>``:
    ``trainer.max_consecutive_nonfinite`` of them in a row abort the run;
 5. ``refit``: the engine wakes and takes the policy's weights (:mod:`sparrow_nemo.policy.refit`); ``distill``:
    the DistillSparse phase when ``distill.enabled`` (:mod:`sparrow_nemo.grpo.distill`);
-6. the tail scheduler (built from ``sparsity.*`` and ``tail_scheduler.*``) picks the next schedule; user callbacks' hooks;
+6. the Sparrow controller (:mod:`sparrow_nemo.control`, ``control.*``) decides the next schedule; user callbacks' hooks;
 7. ``checkpoint`` every ``checkpoint.every_n_steps`` steps or ``checkpoint.every_n_minutes`` minutes;
    the step's row (JSONL, TensorBoard) with ``timing/step``.
 
@@ -41,8 +41,10 @@ from typing import Any
 
 import torch
 
-from sparrow_nemo.callbacks import CallbackList, StepReport, TailMismatchScheduler, instantiate_callbacks
+from sparrow_nemo.callbacks import CallbackList, instantiate_callbacks
 from sparrow_nemo.checkpoint.run_state import prune_checkpoints, resume_candidates, write_run_state
+from sparrow_nemo.control import STEP_REPORT, StepReport
+from sparrow_nemo.control.callback import OUTPUT_SUBDIR
 from sparrow_nemo.grpo import setup, world
 from sparrow_nemo.grpo.advantages import compute_advantages
 from sparrow_nemo.grpo.checkpoint import TrainerState, load_run_checkpoint
@@ -60,7 +62,6 @@ from sparrow_nemo.grpo.step_batch import LocalRollout, StepBatch, generate, meas
 from sparrow_nemo.grpo.timing import PhaseTimer
 from sparrow_nemo.grpo.update import UpdateBatch, UpdateResult, mini_batch_order, update_policy
 from sparrow_nemo.policy.packing import concat_outputs, micro_batches
-from sparrow_nemo.rollout.spec_rollout import with_rollout_mode
 from sparrow_nemo.rollout.tools.cost_fit import COST_HARDWARE_FILE, rollout_cost_model
 from sparrow_nemo.run_io.metric_names import repeat_tag
 from sparrow_nemo.run_io.metrics import MetricsWriter, merge_metrics
@@ -72,7 +73,7 @@ from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 logger = logging.getLogger(__name__)
 
-#: checkpoint key of the tail scheduler's state (the name of its class, kept so old checkpoints load)
+#: checkpoint key of the controller's state (the tail scheduler's former class name: older checkpoints load)
 SCHEDULER_KEY = "TailMismatchScheduler"
 #: checkpoint key of the speculative planner's state (beside the callbacks')
 PLANNER_KEY = "SpeculativePlanner"
@@ -87,7 +88,7 @@ class _StopRequested(Exception):
 
 
 class GrpoTrainer:
-    """GRPO over a recipe; implements the callbacks' ``TrainerLike`` / ``CalibratingTrainer``.
+    """GRPO over a recipe; implements the callbacks' ``TrainerLike``.
 
     Args:
         config: the resolved recipe.
@@ -136,14 +137,17 @@ class GrpoTrainer:
             if self.plan.in_first_engine
             else None
         )
-        self.rollout_engine = with_rollout_mode(config, engine, self.cost_model)
+        self.rollout_engine = setup.rollout_mode_engine(config, engine, self.cost_model)
         self.lockstep = setup.lockstep_group(engine)  # the ranks a stop inside the rollout is agreed with
-        self.sampling = config.rollout.sampling()
+        self.sampling = setup.sampling_params(config)
         schedule = config.sparsity.build_schedule()
         if schedule.is_dense:  # the preset's pages and bins are nominal: use the engine's and the recipe's
             schedule = BudgetSchedule.dense(config.sparsity.bin_tokens, config.sparsity.page_size)
         self.state = TrainerState(step=0, schedule=schedule, initial_schedule=schedule, warm_start_dir=hf_dir)
-        self.scheduler = self._scheduler()
+        self.control = setup.controller(  # the Sparrow controller (None when the run neither adapts nor is sparse)
+            config, schedule, self.rollout_engine, self.calibration_prompts, self.sampling, self.plan.in_first_engine,
+            self.run_dir / OUTPUT_SUBDIR if self.is_main else None, self.log,
+        )  # fmt: skip
         self.distill = self._distill()
         self.callbacks = CallbackList(
             [c for c in user_callbacks if self.is_main or c.collective]
@@ -178,18 +182,6 @@ class GrpoTrainer:
                 f"policy.micro_batch_size={mbs} per mini-batch"
             )
 
-    def _scheduler(self) -> TailMismatchScheduler | None:
-        """The tail scheduler the recipe asks for (``tail_scheduler.adapt``, ``sparsity.calibrate`` or a sparse
-        start), every rank. Only rank 0 calibrates and writes files; the calibrated schedule reaches the others at
-        train start.
-        """
-        s, settings = self.config.sparsity, self.config.tail_scheduler
-        if settings.adapt == "off" and not s.calibrate and self.schedule.is_dense:
-            return None
-        return TailMismatchScheduler(
-            s, settings, write_files=self.is_main, calibrate=s.calibrate and self.plan.in_first_engine
-        )
-
     def _distill(self) -> DistillSparse | None:
         """The DistillSparse phase when ``distill.enabled``."""
         c = self.config
@@ -208,15 +200,14 @@ class GrpoTrainer:
         self.state.schedule = value
 
     def log(self, metrics: dict[str, float]) -> None:
-        """Metrics for the current step: a user callback's under ``callbacks/<key>/``, the built-ins' as named."""
+        """Metrics for the current step: a user callback's under ``callbacks/<key>/``, the controller's as named."""
         key = self.callbacks.current
         prefix = "" if key is None else f"callbacks/{key}/"
         self._logged.update({prefix + k: float(v) for k, v in metrics.items()})
 
-    @property
     def calibration_prompts(self) -> list[list[int]]:
-        """``sparsity.calibration.num_prompts`` held-out prompts x ``samples_per_prompt`` (CalibratingTrainer)."""
-        c = self.config.sparsity.calibration
+        """``control.calibration.num_prompts`` held-out prompts x ``samples_per_prompt``."""
+        c = self.config.control.calibration
         items = self.prompts.eval_batch(c.num_prompts)
         return [item.prompt_ids for item in items for _ in range(c.samples_per_prompt)]
 
@@ -233,8 +224,9 @@ class GrpoTrainer:
     def _start(self) -> None:
         """Built-ins and callbacks' ``on_train_start`` (rank 0's engine may calibrate), then one schedule for all
         ranks."""
-        if self.scheduler is not None:
-            self.scheduler.on_train_start(self)
+        if self.control is not None:  # the start decision: the controller's bins, or the calibration pass
+            self.control.on_train_start(self, None)
+            self.schedule = self.control.schedule
         if self.distill is not None:
             self.distill.start(self.policy, self.rollout_engine)
         self.callbacks.on_train_start(self)
@@ -282,8 +274,8 @@ class GrpoTrainer:
             self.save_checkpoint()
         if cfg.checkpoint.save_hf:  # the final policy as an HF folder, <run_dir>/hf (collective)
             save_run_hf(self.policy, cfg, self.run_dir)
-        if self.scheduler is not None:
-            self.scheduler.on_train_end(self)
+        if self.control is not None:
+            self.control.on_train_end(self, None)
         self.callbacks.on_train_end(self)
         summary = build_summary(self.state, self.metrics.history, cfg.sparsity, self.cost_model.hardware.name)
         if self.is_main:
@@ -344,8 +336,9 @@ class GrpoTrainer:
                 distilled = self.distill.run(
                     self.policy, self.rollout_engine, self._distill_data(batch), self.schedule, self._probe()
                 )
-        if self.scheduler is not None:
-            self.scheduler.on_train_batch_end(self, report, train)
+        if self.control is not None:  # the controller decides on the step's report; the trainer applies it
+            self.control.on_train_batch_end(self, None, {STEP_REPORT: report, "metrics": train}, batch, step)
+            self.schedule = self.control.schedule
         self.callbacks.on_train_batch_end(self, report, train)
         if self._has_user_callbacks:  # a user callback on rank 0 may have changed the schedule
             self._sync_schedule()
@@ -382,7 +375,7 @@ class GrpoTrainer:
             self.policy.offload_training_state()
         c, g = self.config, self.config.grpo.samples_per_prompt
         items = self.prompts.next_batch(c.grpo.prompts_per_step)
-        sampling = c.rollout.sampling(round_seed(c.rollout.seed, step, round_))
+        sampling = setup.sampling_params(c, round_seed(c.rollout.seed, step, round_), rollouts=True)
         prompts, count = [i.prompt_ids for i in items], len(self.plan.engine_prompts(len(items))) * g
         bar, local = rollout_progress(count, sampling.max_new_tokens, self.show_progress), None
         watch = self.preemption.watch_rollout(bar.update, self.lockstep)  # ends it between decode steps
@@ -415,7 +408,7 @@ class GrpoTrainer:
         return concat_outputs([o.detach() for o in outputs])
 
     def _speculative_planner(self):
-        """This rank's engine's :class:`~sparrow_nemo.rollout.spec_rollout.SpeculativePlanner` (None unless
+        """This rank's engine's :class:`~sparrow_nemo.control.speculative.SpeculativePlanner` (None unless
         rollout.mode=speculative)."""
         return getattr(self.rollout_engine, "planner", None)
 
@@ -429,7 +422,7 @@ class GrpoTrainer:
         return metrics if self.is_main else {}
 
     def _report(self, batch: StepBatch) -> StepReport:
-        """What callbacks and the tail scheduler see of the step (the same on every rank)."""
+        """What the controller and the callbacks see of the step (the same on every rank)."""
         s, stats = self.config.sparsity, batch.stats
         return StepReport(
             step=batch.step,
@@ -488,7 +481,7 @@ class GrpoTrainer:
         if not self.plan.in_first_engine:
             return None
         return Probe(
-            self.calibration_prompts, self.sampling, self.config.distill.seed, self.config.sparsity.quantile
+            self.calibration_prompts(), self.sampling, self.config.distill.seed, self.config.sparsity.quantile
         )
 
     def _evaluate(self, tag: str, schedule: BudgetSchedule) -> None:
@@ -562,8 +555,8 @@ class GrpoTrainer:
         self.state.pending_row = None if pending is None else self.metrics.row(*pending)
         with self.preemption.saving():
             states = self.callbacks.on_save_checkpoint(self)  # every rank: collective callbacks gather
-            if self.scheduler is not None:
-                states[SCHEDULER_KEY] = self.scheduler.on_save_checkpoint(self)
+            if self.control is not None:
+                states[SCHEDULER_KEY] = self.control.state_dict()
             if self.distill is not None:
                 distill_state = self.distill.state_dict(self.policy)  # collective
                 if distill_state:
@@ -596,8 +589,8 @@ class GrpoTrainer:
         self.state = TrainerState.from_dict(broadcast_object(loaded.trainer))
         self.prompts.load_state_dict(self.state.prompt_stream)
         states = dict(broadcast_object(loaded.callbacks))  # read on rank 0, needed everywhere
-        if self.scheduler is not None and SCHEDULER_KEY in states:
-            self.scheduler.on_load_checkpoint(self, states.pop(SCHEDULER_KEY))
+        if self.control is not None and SCHEDULER_KEY in states:
+            self.control.load_state_dict(states.pop(SCHEDULER_KEY))
         if self.distill is not None and DISTILL_KEY in states:
             self.distill.load_state_dict(states.pop(DISTILL_KEY))
         planner, planned = self._speculative_planner(), states.pop(PLANNER_KEY, None)

@@ -298,6 +298,16 @@ def _verify_share(path: Path, manifest: dict) -> None:
             raise CheckpointError(f"{path}: '{name}' does not match its sha256 in the manifest")
 
 
+def _checked_rng(rng_file: Path, saved: object) -> dict:
+    """The RNG state in ``saved`` (what :func:`save_policy_checkpoint` wrote) after checking its form, else a
+    :class:`CheckpointError` naming the file: ``{"rng": {"torch": uint8 tensor, ...}}``."""
+    rng = saved.get("rng") if isinstance(saved, dict) else None
+    cpu = rng.get("torch") if isinstance(rng, dict) else None
+    if not (isinstance(cpu, torch.Tensor) and cpu.dtype == torch.uint8 and cpu.dim() == 1):
+        raise CheckpointError(f"{rng_file}: expected {{'rng': {{'torch': a 1-d uint8 RNG state, ...}}}}")
+    return rng
+
+
 def load_policy_checkpoint(path: str | Path, model: torch.nn.Module, optimizer, spec: PolicyModelSpec) -> int:
     """Collective: restore every rank's model, optimizer and RNG from a complete checkpoint; returns its step.
 
@@ -322,6 +332,7 @@ def load_policy_checkpoint(path: str | Path, model: torch.nn.Module, optimizer, 
             raise CheckpointError(f"{path}: no file '{rng_file.name}' for this rank in the manifest")
         common = torch.load(path / SHARDED / "common.pt", map_location="cpu", weights_only=True)
         saved = bool(common.get("optimizer_saved")) if isinstance(common, dict) else False
+        rng = _checked_rng(rng_file, torch.load(rng_file, map_location="cpu", weights_only=True))
     except CheckpointError as exc:
         error = str(exc)
     except (pickle.UnpicklingError, RuntimeError, OSError) as exc:
@@ -329,7 +340,6 @@ def load_policy_checkpoint(path: str | Path, model: torch.nn.Module, optimizer, 
     error = _first_error(error)
     if error is not None:
         raise CheckpointError(error)
-    rng = torch.load(rng_file, map_location="cpu", weights_only=True)
     with dist_checkpointing_on_cpu():
         loaded = dist_checkpointing.load(_sharded_state(model, optimizer, True, saved), str(path / SHARDED))
     unwrap_model(model).load_state_dict(loaded["model"], strict=True)
@@ -337,5 +347,5 @@ def load_policy_checkpoint(path: str | Path, model: torch.nn.Module, optimizer, 
         optimizer.load_sharded_state_dict(loaded["optimizer"])
     else:
         optimizer.reset_state()
-    set_rng_state(rng["rng"])
+    set_rng_state(rng)
     return int(manifest["step"])

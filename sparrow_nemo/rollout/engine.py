@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 import torch
 
@@ -36,6 +36,31 @@ FinishReason = Literal["stop_token", "stop_string", "length"]
 
 #: ``on_tokens(n)``: ``n`` more response tokens were generated since the previous call (progress bars).
 TokenProgress = Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class MismatchInjection(Section):
+    """Mismatch injected at a matched mean (``rollout.inject_mismatch``; an experiment's control, not a method).
+
+    At a ``fraction`` of response positions, chosen by a hash of the sample's seed and the position
+    (:data:`sparrow_nemo.rollout.sampling.INJECT`: independent of batching), the token is drawn from
+    ``q = (1 - mix) p + mix u`` (p: the model's next-token distribution, u: uniform over the V ids) and the
+    rollout records q's logprobs (the sampled token's and the top-K), so the importance correction sees the
+    true behaviour policy; every other position decodes densely as usual. The acceptance rate of an injected
+    position is exactly ``alpha = sum_v min(p_v, q_v) = 1 - mix * TV(p, u)``, ``TV(p, u) = sum_v max(p_v - 1/V, 0)``
+    (~1 - 1/V for a peaked p), and 1 elsewhere; over all tokens ``mean alpha = 1 - fraction * mix * E[TV]``,
+    while a quantile q0 sits at ``1 - mix * TV`` when ``fraction > q0`` and at 1 when ``fraction < q0``. Read by
+    :func:`sparrow_nemo.rollout.sampling.injection_mix` (torch engine; needs plain sampling: temperature 1, no
+    top-k / top-p; refused with speculative rollout, whose dense verify would undo it).
+    """
+
+    fraction: float = knob(0.0, "share of response positions drawn from the mixture; 0 = off", check=UNIT)
+    mix: float = knob(0.0, "weight d of the uniform distribution in the mixture (1 - d) p + d u", check=UNIT)
+
+    @property
+    def on(self) -> bool:
+        """True when some positions are injected."""
+        return self.fraction > 0 and self.mix > 0
 
 
 @dataclass(frozen=True)
@@ -69,42 +94,24 @@ class SamplingParams(Section):
         check=AT_LEAST_ONE,
     )
 
+    inject_mismatch: MismatchInjection = knob(
+        doc="mismatch injected at a hash-chosen share of positions (experiments' controls; default off)",
+        factory=MismatchInjection,
+    )
+
     def check(self) -> None:
         for i, text in enumerate(self.stop_strings):
             if not text:
                 raise self.invalid(f"stop_strings.{i}", "a non-empty string")
-
-
-@dataclass(frozen=True)
-class SpeculativeRolloutConfig(Section):
-    """Speculative rollout (``rollout.mode=speculative``): sparse drafts, dense verify; read by
-    :func:`sparrow_nemo.rollout.spec_rollout.with_rollout_mode` (the recipe's ``rollout.speculative``)."""
-
-    draft_tokens: int = knob(
-        4,
-        "k, draft tokens per dense verify in every bin until the first re-plan (0 = plain dense decoding)",
-        check=NON_NEGATIVE,
-    )
-    max_draft_tokens: int = knob(8, "the largest k the planner may pick", check=NON_NEGATIVE)
-    adapt: bool = knob(
-        True,
-        "after every step, re-plan the draft budget (among sparsity.calibration.candidate_budgets) and k per bin "
-        "from the acceptance measured so far, for the most predicted tokens/s (rollout.cost_hardware's cost model)",
-    )
-    decay: float = knob(
-        0.5,
-        "weight of the earlier steps' acceptance in the planner's per-bin table (0 = the last step only)",
-        check=UNIT,
-    )
-
-    def check(self) -> None:
-        if self.draft_tokens > self.max_draft_tokens:
-            raise self.invalid("draft_tokens", f"<= max_draft_tokens ({self.max_draft_tokens})")
+        if self.inject_mismatch.on and (self.temperature != 1 or self.top_k or self.top_p < 1):
+            raise self.invalid("inject_mismatch", "off unless temperature=1, top_k=0 and top_p=1")
 
 
 @dataclass(frozen=True)
 class RolloutConfig(SamplingParams):
     """The recipe's ``rollout`` section: the sampling settings plus the engine's own."""
+
+    renamed_keys: ClassVar[dict[str, str]] = {"speculative": "it moved: control.speculative"}
 
     backend: str = knob(
         "torch",
@@ -114,12 +121,8 @@ class RolloutConfig(SamplingParams):
     mode: Literal["sparse", "speculative", "dense"] = knob(
         "sparse",
         "how rollouts decode: sparse (the sparsity schedule), speculative (sparse drafts verified by dense "
-        "forwards: dense-distributed samples, the importance ratio exactly 1) or dense "
-        "(sparrow_nemo.rollout.spec_rollout)",
-    )
-    speculative: SpeculativeRolloutConfig = knob(
-        doc="speculative decoding's draft length and planner (rollout.mode=speculative)",
-        factory=SpeculativeRolloutConfig,
+        "forwards: dense-distributed samples, the importance ratio exactly 1; the draft plan: control.speculative) "
+        "or dense (sparrow_nemo.rollout.rollout_mode)",
     )
     max_batch_size: int = knob(
         64,
@@ -168,6 +171,8 @@ class RolloutConfig(SamplingParams):
             raise self.invalid("temperature", "a number > 0")
         if self.cost_hardware not in ("auto", *HARDWARE) and not self.cost_hardware.endswith(".json"):
             raise self.invalid("cost_hardware", f"auto, {', '.join(HARDWARE)} or a path ending in .json")
+        if self.inject_mismatch.on and (self.mode == "speculative" or self.backend != "torch"):
+            raise self.invalid("inject_mismatch", "off with rollout.mode=speculative or backend trtllm")
         if self.mode == "speculative" and self.backend != "torch":
             raise self.invalid(
                 "mode", "sparse or dense with backend trtllm (speculative rollout runs on the torch engine)"

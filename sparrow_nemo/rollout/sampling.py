@@ -5,7 +5,8 @@ Every random number a sample uses is a pure function of (its seed, the response 
 from one step to the next, so a sample's tokens depend only on its prompt, its seed and the model: not on which
 rows share a decode step, on the batch size, on admission order, on preemption and recompute, or on the device.
 Streams: :data:`TOKEN` draws the token emitted at a position (plain decoding, and the token a speculative round
-emits after its accepted drafts), :data:`DRAFT` a speculative draft token, :data:`ACCEPT` its acceptance test.
+emits after its accepted drafts), :data:`DRAFT` a speculative draft token, :data:`ACCEPT` its acceptance test,
+:data:`INJECT` whether mismatch is injected there (``rollout.inject_mismatch``, :func:`injection_mix`).
 
 The draw (:func:`sample_from`) is an inverse CDF over the kept probabilities in vocabulary order, in two levels
 (fp64 sums of 1,024-token blocks, then a cumulative sum inside the chosen block): no sort of the vocabulary and
@@ -19,12 +20,12 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from sparrow_nemo.rollout.engine import SamplingParams
+from sparrow_nemo.rollout.engine import MismatchInjection, SamplingParams
 
 _MASK64 = (1 << 64) - 1
 
 #: random streams of a position (:func:`position_uniforms`)
-TOKEN, DRAFT, ACCEPT = 0, 1, 2
+TOKEN, DRAFT, ACCEPT, INJECT = 0, 1, 2, 3
 
 #: tokens per block of the two-level inverse CDF (:func:`sample_from`)
 CDF_BLOCK = 1024
@@ -141,6 +142,36 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams, uniforms: torch.
     if params.temperature == 0:
         return logits.argmax(dim=-1)
     return sample_from(kept_probs(logits, params), uniforms)
+
+
+def injection_mix(
+    inject: MismatchInjection, seeds: Sequence[int], positions: Sequence[int], device: torch.device
+) -> torch.Tensor | None:
+    """Per row, the uniform weight d of its draw (``inject.mix`` where the :data:`INJECT` draw of (seed, response
+    position) is below ``inject.fraction``, else 0) -> [B] float64 on ``device``; None when ``inject`` is off
+    (the draw is then exactly the plain one). See :class:`~sparrow_nemo.rollout.engine.MismatchInjection`."""
+    if not inject.on:
+        return None
+    hit = position_uniforms(seeds, positions, INJECT) < inject.fraction
+    return torch.where(hit, inject.mix, 0.0).to(device)
+
+
+def inject_mixture(
+    logits: torch.Tensor, tokens: torch.Tensor, uniforms: torch.Tensor, mix: torch.Tensor
+) -> torch.Tensor:
+    """``tokens [B]`` with the rows where ``mix [B] > 0`` redrawn, with the same ``uniforms [B]``, from
+    ``(1 - mix) softmax(logits) + mix / V`` (``logits [B, V]``; [B, V] fp32 weights) -> [B] int64."""
+    d = mix.to(torch.float32)[:, None]
+    weights = (1 - d) * torch.softmax(logits.float(), dim=-1) + d / logits.shape[-1]
+    return torch.where(mix > 0, sample_from(weights, uniforms), tokens)
+
+
+def mixture_logprobs(logprobs: torch.Tensor, mix: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Model logprobs ``[B]`` or ``[B, K]`` as logprobs of the mixture with uniform weight ``mix [B]`` over
+    ``vocab`` ids: ``log((1 - d) exp(lp) + d / V)`` (fp64 inside, the input's dtype out; rows with d = 0 as given)."""
+    d = mix.to(torch.float64).view(-1, *([1] * (logprobs.dim() - 1)))
+    mixed = torch.log((1 - d) * torch.exp(logprobs.double()) + d / vocab).to(logprobs.dtype)
+    return torch.where(d > 0, mixed, logprobs)
 
 
 def token_logprobs(

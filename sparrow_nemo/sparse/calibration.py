@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 
-from sparrow_nemo.config.schema import AT_LEAST_ONE, Section, knob
 from sparrow_nemo.sparse.mismatch import tail_by_bin, tail_name
 from sparrow_nemo.sparse.pattern import PAGE_SIZE
 from sparrow_nemo.sparse.schedule import (
@@ -29,7 +28,7 @@ from sparrow_nemo.sparse.schedule import (
     BudgetSchedule,
 )
 
-__all__ = ["PAPER_CANDIDATE_BUDGETS", "CalibrationConfig", "CalibrationResult", "calibrate_schedule"]
+__all__ = ["PAPER_CANDIDATE_BUDGETS", "CalibrationResult", "calibrate_schedule"]
 
 #: The paper's 18 calibration candidates in top-k pages; with the 3 reserved pages of 16 tokens they are
 #: the candidate budgets 512 ... 16,384 tokens (docs/METHOD.md).
@@ -37,23 +36,6 @@ PAPER_CANDIDATE_PAGES = (29, 45, 61, 77, 93, 125, 157, 189, 221, 253, 317, 381, 
 PAPER_CANDIDATE_BUDGETS: tuple[int, ...] = tuple(
     (k + RESERVED_PAGES) * PAGE_SIZE for k in PAPER_CANDIDATE_PAGES
 )
-
-
-@dataclass(frozen=True)
-class CalibrationConfig(Section):
-    """The offline calibration pass that picks a schedule for ``sparsity.threshold`` (the paper's setup)."""
-
-    candidate_budgets: tuple[int, ...] = knob(
-        PAPER_CANDIDATE_BUDGETS,
-        "candidate budgets in tokens (reserved pages included), strictly increasing multiples of page_size; "
-        "also the tail scheduler's budget ladder",
-    )
-    num_prompts: int = knob(
-        30, "calibration prompts (held-out: data.val_path or the synthetic task)", check=AT_LEAST_ONE
-    )
-    samples_per_prompt: int = knob(
-        8, "sparse samples per calibration prompt (the paper: 8)", check=AT_LEAST_ONE
-    )
 
 
 @dataclass(frozen=True)

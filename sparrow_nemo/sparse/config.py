@@ -6,13 +6,11 @@ Defaults are the paper's (16-token pages, 2,000-token bins, 2 dense layers, p5 >
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Literal
 
 from sparrow_nemo.config.schema import AT_LEAST_ONE, NON_NEGATIVE, OPEN_UNIT, knob
-from sparrow_nemo.sparse.calibration import CalibrationConfig
 from sparrow_nemo.sparse.mismatch import PAPER_QUANTILE
 from sparrow_nemo.sparse.pattern import SparsePattern
 from sparrow_nemo.sparse.schedule import PAPER_BIN_TOKENS, BudgetSchedule
@@ -25,8 +23,10 @@ class SparsityConfig(SparsePattern):
     """Sparse decode attention during rollout and its schedule (the pattern's keys come first)."""
 
     renamed_keys: ClassVar[dict[str, str]] = {
-        "adapt": "it moved: tail_scheduler.adapt",
-        "collapse_guard": "it moved: tail_scheduler.collapse_guard",
+        "adapt": "it moved: control.scheduler.adapt",
+        "collapse_guard": "it moved: control.scheduler.collapse_guard",
+        "calibrate": "it moved: control.calibrate",
+        "calibration": "it moved: control.calibration",
     }
 
     schedule: str = knob(
@@ -56,15 +56,13 @@ class SparsityConfig(SparsePattern):
         "token",
         "what the bound counts as independent: tokens (binomial), or sequences (a sequence's tokens share its "
         "prompt and path, so its misses come together: the cluster-robust bound, never narrower; "
-        "callbacks/tail_stats.py)",
+        "control/tail_stats.py)",
     )
     min_bin_tokens: int = knob(
         200,
         "bins with fewer tokens than this (in a step, or in calibration) get no decision",
         check=AT_LEAST_ONE,
     )
-    calibrate: bool = knob(False, "run the calibration pass before training and use its schedule")
-    calibration: CalibrationConfig = knob(doc="calibration pass settings", factory=CalibrationConfig)
 
     def build_schedule(self) -> BudgetSchedule:
         """The :class:`BudgetSchedule` this section names.
@@ -109,14 +107,3 @@ class SparsityConfig(SparsePattern):
                     f"budgets >= {self.min_budget} tokens (the sink + local pages), "
                     f"but '{self.schedule}' has {small[0]}",
                 )
-        cands = self.calibration.candidate_budgets
-        if not cands:
-            raise self.invalid("calibration.candidate_budgets", "at least one candidate budget")
-        if any(b <= a for a, b in itertools.pairwise(cands)):
-            raise self.invalid("calibration.candidate_budgets", "strictly increasing budgets")
-        bad = [b for b in cands if b % self.page_size or b < self.min_budget]
-        if bad:
-            raise self.invalid(
-                "calibration.candidate_budgets",
-                f"multiples of page_size={self.page_size} that are >= {self.min_budget} tokens, but got {bad[0]}",
-            )

@@ -158,6 +158,12 @@ class ChainTaskConfig(Section):
         "several-query problems only: the reference traces answer the queries in a random order (a genuine fork: "
         "which query next), and the reward matches answers to queries by label; false = in label order",
     )
+    max_wrong: int = knob(
+        0,
+        "the fragility knob: queries a problem may get wrong and still count as solved (reward 1.0; more wrong "
+        "scores the fraction right); 0 = every query must be right (the fragile setting)",
+        check=NON_NEGATIVE,
+    )
     slip_rate: float = knob(
         0.0,
         "probability per hop that a reference trace writes a wrong running sum and carries on from it: "
@@ -426,7 +432,8 @@ def chain_reward(completion: str, answer: str, max_wrong: int = 0) -> float:
     any order) each query's answer is the one its label's walk gives. One query: 1.0 when the last answer is
     right, else 0.0.
 
-    ``max_wrong`` (``reward.options.max_wrong``) makes the task tolerant: a completion with at most that many
+    ``max_wrong`` (``task.max_wrong`` for the synthetic task, ``reward.options.max_wrong`` for a data file
+    scored with ``reward.type=chain``) makes the task tolerant: a completion with at most that many
     queries wrong scores 1.0 (solved), one with more its fraction right; 0 = every query must be right."""
     if max_wrong < 0:
         raise ValueError(f"chain reward: max_wrong must be >= 0, got {max_wrong}")
@@ -516,10 +523,9 @@ class ChainTask:
             yield p.prompt, p.trace
             index += 1
 
-    @staticmethod
-    def reward(completion: str, answer: str) -> float:
-        """See :func:`chain_reward`."""
-        return chain_reward(completion, answer)
+    def reward(self, completion: str, answer: str) -> float:
+        """:func:`chain_reward` at the task's ``max_wrong``."""
+        return chain_reward(completion, answer, self.config.max_wrong)
 
 
 def _late_size(stream: str, bounds: tuple[int, ...], grown: float) -> int:

@@ -1,4 +1,4 @@
-"""Test doubles for the callbacks tests: a minimal trainer (the real one is written later)."""
+"""Test doubles for the user-callback tests: a minimal trainer and recording callbacks."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sparrow_nemo.callbacks.base import Callback
-from sparrow_nemo.sparse.pattern import PAGE_SIZE
 from sparrow_nemo.sparse.schedule import BudgetSchedule
 
 
@@ -74,31 +73,3 @@ class ThresholdCallback(Callback):
             raise ValueError(f"ThresholdCallback: mode={mode!r}, expected one of watch, act")
         self.threshold = threshold
         self.mode = mode
-
-
-def make_scheduler(
-    *,
-    candidates=None,
-    bin_tokens: int = 100,
-    page_size: int = PAGE_SIZE,
-    write_files: bool = True,
-    **knobs,
-):
-    """A TailMismatchScheduler from the two config sections, given their knobs by name (``mode`` = ``adapt``).
-
-    Sparsity knobs: threshold, quantile, noise_z, min_bin_tokens, calibrate; ``candidates`` is
-    ``sparsity.calibration.candidate_budgets``. The rest go to the ``tail_scheduler`` section.
-    """
-    from sparrow_nemo.callbacks.tail_scheduler import TailMismatchScheduler, TailSchedulerConfig
-    from sparrow_nemo.sparse.calibration import CalibrationConfig
-    from sparrow_nemo.sparse.config import SparsityConfig
-
-    sparsity_keys = {"threshold", "quantile", "noise_z", "min_bin_tokens", "calibrate"}
-    sparsity = {k: knobs.pop(k) for k in list(knobs) if k in sparsity_keys}
-    if "mode" in knobs:
-        knobs["adapt"] = knobs.pop("mode")
-    calibration = (
-        CalibrationConfig() if candidates is None else CalibrationConfig(candidate_budgets=tuple(candidates))
-    )
-    config = SparsityConfig(page_size=page_size, bin_tokens=bin_tokens, calibration=calibration, **sparsity)
-    return TailMismatchScheduler(config, TailSchedulerConfig(**knobs), write_files=write_files)

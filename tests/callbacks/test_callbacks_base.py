@@ -140,17 +140,17 @@ def test_instantiate_builds_in_order_with_kwargs() -> None:
         (
             [
                 {"_target_": "callback_fakes.RecordingCallback", "name": "a"},
-                {"_target_": "sparrow_nemo.callbacks.TailMismatchSchedular"},
+                {"_target_": "sparrow_nemo.control.SparowCallback"},
             ],
             [
                 "callbacks[1]",
-                "has no attribute 'TailMismatchSchedular'",
-                "did you mean 'TailMismatchScheduler'",
+                "has no attribute 'SparowCallback'",
+                "did you mean 'SparrowCallback'",
             ],
         ),
         ([{"_target_": "sparrow_nemo.no_such_module.Thing"}], ["callbacks[0]", "cannot import module"]),
         ([{"_target_": "collections.OrderedDict"}], ["callbacks[0]", "not a Callback subclass"]),
-        ([{"_target_": "TailMismatchScheduler"}], ["callbacks[0]", "dotted path"]),
+        ([{"_target_": "SparrowCallback"}], ["callbacks[0]", "dotted path"]),
         ([{"threshold": 0.9}], ["callbacks[0]", "missing '_target_'", "threshold"]),
         (["callback_fakes.ThresholdCallback"], ["callbacks[0]", "expected a mapping"]),
         ([{"_target_": "callback_fakes.RecordingCallback"}], ["callbacks[0]", "needs argument(s) name"]),
@@ -163,10 +163,10 @@ def test_instantiate_builds_in_order_with_kwargs() -> None:
             ["callbacks[0]", "mode='sometimes'", "watch, act"],
         ),
         (
-            [{"_target_": "sparrow_nemo.callbacks.TailMismatchScheduler", "threshold": 0.9}],
+            [{"_target_": "sparrow_nemo.control.SparrowCallback", "threshold": 0.9}],
             [
                 "callbacks[0]",
-                "built by the trainer from the recipe's sparsity and tail_scheduler sections",
+                "built by the trainer from the recipe's control section",
                 "remove it",
             ],
         ),

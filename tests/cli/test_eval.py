@@ -151,7 +151,7 @@ def test_eval_command_on_aime24(
         str(out),
         f"model.hf_checkpoint={ckpt}",
         "reward.type=math",
-        "sparsity.calibrate=false",
+        "control.calibrate=false",
         "rollout.max_new_tokens=6",
         "data.max_prompt_tokens=2048",
     ]

@@ -128,7 +128,7 @@ def test_registries_name_their_members_and_accept_registrations() -> None:
     try:
         config = load_config(
             "tiny_cpu_short",
-            ["reward.type=test_only_reward", "data.train_path=d/t.jsonl", "sparsity.calibrate=false"],
+            ["reward.type=test_only_reward", "data.train_path=d/t.jsonl", "control.calibrate=false"],
         )
         assert config.reward.type == "test_only_reward"
     finally:
@@ -136,18 +136,15 @@ def test_registries_name_their_members_and_accept_registrations() -> None:
     with pytest.raises(ValueError, match="expected a registered name"):
         load_config(
             "tiny_cpu_short",
-            ["reward.type=test_only_reward", "data.train_path=d/t.jsonl", "sparsity.calibrate=false"],
+            ["reward.type=test_only_reward", "data.train_path=d/t.jsonl", "control.calibrate=false"],
         )
 
 
 @pytest.mark.parametrize(
     ("entry", "built_by"),
     [
-        ("sparrow_nemo.callbacks.TailMismatchScheduler", "sparsity and tail_scheduler sections"),
-        (
-            "sparrow_nemo.callbacks.tail_scheduler.TailMismatchScheduler",
-            "sparsity and tail_scheduler sections",
-        ),
+        ("sparrow_nemo.control.SparrowCallback", "control section"),
+        ("sparrow_nemo.control.callback.SparrowCallback", "control section"),
         ("sparrow_nemo.grpo.distill.DistillSparse", "distill section"),
     ],
 )
@@ -174,11 +171,27 @@ def test_a_callback_target_must_import() -> None:
     [
         (
             "sparsity.adapt=raise",
-            "unknown key 'sparsity.adapt' (from command line) - it moved: tail_scheduler.adapt",
+            "unknown key 'sparsity.adapt' (from command line) - it moved: control.scheduler.adapt",
         ),
         (
             "sparsity.collapse_guard=false",
-            "unknown key 'sparsity.collapse_guard' (from command line) - it moved: tail_scheduler.collapse_guard",
+            "unknown key 'sparsity.collapse_guard' (from command line) - it moved: control.scheduler.collapse_guard",
+        ),
+        (
+            "sparsity.calibrate=true",
+            "unknown key 'sparsity.calibrate' (from command line) - it moved: control.calibrate",
+        ),
+        (
+            "sparsity.calibration.num_prompts=4",
+            "unknown key 'sparsity.calibration' (from command line) - it moved: control.calibration",
+        ),
+        (
+            "tail_scheduler.adapt=raise",
+            "unknown key 'tail_scheduler' (from command line) - it moved: control.scheduler",
+        ),
+        (
+            "rollout.speculative.draft_tokens=2",
+            "unknown key 'rollout.speculative' (from command line) - it moved: control.speculative",
         ),
         (
             "logging.log_every_n_steps=5",
@@ -209,4 +222,4 @@ def test_a_recipe_file_with_a_moved_key_names_the_file_and_the_new_key(tmp_path:
     with pytest.raises(ValueError) as info:
         load_config(str(recipe))
     assert str(info.value).startswith("config error: unknown key 'sparsity.adapt' (from ")
-    assert str(recipe) in str(info.value) and str(info.value).endswith("it moved: tail_scheduler.adapt")
+    assert str(recipe) in str(info.value) and str(info.value).endswith("it moved: control.scheduler.adapt")

@@ -40,7 +40,7 @@ def test_override_parsing_uses_yaml_values(
 
 
 def test_a_mode_named_off_is_set_unquoted() -> None:
-    assert load_config("tiny_cpu_short", ["tail_scheduler.adapt=off"]).tail_scheduler.adapt == "off"
+    assert load_config("tiny_cpu_short", ["control.scheduler.adapt=off"]).control.scheduler.adapt == "off"
 
 
 def test_a_yaml_1_1_boolean_word_is_refused_by_a_boolean_knob() -> None:

@@ -86,7 +86,7 @@ def test_qwen3_recipe_steps_split_into_whole_prompt_mini_batches_on_32_gpus(name
 def test_base_calibration_grid_is_the_papers_18_budgets() -> None:
     pages = [29, 45, 61, 77, 93, 125, 157, 189, 221, 253, 317, 381, 445, 509, 637, 765, 893, 1021]
     config = load_config("base")
-    assert config.sparsity.calibration.candidate_budgets == tuple((k + 3) * 16 for k in pages)
+    assert config.control.calibration.candidate_budgets == tuple((k + 3) * 16 for k in pages)
 
 
 @pytest.mark.parametrize("name", SHIPPED)
@@ -127,8 +127,9 @@ def test_defaults_are_the_components_and_the_paper_settings() -> None:
     assert defaults == SparrowConfig()
     s = defaults.sparsity
     assert (s.page_size, s.sink_pages, s.local_pages, s.dense_layers) == (16, 1, 2, 2)
-    assert (s.bin_tokens, s.threshold, s.quantile, s.calibration.samples_per_prompt) == (2000, 0.86, 0.05, 8)
-    assert len(s.calibration.candidate_budgets) == 18
+    c = defaults.control.calibration
+    assert (s.bin_tokens, s.threshold, s.quantile, c.samples_per_prompt) == (2000, 0.86, 0.05, 8)
+    assert len(c.candidate_budgets) == 18
     assert (defaults.grpo.samples_per_prompt, defaults.grpo.loss.clip_low, defaults.grpo.loss.clip_high) == (
         8,
         0.2,

@@ -42,7 +42,7 @@ def error_of(*overrides: str, recipe: str | Path | None = "tiny_cpu_short") -> s
         ),
         ("sparsity.threshold=high", "sparsity.threshold=high (from command line) - expected a number"),
         ("sparsity.threshold=null", "sparsity.threshold=null (from command line) - expected a number"),
-        ("sparsity.calibrate=1", "sparsity.calibrate=1 (from command line) - expected true or false"),
+        ("control.calibrate=1", "control.calibrate=1 (from command line) - expected true or false"),
         (
             "rollout.stop_strings=stop",
             "rollout.stop_strings=stop (from command line) - expected a list of strings",
@@ -126,7 +126,7 @@ def test_literal_choice_lists_the_options_and_suggests() -> None:
     assert error_of("trainer.device=cuda:0").endswith(
         "expected one of 'auto', 'cpu', 'cuda' - did you mean 'cuda'?"
     )
-    assert "did you mean 'raise_and_lower'?" in error_of("tail_scheduler.adapt=raise_and_lowr")
+    assert "did you mean 'raise_and_lower'?" in error_of("control.scheduler.adapt=raise_and_lowr")
 
 
 def test_registry_names_come_from_the_grpo_registries() -> None:
@@ -165,7 +165,7 @@ def test_rollout_section_constructs_sampling_params() -> None:
         "tiny_cpu_short", ["rollout.top_k=5", "rollout.stop_token_ids=[2]", "rollout.stop_strings=[END]"]
     ).rollout
     names = {f.name for f in dataclasses.fields(SamplingParams)}
-    params = SamplingParams(**{k: v for k, v in dataclasses.asdict(rollout).items() if k in names})
+    params = SamplingParams(**{name: getattr(rollout, name) for name in names})
     assert names <= {f.name for f in dataclasses.fields(rollout)}  # every sampling field has a recipe key
     assert (params.top_k, params.stop_token_ids, params.stop_strings) == (5, (2,), ("END",))
     assert (params.max_new_tokens, params.logprobs_topk) == (64, 20)
@@ -252,7 +252,7 @@ def test_non_synthetic_reward_needs_a_prompt_file() -> None:
     assert (
         load_config(
             "tiny_cpu_short",
-            ["reward.type=math", "data.train_path=d/train.jsonl", "sparsity.calibrate=false"],
+            ["reward.type=math", "data.train_path=d/train.jsonl", "control.calibrate=false"],
         ).reward.type
         == "math"
     )
@@ -338,21 +338,24 @@ def test_bad_schedule_specs() -> None:
 
 
 def test_calibration_candidates_rules() -> None:
-    assert "strictly increasing" in error_of("sparsity.calibration.candidate_budgets=[64, 64]")
-    assert "multiples of page_size=4 that are >= 12 tokens, but got 18" in error_of(
-        "sparsity.calibration.candidate_budgets=[16, 18]"
+    assert "strictly increasing" in error_of("control.calibration.candidate_budgets=[64, 64]")
+    assert "multiples of sparsity.page_size=4 that are >= 12 tokens, but got 18" in error_of(
+        "control.calibration.candidate_budgets=[16, 18]"
     )
-    assert "but got 8" in error_of("sparsity.calibration.candidate_budgets=[8, 16]")
-    assert "at least one candidate" in error_of("sparsity.calibration.candidate_budgets=[]")
+    assert "but got 8" in error_of("control.calibration.candidate_budgets=[8, 16]")
+    assert "at least one candidate" in error_of("control.calibration.candidate_budgets=[]")
 
 
-def test_sparsity_and_tail_scheduler_sections_configure_the_scheduler() -> None:
-    from sparrow_nemo.callbacks.tail_scheduler import TailMismatchScheduler
+def test_sparsity_and_control_sections_configure_the_scheduler() -> None:
+    from sparrow_nemo.control import SparrowCallback
 
-    config = load_config("tiny_cpu_short", ["tail_scheduler.adapt=raise_and_lower", "sparsity.noise_z=1.5"])
-    scheduler = TailMismatchScheduler(config.sparsity, config.tail_scheduler)
-    assert (scheduler.mode, scheduler.threshold, scheduler.noise_z) == ("raise_and_lower", 0.86, 1.5)
-    assert scheduler.candidates == list(config.sparsity.calibration.candidate_budgets)
+    config = load_config(
+        "tiny_cpu_short", ["control.scheduler.adapt=raise_and_lower", "sparsity.noise_z=1.5"]
+    )
+    start = config.sparsity.build_schedule()
+    scheduler = SparrowCallback.from_config(config.sparsity, config.control, start).scheduler
+    assert (scheduler.config.adapt, scheduler.threshold, scheduler.noise_z) == ("raise_and_lower", 0.86, 1.5)
+    assert scheduler.candidates == tuple(config.control.calibration.candidate_budgets)
 
 
 def test_default_distill_targets_are_every_decoder_linear() -> None:

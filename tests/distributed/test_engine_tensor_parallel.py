@@ -37,9 +37,9 @@ OVERRIDES = [
     "trainer.max_steps=2",
     "grpo.prompts_per_step=4",
     "evaluation.num_prompts=8",
-    "sparsity.calibrate=true",
-    "sparsity.calibration.num_prompts=4",
-    "sparsity.calibration.samples_per_prompt=2",
+    "control.calibrate=true",
+    "control.calibration.num_prompts=4",
+    "control.calibration.samples_per_prompt=2",
     "logging.plots=false",
     "logging.tensorboard=false",
     "checkpoint.enabled=false",
@@ -54,8 +54,8 @@ MODES = {
         "distill.enabled=true",
         "distill.probe_every=1",
         "distill.steps=1",
-        "sparsity.calibration.samples_per_prompt=1",
-        "sparsity.calibrate=false",  # a calibration of this random model keeps every bin dense: nothing to draft
+        "control.calibration.samples_per_prompt=1",
+        "control.calibrate=false",  # a calibration of this random model keeps every bin dense: nothing to draft
     ],
 }
 EXACT = ("reward/", "response_length/", "rollout/tokens", "sparsity/budget/", "calibration/budget/")

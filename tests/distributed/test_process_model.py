@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from policy._helpers import run_distributed
 
-from sparrow_nemo.callbacks.tail_stats import bin_tails, merged_bin_tails
+from sparrow_nemo.control.tail_stats import bin_tails, merged_bin_tails
 from sparrow_nemo.grpo.process_model import RankPlan, SampleShare, engine_group, gather_samples, share
 from sparrow_nemo.grpo.step_batch import LocalRollout, measure_tokens
 from sparrow_nemo.rollout.engine import RolloutSample

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -26,8 +27,8 @@ def test_shipped_arms_resolve_with_the_same_seed_and_steps() -> None:
     assert configs["fixed_16"].sparsity.build_schedule().budgets == (16,)
     assert configs["distill_24"].distill.enabled and not configs["fixed_24"].distill.enabled
     assert configs["distill_24"].sparsity.build_schedule().budgets == (24,)
-    assert configs["calib_0.70"].sparsity.calibrate and configs["calib_0.70"].sparsity.threshold == 0.7
-    assert all(c.sparsity.page_size == 4 and not c.tail_scheduler.collapse_guard for c in configs.values())
+    assert configs["calib_0.70"].control.calibrate and configs["calib_0.70"].sparsity.threshold == 0.7
+    assert all(c.sparsity.page_size == 4 and not c.control.scheduler.collapse_guard for c in configs.values())
     smoke = arm_config("tiny_cpu_short_smoke", spec, spec.arm("dense"), seed=0, smoke=True)
     assert smoke.trainer.max_steps == 2
     assert [a.name for a in spec.selected(smoke=True)] == list(spec.smoke_arms)
@@ -41,7 +42,9 @@ def test_long_arms_resolve_on_the_default_recipe() -> None:
     configs = {a.name: arm_config("tiny_cpu", spec, a, seed=1) for a in spec.arms}
     assert {c.rollout.seed for c in configs.values()} == {1}
     assert len({c.trainer.max_steps for c in configs.values()}) == 1
-    assert all(c.sparsity.page_size == 16 and not c.tail_scheduler.collapse_guard for c in configs.values())
+    assert all(
+        c.sparsity.page_size == 16 and not c.control.scheduler.collapse_guard for c in configs.values()
+    )
     assert all(c.sparsity.dense_layers == 0 for c in configs.values())  # as the committed report measured
     assert configs["dense"].sparsity.build_schedule().is_dense
     for budget in (512, 256, 128):
@@ -49,13 +52,45 @@ def test_long_arms_resolve_on_the_default_recipe() -> None:
     assert configs["distill_128"].distill.enabled and configs[
         "distill_128"
     ].sparsity.build_schedule().budgets == (128,)
-    calibrated = {n: c.sparsity for n, c in configs.items() if n.startswith("calib_")}
-    assert {(s.threshold, s.quantile) for s in calibrated.values()} == {
+    calibrated = {n: c for n, c in configs.items() if n.startswith("calib_")}
+    assert {(c.sparsity.threshold, c.sparsity.quantile) for c in calibrated.values()} == {
         (0.86, 0.01),
         (0.7, 0.01),
         (0.86, 0.05),
     }
-    assert all(s.calibrate for s in calibrated.values())
+    assert all(c.control.calibrate for c in calibrated.values())
+
+
+def test_tolerant_arms_resolve_on_the_tolerant_recipe() -> None:
+    """The tolerant grid (issue 39): the paper's geometry scaled down in every arm, the 1.25x ladder, the
+    matched-mean injected arms, the calibrated taus, DistillSparse at <= 10x the policy's lr, 8 seeds for dense
+    and tau 0.86 and 5 for the rest, the tolerant rules on the dense-decoded final weights."""
+    spec = load_arms(LONG.with_name("tolerant_arms.yaml"))
+    assert (spec.prefix, spec.rules, spec.outcome, spec.equivalence_margin) == (
+        "tolerant",
+        "tolerant",
+        "accuracy_end_dense",
+        0.05,
+    )
+    configs = {a.name: arm_config("tiny_cpu_tolerant", spec, a, seed=2) for a in spec.arms}
+    for c in configs.values():
+        assert (c.sparsity.page_score, c.sparsity.dense_layers, c.sparsity.page_size) == ("centroid", 1, 16)
+        assert c.task.fact_copies == 2 and c.task.any_order and c.task.max_wrong == 2
+        assert c.rollout.logprobs_topk >= c.model.shape().vocab_size  # exact alpha
+        assert not c.control.scheduler.collapse_guard and c.rollout.seed == 2
+    ladder = sorted(c.sparsity.budgets[0] for n, c in configs.items() if n.startswith("fixed_"))
+    assert all(1.15 <= b / a <= 1.35 for a, b in itertools.pairwise(ladder)), ladder
+    inject = {n: c.rollout.inject_mismatch for n, c in configs.items() if n.startswith("inject_")}
+    assert len(inject) == 3 and all(abs(i.fraction * i.mix - 0.02) < 1e-9 for i in inject.values())
+    taus = {c.sparsity.threshold for n, c in configs.items() if n.startswith("calib_")}
+    assert taus == {0.75, 0.80, 0.86, 0.92}
+    distill = configs["distill_0.80"]
+    assert (
+        distill.distill.enabled and distill.distill.lr_multiplier <= 10 and distill.sparsity.threshold == 0.80
+    )
+    seeds = {a.name: len(a.seeds_for(range(5))) for a in spec.arms}
+    assert seeds.pop("dense") == seeds.pop("calib_0.86") == 8 and set(seeds.values()) == {5}
+    assert all(len(a.seeds_for([0], smoke=True)) == 1 for a in spec.arms)
 
 
 def _write(tmp_path: Path, text: str) -> Path:
@@ -80,6 +115,11 @@ def _write(tmp_path: Path, text: str) -> Path:
         ("threshold: 2\narms: [{name: a, role: dense}]", r"threshold=2 - expected a number in \[0, 1\]"),
         ("arms: [{name: a, role: dense}]\nsmoke: {arms: [b]}", r"smoke.arms names unknown arms: b"),
         ("arms: [\n", r"invalid YAML in arms file .*x_arms.yaml line"),
+        (
+            "rules: strict\narms: [{name: a, role: dense}]",
+            r"rules='strict' - expected one of paper, tolerant",
+        ),
+        ("arms: [{name: a, role: dense, seeds: 0}]", r"arms\[0\]: seeds=0 - expected an integer >= 1"),
     ],
 )
 def test_bad_arms_file_is_a_one_line_error(tmp_path: Path, text: str, message: str) -> None:

@@ -74,3 +74,37 @@ def test_smoke_experiment_writes_runs_report_and_figures(tmp_path: Path) -> None
     again = (tmp_path / "tiny_smoke_report.md").read_text()
     drop_date = re.compile(r"^- made .*$", flags=re.M)
     assert drop_date.sub("", again) == drop_date.sub("", report)
+
+
+TOLERANT = ARMS.with_name("tolerant_arms.yaml")
+
+
+def test_tolerant_smoke_runs_every_new_mechanism_and_decides_by_the_tolerant_rules(tmp_path: Path) -> None:
+    """The tolerant grid's smoke arms (dense, injected mismatch, a calibrated schedule, DistillSparse; no
+    warm-start, 2 steps): runs, per-bin histograms pooled into the p5, per-seed outcomes, the tolerant rules."""
+    spec = load_arms(TOLERANT)
+    assert spec.rules == "tolerant"
+    args = [
+        "experiment",
+        "--config",
+        "tiny_cpu_tolerant",
+        "--arms",
+        str(TOLERANT),
+        "--smoke",
+        "--out",
+        str(tmp_path),
+    ]
+    assert cli.main(args) == 0
+    results = json.loads((tmp_path / "tolerant_smoke_results.json").read_text())
+    assert [a["arm"] for a in results["arms"]] == list(spec.smoke_arms)
+    for arm in results["arms"]:
+        assert arm["p5_pooling"].startswith("p5 of the pooled tokens"), arm["arm"]
+        (seed,) = arm["per_seed"]
+        assert seed["seed"] == 0 and 0 <= seed["accuracy_end_dense"] <= 1
+    inject = next(a for a in results["arms"] if a["role"] == "inject")
+    dense = next(a for a in results["arms"] if a["role"] == "dense")
+    # injected positions lower alpha on dense decoding (little here: an untrained model's p is flat, TV(p, u) small)
+    assert inject["acceptance_mean"] < dense["acceptance_mean"]
+    rules = {c["letter"]: c["rule"] for c in results["claims"]}
+    assert "AUC" in rules["a"] and "TOST" in rules["c"]
+    assert all(c["verdict"] == "inconclusive" for c in results["claims"])  # one seed: no between-seed test

@@ -18,9 +18,9 @@ def test_calibrate_writes_table_schedule_and_plot(tmp_path: Path, capsys: pytest
         "--config",
         "tiny_cpu_short_smoke",
         "warmstart.enabled=false",
-        "sparsity.calibration.num_prompts=2",
-        "sparsity.calibration.samples_per_prompt=2",
-        "sparsity.calibration.candidate_budgets=[16, 64]",
+        "control.calibration.num_prompts=2",
+        "control.calibration.samples_per_prompt=2",
+        "control.calibration.candidate_budgets=[16, 64]",
         "rollout.max_new_tokens=24",
         "sparsity.threshold=0.9999",  # random weights miss it at every budget: bins fall back to dense
     ]

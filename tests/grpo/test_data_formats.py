@@ -215,7 +215,7 @@ def test_data_check_prints_rows_as_the_model_sees_them(tmp_path: Path, tok: Path
     args = [
         "data", "check", "--config", "tiny_cpu_short_smoke", "--rows", "1", "reward.type=math",
         f"data.train_path={path}", "data.prompt_key=prompt", "data.answer_key=reward_model.ground_truth",
-        f"model.hf_checkpoint={tok}", "sparsity.calibrate=false",
+        f"model.hf_checkpoint={tok}", "control.calibrate=false",
     ]  # fmt: skip
     assert main(args) == 1  # 1 of 5 bad > max_bad_fraction 0.01
     out = capsys.readouterr().out

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 TINY = [
     "trainer.max_steps=1",
-    "sparsity.calibrate=false",
+    "control.calibrate=false",
     "grpo.prompts_per_step=2",
     "grpo.samples_per_prompt=4",
     "evaluation.num_prompts=2",

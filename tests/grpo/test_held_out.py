@@ -55,7 +55,7 @@ def test_file_data_evaluates_on_val_path_not_on_training_prompts(files) -> None:
     tok, train, val = files
     overrides = [
         "reward.type=math",
-        "sparsity.calibrate=false",
+        "control.calibrate=false",
         f"model.hf_checkpoint={tok}",
         f"data.train_path={train}",
     ]
@@ -73,7 +73,7 @@ def test_file_data_without_val_path_has_no_held_out_prompts(files) -> None:
         "tiny_cpu_short",
         [
             "reward.type=math",
-            "sparsity.calibrate=false",
+            "control.calibrate=false",
             f"model.hf_checkpoint={tok}",
             f"data.train_path={train}",
         ],
@@ -96,8 +96,8 @@ def test_synthetic_held_out_problems_are_disjoint_from_the_stream() -> None:
 def test_calibration_on_file_data_needs_val_path() -> None:
     with pytest.raises(
         ConfigError,
-        match=r"data\.val_path=null .* expected a held-out prompt file when sparsity\.calibrate=true",
+        match=r"data\.val_path=null .* expected a held-out prompt file when control\.calibrate=true",
     ):
         load_config(
-            "tiny_cpu_short", ["reward.type=math", "data.train_path=d/t.jsonl", "sparsity.calibrate=true"]
+            "tiny_cpu_short", ["reward.type=math", "data.train_path=d/t.jsonl", "control.calibrate=true"]
         )

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sparrow_nemo.grpo.step_batch import LocalRollout, measure_tokens, merged_histograms
+from sparrow_nemo.grpo.step_batch import BIN_HISTOGRAM_BINS, LocalRollout, measure_tokens, merged_histograms
 from sparrow_nemo.rollout.engine import RolloutSample
 from sparrow_nemo.rollout.scoring import TokenMismatch
 from sparrow_nemo.run_io.histograms import Histogram
@@ -66,6 +66,11 @@ def test_the_steps_histograms_count_its_samples_and_tokens() -> None:
     assert (lengths.total, lengths.sum, lengths.min, lengths.max) == (4, 65, 2, 50)
     assert {i: c for i, c in enumerate(acceptance.counts) if c} == {25: 5, 47: 10, 49: 50}
     assert acceptance.mean == pytest.approx(float(alpha.double().mean()))
+    bins = mm.cached_len // 16  # per bin of cached length: that bin's tokens, 0.01 wide bins over [0, 1]
+    for b in range(int(bins.max()) + 1):
+        h = stats.histograms()[f"acceptance/histogram/bin_{b}"]
+        assert len(h.counts) == BIN_HISTOGRAM_BINS and (h.edges[0], h.edges[-1]) == (0.0, 1.0)
+        assert h.total == int((bins == b).sum()) and h.mean == pytest.approx(float(alpha[bins == b].mean()))
     uncapped = measure_tokens(local, mm, schedule, 0.05, 2.0).histograms()["response_length/histogram"]
     assert uncapped.edges[-1] == 50  # without a cap: the step's longest response
 

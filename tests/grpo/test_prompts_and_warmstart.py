@@ -37,7 +37,7 @@ def test_file_source_needs_the_model_tokenizer(tmp_path: Path) -> None:
     rows = tmp_path / "p.jsonl"
     rows.write_text(json.dumps({"problem": "1+1?", "answer": "2"}) + "\n")
     config = load_config(
-        "tiny_cpu_short", [f"data.train_path={rows}", "reward.type=math", "sparsity.calibrate=false"]
+        "tiny_cpu_short", [f"data.train_path={rows}", "reward.type=math", "control.calibrate=false"]
     )
     with pytest.raises(ValueError, match=r"model\.hf_checkpoint"):
         build_prompt_source(config)

@@ -193,7 +193,7 @@ def test_dense_rollout_of_a_random_model_reads_alpha_one_with_the_whole_vocabula
                 "trainer.max_steps=1",
                 "checkpoint.enabled=false",
                 "sparsity.schedule=dense",
-                "tail_scheduler.adapt='off'",
+                "control.scheduler.adapt='off'",
                 f"rollout.logprobs_topk={k}",
             ],
         )

@@ -108,7 +108,7 @@ def test_trainer_refuses_a_mismatched_checkpoint_before_writing_anything(tmp_pat
         "tiny_cpu",
         [
             "reward.type=math",
-            "sparsity.calibrate=false",
+            "control.calibrate=false",
             f"data.train_path={data}",
             f"model.hf_checkpoint={ckpt}",
         ],

@@ -112,7 +112,7 @@ def test_code_jsonl_with_test_specs_loads_and_rewards(tmp_path: Path) -> None:
         "tiny_cpu",
         [
             "reward.type=code",
-            "sparsity.calibrate=false",
+            "control.calibrate=false",
             f"data.train_path={data}",
             "data.answer_key=tests",
             "data.max_bad_fraction=0.6",
@@ -157,7 +157,7 @@ def test_tokenizer_larger_than_the_model_vocab_names_both_sizes(tmp_path: Path) 
         "tiny_cpu",
         [
             "reward.type=math",
-            "sparsity.calibrate=false",
+            "control.calibrate=false",
             f"data.train_path={data}",
             f"model.hf_checkpoint={ckpt}",
         ],

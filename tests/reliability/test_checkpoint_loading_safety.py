@@ -1,6 +1,6 @@
 """Loading a checkpoint runs no code, and two identical policies write byte-identical checkpoint files.
 
-A tampered policy file whose manifest hash was recomputed (so the sha256 check passes) holds a pickle
+A tampered policy or RNG file whose manifest hash was recomputed (so the sha256 check passes) holds a pickle
 payload: ``torch.load(weights_only=True)`` refuses it with one line naming the file, and the payload never
 runs. The saved RNG states are torch's only, so nothing unseeded makes two equal runs' files differ (but the
 sharded checkpoint's ``.metadata``, which records the save's id and folder).
@@ -45,24 +45,43 @@ def _save_one(root: Path) -> Path:
             destroy_parallel()
 
 
-def test_a_pickle_payload_with_a_valid_hash_is_refused_and_never_runs(tmp_path: Path) -> None:
+def _rehash(folder: Path, changed: Path) -> None:
+    """Record ``changed``'s new sha256 in the manifest, as a tamperer who knows the format would."""
+    manifest = json.loads((folder / MANIFEST).read_text())
+    manifest["files"][changed.relative_to(folder).as_posix()] = sha256_file(changed)
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+
+
+def _load_refused(folder: Path, message: str) -> None:
+    with single_rank_env():
+        policy = MegatronPolicy(SHAPE, ParallelLayout(), OptimizerSettings(), "float32", seed=7)
+        try:
+            with pytest.raises(CheckpointError, match=message):
+                policy.load(folder)
+        finally:
+            destroy_parallel()
+
+
+# the common state every rank reads (the shards are megatron's), and this rank's RNG file
+@pytest.mark.parametrize("pattern", ["policy/common.pt", "rng_*.pt"])
+def test_a_pickle_payload_with_a_valid_hash_is_refused_and_never_runs(tmp_path: Path, pattern: str) -> None:
     folder = _save_one(tmp_path / "ckpt")
-    rank_file = folder / "policy" / "common.pt"  # a torch file every rank reads (the shards are megatron's)
+    (rank_file,) = folder.glob(pattern)
     payload = torch.load(rank_file, weights_only=True)
     marker = tmp_path / "payload_ran"
     payload["evil"] = _Payload(marker)
     torch.save(payload, rank_file)
-    manifest = json.loads((folder / MANIFEST).read_text())
-    manifest["files"][rank_file.relative_to(folder).as_posix()] = sha256_file(rank_file)
-    (folder / MANIFEST).write_text(json.dumps(manifest))
-    with single_rank_env():
-        policy = MegatronPolicy(SHAPE, ParallelLayout(), OptimizerSettings(), "float32", seed=7)
-        try:
-            with pytest.raises(CheckpointError, match=rf"^{folder}: unreadable \(Weights only load failed"):
-                policy.load(folder)
-        finally:
-            destroy_parallel()
+    _rehash(folder, rank_file)
+    _load_refused(folder, rf"^{folder}: unreadable \(Weights only load failed")
     assert not marker.exists()
+
+
+def test_an_rng_file_of_another_form_is_refused_in_one_line(tmp_path: Path) -> None:
+    folder = _save_one(tmp_path / "ckpt")
+    (rng_file,) = folder.glob("rng_*.pt")
+    torch.save({"rng": {"torch": torch.zeros(3, dtype=torch.float32)}}, rng_file)
+    _rehash(folder, rng_file)
+    _load_refused(folder, rf"^{rng_file}: expected .*uint8 RNG state")
 
 
 def test_identical_policies_write_byte_identical_files(tmp_path: Path) -> None:

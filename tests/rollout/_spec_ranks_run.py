@@ -2,7 +2,7 @@
 
 Run under torchrun (``torchrun --nproc_per_node=2 tests/rollout/_spec_ranks_run.py RUN_DIR [k=v ...]``) or
 called in-process on one rank (:func:`train_speculative`). Every rank writes ``RUN_DIR/planner_rank<r>.json``:
-its engine's :class:`~sparrow_nemo.rollout.spec_rollout.SpeculativePlanner` state after the run.
+its engine's :class:`~sparrow_nemo.control.speculative.SpeculativePlanner` state after the run.
 """
 
 from __future__ import annotations

@@ -135,9 +135,9 @@ def test_page_score_calibration_script_appends_one_line_per_score(tmp_path: Path
     out = tmp_path / "c.jsonl"
     overrides = [
         "warmstart.enabled=false",
-        "sparsity.calibration.num_prompts=2",
-        "sparsity.calibration.samples_per_prompt=1",
-        "sparsity.calibration.candidate_budgets=[64, 96]",
+        "control.calibration.num_prompts=2",
+        "control.calibration.samples_per_prompt=1",
+        "control.calibration.candidate_budgets=[64, 96]",
         "rollout.max_new_tokens=24",
         "sparsity.threshold=0.01",
     ]

@@ -23,9 +23,10 @@ import torch
 from sparrow_nemo.checkpoint.run_state import read_run_state
 from sparrow_nemo.config import ConfigError
 from sparrow_nemo.grpo.recipe import load_config
+from sparrow_nemo.grpo.setup import rollout_mode_engine
 from sparrow_nemo.model_shapes import PRESETS
 from sparrow_nemo.rollout.engine import SamplingParams
-from sparrow_nemo.rollout.spec_rollout import RolloutModeEngine, with_rollout_mode
+from sparrow_nemo.rollout.rollout_mode import RolloutModeEngine
 from sparrow_nemo.rollout.tools.cost_fit import rollout_cost_model
 from sparrow_nemo.rollout.torch.engine import TorchRolloutEngine
 from sparrow_nemo.rollout.torch.spec_decode import SpeculativeSample
@@ -51,7 +52,7 @@ def engine() -> TorchRolloutEngine:
 
 def _wrap(config, engine: TorchRolloutEngine):
     """``engine`` in the recipe's rollout mode, on the recipe's cost model (fitted to this CPU)."""
-    return with_rollout_mode(
+    return rollout_mode_engine(
         config, engine, rollout_cost_model(config.rollout, config.sparsity, config.model.shape(), engine)
     )
 
@@ -73,7 +74,7 @@ def test_dense_mode_decodes_every_call_densely(engine) -> None:
 
 
 def test_speculative_mode_and_its_planner(engine) -> None:
-    wrapped = _wrap(_config("rollout.mode=speculative", "rollout.speculative.draft_tokens=3"), engine)
+    wrapped = _wrap(_config("rollout.mode=speculative", "control.speculative.draft_tokens=3"), engine)
     planner = wrapped.planner
     assert planner.config_for(SCHEDULE).draft_tokens == (3, 3)
     out = wrapped.generate(_prompts(), SAMPLING, SCHEDULE)
@@ -116,7 +117,7 @@ def test_config_keys_are_checked() -> None:
     with pytest.raises(ConfigError, match="draft_tokens"):
         load_config(
             "tiny_cpu_short_smoke",
-            ["rollout.speculative.draft_tokens=9", "rollout.speculative.max_draft_tokens=8"],
+            ["control.speculative.draft_tokens=9", "control.speculative.max_draft_tokens=8"],
         )
     with pytest.raises(ConfigError, match=r"rollout\.mode"):
         load_config("tiny_cpu_short_smoke", ["rollout.mode=speculative", "rollout.backend=trtllm"])

@@ -492,8 +492,8 @@ def test_any_order_needs_several_queries_and_labels_parse_in_linear_time() -> No
 
 
 def test_the_tolerant_recipe_binds_its_knobs_and_its_prompts_fit() -> None:
+    from sparrow_nemo.grpo.prompts import build_prompt_source
     from sparrow_nemo.grpo.recipe import load_config
-    from sparrow_nemo.rewards.registry import bind_reward
 
     config = load_config("tiny_cpu_tolerant", [])
     rl, warm = build_tasks(config.task, config.warmstart)
@@ -504,7 +504,9 @@ def test_the_tolerant_recipe_binds_its_knobs_and_its_prompts_fit() -> None:
     assert (
         max(len(p.prompt) + 1 for p in problems) <= config.data.max_prompt_tokens
     )  # one token per character
-    reward = bind_reward(config.reward.type, config.reward.options)
+    assert rl.config.max_wrong == 2
+    build_prompt_source(config)  # the run's prompt source accepts the recipe (no reward.options on the task)
+    reward = rl.reward  # what a run scores with (task.max_wrong)
     p = next(p for p in problems if p.num_queries >= 6)
     lines = p.trace.split("\n")
     off = {1, 3}  # two answer lines off by one: still solved at max_wrong 2

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from sparrow_nemo.rollout.engine import SamplingParams
-from sparrow_nemo.rollout.sampling import sample_tokens, token_logprobs
+from sparrow_nemo.rollout.sampling import inject_mixture, mixture_logprobs, sample_tokens, token_logprobs
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET, BudgetSchedule
 
 #: most bins of a schedule the device table holds without growing (the paper's schedules have 20)
@@ -81,11 +81,19 @@ def sample_step(
     topk: int,
     cached_len: torch.Tensor,
     budgets: torch.Tensor | None,
+    mix: torch.Tensor | None = None,
 ) -> StepOutput:
     """The tokens drawn from ``logits [B, V]`` with ``uniforms [B]`` and their record (logprob, top-K, the budget
-    the step read with: ``DENSE_BUDGET`` where ``budgets`` is None, ``cached_len [B]`` giving the shape)."""
+    the step read with: ``DENSE_BUDGET`` where ``budgets`` is None, ``cached_len [B]`` giving the shape).
+    ``mix [B]`` (``rollout.inject_mismatch``, :func:`~sparrow_nemo.rollout.sampling.injection_mix`): rows with a
+    positive weight draw from the mixture with the uniform and record its logprobs; None = the plain step."""
     tokens = sample_tokens(logits, sampling, uniforms)
+    if mix is not None:
+        tokens = inject_mixture(logits, tokens, uniforms, mix)
     lp, top_ids, top_lp = token_logprobs(logits, tokens, topk)
+    if mix is not None:
+        vocab = logits.shape[-1]
+        lp, top_lp = mixture_logprobs(lp, mix, vocab), mixture_logprobs(top_lp, mix, vocab)
     recorded = torch.full_like(cached_len, DENSE_BUDGET) if budgets is None else budgets
     return StepOutput(tokens, lp, top_ids, top_lp, recorded)
 
@@ -115,6 +123,7 @@ class DecodeGraphs:
         self.tokens = torch.zeros(top, dtype=torch.int64, device=device)
         self.seq_len = torch.ones(top, dtype=torch.int64, device=device)
         self.uniforms = torch.zeros(top, dtype=torch.float64, device=device)
+        self.mix = torch.zeros(top, dtype=torch.float64, device=device)
         self.budget_of = DeviceBudgets(device)
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, StepOutput]] = {}
         self._pool = None
@@ -136,7 +145,8 @@ class DecodeGraphs:
         seq_len = self.seq_len[:size]
         budgets = None if dense else self.budget_of(seq_len)
         logits = self.decode(self.table[:size], self.tokens[:size], seq_len, budgets)
-        return sample_step(logits, sampling, self.uniforms[:size], topk, seq_len, budgets)
+        mix = self.mix[:size] if sampling.inject_mismatch.on else None
+        return sample_step(logits, sampling, self.uniforms[:size], topk, seq_len, budgets, mix)
 
     def run(
         self,
@@ -148,10 +158,12 @@ class DecodeGraphs:
         sampling: SamplingParams,
         topk: int,
         pad_page: int,
+        mix: torch.Tensor | None = None,
     ) -> StepOutput:
         """One step of ``b`` rows (``table_rows [b, P]``, ``tokens``, ``seq_len [b]``, ``uniforms [b]``), padded
         to its bucket with rows that read page ``pad_page`` (the scratch page) at cached length 1; the schedule
-        must be loaded (``budget_of.load``) unless ``dense``. Returns the first ``b`` rows of the outputs (copies)."""
+        must be loaded (``budget_of.load``) unless ``dense``; ``mix [b]``: the injected rows' uniform weights (given
+        exactly when ``sampling.inject_mismatch`` is on, :func:`sample_step`). Returns the first ``b`` rows of the outputs (copies)."""
         b, size = tokens.shape[0], self.bucket(tokens.shape[0])
         cols = table_rows.shape[1]
         self.table[:b, :cols].copy_(table_rows)
@@ -162,10 +174,21 @@ class DecodeGraphs:
         self.seq_len[b:size].fill_(1)
         self.uniforms[:b].copy_(uniforms, non_blocking=True)
         self.uniforms[b:size].zero_()
+        if mix is not None:
+            self.mix[:b].copy_(mix, non_blocking=True)
+            self.mix[b:size].zero_()
         if not self.capture:
             out = self._step(size, dense, sampling, topk)
         else:
-            key = (size, dense, sampling.temperature, sampling.top_k, sampling.top_p, topk)
+            key = (
+                size,
+                dense,
+                sampling.temperature,
+                sampling.top_k,
+                sampling.top_p,
+                sampling.inject_mismatch.on,
+                topk,
+            )
             if key not in self._graphs:
                 self._graphs[key] = self._capture(size, dense, sampling, topk)
             graph, out = self._graphs[key]

@@ -351,6 +351,10 @@ class TorchRolloutEngine:
         i)``). ``on_tokens`` is told the new tokens every ``PROGRESS_EVERY`` steps and at the end.
         """
         self._check_ready()
+        if speculative is not None and sampling.inject_mismatch.on:
+            raise ValueError(
+                "rollout.inject_mismatch is on: speculative decoding (dense verify) would undo it"
+            )
         prompt_ids, seeds, caps = self._check_request(
             prompts, sampling, schedule, sample_seeds, max_new_tokens
         )

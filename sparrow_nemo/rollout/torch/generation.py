@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 
 from sparrow_nemo.rollout.engine import RolloutSample, SamplingParams, TokenTally
-from sparrow_nemo.rollout.sampling import TOKEN, position_uniforms
+from sparrow_nemo.rollout.sampling import TOKEN, injection_mix, position_uniforms
 from sparrow_nemo.rollout.torch.block_manager import BlockManager
 from sparrow_nemo.rollout.torch.cuda_graphs import sample_step
 from sparrow_nemo.rollout.torch.model_runner import ModelRunner, SlotTable
@@ -69,9 +69,12 @@ class PlainDecode:
 
     def first(self, seqs: Sequence[Seq], logits: torch.Tensor) -> list[Finish | None]:
         """First tokens of fresh ``seqs`` from their prompts' ``logits [B, V]`` (dense prefill)."""
-        uniforms = position_uniforms([s.seed for s in seqs], [0] * len(seqs), TOKEN)
+        seeds, positions = [s.seed for s in seqs], [0] * len(seqs)
+        uniforms = position_uniforms(seeds, positions, TOKEN)
+        mix = injection_mix(self.sampling.inject_mismatch, seeds, positions, logits.device)
         cached = torch.tensor([s.prompt_len for s in seqs], dtype=torch.int64, device=logits.device)
-        return self._take(seqs, sample_step(logits, self.sampling, uniforms, self.topk, cached, None), cached)
+        step = sample_step(logits, self.sampling, uniforms, self.topk, cached, None, mix)
+        return self._take(seqs, step, cached)
 
     def plan(self, seqs: Sequence[Seq]) -> None:
         """Nothing to plan: every sequence takes one token."""

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from sparrow_nemo.rollout.engine import SamplingParams
-from sparrow_nemo.rollout.sampling import TOKEN, position_uniforms
+from sparrow_nemo.rollout.sampling import TOKEN, injection_mix, position_uniforms
 from sparrow_nemo.rollout.torch.block_manager import Prefix
 from sparrow_nemo.rollout.torch.cuda_graphs import DecodeGraphs, StepOutput, sample_step
 from sparrow_nemo.rollout.torch.decode_step import DecodeStep
@@ -241,14 +241,16 @@ class ModelRunner:
         lengths = [s.cached + 1 for s in seqs]
         seq_len = torch.tensor(lengths, dtype=torch.int64, device=device)
         tokens = torch.tensor([s.response[-1] for s in seqs], dtype=torch.int64, device=device)
-        uniforms = position_uniforms([s.seed for s in seqs], [len(s.response) for s in seqs], TOKEN)
+        seeds, positions = [s.seed for s in seqs], [len(s.response) for s in seqs]
+        uniforms = position_uniforms(seeds, positions, TOKEN)
+        mix = injection_mix(sampling.inject_mismatch, seeds, positions, device)
         pages = -(-max(lengths) // cache.page_size)
         if self.graphs is not None:
             table = slots.rows(seqs, pages)
             return self.graphs.run(
-                table, tokens, seq_len, uniforms, schedule.is_dense, sampling, topk, slots.scratch
+                table, tokens, seq_len, uniforms, schedule.is_dense, sampling, topk, slots.scratch, mix
             )
         table = slots.rows(seqs, pages)
         budgets = None if schedule.is_dense else schedule.budgets_for(seq_len)
         logits = self.step(cache, table, tokens, seq_len, budgets)
-        return sample_step(logits, sampling, uniforms, topk, seq_len, budgets)
+        return sample_step(logits, sampling, uniforms, topk, seq_len, budgets, mix)

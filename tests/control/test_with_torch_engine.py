@@ -10,21 +10,17 @@ from __future__ import annotations
 
 import csv
 import json
-from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from callback_fakes import FakeTrainer, make_scheduler
+from control_fakes import FakeLoop, make_callback
 
-from sparrow_nemo.callbacks import (
-    CalibratingTrainer,
-    build_step_report,
-    run_calibration,
-)
-from sparrow_nemo.callbacks.calibration import CSV_COLUMNS
-from sparrow_nemo.callbacks.tail_stats import bin_tails
+from sparrow_nemo.control import build_step_report, run_calibration
+from sparrow_nemo.control.calibration import CSV_COLUMNS
+from sparrow_nemo.control.tail_stats import bin_tails
 from sparrow_nemo.model_shapes import PRESETS
 from sparrow_nemo.rollout import SamplingParams, TorchRolloutEngine
 from sparrow_nemo.rollout.scoring import measure_mismatch
@@ -147,44 +143,36 @@ def test_calibration_files(calibrated) -> None:
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
 
 
-@dataclass
-class CalibratingFakeTrainer(FakeTrainer):
-    """FakeTrainer plus what calibrate=True needs."""
-
-    rollout_engine: object = None
-    sampling: object = None
-    calibration_prompts: list = field(default_factory=list)
-
-
 def test_scheduler_calibrates_on_start_but_not_on_resume(engine, prompts, calibrated, tmp_path: Path) -> None:
     result, _ = calibrated
-    trainer = CalibratingFakeTrainer(
-        BudgetSchedule.dense(bin_tokens=BIN),
-        tmp_path,
-        rollout_engine=engine,
-        sampling=SAMPLING,
-        calibration_prompts=prompts,
-    )
-    assert isinstance(trainer, CalibratingTrainer)
-    scheduler = make_scheduler(threshold=THRESHOLD, candidates=CANDIDATES, calibrate=True, bin_tokens=BIN)
-    scheduler.on_train_start(trainer)
-    assert trainer.schedule == result.schedule
-    assert trainer.logged[0]["calibration/budget/bin_3"] == result.schedule.budgets[3]
+    loop = FakeLoop(BudgetSchedule.dense(bin_tokens=BIN), tmp_path)
+
+    def calibrate(schedule: BudgetSchedule, out: Path | None):
+        return run_calibration(
+            engine, prompts, CANDIDATES, SAMPLING, BIN, THRESHOLD, 0.05, schedule.page_size, out
+        )
+
+    knobs = dict(threshold=THRESHOLD, candidates=CANDIDATES, calibrate=True, bin_tokens=BIN)
+    callback = make_callback(loop.schedule, tmp_path, calibrate_fn=calibrate, log=loop.log, **knobs)
+    loop.start(callback)
+    assert loop.schedule == result.schedule
+    assert loop.logged[0]["calibration/budget/bin_3"] == result.schedule.budgets[3]
     assert (tmp_path / "sparsity" / "calibration" / "calibration_tail.png").is_file()
 
-    resumed = CalibratingFakeTrainer(
-        BudgetSchedule.dense(bin_tokens=BIN), tmp_path / "r"
-    )  # no engine: must not calibrate
-    again = make_scheduler(threshold=THRESHOLD, candidates=CANDIDATES, calibrate=True, bin_tokens=BIN)
-    again.on_load_checkpoint(resumed, scheduler.on_save_checkpoint(trainer))
-    again.on_train_start(resumed)
+    resumed = FakeLoop(BudgetSchedule.dense(bin_tokens=BIN), tmp_path / "r")
+    fails = partial(pytest.fail, "a resumed run must not calibrate")
+    again = make_callback(resumed.schedule, resumed.run_dir, calibrate_fn=fails, **knobs)
+    again.load_state_dict(callback.state_dict())
+    resumed.start(again)
     assert resumed.schedule == result.schedule
 
 
-def test_calibrate_needs_engine_on_the_trainer(tmp_path) -> None:
-    scheduler = make_scheduler(calibrate=True, bin_tokens=2000)
-    with pytest.raises(TypeError, match="rollout_engine, sampling, calibration_prompts"):
-        scheduler.on_train_start(FakeTrainer(BudgetSchedule.dense(), tmp_path))
+def test_a_rank_without_the_calibration_pass_keeps_its_schedule(tmp_path) -> None:
+    """The decision says calibrate; a rank given no pass (not in rank 0's engine) waits for rank 0's schedule."""
+    loop = FakeLoop(BudgetSchedule.dense(), tmp_path)
+    callback = make_callback(loop.schedule, None, calibrate=True, bin_tokens=2000)
+    loop.start(callback)
+    assert callback.decision.calibrate and loop.schedule == BudgetSchedule.dense()
 
 
 def test_online_scheduler_raises_until_every_bin_passes(engine, prompts, tmp_path) -> None:
@@ -193,11 +181,10 @@ def test_online_scheduler_raises_until_every_bin_passes(engine, prompts, tmp_pat
     Observed here: (48,) -> (48, 64, 64, 64) -> (48, 64, 96, 96) -> (48, 64, 96, 128), one rung per failing
     bin per step; in bins 1-3 (the ones with tokens) the budgets the offline calibration picks.
     """
-    trainer = FakeTrainer(BudgetSchedule(bin_tokens=BIN, budgets=(48,), name="sparsest"), tmp_path)
-    scheduler = make_scheduler(
-        threshold=THRESHOLD, candidates=CANDIDATES, noise_z=0.0, min_bin_tokens=16, bin_tokens=BIN
-    )
-    scheduler.on_train_start(trainer)
+    trainer = FakeLoop(BudgetSchedule(bin_tokens=BIN, budgets=(48,), name="sparsest"), tmp_path)
+    knobs = dict(threshold=THRESHOLD, candidates=CANDIDATES, noise_z=0.0, min_bin_tokens=16, bin_tokens=BIN)
+    scheduler = make_callback(trainer.schedule, tmp_path, **knobs)
+    trainer.start(scheduler)
     seen = []
     for step in range(8):
         schedule = trainer.schedule
@@ -205,7 +192,7 @@ def test_online_scheduler_raises_until_every_bin_passes(engine, prompts, tmp_pat
         batch = engine.generate(prompts, SAMPLING, schedule)
         mismatch = measure_mismatch(engine, batch)
         report = build_step_report(step, batch.samples, mismatch, [1.0] * len(prompts), schedule, noise_z=0.0)
-        scheduler.on_train_batch_end(trainer, report, {})
+        trainer.step(scheduler, report)
         if trainer.schedule == schedule:
             break
     assert trainer.schedule == schedule, f"no fixed point in 8 steps: {seen}"

@@ -1,4 +1,5 @@
-"""TailMismatchScheduler on synthetic step reports whose per-bin tails are known exactly.
+"""The tail scheduler through its callback face (:class:`SparrowCallback`) on synthetic step reports whose
+per-bin tails are known exactly.
 
 Each bin's alpha is a two-valued sample: a fraction ``low_frac`` of tokens at ``low``, the rest at 0.99,
 so its p5 is ``low`` when low_frac > 5% (plus the noise margin) and 0.99 when low_frac is 0.
@@ -11,9 +12,9 @@ import logging
 
 import pytest
 import torch
-from callback_fakes import FakeTrainer, make_scheduler
+from control_fakes import FakeLoop, make_callback
 
-from sparrow_nemo.callbacks import CallbackList, StepReport, TailMismatchScheduler
+from sparrow_nemo.control import SparrowCallback, StepReport
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET, BudgetSchedule
 
 BIN = 100
@@ -50,17 +51,17 @@ RAW = dict(collapse_smooth=1, collapse_noise_z=0.0, collapse_drop=0.3)
 BAD = (400, 0.10, 0.70)  # p5 = 0.70, far below
 
 
-def _start(tmp_path, **kwargs) -> tuple[TailMismatchScheduler, FakeTrainer]:
+def _start(tmp_path, schedule: BudgetSchedule = START, **kwargs) -> tuple[SparrowCallback, FakeLoop]:
     kwargs.setdefault("candidates", LADDER)
-    scheduler = make_scheduler(**kwargs)
-    trainer = FakeTrainer(START, tmp_path)
-    scheduler.on_train_start(trainer)
+    trainer = FakeLoop(schedule, tmp_path)
+    scheduler = make_callback(schedule, tmp_path, log=trainer.log, **kwargs)
+    trainer.start(scheduler)
     return scheduler, trainer
 
 
 def _step(scheduler, trainer, report) -> dict[str, float]:
     """The scheduler's metrics of the step, plus the tails it decided on (as ``tail/<bin>``, ``tokens/<bin>``)."""
-    scheduler.on_train_batch_end(trainer, report, {})
+    trainer.step(scheduler, report)
     tails = {f"tail/{t['bin']}": t["value"] for t in scheduler.history[-1]["bins"]}
     tokens = {f"tokens/{t['bin']}": t["tokens"] for t in scheduler.history[-1]["bins"]}
     return {**trainer.logged[-1], **tails, **tokens}
@@ -224,10 +225,10 @@ def test_collapse_guard_noise_margin_scales_with_the_spread(tmp_path) -> None:
 
 
 def test_collapse_smooth_must_fit_the_window() -> None:
-    from sparrow_nemo.callbacks.tail_scheduler import TailSchedulerConfig
+    from sparrow_nemo.control.scheduler import SchedulerConfig
 
     with pytest.raises(ValueError, match="collapse_smooth"):
-        TailSchedulerConfig(collapse_window=4, collapse_smooth=5)
+        SchedulerConfig(collapse_window=4, collapse_smooth=5)
 
 
 def test_guard_waits_for_enough_history(tmp_path) -> None:
@@ -260,12 +261,12 @@ def test_checkpoint_round_trip_restores_identical_behaviour(tmp_path) -> None:
     a, ta = _start(tmp_path / "a", **kwargs)
     for report in script[:5]:
         _step(a, ta, report)
-    state = json.loads(json.dumps(CallbackList([a]).on_save_checkpoint(ta)))  # must survive JSON
+    state = json.loads(json.dumps(a.state_dict()))  # must survive JSON
 
-    b = make_scheduler(candidates=LADDER, **kwargs)
-    tb = FakeTrainer(BudgetSchedule.from_preset("dense"), tmp_path / "b")
-    CallbackList([b]).on_load_checkpoint(tb, state)
-    b.on_train_start(tb)
+    tb = FakeLoop(BudgetSchedule.from_preset("dense"), tmp_path / "b")
+    b = make_callback(tb.schedule, tb.run_dir, candidates=LADDER, log=tb.log, **kwargs)
+    b.load_state_dict(state)
+    tb.start(b)
     assert tb.schedule == ta.schedule and b.history == a.history
 
     for report in script[5:]:
@@ -288,29 +289,29 @@ def test_outputs_written_to_run_dir(tmp_path) -> None:
     lines = (out / "tail_history.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [0, 1, 2]
     assert BudgetSchedule.from_yaml(out / "schedule.yaml") == trainer.schedule
-    scheduler.on_train_end(trainer)
+    scheduler.on_train_end(None, None)
     assert (out / "tail_history.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_history_plot_handles_dense_and_no_history(tmp_path) -> None:
     scheduler, trainer = _start(tmp_path / "a")
-    scheduler.on_train_end(trainer)
+    scheduler.on_train_end(None, None)
     assert not (tmp_path / "a" / "sparsity" / "tail_history.png").exists()
     scheduler, trainer = _start(tmp_path / "b", collapse_min_steps=1, **RAW)
     _step(scheduler, trainer, make_report(0, {0: OK, 3: BAD}, length=100.0))
     _step(scheduler, trainer, make_report(1, {1: BAD}, length=10.0))
     assert trainer.schedule.is_dense
-    scheduler.on_train_end(trainer)
+    scheduler.on_train_end(None, None)
     assert (tmp_path / "b" / "sparsity" / "tail_history.png").stat().st_size > 5000
 
 
 def test_bad_setup_errors(tmp_path) -> None:
-    with pytest.raises(ValueError, match="multiples of page_size=16"):
+    with pytest.raises(ValueError, match="candidates \\[520\\] are not multiples"):
         _start(tmp_path, candidates=[512, 520])
     with pytest.raises(ValueError, match="at least one candidate budget"):
-        make_scheduler(candidates=[])
+        make_callback(START, candidates=[])
     with pytest.raises(ValueError, match="version"):
-        make_scheduler().on_load_checkpoint(FakeTrainer(START, tmp_path), {"version": 99})
+        make_callback(START).load_state_dict({"version": 99})
 
 
 def test_the_recipe_sections_configure_the_scheduler() -> None:
@@ -318,21 +319,25 @@ def test_the_recipe_sections_configure_the_scheduler() -> None:
 
     config = load_config(
         "tiny_cpu_short",
-        ["tail_scheduler.adapt=raise_and_lower", "sparsity.threshold=0.9", "tail_scheduler.patience=5"],
+        ["control.scheduler.adapt=raise_and_lower", "sparsity.threshold=0.9", "control.scheduler.patience=5"],
     )
-    scheduler = TailMismatchScheduler(config.sparsity, config.tail_scheduler)
-    assert (scheduler.mode, scheduler.threshold, scheduler.patience) == ("raise_and_lower", 0.9, 5)
+    callback = SparrowCallback.from_config(config.sparsity, config.control, START)
+    scheduler = callback.scheduler
+    assert (scheduler.config.adapt, scheduler.threshold, scheduler.config.patience) == (
+        "raise_and_lower",
+        0.9,
+        5,
+    )
     sparsity = config.sparsity
-    assert scheduler.candidates == sorted(sparsity.calibration.candidate_budgets)
+    assert list(scheduler.candidates) == sorted(config.control.calibration.candidate_budgets)
     assert (scheduler.bin_tokens, scheduler.min_bin_tokens) == (sparsity.bin_tokens, sparsity.min_bin_tokens)
 
 
 def test_bins_must_match_the_schedule(tmp_path) -> None:
     with pytest.raises(ValueError, match="bin_tokens=128 but schedule 'start' has bin_tokens=100"):
         _start(tmp_path, bin_tokens=128)
-    scheduler = make_scheduler(bin_tokens=BIN, mode="raise_and_lower", patience=1, candidates=LADDER)
-    trainer = FakeTrainer(BudgetSchedule.from_preset("dense"), tmp_path)  # 2000-token bins
-    scheduler.on_train_start(trainer)
+    dense = BudgetSchedule.from_preset("dense")  # 2000-token bins
+    scheduler, trainer = _start(tmp_path, dense, bin_tokens=BIN, mode="raise_and_lower", patience=1)
     assert trainer.schedule.is_dense and trainer.schedule.bin_tokens == BIN
     _step(scheduler, trainer, make_report(0, {0: OK}))  # dense -> the largest candidate in bin 0
     assert trainer.schedule.budgets == (1536, DENSE_BUDGET)
@@ -342,9 +347,30 @@ def test_bins_must_match_the_schedule(tmp_path) -> None:
 
 
 def test_several_bins_below_move_one_rung_each_from_what_was_measured(tmp_path) -> None:
-    scheduler = make_scheduler(candidates=LADDER)
-    trainer = FakeTrainer(BudgetSchedule(bin_tokens=BIN, budgets=(512, 512, 512), name="flat"), tmp_path)
-    scheduler.on_train_start(trainer)
+    flat = BudgetSchedule(bin_tokens=BIN, budgets=(512, 512, 512), name="flat")
+    scheduler, trainer = _start(tmp_path, flat)
     _step(scheduler, trainer, make_report(0, {1: BAD, 2: BAD}))
     assert trainer.schedule.budgets == (512, 768, 768)  # not 1024 for bin 2: it was measured at 512
     assert [a["to"] for a in scheduler.history[-1]["actions"]] == [768, 768]
+
+
+def test_a_checkpoint_of_the_former_tail_scheduler_loads(tmp_path) -> None:
+    """Version 1 (``TailMismatchScheduler``'s state, before the control package): restored, no second calibration."""
+    raised = BudgetSchedule(bin_tokens=BIN, budgets=(512, 1024, 1024), name="start+adapted")
+    old = {
+        "version": 1,
+        "schedule": raised.to_dict(),
+        "bin_tokens": BIN,
+        "collapsed": False,
+        "above_streak": {"2": 1},
+        "recent": [[1.0, 100.0]],
+        "history": [
+            {"step": 0, "bins": [], "actions": [], "reward_mean": 1.0, "response_length_mean": 100.0}
+        ],
+    }
+    loop = FakeLoop(START, tmp_path)
+    callback = make_callback(START, tmp_path, candidates=LADDER, calibrate=True, calibrate_fn=pytest.fail)
+    callback.load_state_dict(old)
+    loop.start(callback)
+    assert loop.schedule == raised and not callback.decision.calibrate
+    assert callback.state.above_streak == {2: 1} and callback.state.recent == ((1.0, 100.0),)

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparrow_nemo.callbacks.schedule_edit import (
+from sparrow_nemo.control.schedule_edit import (
     ADAPTED_SUFFIX,
     bin_budget,
     lower_bin,

@@ -1,36 +1,25 @@
-"""Rollout modes for training (``rollout.mode``): sparse (the engine as it is), dense, or speculative.
+"""The speculative planner (``rollout.mode=speculative``, ``control.speculative``): the draft's budget and k per
+bin of cached length for the next rollouts, and the ``spec/*`` metrics of a step's drafts.
 
-:class:`RolloutModeEngine` wraps a rollout engine so that every ``generate`` follows the mode, whoever calls it
-(the step's rollout, the evaluations, the OOM retry):
-
-- ``dense``: every call decodes with the dense schedule (the given schedule's bins and pages);
-- ``speculative``: a call with a sparse schedule decodes losslessly with sparse drafts and dense verifies, the
-  draft's budget and k per bin taken from the :class:`SpeculativePlanner`; a dense schedule (the dense
-  evaluations) decodes densely.
-
-:class:`SpeculativePlanner` starts from the run's schedule and ``rollout.speculative.draft_tokens`` in every bin;
-with ``rollout.speculative.adapt`` it re-plans after every step from the acceptance the step measured
+:class:`SpeculativePlanner` starts from the run's schedule and ``control.speculative.draft_tokens`` in every bin;
+with ``control.speculative.adapt`` it re-plans after every step from the acceptance the step measured
 (:func:`~sparrow_nemo.sparse.speculative_cost.pick_plan` over an
 :class:`~sparrow_nemo.sparse.speculative_cost.AcceptanceTable` per bin of ``sparsity.bin_tokens`` and draft
-budget among ``sparsity.calibration.candidate_budgets``). :func:`speculative_metrics` turns a step's draft logs
-into the ``spec/*`` metrics.
+budget among ``control.calibration.candidate_budgets``). :func:`speculative_metrics` turns a step's draft logs
+into the ``spec/*`` metrics. Executing the plan is the rollout layer's
+(:class:`~sparrow_nemo.rollout.rollout_mode.RolloutModeEngine`, the torch engine's speculative rounds).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from sparrow_nemo.rollout.engine import (
-    EngineWrapper,
-    RolloutBatch,
-    RolloutEngine,
-    RolloutSample,
-    SamplingParams,
-    TokenProgress,
-)
+from sparrow_nemo.config.schema import NON_NEGATIVE, UNIT, Section, knob
+from sparrow_nemo.rollout.engine import RolloutSample
 from sparrow_nemo.rollout.torch.spec_decode import DraftLog
 from sparrow_nemo.rollout.torch.speculative import SpeculativeConfig
 from sparrow_nemo.sparse.cost_model import DecodeCostModel
@@ -43,7 +32,32 @@ from sparrow_nemo.sparse.speculative_cost import (
     pick_plan,
 )
 
-MODES = ("sparse", "speculative", "dense")
+
+@dataclass(frozen=True)
+class SpeculativePlannerConfig(Section):
+    """``control.speculative``: the draft plan of a speculative rollout (``rollout.mode=speculative``: sparse
+    drafts, dense verify), read by :func:`speculative_planner`."""
+
+    draft_tokens: int = knob(
+        4,
+        "k, draft tokens per dense verify in every bin until the first re-plan (0 = plain dense decoding)",
+        check=NON_NEGATIVE,
+    )
+    max_draft_tokens: int = knob(8, "the largest k the planner may pick", check=NON_NEGATIVE)
+    adapt: bool = knob(
+        True,
+        "after every step, re-plan the draft budget (among control.calibration.candidate_budgets) and k per bin "
+        "from the acceptance measured so far, for the most predicted tokens/s (rollout.cost_hardware's cost model)",
+    )
+    decay: float = knob(
+        0.5,
+        "weight of the earlier steps' acceptance in the planner's per-bin table (0 = the last step only)",
+        check=UNIT,
+    )
+
+    def check(self) -> None:
+        if self.draft_tokens > self.max_draft_tokens:
+            raise self.invalid("draft_tokens", f"<= max_draft_tokens ({self.max_draft_tokens})")
 
 
 class SpeculativePlanner:
@@ -77,7 +91,7 @@ class SpeculativePlanner:
             )
         if not 0 <= draft_tokens <= max_draft_tokens:
             raise ValueError(
-                f"rollout.speculative: draft_tokens={draft_tokens} must lie in [0, max_draft_tokens={max_draft_tokens}]"
+                f"control.speculative: draft_tokens={draft_tokens} must lie in [0, max_draft_tokens={max_draft_tokens}]"
             )
         self.cost = cost
         self.page_size = page_size
@@ -154,46 +168,6 @@ class SpeculativePlanner:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.table.load_state_dict(state["table"])
         self.plan = None if state["plan"] is None else SpeculativePlan.from_dict(state["plan"])
-
-
-class RolloutModeEngine(EngineWrapper):
-    """:class:`~sparrow_nemo.rollout.engine.RolloutEngine` around ``engine`` whose ``generate`` follows ``mode``
-    (see the module docstring); every other attribute is the wrapped engine's.
-
-    Args:
-        engine: a rollout engine whose ``generate`` takes ``speculative=`` (the torch engine).
-        mode: "dense" or "speculative". planner: required for "speculative".
-    """
-
-    def __init__(self, engine: RolloutEngine, mode: str, planner: SpeculativePlanner | None = None) -> None:
-        if mode not in ("dense", "speculative"):
-            raise ValueError(f"RolloutModeEngine: mode must be 'dense' or 'speculative', got '{mode}'")
-        if mode == "speculative" and planner is None:
-            raise ValueError("RolloutModeEngine: mode 'speculative' needs a SpeculativePlanner")
-        super().__init__(engine)
-        self.mode = mode
-        self.planner = planner
-
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        sampling: SamplingParams,
-        schedule: BudgetSchedule,
-        *,
-        sample_seeds: Sequence[int] | None = None,
-        on_tokens: TokenProgress | None = None,
-    ) -> RolloutBatch:
-        """The wrapped engine's ``generate`` in this mode (dense schedule, or speculative with the plan)."""
-        kwargs: dict[str, Any] = {"sample_seeds": sample_seeds, "on_tokens": on_tokens}
-        if self.mode == "dense" or schedule.is_dense:
-            return self.engine.generate(prompts, sampling, _dense(schedule), **kwargs)
-        return self.engine.generate(
-            prompts, sampling, schedule, speculative=self.planner.config_for(schedule), **kwargs
-        )
-
-
-def _dense(schedule: BudgetSchedule) -> BudgetSchedule:
-    return schedule if schedule.is_dense else BudgetSchedule.dense(schedule.bin_tokens, schedule.page_size)
 
 
 def _plan_of(config: SpeculativeConfig, bin_tokens: int) -> SpeculativePlan:
@@ -282,25 +256,25 @@ def speculative_metrics(
     return m
 
 
-def with_rollout_mode(config, engine: RolloutEngine, decode: DecodeCostModel) -> RolloutEngine:
-    """``engine`` as ``config.rollout.mode`` wants it: itself for sparse, else a :class:`RolloutModeEngine`
-    (speculative: with a :class:`SpeculativePlanner` from ``rollout.speculative`` and ``sparsity`` on the
-    decode cost model ``decode``: :func:`sparrow_nemo.rollout.tools.cost_fit.rollout_cost_model`)."""
-    r, s = config.rollout, config.sparsity
-    if r.mode == "sparse":
-        return engine
-    if r.mode == "dense":
-        return RolloutModeEngine(engine, "dense")
-    batch = min(r.max_batch_size, config.grpo.prompts_per_step * config.grpo.samples_per_prompt)
-    planner = SpeculativePlanner(
-        SpeculativeCostModel(decode, s.page_size),
-        bin_tokens=s.bin_tokens,
-        page_size=s.page_size,
-        candidates=s.calibration.candidate_budgets,
-        draft_tokens=r.speculative.draft_tokens,
-        max_draft_tokens=r.speculative.max_draft_tokens,
-        adapt=r.speculative.adapt,
-        decay=r.speculative.decay,
+def speculative_planner(
+    config: SpeculativePlannerConfig,
+    decode: DecodeCostModel,
+    bin_tokens: int,
+    page_size: int,
+    candidates: Sequence[int],
+    batch: int,
+) -> SpeculativePlanner:
+    """The planner of ``control.speculative`` on the decode cost model ``decode``
+    (:func:`sparrow_nemo.rollout.tools.cost_fit.rollout_cost_model`), the run's bins (``bin_tokens``) and pages
+    (``page_size``), draft budgets among ``candidates`` (tokens), ``batch`` sequences per rollout batch."""
+    return SpeculativePlanner(
+        SpeculativeCostModel(decode, page_size),
+        bin_tokens=bin_tokens,
+        page_size=page_size,
+        candidates=candidates,
+        draft_tokens=config.draft_tokens,
+        max_draft_tokens=config.max_draft_tokens,
+        adapt=config.adapt,
+        decay=config.decay,
         batch=batch,
     )
-    return RolloutModeEngine(engine, "speculative", planner)

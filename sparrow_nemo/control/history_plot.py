@@ -1,4 +1,4 @@
-"""Plot of a TailMismatchScheduler run: per-bin tail and per-bin budget over training steps."""
+"""Plot of the controller's history: per-bin tail and per-bin budget over training steps."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def plot_tail_history(
     bin's budget (tokens) in force after the step; a dense bin is drawn at the top edge with an "x".
 
     Args:
-        history: :attr:`TailMismatchScheduler.history` entries (``step``, ``bins``, ``schedule``, ``actions``).
+        history: :attr:`~sparrow_nemo.control.callback.SparrowCallback.history` entries (``step``, ``bins``, ``schedule``, ``actions``).
         threshold: the tail requirement. stat_name: its label. path: output PNG.
     """
     fig = Figure(figsize=(8, 6), dpi=100)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from sparrow_nemo.callbacks.tail_stats import bin_tails, confidence_levels, sequence_se
+from sparrow_nemo.control.tail_stats import bin_tails, confidence_levels, sequence_se
 from sparrow_nemo.sparse.mismatch import tail_by_bin
 
 

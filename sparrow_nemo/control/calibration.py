@@ -6,30 +6,57 @@ acceptance rate is the union-of-top-K lower bound between the dense and the spar
 (``sparrow_nemo.rollout.scoring.measure_mismatch``). The method layer's ``calibrate_schedule``
 (:mod:`sparrow_nemo.sparse.calibration`, framework-free) then picks, per bin, the smallest budget whose
 tail meets the threshold. Outputs go to ``run_dir``: the per-bin tail table (JSON, CSV, aligned text),
-the schedule YAML and a plot (:func:`write_calibration_outputs`). Used by the tail scheduler
-(``sparsity.calibrate``), ``sparrow calibrate`` and the DistillSparse report.
+the schedule YAML and a plot (:func:`write_calibration_outputs`). Used by the controller before training
+(``control.calibrate``), ``sparrow calibrate`` and the DistillSparse report.
 """
 
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from sparrow_nemo.config.schema import AT_LEAST_ONE, Section, knob
 from sparrow_nemo.rollout.engine import RolloutEngine, SamplingParams
 from sparrow_nemo.rollout.scoring import measure_mismatch
-from sparrow_nemo.sparse.calibration import CalibrationResult, calibrate_schedule
+from sparrow_nemo.sparse.calibration import PAPER_CANDIDATE_BUDGETS, CalibrationResult, calibrate_schedule
 from sparrow_nemo.sparse.mismatch import tail_name
 from sparrow_nemo.sparse.pattern import PAGE_SIZE
 from sparrow_nemo.sparse.schedule import DENSE_BUDGET, BudgetSchedule
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CalibrationConfig(Section):
+    """``control.calibration``: the calibration pass that picks a schedule for ``sparsity.threshold`` (the paper's
+    setup), and the budget ladder of the scheduler and the speculative planner."""
+
+    candidate_budgets: tuple[int, ...] = knob(
+        PAPER_CANDIDATE_BUDGETS,
+        "candidate budgets in tokens (reserved pages included), strictly increasing multiples of page_size; "
+        "also the scheduler's budget ladder and the speculative planner's draft budgets",
+    )
+    num_prompts: int = knob(
+        30, "calibration prompts (held-out: data.val_path or the synthetic task)", check=AT_LEAST_ONE
+    )
+    samples_per_prompt: int = knob(
+        8, "sparse samples per calibration prompt (the paper: 8)", check=AT_LEAST_ONE
+    )
+
+    def check(self) -> None:  # multiples of the pages and above the reserved pages: the recipe's rule
+        if not self.candidate_budgets:
+            raise self.invalid("candidate_budgets", "at least one candidate budget")
+        if any(b <= a for a, b in itertools.pairwise(self.candidate_budgets)):
+            raise self.invalid("candidate_budgets", "strictly increasing budgets")
 
 
 def run_calibration(
