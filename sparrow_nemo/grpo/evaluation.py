@@ -39,14 +39,22 @@ class EvaluationConfig(Section):
         check=AT_LEAST_ONE,
         hashed=False,
     )
+    speculative: bool = knob(
+        False,
+        "end of run, rollout.mode=sparse with the torch engine: the final schedule also decodes in the lossless "
+        "speculative mode (sparse drafts, dense verifies) in every timing pair; the summary reports that speedup "
+        "over dense beside the sparse one, on the same held-out prompts",
+        hashed=False,
+    )
 
 
-def end_evaluation_order(pairs: int) -> list[tuple[str, int]]:
-    """The end-of-run evaluations as (``"end"`` sparse / ``"end_dense"``, pair) in the order they run: pair 0
-    sparse then dense, pair 1 dense then sparse, and so on (ABBA)."""
+def end_evaluation_order(pairs: int, speculative: bool = False) -> list[tuple[str, int]]:
+    """The end-of-run evaluations as (``"end"`` sparse / ``"end_dense"`` / ``"end_speculative"`` with
+    ``speculative``, pair) in the order they run: pair 0 sparse, dense (, speculative), pair 1 the reverse, and
+    so on (ABBA)."""
     order = []
     for pair in range(pairs):
-        arms = [("end", pair), ("end_dense", pair)]
+        arms = [("end", pair), ("end_dense", pair)] + ([("end_speculative", pair)] if speculative else [])
         order += arms if pair % 2 == 0 else arms[::-1]
     return order
 

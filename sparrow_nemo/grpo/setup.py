@@ -178,15 +178,26 @@ def sampling_params(config: SparrowConfig, seed: int | None = None, rollouts: bo
 def rollout_mode_engine(config: SparrowConfig, engine, decode) -> Any:
     """``engine`` as ``rollout.mode`` wants it (:func:`~sparrow_nemo.rollout.rollout_mode.with_rollout_mode`);
     speculative: drafting with the planner of ``control.speculative`` on the decode cost model ``decode``."""
+    mode = config.rollout.mode
+    return with_rollout_mode(mode, engine, _draft_planner(config, decode) if mode == "speculative" else None)
+
+
+def speculative_evaluation_engine(config: SparrowConfig, engine, decode) -> Any:
+    """``engine`` in the lossless speculative mode for the end-of-run evaluation (``evaluation.speculative``), or
+    None when that is off or the run's own rollouts already are speculative or dense."""
+    if not (config.evaluation.speculative and config.rollout.mode == "sparse"):
+        return None
+    return with_rollout_mode("speculative", engine, _draft_planner(config, decode))
+
+
+def _draft_planner(config: SparrowConfig, decode):
+    """The speculative planner of ``control.speculative`` on the decode cost model ``decode``."""
     r, s = config.rollout, config.sparsity
-    planner = None
-    if r.mode == "speculative":
-        batch = min(r.max_batch_size, config.grpo.prompts_per_step * config.grpo.samples_per_prompt)
-        candidates = config.control.calibration.candidate_budgets
-        planner = speculative_planner(
-            config.control.speculative, decode, s.bin_tokens, s.page_size, candidates, batch
-        )
-    return with_rollout_mode(r.mode, engine, planner)
+    batch = min(r.max_batch_size, config.grpo.prompts_per_step * config.grpo.samples_per_prompt)
+    candidates = config.control.calibration.candidate_budgets
+    return speculative_planner(
+        config.control.speculative, decode, s.bin_tokens, s.page_size, candidates, batch
+    )
 
 
 def controller(

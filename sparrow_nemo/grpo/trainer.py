@@ -62,6 +62,7 @@ from sparrow_nemo.grpo.step_batch import LocalRollout, StepBatch, generate, meas
 from sparrow_nemo.grpo.timing import PhaseTimer
 from sparrow_nemo.grpo.update import UpdateBatch, UpdateResult, mini_batch_order, update_policy
 from sparrow_nemo.policy.packing import concat_outputs, micro_batches
+from sparrow_nemo.rollout.engine import RolloutEngine
 from sparrow_nemo.rollout.tools.cost_fit import COST_HARDWARE_FILE, rollout_cost_model
 from sparrow_nemo.run_io.metric_names import repeat_tag
 from sparrow_nemo.run_io.metrics import MetricsWriter, merge_metrics
@@ -138,6 +139,7 @@ class GrpoTrainer:
             else None
         )
         self.rollout_engine = setup.rollout_mode_engine(config, engine, self.cost_model)
+        self.speculative_engine = setup.speculative_evaluation_engine(config, engine, self.cost_model)
         self.lockstep = setup.lockstep_group(engine)  # the ranks a stop inside the rollout is agreed with
         self.sampling = setup.sampling_params(config)
         schedule = config.sparsity.build_schedule()
@@ -267,9 +269,16 @@ class GrpoTrainer:
                     metrics["timing/step"],
                 )
         self._stop_if_signalled()  # a stop during the last step: the next attempt only evaluates
-        schedules = {"end": self.schedule, "end_dense": self._dense_schedule()}
-        for tag, pair in end_evaluation_order(cfg.evaluation.speed_pairs):
-            self._evaluate(repeat_tag(tag, pair), schedules[tag])
+        schedules = {
+            "end": self.schedule,
+            "end_dense": self._dense_schedule(),
+            "end_speculative": self.schedule,
+        }
+        for tag, pair in end_evaluation_order(
+            cfg.evaluation.speed_pairs, self.speculative_engine is not None
+        ):
+            engine = self.speculative_engine if tag == "end_speculative" else self.rollout_engine
+            self._evaluate(repeat_tag(tag, pair), schedules[tag], engine)
         if cfg.checkpoint.enabled and self._saved_step() != self.state.step:
             self.save_checkpoint()
         if cfg.checkpoint.save_hf:  # the final policy as an HF folder, <run_dir>/hf (collective)
@@ -484,15 +493,15 @@ class GrpoTrainer:
             self.calibration_prompts(), self.sampling, self.config.distill.seed, self.config.sparsity.quantile
         )
 
-    def _evaluate(self, tag: str, schedule: BudgetSchedule) -> None:
-        """Sample the held-out prompts once each under ``schedule``, split over every engine; stored in the
-        state and passed to the callbacks' ``on_validation_end``. Skipped (on every rank alike) when the prompt
-        source has no held-out set: file data without ``data.val_path``."""
+    def _evaluate(self, tag: str, schedule: BudgetSchedule, engine: RolloutEngine | None = None) -> None:
+        """Sample the held-out prompts once each under ``schedule`` with ``engine`` (default the rollout's), split
+        over every engine; stored in the state and passed to the callbacks' ``on_validation_end``. Skipped (on
+        every rank alike) when the prompt source has no held-out set: file data without ``data.val_path``."""
         items = self.prompts.eval_batch(self.config.evaluation.num_prompts)
         if not items:
             return
         tally = evaluate(
-            self.rollout_engine,
+            engine or self.rollout_engine,
             self.prompts,
             items,
             self.plan.eval_share(len(items)),

@@ -44,13 +44,16 @@ def timing_per_phase(history: Sequence[dict[str, Any]]) -> dict[str, float]:
     return {phase: sum(v) / len(v) for phase, v in values.items()}
 
 
-def pooled_speedup(evals: dict[str, dict[str, Any]], rate: str) -> tuple[float | None, list[float]]:
-    """The end schedule's speedup over dense from the end-of-run evaluation pairs (``end`` / ``end_dense`` and
-    their ``_repeat_<i>`` timing repeats): the ratio of the two schedules' ``rate`` (``tokens_per_s`` or
-    ``decode_tokens_per_s``) pooled over the pairs (their tokens summed over their seconds summed), and each
-    pair's own ratio. ``(None, [])`` without a pair, or when a rate of one is missing or not positive."""
+def pooled_speedup(
+    evals: dict[str, dict[str, Any]], rate: str, arm: str = "end"
+) -> tuple[float | None, list[float]]:
+    """The end-of-run evaluation ``arm``'s speedup over dense (``end``: the final schedule, ``end_speculative``:
+    it as speculative drafts) from the pairs (``arm`` / ``end_dense`` and their ``_repeat_<i>`` timing repeats):
+    the ratio of the two's ``rate`` (``tokens_per_s`` or ``decode_tokens_per_s``) pooled over the pairs (their
+    tokens summed over their seconds summed), and each pair's own ratio. ``(None, [])`` without a pair, or when
+    a rate of one is missing or not positive."""
     found = []
-    while (sparse := evals.get(repeat_tag("end", len(found)))) and (
+    while (sparse := evals.get(repeat_tag(arm, len(found)))) and (
         dense := evals.get(repeat_tag("end_dense", len(found)))
     ):
         if not (sparse.get(rate, 0) > 0 and dense.get(rate, 0) > 0):
@@ -119,6 +122,10 @@ def build_summary(
         decode, _ = pooled_speedup(evals, "decode_tokens_per_s")  # absent before 12/2026
         if decode is not None:
             summary["measured_decode_speedup"] = decode
+    lossless, lossless_pairs = pooled_speedup(evals, "tokens_per_s", "end_speculative")
+    if lossless is not None:  # evaluation.speculative: the same prompts drafted sparse, verified dense
+        summary["measured_speculative_speedup"] = lossless
+        summary["measured_speculative_speedup_pairs"] = lossless_pairs
     speculative = {
         name: _mean([row.get(f"spec/{name}") for row in steps])
         for name in (
@@ -187,6 +194,15 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"decode only {_fmt(summary.get('measured_decode_speedup'), '.2f')}x, prefill is dense in every "
             "schedule)"
         )
+        if summary.get("measured_speculative_speedup") is not None:
+            accuracy = (summary["evals"].get("end_speculative") or {}).get("accuracy")
+            lines.append(
+                f"lossless speculative rollout (the final schedule drafts, dense verifies) vs dense: measured "
+                f"{summary['measured_speculative_speedup']:.2f}x (pairs: "
+                + ", ".join(f"{p:.2f}x" for p in summary["measured_speculative_speedup_pairs"])
+                + f"); held-out accuracy {_fmt(accuracy)} (dense's "
+                f"{_fmt(summary['accuracy_end_dense'])}: the same distribution, other draws)"
+            )
     else:
         lines.append(
             f"speculative rollout (lossless): accept rate {_fmt(spec['accept_rate'])}, "

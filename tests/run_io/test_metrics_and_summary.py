@@ -197,6 +197,45 @@ def test_end_evaluations_alternate_abba() -> None:
     ]
 
 
+def _state(evals: dict, schedule: BudgetSchedule) -> SimpleNamespace:
+    """What build_summary reads of a TrainerState."""
+    return SimpleNamespace(step=1, evals=evals, initial_schedule=None, schedule=schedule)
+
+
+def test_the_speculative_arm_joins_each_pair_and_is_pooled_against_dense() -> None:
+    assert end_evaluation_order(2, speculative=True) == [
+        ("end", 0),
+        ("end_dense", 0),
+        ("end_speculative", 0),
+        ("end_speculative", 1),
+        ("end_dense", 1),
+        ("end", 1),
+    ]
+    evals = {
+        "end": _eval(1000, 10.0, 8.0),
+        "end_dense": _eval(800, 16.0, 15.0),
+        "end_speculative": _eval(800, 8.0, 7.0),
+        "end_speculative_repeat_1": _eval(800, 10.0, 9.0),
+        "end_dense_repeat_1": _eval(800, 20.0, 19.0),
+        "end_repeat_1": _eval(1000, 6.0, 5.0),
+    }
+    lossless, pairs = pooled_speedup(evals, "tokens_per_s", "end_speculative")
+    assert lossless == pytest.approx((1600 / 18.0) / (1600 / 36.0)) and pairs == pytest.approx([2.0, 2.0])
+    dense = BudgetSchedule.dense(256, 16)
+    summary = build_summary(_state(evals, dense), [], load_config("tiny_cpu").sparsity)
+    assert summary["measured_speculative_speedup"] == pytest.approx(2.0)
+    assert summary["measured_rollout_speedup"] == pytest.approx((2000 / 16.0) / (1600 / 36.0))
+    text = format_summary(summary)
+    assert (
+        "lossless speculative rollout (the final schedule drafts, dense verifies) vs dense: measured 2.00x"
+        in text
+    )
+    # without the arm (evaluation.speculative off) the summary has no such key and no such line
+    plain_evals = {k: v for k, v in evals.items() if "speculative" not in k}
+    plain = build_summary(_state(plain_evals, dense), [], load_config("tiny_cpu").sparsity)
+    assert "measured_speculative_speedup" not in plain and "lossless" not in format_summary(plain)
+
+
 def test_tail_per_bin_summary_and_plots(tmp_path: Path) -> None:
     history = [
         {
