@@ -41,7 +41,7 @@ class EvaluationConfig(Section):
     )
     speculative: bool = knob(
         False,
-        "end of run, rollout.mode=sparse with the torch engine: the final schedule also decodes in the lossless "
+        "end of run, rollout.mode=sparse with the torch engine (else ignored): the final schedule also decodes in the lossless "
         "speculative mode (sparse drafts, dense verifies) in every timing pair; the summary reports that speedup "
         "over dense beside the sparse one, on the same held-out prompts",
         hashed=False,

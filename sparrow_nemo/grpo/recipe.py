@@ -312,11 +312,6 @@ class SparrowConfig(Section):
                 f"a divisor of policy.tensor_model_parallel_size={policy.tensor_model_parallel_size} "
                 "(an engine spans tensor-parallel ranks of one policy replica)",
             )
-        if self.evaluation.speculative and self.rollout.backend != "torch":
-            raise self.invalid(
-                "evaluation.speculative",
-                "false with rollout.backend=trtllm (speculative decoding is the torch engine's)",
-            )
         if self.rollout.backend == "trtllm" and self.trainer.device == "cpu":
             raise self.invalid("rollout.backend", "torch when trainer.device=cpu (TensorRT-LLM needs CUDA)")
         if self.distill.enabled and self.sparsity.build_schedule().is_dense:

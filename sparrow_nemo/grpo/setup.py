@@ -184,8 +184,10 @@ def rollout_mode_engine(config: SparrowConfig, engine, decode) -> Any:
 
 def speculative_evaluation_engine(config: SparrowConfig, engine, decode) -> Any:
     """``engine`` in the lossless speculative mode for the end-of-run evaluation (``evaluation.speculative``), or
-    None when that is off or the run's own rollouts already are speculative or dense."""
-    if not (config.evaluation.speculative and config.rollout.mode == "sparse"):
+    None when that is off, the run's own rollouts already are speculative or dense, or the engine is not the
+    torch engine (speculative decoding is its own)."""
+    r = config.rollout
+    if not (config.evaluation.speculative and r.mode == "sparse" and r.backend == "torch"):
         return None
     return with_rollout_mode("speculative", engine, _draft_planner(config, decode))
 

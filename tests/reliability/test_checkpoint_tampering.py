@@ -173,7 +173,10 @@ TAMPERED = {
         "'pending_row' must be null or the row of step 1",
     ),
     "schedule garbage": (_edit_state(lambda p: p["trainer"].update(schedule="dense")), "'schedule'"),
-    "a weights-only list as the RNG file": (_weights_only_list, "TypeError"),
+    "a weights-only list as the RNG file": (
+        _weights_only_list,
+        "expected {'rng': {'torch': a 1-d uint8 RNG state",
+    ),
     "a pickle as the sharded checkpoint's metadata": (
         _pickle_as(METADATA),
         "holds more than checkpoint metadata",
